@@ -5,6 +5,7 @@ needs no server, artifacts under ./var/artifacts, DEBUG on with a throwaway key.
 """
 
 import os
+import tempfile
 from pathlib import Path
 
 import dj_database_url
@@ -37,6 +38,9 @@ def envlist(name: str, default: str = "") -> list[str]:
 
 
 DATA_DIR = Path(os.getenv("RELEASEGATE_DATA_DIR", BASE_DIR / "var"))
+if not (os.getenv("DATABASE_URL") and os.getenv("CELERY_BROKER_URL")):
+    # The embedded defaults keep their SQLite files here; SQLite won't create folders.
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
 DEBUG = envbool("DEBUG", "True")
 
 SECRET_KEY = os.getenv("SECRET_KEY", "")
@@ -55,6 +59,12 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "ninja",  # serves the API docs' assets locally (no CDN)
+    "controlplane.accounts",
+    "controlplane.fleet",
+    "controlplane.releases",
+    "controlplane.audit",
+    "controlplane.dashboard",
 ]
 
 MIDDLEWARE = [
@@ -91,6 +101,28 @@ DATABASES = {
         conn_max_age=envint("DB_CONN_MAX_AGE", "0"),
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The embedded default has a web server and a worker writing one file: WAL lets
+    # readers run beside the writer, IMMEDIATE takes the write lock when a transaction
+    # starts (so select_for_update's no-op on SQLite still serializes transitions),
+    # and a long timeout waits for the lock instead of failing.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "timeout": envint("SQLITE_TIMEOUT_S", "30"),
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+        }
+    )
+    # Tests use a file, not ":memory:", so a real worker process can open the test
+    # database; one file per test process so concurrent test runs don't collide.
+    DATABASES["default"]["TEST"] = {
+        "NAME": os.getenv(
+            "SQLITE_TEST_NAME",
+            str(
+                Path(tempfile.gettempdir()) / f"releasegate-test-{os.getpid()}.sqlite3"
+            ),
+        )
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -109,6 +141,7 @@ ARTIFACT_ROOT = Path(os.getenv("ARTIFACT_ROOT", DATA_DIR / "artifacts"))
 
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
 
 # Celery: embedded transport by default (no server); Redis in production and CI.
 CELERY_BROKER_URL = os.getenv(
@@ -124,6 +157,13 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", "False")
+# Periodic re-verification of live artifacts, run by `celery -A controlplane beat`.
+CELERY_BEAT_SCHEDULE = {
+    "reverify-live-deployments": {
+        "task": "controlplane.releases.reverify_live_deployments",
+        "schedule": float(envint("REVERIFY_INTERVAL_S", "3600")),
+    }
+}
 
 # Production hardening; active whenever DEBUG is off.
 SESSION_COOKIE_SECURE = not DEBUG

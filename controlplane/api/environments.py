@@ -1,0 +1,70 @@
+from django.http import HttpRequest, HttpResponse
+from ninja import Query, Router, Status
+
+from controlplane.api.auth import read_auth, token_auth
+from controlplane.api.releases import release_url
+from controlplane.api.schemas import (
+    READ_ERRORS,
+    WRITE_ERRORS,
+    EnvironmentOut,
+    ObjectId,
+    Page,
+    PageParams,
+    RollbackOut,
+)
+from controlplane.api.scoping import environments, get_environment, principal_of
+from controlplane.fleet.models import Environment
+from controlplane.releases.actions import do_rollback_environment
+
+router = Router(tags=["environments"])
+
+
+def environment_dict(environment: Environment) -> dict:
+    live = environment.live_deployment
+    return {
+        **environment.to_dict(),
+        "live_release_id": live.release_id if live else None,
+    }
+
+
+@router.get(
+    "/environments",
+    auth=read_auth(),
+    response={200: Page[EnvironmentOut], **READ_ERRORS},
+    summary="List the team's environments and what is live in each",
+)
+def list_environments(request: HttpRequest, params: Query[PageParams]) -> dict:
+    queryset = environments(principal_of(request))
+    window = queryset[params.offset : params.offset + params.limit]
+    return {
+        "items": [environment_dict(env) for env in window],
+        "count": queryset.count(),
+        "limit": params.limit,
+        "offset": params.offset,
+    }
+
+
+@router.post(
+    "/environments/{environment_id}/rollback",
+    auth=token_auth("promote"),
+    response={202: RollbackOut, **WRITE_ERRORS},
+    summary="Roll an environment back to its previous verified release",
+    description="Needs the promote scope and the approver or admin role. The release "
+    "that is live (or failed verification) is replaced by the newest superseded "
+    "release that went live before it; 409 when there is none. `status_url` is the "
+    "target release.",
+)
+def rollback_environment(
+    request: HttpRequest, environment_id: ObjectId, response: HttpResponse
+) -> Status:
+    principal = principal_of(request)
+    environment = get_environment(principal, environment_id)
+    deployment = do_rollback_environment(environment, principal.token)
+    status_url = release_url(request, deployment.release_id)
+    response["Location"] = status_url
+    body = {
+        "environment": environment_dict(environment),
+        "deployment": deployment.to_dict(),
+        "status_url": status_url,
+    }
+    return Status(202, body)

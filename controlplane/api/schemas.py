@@ -1,0 +1,286 @@
+"""Request and response schemas of the REST API (pydantic v2 through django-ninja).
+
+Request bodies forbid unknown keys, so a typo is a 422 naming the key rather than a
+silently ignored field (and a different registration digest). Responses mirror the
+models' `to_dict()`; views return those dicts and ninja validates them here, which is
+also what the OpenAPI document shows.
+"""
+
+from datetime import datetime
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from ninja import Field, Schema
+from pydantic import AwareDatetime, ConfigDict, field_validator
+
+from controlplane.accounts.models import API_SCOPES
+from controlplane.fleet.models import DEPLOYMENT_STATES
+from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
+from gpuagent.protocol import Recipe
+
+ReleaseState = Literal[RELEASE_STATES]  # type: ignore[valid-type]
+DeploymentState = Literal[DEPLOYMENT_STATES]  # type: ignore[valid-type]
+JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
+GateOutcome = Literal[GATE_OUTCOMES]  # type: ignore[valid-type]
+Scope = Literal[API_SCOPES]  # type: ignore[valid-type]
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]*$"  # semver build metadata too
+
+# A primary key as the client may send it: bounded, so an absurd id is a 422 instead
+# of a database overflow (bigint on PostgreSQL, INTEGER on SQLite).
+ObjectId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+
+T = TypeVar("T")
+
+
+class ClientInput(Schema):
+    """Anything a client sends: strings must be storable and comparable everywhere
+    (PostgreSQL text cannot hold NUL, and would answer a 500)."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+
+
+class RequestBody(ClientInput):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+class FieldError(Schema):
+    field: str = Field(description="dotted path of the input, e.g. recipe.weights")
+    message: str
+    type: str
+    # Where the input was: body, query or path (absent for action-level errors).
+    location: str | None = None
+
+
+class ErrorDetail(Schema):
+    model_config = ConfigDict(extra="allow")
+
+    code: str = Field(description="stable machine-readable slug")
+    message: str
+    fields: list[FieldError] | None = None
+    scope: Scope | None = Field(None, description="the scope a 403 says is missing")
+
+
+class ErrorOut(Schema):
+    error: ErrorDetail
+
+
+# -- pagination -----------------------------------------------------------------------
+
+
+class PageParams(ClientInput):
+    limit: int = Field(50, ge=1, le=200)
+    offset: int = Field(0, ge=0)
+
+
+class Page(Schema, Generic[T]):
+    items: list[T]
+    count: int = Field(description="matching objects in all pages")
+    limit: int
+    offset: int
+
+
+# -- model families -------------------------------------------------------------------
+
+
+class ModelFamilyIn(RequestBody):
+    name: str = Field(min_length=1, max_length=100, pattern=NAME_PATTERN)
+    description: str = Field("", max_length=5000)
+
+
+class ModelFamilyOut(Schema):
+    id: int
+    team: str
+    name: str
+    description: str
+    created: datetime
+
+
+# -- releases -------------------------------------------------------------------------
+
+
+class ReleaseIn(RequestBody):
+    model: str = Field(
+        min_length=1, max_length=100, description="name of a model family"
+    )
+    version: str = Field(min_length=1, max_length=100, pattern=VERSION_PATTERN)
+    source_uri: str = Field(min_length=1, max_length=1000)
+    recipe: Recipe
+    target_environment: str = Field(
+        min_length=1, max_length=50, description="name of an environment of the team"
+    )
+    parent: ObjectId | None = Field(
+        None, description="id of the uncompressed parent release, if any"
+    )
+
+
+class ReleaseFilters(PageParams):
+    model: str | None = Field(None, description="model family name")
+    version: str | None = None
+    state: ReleaseState | None = None
+    environment: str | None = Field(None, description="target environment name")
+
+
+class ArtifactOut(Schema):
+    path: str
+    size_bytes: int
+    digest: str
+
+
+class JobOut(Schema):
+    id: int
+    kind: str
+    state: JobState
+    agent: str | None
+    progress: float
+    attempts: int
+    started: datetime | None
+    finished: datetime | None
+    duration_s: float | None
+    result: dict[str, Any]
+    error: str
+
+
+class GateResultOut(Schema):
+    gate: str
+    metric: str
+    observed: float | None
+    threshold: float | None
+    outcome: GateOutcome
+    reason: str
+    created: datetime
+
+
+class ApprovalOut(Schema):
+    user: str
+    via_token: str | None
+    decision: Literal["approve", "reject"]
+    comment: str
+    manifest_digest: str
+    created: datetime
+
+
+class DeploymentOut(Schema):
+    id: int
+    release_id: int
+    release: str
+    environment: str
+    agent: str | None
+    state: DeploymentState
+    endpoint: str
+    started: datetime
+    ended: datetime | None
+
+
+class ReleaseOut(Schema):
+    id: int
+    team: str
+    model: str
+    version: str
+    source_uri: str
+    recipe: dict[str, Any]
+    target_environment: str
+    state: ReleaseState
+    failure_reason: str
+    manifest_digest: str
+    parent_id: int | None
+    created_by: str
+    created: datetime
+    updated: datetime
+
+
+class ReleaseDetailOut(ReleaseOut):
+    signature: str
+    artifacts: list[ArtifactOut]
+    jobs: list[JobOut]
+    gate_results: list[GateResultOut]
+    approvals: list[ApprovalOut]
+    deployments: list[DeploymentOut]
+
+
+class PromotionOut(Schema):
+    release: ReleaseOut
+    status_url: str = Field(description="poll this (GET) for state, jobs and gates")
+
+
+class ApproveIn(RequestBody):
+    manifest_digest: str = Field(
+        min_length=1,
+        max_length=200,
+        description="the manifest digest the approver reviewed; must be the current",
+    )
+    comment: str = Field("", max_length=5000)
+
+
+class RejectIn(RequestBody):
+    comment: str = Field(min_length=1, max_length=5000, description="why")
+    manifest_digest: str | None = Field(
+        None, max_length=200, description="if given, must be the current digest"
+    )
+
+
+class DecisionOut(Schema):
+    release: ReleaseOut
+    approval: ApprovalOut
+
+
+# -- environments and deployments -----------------------------------------------------
+
+
+class EnvironmentOut(Schema):
+    id: int
+    team: str
+    name: str
+    live_release_id: int | None
+
+
+class RollbackOut(Schema):
+    environment: EnvironmentOut
+    deployment: DeploymentOut
+    status_url: str
+
+
+class DeploymentFilters(PageParams):
+    environment: str | None = Field(None, description="environment name")
+    release: ObjectId | None = Field(None, description="release id")
+    state: DeploymentState | None = None
+
+
+# -- audit log ------------------------------------------------------------------------
+
+
+class AuditEventOut(Schema):
+    id: int
+    team: str | None
+    actor: str
+    verb: str
+    object_type: str
+    object_id: str
+    before: dict[str, Any]
+    after: dict[str, Any]
+    created: datetime
+
+
+class AuditFilters(PageParams):
+    verb: str | None = Field(None, description="exact verb, e.g. release.transition")
+    object_type: str | None = Field(None, description="e.g. release, deployment")
+    object_id: str | None = None
+    actor: str | None = Field(None, description="substring of the actor name")
+    # With a UTC offset ("2026-12-01T00:00:00Z"): a naive time would be ambiguous.
+    since: AwareDatetime | None = None
+    until: AwareDatetime | None = None
+
+
+# Error responses documented on every operation (the bodies come from api/errors.py).
+READ_ERRORS: dict[int, type[Schema]] = {c: ErrorOut for c in (401, 403, 404, 422)}
+WRITE_ERRORS: dict[int, type[Schema]] = {
+    c: ErrorOut for c in (400, 401, 403, 404, 409, 422)
+}

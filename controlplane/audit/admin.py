@@ -1,0 +1,19 @@
+from django.contrib import admin
+
+from controlplane.audit.models import AuditEvent
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(admin.ModelAdmin):
+    list_display = ("created", "actor_name", "verb", "object_type", "object_id")
+    list_filter = ("verb", "object_type", "team")
+    search_fields = ("actor_name", "object_id")
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

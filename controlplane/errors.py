@@ -1,0 +1,66 @@
+"""Typed errors raised by actions; each carries an http-ish `code` that the API and the
+dashboard map to a 4xx response without knowing which action raised it."""
+
+
+class ControlPlaneError(Exception):
+    code: int = 400
+    slug: str = "bad_request"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def to_dict(self) -> dict:
+        body = {"error": self.slug, "detail": self.message}
+        if self.field:
+            body["field"] = self.field
+        return body
+
+
+class ValidationFailed(ControlPlaneError):
+    code = 422
+    slug = "validation_failed"
+
+
+class Forbidden(ControlPlaneError):
+    code = 403
+    slug = "forbidden"
+
+
+class SeparationOfDuties(Forbidden):
+    slug = "separation_of_duties"
+
+
+class NotFound(ControlPlaneError):
+    code = 404
+    slug = "not_found"
+
+
+class Conflict(ControlPlaneError):
+    code = 409
+    slug = "conflict"
+
+
+class IllegalTransition(Conflict):
+    slug = "illegal_transition"
+
+    def __init__(
+        self, from_state: str, to_state: str, legal_targets: tuple[str, ...]
+    ) -> None:
+        targets = ", ".join(legal_targets) or "none"
+        super().__init__(
+            f"illegal release transition {from_state} -> {to_state}; "
+            f"legal targets from {from_state}: {targets}"
+        )
+        self.from_state = from_state
+        self.to_state = to_state
+        self.legal_targets = legal_targets
+
+
+class ConflictingRegistration(Conflict):
+    slug = "conflicting_registration"
+
+
+class DigestMismatch(Conflict):
+    slug = "manifest_digest_mismatch"

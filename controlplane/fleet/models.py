@@ -1,0 +1,113 @@
+from django.db import models
+from django.utils import timezone
+
+AGENT_STATES = ("online", "offline", "draining")
+DEPLOYMENT_STATES = (
+    "deploying",
+    "live",
+    "superseded",
+    "failed",
+    "failed_verification",
+    "rolled_back",
+)
+
+
+def _iso(value):
+    return value.isoformat() if value else None
+
+
+class Environment(models.Model):
+    team = models.ForeignKey(
+        "accounts.Team", models.CASCADE, related_name="environments"
+    )
+    name = models.SlugField(max_length=50)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["team", "name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["team", "name"], name="unique_environment_per_team"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.team.slug}/{self.name}"
+
+    @property
+    def live_deployment(self) -> "Deployment | None":
+        return (
+            self.deployments.filter(state__in=("live", "failed_verification"))
+            .order_by("-started")
+            .first()
+        )
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "team": self.team.slug, "name": self.name}
+
+
+class Agent(models.Model):
+    STATE_CHOICES = [(s, s) for s in AGENT_STATES]
+
+    name = models.CharField(max_length=100, unique=True)
+    queue = models.CharField(max_length=100)
+    gpu_model = models.CharField(max_length=100, blank=True)
+    gpu_memory_bytes = models.BigIntegerField(default=0)
+    capabilities = models.JSONField(default=dict, blank=True)
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+    state = models.CharField(max_length=20, choices=STATE_CHOICES, default="offline")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "queue": self.queue,
+            "gpu_model": self.gpu_model,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "capabilities": self.capabilities,
+            "last_heartbeat": _iso(self.last_heartbeat),
+            "state": self.state,
+        }
+
+
+class Deployment(models.Model):
+    STATE_CHOICES = [(s, s) for s in DEPLOYMENT_STATES]
+
+    release = models.ForeignKey(
+        "releases.Release", models.CASCADE, related_name="deployments"
+    )
+    environment = models.ForeignKey(
+        Environment, models.CASCADE, related_name="deployments"
+    )
+    agent = models.ForeignKey(
+        Agent, models.SET_NULL, null=True, blank=True, related_name="deployments"
+    )
+    state = models.CharField(max_length=30, choices=STATE_CHOICES, default="deploying")
+    endpoint = models.CharField(max_length=300, blank=True)
+    started = models.DateTimeField(default=timezone.now)
+    ended = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.release} in {self.environment} ({self.state})"
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "release_id": self.release_id,
+            "release": str(self.release),
+            "environment": self.environment.name,
+            "agent": self.agent.name if self.agent else None,
+            "state": self.state,
+            "endpoint": self.endpoint,
+            "started": _iso(self.started),
+            "ended": _iso(self.ended),
+        }

@@ -1,0 +1,697 @@
+"""Every write to releases, jobs, gate results, approvals and deployments.
+
+The release state machine lives here and only here: TRANSITIONS lists, for each state,
+the states a release may move to. `do_transition_release` is the only code that
+changes `Release.state`; it locks the row, checks the table, saves and writes an
+AuditEvent in one transaction, so an illegal or failed transition changes nothing.
+
+    registered        -> verifying, failed, rejected
+    verifying         -> compressing, failed, failed_verification
+    compressing       -> evaluating, failed
+    evaluating        -> gated, failed
+    gated             -> awaiting_approval, failed, rejected
+                         (an inconclusive gate stays in gated: the pipeline pauses)
+    awaiting_approval -> approved, rejected, failed
+    approved          -> deploying, failed
+    deploying         -> live, failed, failed_verification (verify-on-load failed)
+    live              -> superseded (a newer release went live), failed_verification
+                         (periodic re-verification), rolled_back (operator rollback)
+    superseded        -> deploying (rollback target; it stayed warm), quarantined
+                         (its warm copy failed re-verification)
+    rejected          -> registered (reopened for another review)
+    failed            -> registered (retry the pipeline)
+    failed_verification -> quarantined (digest untrusted), rolled_back
+    quarantined       -> registered (rebuild from source: a new candidate and digest)
+    rolled_back       -> deploying (roll forward again; verify-on-load re-checks the
+                         bytes), quarantined
+
+No state is a dead end: every state has a way out, and every state is reachable from
+registered (both are checked by tests over this table).
+"""
+
+import hashlib
+import json
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from pydantic import ValidationError
+
+from controlplane.accounts.actions import check_actor_in_team, user_of
+from controlplane.accounts.models import ApiToken, Team
+from controlplane.audit.actions import Actor, do_record_event
+from controlplane.errors import (
+    Conflict,
+    ConflictingRegistration,
+    DigestMismatch,
+    Forbidden,
+    IllegalTransition,
+    SeparationOfDuties,
+    ValidationFailed,
+)
+from controlplane.fleet.models import Agent, Deployment, Environment
+from controlplane.releases.models import (
+    GATE_OUTCOMES,
+    JOB_STATES,
+    RELEASE_STATES,
+    Approval,
+    Artifact,
+    GateResult,
+    Job,
+    ModelFamily,
+    Release,
+)
+from gpuagent.protocol import JOB_KINDS, FileDigest, Recipe
+
+TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "registered": ("verifying", "failed", "rejected"),
+    "verifying": ("compressing", "failed", "failed_verification"),
+    "compressing": ("evaluating", "failed"),
+    "evaluating": ("gated", "failed"),
+    "gated": ("awaiting_approval", "failed", "rejected"),
+    "awaiting_approval": ("approved", "rejected", "failed"),
+    "approved": ("deploying", "failed"),
+    "deploying": ("live", "failed", "failed_verification"),
+    "live": ("superseded", "failed_verification", "rolled_back"),
+    "superseded": ("deploying", "quarantined"),
+    "rejected": ("registered",),
+    "failed": ("registered",),
+    "failed_verification": ("quarantined", "rolled_back"),
+    "quarantined": ("registered",),
+    "rolled_back": ("deploying", "quarantined"),
+}
+# Moving into these states needs a reason; it is kept in Release.failure_reason.
+REASON_REQUIRED = ("failed", "failed_verification", "quarantined")
+# States in which the promotion pipeline owns the release and may (re)start.
+PIPELINE_STATES = ("registered", "verifying", "compressing", "evaluating", "gated")
+
+assert set(TRANSITIONS) == set(RELEASE_STATES)
+assert all(t in RELEASE_STATES for targets in TRANSITIONS.values() for t in targets)
+
+
+def legal_targets(state: str) -> tuple[str, ...]:
+    return TRANSITIONS.get(state, ())
+
+
+def do_transition_release(
+    release: Release, to_state: str, *, actor: Actor, reason: str = ""
+) -> Release:
+    """Move `release` to `to_state` in one transaction with its audit event. Raises
+    IllegalTransition (nothing changed) when the table does not allow it from the
+    state the row has now. Updates and returns the given object."""
+    if to_state not in RELEASE_STATES:
+        raise ValidationFailed(f"unknown release state {to_state!r}", field="state")
+    with transaction.atomic():
+        locked = Release.objects.select_for_update().get(pk=release.pk)
+        from_state = locked.state
+        if to_state not in TRANSITIONS[from_state]:
+            raise IllegalTransition(from_state, to_state, TRANSITIONS[from_state])
+        if to_state in REASON_REQUIRED and not reason:
+            raise ValidationFailed(
+                f"moving a release to {to_state} needs a reason", field="reason"
+            )
+        locked.state = to_state
+        if to_state in REASON_REQUIRED or (to_state == "rejected" and reason):
+            locked.failure_reason = reason
+        elif to_state == "registered":
+            locked.failure_reason = ""
+        locked.save(update_fields=["state", "failure_reason", "updated"])
+        do_record_event(
+            actor,
+            "release.transition",
+            locked,
+            before={"state": from_state},
+            after={"state": to_state, "reason": reason},
+            team=Team.objects.get(model_families__releases=locked),
+        )
+    release.state = locked.state
+    release.failure_reason = locked.failure_reason
+    release.updated = locked.updated
+    return release
+
+
+# -- model families and environments -------------------------------------------------
+
+
+def do_create_model_family(
+    team: Team, name: str, *, actor: Actor, description: str = ""
+) -> ModelFamily:
+    check_actor_in_team(actor, team, scope="register")
+    name = name.strip()
+    if not name:
+        raise ValidationFailed("name must not be empty", field="name")
+    try:
+        with transaction.atomic():
+            family = ModelFamily.objects.create(
+                team=team, name=name, description=description
+            )
+            do_record_event(
+                actor, "model.created", family, after=family.to_dict(), team=team
+            )
+    except IntegrityError as exc:
+        raise Conflict(
+            f"model {name!r} already exists in team {team.slug}", field="name"
+        ) from exc
+    return family
+
+
+def do_create_environment(team: Team, name: str, *, actor: Actor) -> Environment:
+    check_actor_in_team(actor, team, roles=("admin",))
+    try:
+        with transaction.atomic():
+            environment = Environment.objects.create(team=team, name=name)
+            do_record_event(
+                actor,
+                "environment.created",
+                environment,
+                after=environment.to_dict(),
+                team=team,
+            )
+    except IntegrityError as exc:
+        raise Conflict(
+            f"environment {name!r} already exists in team {team.slug}", field="name"
+        ) from exc
+    return environment
+
+
+# -- registration ---------------------------------------------------------------------
+
+
+def registration_body_digest(
+    family: ModelFamily,
+    *,
+    version: str,
+    source_uri: str,
+    recipe: dict,
+    target_environment: Environment,
+    parent: Release | None,
+) -> str:
+    body = {
+        "model": family.name,
+        "version": version,
+        "source_uri": source_uri,
+        "recipe": recipe,
+        "target_environment": target_environment.name,
+        "parent": parent.pk if parent else None,
+    }
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _validated_recipe(recipe: dict) -> dict:
+    try:
+        return Recipe.model_validate(recipe).model_dump()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValidationFailed(
+            f"recipe.{where}: {first['msg']}", field=f"recipe.{where}"
+        ) from exc
+
+
+def do_register_release(
+    model_family: ModelFamily,
+    *,
+    version: str,
+    source_uri: str,
+    recipe: dict,
+    target_environment: Environment,
+    actor: Actor,
+    parent: Release | None = None,
+) -> tuple[Release, bool]:
+    """Register a release; returns (release, created). Registering the same body
+    again returns the existing release with created=False; a different body for the
+    same model and version raises ConflictingRegistration."""
+    team = model_family.team
+    check_actor_in_team(actor, team, scope="register")
+    version = version.strip()
+    if not version or len(version) > 100:
+        raise ValidationFailed("version must be 1..100 characters", field="version")
+    if not source_uri.strip():
+        raise ValidationFailed("source_uri must not be empty", field="source_uri")
+    if target_environment.team_id != team.id:
+        raise ValidationFailed(
+            f"environment {target_environment.name!r} is not in team {team.slug}",
+            field="target_environment",
+        )
+    if parent is not None and parent.model.team_id != team.id:
+        raise ValidationFailed("parent release is in another team", field="parent")
+    recipe = _validated_recipe(recipe)
+    digest = registration_body_digest(
+        model_family,
+        version=version,
+        source_uri=source_uri,
+        recipe=recipe,
+        target_environment=target_environment,
+        parent=parent,
+    )
+
+    def existing_or_conflict(existing: Release) -> tuple[Release, bool]:
+        if existing.registration_body_digest != digest:
+            raise ConflictingRegistration(
+                f"{model_family.name}@{version} is already registered with a "
+                "different body"
+            )
+        return existing, False
+
+    existing = Release.objects.filter(model=model_family, version=version).first()
+    if existing is not None:
+        return existing_or_conflict(existing)
+    try:
+        with transaction.atomic():
+            release = Release.objects.create(
+                model=model_family,
+                version=version,
+                source_uri=source_uri,
+                recipe=recipe,
+                target_environment=target_environment,
+                parent=parent,
+                created_by=user_of(actor),
+                created_by_token=actor if isinstance(actor, ApiToken) else None,
+                registration_body_digest=digest,
+            )
+            do_record_event(
+                actor, "release.registered", release, after=release.to_dict(), team=team
+            )
+    except IntegrityError:
+        # A concurrent registration of the same model+version won the race.
+        return existing_or_conflict(
+            Release.objects.get(model=model_family, version=version)
+        )
+    return release, True
+
+
+# -- promotion, approval, deployment --------------------------------------------------
+
+
+def do_request_promotion(release: Release, actor: Actor) -> Release:
+    """Queue the promotion pipeline for `release` once this transaction commits. A
+    failed release is moved back to registered first (a retry); a release already in
+    the pipeline is queued again, which is harmless because the task is idempotent."""
+    check_actor_in_team(actor, release.team, scope="promote")
+    with transaction.atomic():
+        release.refresh_from_db(fields=["state"])
+        if release.state == "failed":
+            do_transition_release(
+                release, "registered", actor=actor, reason="promotion retried"
+            )
+        if release.state not in PIPELINE_STATES:
+            raise Conflict(
+                f"release {release} is {release.state}; only a release in "
+                f"{', '.join(PIPELINE_STATES)} or failed can be promoted"
+            )
+        do_record_event(
+            actor,
+            "release.promotion_requested",
+            release,
+            after={"state": release.state},
+            team=release.team,
+        )
+        release_id = release.pk
+        transaction.on_commit(lambda: _queue("run_promotion", release_id))
+    return release
+
+
+def _queue(task_name: str, *args) -> None:
+    # Imported late: tasks import this module.
+    from controlplane.releases import tasks
+
+    getattr(tasks, task_name).delay(*args)
+
+
+def check_approve_release(
+    release: Release, user, token: ApiToken | None = None
+) -> None:
+    """Raise unless `user` (acting through `token` when given) may decide on
+    `release`: approver or admin in its team, not the user or token that registered
+    it, and the release waiting for approval."""
+    if token is not None and token.user_id != user.pk:
+        raise Forbidden("token and user do not match")
+    check_actor_in_team(
+        token or user, release.team, scope="approve", roles=("approver", "admin")
+    )
+    if release.created_by_id == user.pk:
+        raise SeparationOfDuties(
+            f"{user.get_username()} registered {release} and cannot also approve it"
+        )
+    if token is not None and release.created_by_token_id == token.pk:
+        raise SeparationOfDuties(
+            f"token {token.name!r} registered {release} and cannot also approve it"
+        )
+    if release.state != "awaiting_approval":
+        raise IllegalTransition(release.state, "approved", legal_targets(release.state))
+
+
+def do_approve_release(
+    release: Release,
+    user,
+    *,
+    token: ApiToken | None = None,
+    comment: str = "",
+    manifest_digest: str | None = None,
+) -> Approval:
+    """Approve; the approval records the manifest digest it is bound to. When the
+    caller says which digest it reviewed (`manifest_digest`), it must be the current
+    one, else DigestMismatch. Queues the deployment on commit."""
+    release.refresh_from_db()
+    check_approve_release(release, user, token)
+    actor = token or user
+    with transaction.atomic():
+        release.refresh_from_db()
+        if manifest_digest is not None and manifest_digest != release.manifest_digest:
+            raise DigestMismatch(
+                f"approval is for manifest {manifest_digest!r} but {release} has "
+                f"{release.manifest_digest!r}",
+                field="manifest_digest",
+            )
+        do_transition_release(release, "approved", actor=actor)
+        approval = Approval.objects.create(
+            release=release,
+            user=user,
+            token=token,
+            decision="approve",
+            comment=comment,
+            manifest_digest=release.manifest_digest,
+        )
+        do_record_event(
+            actor,
+            "release.approved",
+            release,
+            after=approval.to_dict(),
+            team=release.team,
+        )
+        release_id = release.pk
+        transaction.on_commit(lambda: _queue("run_deployment", release_id))
+    return approval
+
+
+def do_reject_release(
+    release: Release, user, *, token: ApiToken | None = None, comment: str = ""
+) -> Approval:
+    if token is not None and token.user_id != user.pk:
+        raise Forbidden("token and user do not match")
+    check_actor_in_team(
+        token or user, release.team, scope="approve", roles=("approver", "admin")
+    )
+    actor = token or user
+    with transaction.atomic():
+        do_transition_release(release, "rejected", actor=actor, reason=comment)
+        approval = Approval.objects.create(
+            release=release,
+            user=user,
+            token=token,
+            decision="reject",
+            comment=comment,
+            manifest_digest=release.manifest_digest,
+        )
+        do_record_event(
+            actor,
+            "release.rejected",
+            release,
+            after=approval.to_dict(),
+            team=release.team,
+        )
+    return approval
+
+
+def do_start_deployment(
+    release: Release,
+    *,
+    actor: Actor,
+    environment: Environment | None = None,
+    agent: Agent | None = None,
+) -> Deployment:
+    """approved/superseded/rolled_back -> deploying, with a Deployment row."""
+    environment = environment or release.target_environment
+    with transaction.atomic():
+        do_transition_release(release, "deploying", actor=actor)
+        deployment = Deployment.objects.create(
+            release=release, environment=environment, agent=agent, state="deploying"
+        )
+        do_record_event(
+            actor,
+            "deployment.started",
+            deployment,
+            after=deployment.to_dict(),
+            team=environment.team,
+        )
+    return deployment
+
+
+def do_complete_deployment(
+    deployment: Deployment, *, actor: Actor, endpoint: str = ""
+) -> Deployment:
+    """deploying -> live; whatever was live in the environment becomes superseded
+    (and stays warm as the rollback target)."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        if deployment.state != "deploying":
+            raise Conflict(f"deployment {deployment.pk} is {deployment.state}")
+        now = timezone.now()
+        previous = (
+            Deployment.objects.select_for_update()
+            .filter(environment=deployment.environment, state="live")
+            .exclude(pk=deployment.pk)
+        )
+        for old in previous:
+            old.state = "superseded"
+            old.ended = now
+            old.save(update_fields=["state", "ended"])
+            if old.release.state == "live":
+                do_transition_release(old.release, "superseded", actor=actor)
+        deployment.state = "live"
+        deployment.endpoint = endpoint or deployment.endpoint
+        deployment.save(update_fields=["state", "endpoint"])
+        do_transition_release(deployment.release, "live", actor=actor)
+        do_record_event(
+            actor,
+            "deployment.live",
+            deployment,
+            before={"state": "deploying"},
+            after=deployment.to_dict(),
+            team=deployment.environment.team,
+        )
+    return deployment
+
+
+def do_fail_deployment(
+    deployment: Deployment, *, actor: Actor, reason: str, verification: bool = False
+) -> Deployment:
+    """Mark a deploying or live deployment failed (or failed_verification when the
+    bytes did not match) and move its release along."""
+    new_state = "failed_verification" if verification else "failed"
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        before = deployment.state
+        if before not in ("deploying", "live"):
+            raise Conflict(f"deployment {deployment.pk} is {before}")
+        deployment.state = new_state
+        if new_state == "failed":
+            deployment.ended = timezone.now()
+        deployment.save(update_fields=["state", "ended"])
+        do_transition_release(deployment.release, new_state, actor=actor, reason=reason)
+        do_record_event(
+            actor,
+            f"deployment.{new_state}",
+            deployment,
+            before={"state": before},
+            after={"state": new_state, "reason": reason},
+            team=deployment.environment.team,
+        )
+    return deployment
+
+
+def previous_verified_deployment(
+    environment: Environment, exclude_release_id: int | None = None
+) -> Deployment | None:
+    """The newest superseded deployment whose release is still superseded: it went
+    live (verified on load) and has not been quarantined since."""
+    return (
+        environment.deployments.filter(state="superseded", release__state="superseded")
+        .exclude(release_id=exclude_release_id)
+        .select_related("release")
+        .order_by("-started", "-id")
+        .first()
+    )
+
+
+def do_rollback_environment(environment: Environment, actor: Actor) -> Deployment:
+    """Replace what is live (or failed verification) in `environment` with its
+    previous verified release. The current release becomes rolled_back, or
+    quarantined when it failed verification. Returns the new deploying Deployment;
+    the deployment task finishes it on commit."""
+    check_actor_in_team(
+        actor, environment.team, scope="promote", roles=("approver", "admin")
+    )
+    with transaction.atomic():
+        current = (
+            Deployment.objects.select_for_update()
+            .filter(environment=environment, state__in=("live", "failed_verification"))
+            .order_by("-started", "-id")
+            .first()
+        )
+        if current is None:
+            raise Conflict(f"nothing is live in {environment} to roll back")
+        target = previous_verified_deployment(environment, current.release_id)
+        if target is None:
+            raise Conflict(f"{environment} has no previous verified release")
+        release = current.release
+        if release.state == "failed_verification":
+            do_transition_release(
+                release,
+                "quarantined",
+                actor=actor,
+                reason=f"rolled back in {environment.name} after failed verification",
+            )
+        else:
+            do_transition_release(release, "rolled_back", actor=actor)
+        before = current.state
+        current.state = "rolled_back"
+        current.ended = timezone.now()
+        current.save(update_fields=["state", "ended"])
+        deployment = do_start_deployment(
+            target.release, actor=actor, environment=environment, agent=target.agent
+        )
+        deployment.endpoint = target.endpoint
+        deployment.save(update_fields=["endpoint"])
+        do_record_event(
+            actor,
+            "environment.rolled_back",
+            environment,
+            before={"release_id": release.pk, "deployment_state": before},
+            after={"release_id": target.release_id, "deployment_id": deployment.pk},
+            team=environment.team,
+        )
+        release_id = target.release_id
+        transaction.on_commit(lambda: _queue("run_deployment", release_id))
+    return deployment
+
+
+# -- jobs, gate results, artifacts ----------------------------------------------------
+
+
+def do_start_job(release: Release, kind: str, *, agent: Agent | None = None) -> Job:
+    """Start a stage's job. A job of the same kind still 'running' (its worker died)
+    is resumed with attempts + 1 instead of adding another row."""
+    if kind not in JOB_KINDS:
+        raise ValidationFailed(f"unknown job kind {kind!r}", field="kind")
+    with transaction.atomic():
+        job = (
+            Job.objects.select_for_update()
+            .filter(release=release, kind=kind, state__in=("queued", "running"))
+            .order_by("-id")
+            .first()
+        )
+        if job is None:
+            job = Job(release=release, kind=kind)
+        job.state = "running"
+        job.agent = agent or job.agent
+        job.attempts += 1
+        job.progress = 0.0
+        job.started = timezone.now()
+        job.finished = None
+        job.error = ""
+        job.save()
+    return job
+
+
+def do_update_job_progress(job: Job, progress: float) -> Job:
+    if not 0.0 <= progress <= 1.0:
+        raise ValidationFailed("progress must be within 0..1", field="progress")
+    Job.objects.filter(pk=job.pk).update(progress=progress)
+    job.progress = progress
+    return job
+
+
+def do_finish_job(job: Job, *, result: dict | None = None, error: str = "") -> Job:
+    """Close a job: succeeded without `error`, failed with it."""
+    state = "failed" if error else "succeeded"
+    assert state in JOB_STATES
+    with transaction.atomic():
+        job.state = state
+        job.finished = timezone.now()
+        job.progress = 1.0 if state == "succeeded" else job.progress
+        job.result = result or {}
+        job.error = error
+        job.save(update_fields=["state", "finished", "progress", "result", "error"])
+        do_record_event(
+            "system:worker",
+            f"job.{state}",
+            job,
+            after={"kind": job.kind, "duration_s": job.duration_s, "error": error},
+            team=job.release.team,
+        )
+    return job
+
+
+def do_record_gate_result(
+    release: Release,
+    *,
+    gate: str,
+    metric: str,
+    observed: float | None,
+    threshold: float | None,
+    outcome: str,
+    reason: str = "",
+) -> GateResult:
+    if outcome not in GATE_OUTCOMES:
+        raise ValidationFailed(
+            f"outcome must be one of {', '.join(GATE_OUTCOMES)}", field="outcome"
+        )
+    with transaction.atomic():
+        result = GateResult.objects.create(
+            release=release,
+            gate=gate,
+            metric=metric,
+            observed=observed,
+            threshold=threshold,
+            outcome=outcome,
+            reason=reason,
+        )
+        do_record_event(
+            "system:worker",
+            "gate.recorded",
+            release,
+            after=result.to_dict(),
+            team=release.team,
+        )
+    return result
+
+
+def do_record_manifest(
+    release: Release,
+    *,
+    manifest_digest: str,
+    files: list[FileDigest],
+    signature: str = "",
+    actor: Actor = "system:worker",
+) -> Release:
+    """Set the release's manifest digest (and signature) and replace its artifacts.
+    Refused once someone approved a digest: approvals are bound to it."""
+    with transaction.atomic():
+        locked = Release.objects.select_for_update().get(pk=release.pk)
+        if locked.approvals.filter(decision="approve").exists() and (
+            locked.manifest_digest != manifest_digest
+        ):
+            raise Conflict(f"{locked} is approved for {locked.manifest_digest}")
+        before = {"manifest_digest": locked.manifest_digest}
+        locked.manifest_digest = manifest_digest
+        locked.signature = signature
+        locked.save(update_fields=["manifest_digest", "signature", "updated"])
+        locked.artifacts.all().delete()
+        Artifact.objects.bulk_create(
+            Artifact(
+                release=locked, path=f.path, size_bytes=f.size_bytes, digest=f.digest
+            )
+            for f in files
+        )
+        do_record_event(
+            actor,
+            "release.manifest_recorded",
+            locked,
+            before=before,
+            after={"manifest_digest": manifest_digest, "files": len(files)},
+            team=locked.model.team,
+        )
+    release.manifest_digest = manifest_digest
+    release.signature = signature
+    return release

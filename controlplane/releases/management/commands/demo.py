@@ -1,0 +1,182 @@
+"""`python manage.py demo`: the embedded default, end to end.
+
+Migrates, creates a demo team with a registrant and an approver, registers the demo
+model as a release, promotes it through the real Celery task code in a worker process
+on the configured (by default embedded) transport, approves it as the approver, waits
+until it is live, then serves the dashboard and API (unless --no-serve).
+"""
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+from controlplane.accounts.models import Membership, Team
+from controlplane.fleet.models import Environment
+from controlplane.releases.actions import (
+    do_approve_release,
+    do_register_release,
+    do_request_promotion,
+)
+from controlplane.releases.models import ModelFamily, Release
+
+DEMO_MODEL = Path(settings.BASE_DIR) / "gpuagent" / "engine" / "demo_model"
+DEMO_RECIPE = {"weights": "int8", "kv_cache_dtype": "int8"}
+
+
+class Command(BaseCommand):
+    help = "Run a demo promotion on the embedded defaults, then serve the dashboard."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--no-serve", action="store_true", help="stop when live")
+        parser.add_argument("--addr", default="127.0.0.1:8000", help="host:port")
+        parser.add_argument("--source", default=str(DEMO_MODEL), help="model folder")
+        parser.add_argument("--timeout", type=float, default=120.0, help="seconds")
+
+    def handle(self, *args, **options):
+        call_command("migrate", interactive=False, verbosity=0)
+        password = os.getenv("DEMO_PASSWORD") or secrets.token_urlsafe(12)
+        registrant, approver, environment, family = self.cast(password)
+
+        source = Path(options["source"]).resolve()
+        if not source.is_dir():
+            self.stdout.write(
+                self.style.WARNING(f"{source} does not exist; registering it anyway")
+            )
+        version = f"0.1.{family.releases.count() + 1}"
+        release, _ = do_register_release(
+            family,
+            version=version,
+            source_uri=source.as_uri(),
+            recipe=DEMO_RECIPE,
+            target_environment=environment,
+            actor=registrant,
+        )
+        self.stdout.write(f"registered {release} from {release.source_uri}")
+
+        worker, log_path = self.start_worker()
+        # A TERM (e.g. from a process manager) unwinds like Ctrl-C, so `finally`
+        # stops the worker instead of leaving it orphaned.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            do_request_promotion(release, registrant)
+            self.stdout.write("promotion queued; waiting for the worker ...")
+            self.wait_for(release, ("awaiting_approval",), worker, log_path, options)
+            do_approve_release(
+                release,
+                approver,
+                comment="demo approval",
+                manifest_digest=release.manifest_digest,
+            )
+            self.stdout.write(f"approved by {approver.username}; deploying ...")
+            self.wait_for(release, ("live",), worker, log_path, options)
+            self.stdout.write("stage timings (Job rows, recorded by the worker):")
+            self.print_jobs(release)
+            self.stdout.write(self.style.SUCCESS(f"{release} is live in {environment}"))
+            self.print_login(options["addr"], password)
+            if not options["no_serve"]:
+                # The worker keeps running so approvals made in the dashboard deploy.
+                call_command("runserver", options["addr"], use_reloader=False)
+        finally:
+            self.stop_worker(worker)
+
+    def cast(self, password: str):
+        team, _ = Team.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
+        users = []
+        for username, role in (("demo", "admin"), ("approver", "approver")):
+            user, _ = User.objects.get_or_create(username=username)
+            user.set_password(password)
+            user.is_staff = user.is_superuser = role == "admin"
+            user.save()
+            Membership.objects.update_or_create(
+                team=team, user=user, defaults={"role": role}
+            )
+            users.append(user)
+        environment, _ = Environment.objects.get_or_create(team=team, name="staging")
+        family, _ = ModelFamily.objects.get_or_create(
+            team=team,
+            name="demo-llama",
+            defaults={"description": "the tiny Llama that ships with releasegate"},
+        )
+        return users[0], users[1], environment, family
+
+    def start_worker(self) -> tuple[subprocess.Popen, Path]:
+        log_path = Path(
+            tempfile.mkstemp(prefix="releasegate-worker-", suffix=".log")[1]
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "controlplane",
+            "worker",
+            "--pool=solo",
+            "--concurrency=1",
+            "--without-gossip",
+            "--without-mingle",
+            "--loglevel=INFO",
+        ]
+        with open(log_path, "wb") as log:
+            worker = subprocess.Popen(
+                command,
+                cwd=settings.BASE_DIR,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+            )
+        self.stdout.write(
+            f"celery worker pid {worker.pid} on {settings.CELERY_BROKER_URL} "
+            f"(log {log_path})"
+        )
+        return worker, log_path
+
+    def stop_worker(self, worker: subprocess.Popen) -> None:
+        if worker.poll() is None:
+            worker.terminate()
+            try:
+                worker.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+
+    def wait_for(self, release, states, worker, log_path: Path, options) -> None:
+        deadline = time.monotonic() + options["timeout"]
+        while time.monotonic() < deadline:
+            release.refresh_from_db()
+            if release.state in states:
+                return
+            if release.state in ("failed", "failed_verification", "rejected"):
+                raise CommandError(
+                    f"{release} is {release.state}: {release.failure_reason}"
+                )
+            if worker.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise CommandError(f"the celery worker exited:\n{tail}")
+            time.sleep(0.2)
+        raise CommandError(
+            f"{release} still {release.state} after {options['timeout']:.0f}s "
+            f"(worker log: {log_path})"
+        )
+
+    def print_jobs(self, release: Release) -> None:
+        for job in release.jobs.order_by("id"):
+            duration = f"{job.duration_s * 1000:8.1f} ms" if job.duration_s else "-"
+            self.stdout.write(f"  {job.kind:<14} {job.state:<10} {duration}")
+
+    def print_login(self, addr: str, password: str) -> None:
+        url = f"http://{addr}/"
+        self.stdout.write("")
+        self.stdout.write(f"Dashboard:  {url}")
+        self.stdout.write(f"API docs:   {url}api/v1/docs")
+        self.stdout.write(f"Login:      demo / {password}  (registered the release)")
+        self.stdout.write(f"Approver:   approver / {password}")

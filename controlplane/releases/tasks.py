@@ -1,0 +1,193 @@
+"""Celery tasks of the promotion pipeline. Thin: each takes ids, re-reads the rows,
+and does its writes through actions.py. Each is idempotent: it continues from the
+state the release is in now, so a redelivered or repeated task does no harm."""
+
+import logging
+from datetime import datetime
+
+from celery import shared_task
+from django.db import transaction
+
+from controlplane.audit.models import AuditEvent
+from controlplane.errors import IllegalTransition
+from controlplane.fleet.models import Deployment
+from controlplane.releases import actions, stages
+from controlplane.releases.gates import evaluate_gates
+from controlplane.releases.models import Release
+
+log = logging.getLogger(__name__)
+WORKER = "system:worker"
+
+# state the release is in while its jobs run -> (jobs in order, next state).
+# Each job's `work(release)` returns (result dict, error message or "").
+PIPELINE = {
+    "verifying": ((("verify_source", stages.verify_source),), "compressing"),
+    "compressing": (
+        (("compress", stages.compress), ("sign", stages.sign)),
+        "evaluating",
+    ),
+    "evaluating": ((("evaluate", stages.evaluate),), "gated"),
+}
+FAILURE_STATE = {"verify_source": "failed_verification"}
+
+
+def _entered(release: Release) -> datetime:
+    """When the release last moved into its current state."""
+    event = (
+        AuditEvent.objects.filter(
+            verb="release.transition",
+            object_type="release",
+            object_id=str(release.pk),
+            after__state=release.state,
+        )
+        .order_by("-created", "-id")
+        .first()
+    )
+    return event.created if event else release.created
+
+
+def _run_stage(release: Release) -> bool:
+    """Run the jobs of the release's current state; True when it moved on."""
+    jobs, next_state = PIPELINE[release.state]
+    entered = _entered(release)
+    for position, (kind, work) in enumerate(jobs):
+        last = position == len(jobs) - 1
+        if (
+            not last
+            and release.jobs.filter(
+                kind=kind, state="succeeded", finished__gte=entered
+            ).exists()
+        ):
+            continue  # done in this pass before a redelivery
+        job = actions.do_start_job(release, kind)
+        try:
+            result, error = work(release)
+        except Exception as exc:  # a bug or an unreachable source: keep the reason
+            log.exception("stage %s failed for release %s", kind, release.pk)
+            result, error = {}, f"{type(exc).__name__}: {exc}"
+        # The last job's finish and the move on commit together: a release still in
+        # this state never has all of this pass's jobs succeeded.
+        with transaction.atomic():
+            actions.do_finish_job(job, result=result, error=error)
+            if error:
+                to_state = FAILURE_STATE.get(kind, "failed")
+                actions.do_transition_release(
+                    release, to_state, actor=WORKER, reason=f"{kind}: {error}"
+                )
+                return False
+            if last:
+                actions.do_transition_release(release, next_state, actor=WORKER)
+    return True
+
+
+def _run_gate(release: Release) -> bool:
+    job = actions.do_start_job(release, "gate")
+    decision = evaluate_gates(release.gate_results.all())
+    result = {"outcome": decision.outcome, "reason": decision.reason}
+    with transaction.atomic():
+        if decision.outcome == "inconclusive":
+            # Pause in gated: a person looks, or later evidence re-runs the gate.
+            actions.do_finish_job(job, result=result)
+            return False
+        actions.do_finish_job(
+            job, result=result, error="" if decision.ok else decision.reason
+        )
+        if decision.ok:
+            actions.do_transition_release(release, "awaiting_approval", actor=WORKER)
+        else:
+            actions.do_transition_release(
+                release, "failed", actor=WORKER, reason=decision.reason
+            )
+    return decision.ok
+
+
+@shared_task(name="controlplane.releases.run_promotion")
+def run_promotion(release_id: int) -> str:
+    """registered -> verifying -> compressing -> evaluating -> gated ->
+    awaiting_approval, running each stage's work; stops there for a person."""
+    release = Release.objects.filter(pk=release_id).first()
+    if release is None:
+        return "missing"
+    try:
+        if release.state == "registered":
+            actions.do_transition_release(release, "verifying", actor=WORKER)
+        while release.state in PIPELINE:
+            if not _run_stage(release):
+                break
+        if release.state == "gated":
+            _run_gate(release)
+    except IllegalTransition:
+        # Another run of this task moved the release meanwhile; it carries on.
+        release.refresh_from_db()
+        log.info("release %s moved concurrently; now %s", release_id, release.state)
+    return release.state
+
+
+@shared_task(name="controlplane.releases.run_deployment")
+def run_deployment(release_id: int) -> str:
+    """approved -> deploying -> live; whatever was live in the environment becomes
+    superseded. Also finishes a rollback (release already deploying)."""
+    release = Release.objects.filter(pk=release_id).first()
+    if release is None:
+        return "missing"
+    try:
+        if release.state == "approved":
+            actions.do_start_deployment(release, actor=WORKER)
+        if release.state != "deploying":
+            return release.state
+        deployment = (
+            Deployment.objects.filter(release=release, state="deploying")
+            .order_by("-started", "-id")
+            .first()
+        )
+        if deployment is None:
+            deployment = actions.do_start_deployment(
+                release, actor=WORKER, environment=release.target_environment
+            )
+        job = actions.do_start_job(release, "deploy")
+        result, error = stages.deploy(release, deployment)
+        with transaction.atomic():
+            actions.do_finish_job(job, result=result, error=error)
+            if error:
+                actions.do_fail_deployment(deployment, actor=WORKER, reason=error)
+            else:
+                actions.do_complete_deployment(
+                    deployment, actor=WORKER, endpoint=result.get("endpoint", "")
+                )
+    except IllegalTransition:
+        log.info("release %s moved concurrently", release_id)
+    release.refresh_from_db(fields=["state"])
+    return release.state
+
+
+@shared_task(name="controlplane.releases.run_reverification")
+def run_reverification(deployment_id: int) -> str:
+    """Re-hash a live deployment's files; a mismatch marks the deployment (and its
+    release) failed_verification, which puts the rollback button on the dashboard."""
+    deployment = (
+        Deployment.objects.filter(pk=deployment_id).select_related("release").first()
+    )
+    if deployment is None:
+        return "missing"
+    if deployment.state != "live":
+        return deployment.state
+    release = deployment.release
+    job = actions.do_start_job(release, "reverify")
+    result, error = stages.reverify(release)
+    with transaction.atomic():
+        actions.do_finish_job(job, result=result, error=error)
+        if error:
+            actions.do_fail_deployment(
+                deployment, actor=WORKER, reason=error, verification=True
+            )
+    deployment.refresh_from_db(fields=["state"])
+    return deployment.state
+
+
+@shared_task(name="controlplane.releases.reverify_live_deployments")
+def reverify_live_deployments() -> int:
+    """Periodic (celery beat): queue a re-verification of every live deployment."""
+    ids = list(Deployment.objects.filter(state="live").values_list("pk", flat=True))
+    for deployment_id in ids:
+        run_reverification.delay(deployment_id)
+    return len(ids)

@@ -1,0 +1,146 @@
+import pytest
+
+from controlplane.releases.models import Approval
+from tests.controlplane.api.helpers import DIGEST, STALE_DIGEST, error_of, field_names
+
+
+def url(release_id) -> str:
+    return f"/api/v1/releases/{release_id}/approve"
+
+
+@pytest.fixture
+def waiting(make_release):
+    return make_release("2.0.0", state="awaiting_approval", manifest_digest=DIGEST)
+
+
+def approve(api, release, token, digest=DIGEST):
+    return api.post(
+        url(release.pk),
+        {"manifest_digest": digest, "comment": "kld ok"},
+        token=token,
+    )
+
+
+def test_it_lets_a_teammate_approver_approve(
+    api, approver_token, teammate, waiting, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        response = approve(api, waiting, approver_token)
+
+    assert response.status_code == 200, response.content
+    waiting.refresh_from_db()
+    assert waiting.state == "approved"
+    approval = Approval.objects.get(release=waiting)
+    assert (approval.user, approval.decision) == (teammate, "approve")
+    assert approval.manifest_digest == DIGEST
+    assert approval.token.prefix == approver_token[:8]
+    assert response.json()["approval"]["comment"] == "kld ok"
+    assert len(callbacks) == 1  # the deployment, queued on commit
+
+
+def test_it_refuses_the_token_that_registered_the_release(
+    api, make_token, teammate, model_family, environment
+):
+    # The teammate registers through a token that can also approve: that token (and
+    # its user) may not approve what it registered.
+    token = make_token(teammate, "read", "register", "approve")
+    registered = api.post(
+        "/api/v1/releases",
+        {
+            "model": model_family.name,
+            "version": "9.0.0",
+            "source_uri": "s3://acme/x",
+            "recipe": {"weights": "int8", "kv_cache_dtype": "int8"},
+            "target_environment": environment.name,
+        },
+        token=token,
+    )
+    release_id = registered.json()["id"]
+    from controlplane.releases.models import Release
+
+    Release.objects.filter(pk=release_id).update(
+        state="awaiting_approval", manifest_digest=DIGEST
+    )
+
+    response = api.post(url(release_id), {"manifest_digest": DIGEST}, token=token)
+
+    error = error_of(response, 403, "separation_of_duties")
+    assert "registered" in error["message"]
+    assert not Approval.objects.exists()
+
+
+def test_it_refuses_the_user_that_registered_the_release_with_another_token(
+    api, make_token, owner, waiting
+):
+    # `waiting` was registered by owner (an admin, so the role would allow it).
+    token = make_token(owner, "approve")
+
+    error = error_of(approve(api, waiting, token), 403, "separation_of_duties")
+
+    assert "alice" in error["message"]
+    waiting.refresh_from_db()
+    assert waiting.state == "awaiting_approval"
+
+
+def test_it_refuses_a_stale_manifest_digest(api, approver_token, waiting):
+    response = approve(api, waiting, approver_token, digest=STALE_DIGEST)
+
+    error = error_of(response, 409, "manifest_digest_mismatch")
+    assert field_names(error) == {"manifest_digest"}
+    waiting.refresh_from_db()
+    assert waiting.state == "awaiting_approval"
+    assert not Approval.objects.exists()
+
+
+def test_it_refuses_a_member_without_the_approver_role(
+    api, make_token, member, waiting
+):
+    token = make_token(member, "approve")
+
+    error = error_of(approve(api, waiting, token), 403, "forbidden")
+
+    assert "approver" in error["message"]
+
+
+def test_it_refuses_a_release_not_awaiting_approval(api, approver_token, make_release):
+    release = make_release("3.0.0", manifest_digest=DIGEST)
+
+    error_of(approve(api, release, approver_token), 409, "illegal_transition")
+
+
+def test_it_needs_the_manifest_digest(api, approver_token, waiting):
+    response = api.post(url(waiting.pk), {"comment": "lgtm"}, token=approver_token)
+
+    error = error_of(response, 422, "validation_error")
+    assert field_names(error) == {"manifest_digest"}
+
+
+def test_it_needs_a_token(api, waiting):
+    error_of(approve(api, waiting, None), 401, "not_authenticated")
+
+
+def test_it_rejects_a_bad_token(api, waiting):
+    error_of(approve(api, waiting, "rg_bogus"), 401, "not_authenticated")
+
+
+def test_it_needs_the_approve_scope(api, make_token, teammate, waiting):
+    token = make_token(teammate, "read", "promote")
+
+    assert error_of(approve(api, waiting, token), 403, "missing_scope")["scope"] == (
+        "approve"
+    )
+
+
+def test_it_does_not_accept_a_dashboard_session(client, teammate, waiting):
+    # The API takes decisions from tokens only; the dashboard has its own form.
+    client.force_login(teammate)
+
+    response = client.post(
+        url(waiting.pk), {"manifest_digest": DIGEST}, content_type="application/json"
+    )
+
+    error_of(response, 401, "not_authenticated")
+
+
+def test_it_hides_the_release_from_an_outsider(api, outsider_token, waiting):
+    error_of(approve(api, waiting, outsider_token), 404, "not_found")

@@ -1,0 +1,95 @@
+from django.utils import timezone
+
+from controlplane.fleet.models import Deployment
+from controlplane.releases.actions import do_record_gate_result, do_start_job
+from controlplane.releases.models import Approval
+from tests.controlplane.api.helpers import DIGEST, error_of, field_names
+
+
+def url(release_id) -> str:
+    return f"/api/v1/releases/{release_id}"
+
+
+def test_it_shows_a_release_with_jobs_gates_approvals_and_deployments(
+    api, owner_token, teammate, environment, make_release
+):
+    release = make_release("3.0.0", state="live", manifest_digest=DIGEST)
+    do_start_job(release, "verify_source")
+    do_record_gate_result(
+        release,
+        gate="quality",
+        metric="kld_mean",
+        observed=0.01,
+        threshold=0.03,
+        outcome="pass",
+    )
+    Approval.objects.create(
+        release=release, user=teammate, decision="approve", manifest_digest=DIGEST
+    )
+    Deployment.objects.create(
+        release=release, environment=environment, state="live", started=timezone.now()
+    )
+
+    response = api.get(url(release.pk), token=owner_token)
+
+    assert response.status_code == 200, response.content
+    data = response.json()
+    assert (data["id"], data["state"], data["version"]) == (release.pk, "live", "3.0.0")
+    assert data["manifest_digest"] == DIGEST
+    assert [j["kind"] for j in data["jobs"]] == ["verify_source"]
+    assert data["jobs"][0]["state"] == "running"
+    assert [(g["gate"], g["outcome"]) for g in data["gate_results"]] == [
+        ("quality", "pass")
+    ]
+    assert [(a["user"], a["decision"]) for a in data["approvals"]] == [
+        ("bob", "approve")
+    ]
+    assert [(d["environment"], d["state"]) for d in data["deployments"]] == [
+        ("staging", "live")
+    ]
+
+
+def test_it_lets_a_dashboard_user_read(client, teammate, release):
+    client.force_login(teammate)
+
+    response = client.get(url(release.pk))
+
+    assert response.status_code == 200, response.content
+    assert response.json()["id"] == release.pk
+
+
+def test_it_needs_credentials(api, release):
+    error_of(api.get(url(release.pk)), 401, "not_authenticated")
+
+
+def test_it_rejects_a_bad_token(api, release):
+    error_of(api.get(url(release.pk), token="rg_not-a-token"), 401, "not_authenticated")
+
+
+def test_it_needs_the_read_scope(api, make_token, owner, release):
+    token = make_token(owner, "register", "promote")
+
+    error = error_of(api.get(url(release.pk), token=token), 403, "missing_scope")
+
+    assert error["scope"] == "read"
+
+
+def test_it_hides_the_release_from_an_outsider(api, outsider_token, release):
+    error_of(api.get(url(release.pk), token=outsider_token), 404, "not_found")
+
+
+def test_it_hides_the_release_from_an_outsider_session(client, outsider, release):
+    client.force_login(outsider)
+
+    error_of(client.get(url(release.pk)), 404, "not_found")
+
+
+def test_it_answers_404_for_a_missing_release(api, owner_token, release):
+    error_of(api.get(url(release.pk + 1000), token=owner_token), 404, "not_found")
+
+
+def test_it_names_a_bad_id(api, owner_token):
+    error = error_of(api.get(url("abc"), token=owner_token), 422, "validation_error")
+
+    assert field_names(error) == {"release_id"}
+    assert error["fields"][0]["location"] == "path"

@@ -1,0 +1,161 @@
+from controlplane.audit.models import AuditEvent
+from controlplane.releases.models import Release
+from tests.controlplane.api.helpers import error_of, field_names
+
+URL = "/api/v1/releases"
+
+
+def body(**overrides) -> dict:
+    data = {
+        "model": "llama-support",
+        "version": "2.0.0",
+        "source_uri": "s3://acme-models/llama-support/2.0.0",
+        "recipe": {"weights": "int4-g128", "kv_cache_dtype": "int8"},
+        "target_environment": "staging",
+    }
+    data.update(overrides)
+    return data
+
+
+def test_it_registers_a_release(api, owner, owner_token, model_family, environment):
+    response = api.post(URL, body(), token=owner_token)
+
+    assert response.status_code == 201, response.content
+    data = response.json()
+    release = Release.objects.get(pk=data["id"])
+    assert (release.model, release.version) == (model_family, "2.0.0")
+    assert release.target_environment == environment
+    assert release.recipe == {"weights": "int4-g128", "kv_cache_dtype": "int8"}
+    assert release.created_by == owner
+    assert release.created_by_token.prefix == owner_token[:8]
+    assert data["state"] == "registered"
+    assert response["Location"].endswith(f"/api/v1/releases/{release.pk}")
+    assert AuditEvent.objects.filter(
+        verb="release.registered", object_id=str(release.pk)
+    ).exists()
+
+
+def test_it_returns_the_existing_release_for_the_same_body(
+    api, owner_token, model_family, environment
+):
+    first = api.post(URL, body(), token=owner_token)
+    again = api.post(URL, body(), token=owner_token)
+
+    assert first.status_code == 201
+    assert again.status_code == 200, again.content
+    assert again.json()["id"] == first.json()["id"]
+    assert Release.objects.filter(version="2.0.0").count() == 1
+
+
+def test_it_refuses_a_conflicting_reregistration(
+    api, owner_token, model_family, environment
+):
+    api.post(URL, body(), token=owner_token)
+
+    response = api.post(
+        URL,
+        body(recipe={"weights": "int8", "kv_cache_dtype": "fp8"}),
+        token=owner_token,
+    )
+
+    error_of(response, 409, "conflicting_registration")
+    assert Release.objects.get(version="2.0.0").recipe["weights"] == "int4-g128"
+
+
+def test_it_needs_a_token(api, model_family, environment):
+    error_of(api.post(URL, body()), 401, "not_authenticated")
+    assert not Release.objects.exists()
+
+
+def test_it_rejects_a_bad_token(api, owner_token, model_family, environment):
+    response = api.post(URL, body(), token=owner_token + "x")
+
+    error_of(response, 401, "not_authenticated")
+    assert response["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_it_needs_the_register_scope(api, make_token, owner, model_family, environment):
+    token = make_token(owner, "read", "promote")
+
+    error = error_of(api.post(URL, body(), token=token), 403, "missing_scope")
+
+    assert error["scope"] == "register"
+    assert not Release.objects.exists()
+
+
+def test_it_names_missing_and_invalid_fields(
+    api, owner_token, model_family, environment
+):
+    data = body(recipe={"weights": "int3", "kv_cache_dtype": "int8"})
+    del data["version"]
+
+    error = error_of(api.post(URL, data, token=owner_token), 422, "validation_error")
+
+    assert field_names(error) == {"version", "recipe.weights"}
+    assert all(f["location"] == "body" for f in error["fields"])
+
+
+def test_it_rejects_unknown_keys(api, owner_token, model_family, environment):
+    response = api.post(URL, body(weights="int4"), token=owner_token)
+
+    error = error_of(response, 422, "validation_error")
+    assert field_names(error) == {"weights"}
+
+
+def test_it_rejects_a_body_that_is_not_json(api, owner_token, model_family):
+    response = api.post(URL, raw="{not json", token=owner_token)
+
+    error_of(response, 400, "bad_request")
+
+
+def test_it_rejects_a_json_body_that_is_not_an_object(api, owner_token):
+    response = api.post(URL, ["model"], token=owner_token)
+
+    error = error_of(response, 422, "validation_error")
+    assert [(f["field"], f["location"]) for f in error["fields"]] == [("", "body")]
+
+
+def test_it_names_an_unknown_model(api, owner_token, environment):
+    response = api.post(URL, body(model="nope"), token=owner_token)
+
+    assert field_names(error_of(response, 422, "validation_error")) == {"model"}
+
+
+def test_it_names_an_unknown_environment(api, owner_token, model_family):
+    response = api.post(URL, body(target_environment="prod"), token=owner_token)
+
+    error = error_of(response, 422, "validation_error")
+    assert field_names(error) == {"target_environment"}
+
+
+def test_it_does_not_let_an_outsider_register_into_the_team(
+    api, outsider_token, model_family, environment
+):
+    response = api.post(URL, body(), token=outsider_token)
+
+    # The outsider's team has no such model: the team's family is invisible to it.
+    assert field_names(error_of(response, 422, "validation_error")) == {"model"}
+    assert not Release.objects.exists()
+
+
+def test_it_registers_a_child_of_a_parent_release(
+    api, owner_token, release, environment
+):
+    response = api.post(URL, body(parent=release.pk), token=owner_token)
+
+    assert response.status_code == 201, response.content
+    assert response.json()["parent_id"] == release.pk
+
+
+def test_it_names_a_parent_of_another_team(
+    api, outsider_token, outsider, other_team, release
+):
+    from controlplane.fleet.models import Environment
+    from controlplane.releases.models import ModelFamily
+
+    ModelFamily.objects.create(team=other_team, name="llama-support")
+    Environment.objects.create(team=other_team, name="staging")
+
+    response = api.post(URL, body(parent=release.pk), token=outsider_token)
+
+    assert field_names(error_of(response, 422, "validation_error")) == {"parent"}

@@ -1,0 +1,56 @@
+import pytest
+
+from controlplane.audit.models import AuditEvent
+from controlplane.errors import ValidationFailed
+from controlplane.fleet.actions import (
+    do_record_agent_heartbeat,
+    do_register_agent,
+    do_set_agent_state,
+)
+from controlplane.fleet.models import Agent
+
+
+def test_it_registers_an_agent_and_updates_it_on_reregistration(db):
+    agent = do_register_agent("gpu-node-1", queue="agent.gpu-node-1")
+
+    again = do_register_agent(
+        "gpu-node-1",
+        queue="agent.gpu-node-1",
+        gpu_model="H100",
+        gpu_memory_bytes=80 * 2**30,
+        capabilities={"kv_cache_dtypes": ["fp8", "int8"]},
+    )
+
+    assert again.pk == agent.pk
+    stored = Agent.objects.get()
+    assert (stored.gpu_model, stored.state) == ("H100", "online")
+    assert stored.capabilities == {"kv_cache_dtypes": ["fp8", "int8"]}
+    assert AuditEvent.objects.filter(verb="agent.registered").count() == 2
+
+
+def test_it_refuses_bad_agent_fields(db):
+    with pytest.raises(ValidationFailed):
+        do_register_agent("", queue="q")
+    with pytest.raises(ValidationFailed):
+        do_register_agent("a", queue="q", gpu_memory_bytes=-1)
+
+
+def test_it_records_heartbeats(db):
+    agent = do_register_agent("cpu-1", queue="agent.cpu-1")
+    Agent.objects.filter(pk=agent.pk).update(state="offline", last_heartbeat=None)
+
+    do_record_agent_heartbeat(agent)
+
+    stored = Agent.objects.get(pk=agent.pk)
+    assert stored.state == "online"
+    assert stored.last_heartbeat is not None
+
+
+def test_it_drains_an_agent(db, owner):
+    agent = do_register_agent("cpu-1", queue="agent.cpu-1")
+
+    do_set_agent_state(agent, "draining", actor=owner)
+
+    assert Agent.objects.get(pk=agent.pk).state == "draining"
+    with pytest.raises(ValidationFailed):
+        do_set_agent_state(agent, "asleep", actor=owner)

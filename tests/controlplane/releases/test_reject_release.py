@@ -1,0 +1,40 @@
+import pytest
+
+from controlplane.audit.models import AuditEvent
+from controlplane.errors import Forbidden, IllegalTransition
+from controlplane.releases.actions import do_reject_release
+from controlplane.releases.models import Release
+
+
+@pytest.mark.parametrize("state", ["awaiting_approval", "gated", "registered"])
+def test_it_rejects(make_release, teammate, state):
+    release = make_release(state=state)
+
+    approval = do_reject_release(release, teammate, comment="perplexity regressed")
+
+    stored = Release.objects.get(pk=release.pk)
+    assert stored.state == "rejected"
+    assert stored.failure_reason == "perplexity regressed"
+    assert approval.decision == "reject"
+    assert AuditEvent.objects.filter(verb="release.rejected").count() == 1
+
+
+def test_it_refuses_members_without_approver_role(make_release, member):
+    release = make_release(state="awaiting_approval")
+
+    with pytest.raises(Forbidden):
+        do_reject_release(release, member)
+
+
+def test_it_refuses_outsiders(make_release, outsider):
+    release = make_release(state="awaiting_approval")
+
+    with pytest.raises(Forbidden):
+        do_reject_release(release, outsider)
+
+
+def test_it_cannot_reject_a_live_release(make_release, teammate):
+    release = make_release(state="live")
+
+    with pytest.raises(IllegalTransition):
+        do_reject_release(release, teammate)

@@ -1,0 +1,109 @@
+import pytest
+
+from controlplane.accounts.models import ApiToken
+from controlplane.audit.models import AuditEvent
+from controlplane.errors import Conflict, Forbidden
+from controlplane.releases import tasks
+from controlplane.releases.actions import (
+    do_complete_deployment,
+    do_fail_deployment,
+    do_rollback_environment,
+    do_start_deployment,
+)
+from controlplane.releases.models import Release
+
+
+def go_live(release, actor):
+    deployment = do_start_deployment(release, actor=actor)
+    return do_complete_deployment(deployment, actor=actor, endpoint="http://a:8000")
+
+
+@pytest.fixture
+def history(make_release, owner):
+    """1.0.1 went live, then 1.0.2 replaced it."""
+    old = make_release(state="approved")
+    old_deployment = go_live(old, owner)
+    new = make_release(state="approved")
+    new_deployment = go_live(new, owner)
+    return old, old_deployment, new, new_deployment
+
+
+@pytest.fixture
+def deploys(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: calls.append(a))
+    return calls
+
+
+def test_it_rolls_back_after_failed_verification_and_quarantines(
+    history, environment, teammate, owner, deploys, django_capture_on_commit_callbacks
+):
+    old, old_deployment, new, new_deployment = history
+    do_fail_deployment(
+        new_deployment,
+        actor=owner,
+        reason="model.safetensors changed",
+        verification=True,
+    )
+
+    with django_capture_on_commit_callbacks(execute=True):
+        deployment = do_rollback_environment(environment, teammate)
+
+    assert Release.objects.get(pk=new.pk).state == "quarantined"
+    assert Release.objects.get(pk=old.pk).state == "deploying"
+    assert deployment.release == old
+    assert deployment.endpoint == "http://a:8000"
+    new_deployment.refresh_from_db()
+    assert new_deployment.state == "rolled_back"
+    assert new_deployment.ended is not None
+    assert deploys == [(old.pk,)]
+    event = AuditEvent.objects.get(verb="environment.rolled_back")
+    assert event.before["release_id"] == new.pk
+    assert event.after["release_id"] == old.pk
+
+
+def test_it_finishes_the_rollback_in_the_deployment_task(
+    history, environment, teammate, deploys, django_capture_on_commit_callbacks
+):
+    old, _, new, _ = history
+    with django_capture_on_commit_callbacks(execute=True):
+        do_rollback_environment(environment, teammate)
+
+    assert tasks.run_deployment(old.pk) == "live"
+    assert Release.objects.get(pk=new.pk).state == "rolled_back"
+    assert environment.live_deployment.release == old
+
+
+def test_it_refuses_without_a_previous_verified_release(
+    make_release, environment, owner, teammate
+):
+    go_live(make_release(state="approved"), owner)
+
+    with pytest.raises(Conflict):
+        do_rollback_environment(environment, teammate)
+
+
+def test_it_skips_a_quarantined_previous_release(history, environment, owner, teammate):
+    old, _, _, _ = history
+    Release.objects.filter(pk=old.pk).update(state="quarantined")
+
+    with pytest.raises(Conflict):
+        do_rollback_environment(environment, teammate)
+
+
+def test_it_refuses_when_nothing_is_live(environment, teammate):
+    with pytest.raises(Conflict):
+        do_rollback_environment(environment, teammate)
+
+
+def test_it_refuses_plain_members_and_outsiders(history, environment, member, outsider):
+    for actor in (member, outsider):
+        with pytest.raises(Forbidden):
+            do_rollback_environment(environment, actor)
+
+
+def test_it_requires_the_promote_scope(history, environment, teammate, team):
+    token, _ = ApiToken.create(teammate, team, "ops", ["read", "approve"])
+
+    with pytest.raises(Forbidden):
+        do_rollback_environment(environment, token)

@@ -1,0 +1,46 @@
+from controlplane.fleet.models import Deployment
+from controlplane.releases.models import Job, Release
+from controlplane.releases.tasks import run_deployment
+
+
+def test_it_deploys_an_approved_release(make_release, environment):
+    release = make_release(state="approved")
+
+    assert run_deployment(release.pk) == "live"
+
+    deployment = Deployment.objects.get(release=release)
+    assert deployment.state == "live"
+    assert deployment.environment == environment
+    job = Job.objects.get(release=release, kind="deploy")
+    assert job.state == "succeeded"
+    assert job.finished >= job.started
+
+
+def test_it_supersedes_the_release_live_before(make_release):
+    first = make_release(state="approved")
+    run_deployment(first.pk)
+    second = make_release(state="approved")
+
+    run_deployment(second.pk)
+
+    assert Release.objects.get(pk=first.pk).state == "superseded"
+    assert Deployment.objects.get(release=first).state == "superseded"
+    assert Release.objects.get(pk=second.pk).state == "live"
+
+
+def test_it_is_idempotent(make_release):
+    release = make_release(state="approved")
+    run_deployment(release.pk)
+
+    assert run_deployment(release.pk) == "live"
+
+    assert Deployment.objects.filter(release=release).count() == 1
+    assert Job.objects.filter(release=release, kind="deploy").count() == 1
+
+
+def test_it_leaves_unapproved_releases_alone(make_release):
+    release = make_release(state="awaiting_approval")
+
+    assert run_deployment(release.pk) == "awaiting_approval"
+
+    assert not Deployment.objects.exists()

@@ -1,0 +1,139 @@
+from collections import deque
+
+import pytest
+
+from controlplane.audit.models import AuditEvent
+from controlplane.errors import IllegalTransition, ValidationFailed
+from controlplane.releases import actions
+from controlplane.releases.actions import (
+    REASON_REQUIRED,
+    TRANSITIONS,
+    do_transition_release,
+)
+from controlplane.releases.models import RELEASE_STATES, Release
+
+LEGAL = [(a, b) for a in RELEASE_STATES for b in RELEASE_STATES if b in TRANSITIONS[a]]
+ILLEGAL = [
+    (a, b) for a in RELEASE_STATES for b in RELEASE_STATES if b not in TRANSITIONS[a]
+]
+
+
+def test_it_has_a_table_row_for_every_state_and_no_dead_end():
+    assert set(TRANSITIONS) == set(RELEASE_STATES)
+    assert all(TRANSITIONS[state] for state in RELEASE_STATES)
+
+
+def test_it_can_reach_every_state_from_registered():
+    seen, todo = {"registered"}, deque(["registered"])
+    while todo:
+        for target in TRANSITIONS[todo.popleft()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    assert seen == set(RELEASE_STATES)
+
+
+def test_it_can_get_back_to_registered_or_live_from_every_state():
+    # No release is stuck: from anywhere there is a path to a fresh start or to live.
+    def reachable(start):
+        seen, todo = {start}, deque([start])
+        while todo:
+            for target in TRANSITIONS[todo.popleft()]:
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        return seen
+
+    for state in RELEASE_STATES:
+        assert reachable(state) & {"registered", "live"}, state
+
+
+@pytest.mark.parametrize(("from_state", "to_state"), LEGAL)
+def test_it_allows_legal_transition(make_release, owner, from_state, to_state):
+    release = make_release(state=from_state)
+    reason = "because" if to_state in REASON_REQUIRED else ""
+
+    do_transition_release(release, to_state, actor=owner, reason=reason)
+
+    stored = Release.objects.get(pk=release.pk)
+    assert stored.state == to_state == release.state
+    event = AuditEvent.objects.filter(verb="release.transition").get()
+    assert event.object_id == str(release.pk)
+    assert event.before == {"state": from_state}
+    assert event.after == {"state": to_state, "reason": reason}
+    assert event.actor_user == owner
+    assert event.team == release.team
+
+
+@pytest.mark.parametrize(("from_state", "to_state"), ILLEGAL)
+def test_it_refuses_illegal_transition(make_release, owner, from_state, to_state):
+    release = make_release(state=from_state)
+    events_before = AuditEvent.objects.count()
+
+    with pytest.raises(IllegalTransition) as info:
+        do_transition_release(release, to_state, actor=owner, reason="x")
+
+    message = str(info.value)
+    assert f"{from_state} -> {to_state}" in message
+    for target in TRANSITIONS[from_state]:
+        assert target in message
+    assert Release.objects.get(pk=release.pk).state == from_state
+    assert AuditEvent.objects.count() == events_before
+
+
+def test_it_checks_the_state_in_the_database_not_the_object(release, owner):
+    Release.objects.filter(pk=release.pk).update(state="live")  # moved elsewhere
+
+    with pytest.raises(IllegalTransition):
+        do_transition_release(release, "verifying", actor=owner)
+
+
+@pytest.mark.parametrize("to_state", REASON_REQUIRED)
+def test_it_requires_a_reason_for_failure_states(make_release, owner, to_state):
+    from_state = next(s for s in RELEASE_STATES if to_state in TRANSITIONS[s])
+    release = make_release(state=from_state)
+
+    with pytest.raises(ValidationFailed):
+        do_transition_release(release, to_state, actor=owner)
+
+    assert Release.objects.get(pk=release.pk).state == from_state
+
+
+def test_it_keeps_the_failure_reason_and_clears_it_on_retry(release, owner):
+    do_transition_release(release, "failed", actor=owner, reason="disk full")
+    assert Release.objects.get(pk=release.pk).failure_reason == "disk full"
+
+    do_transition_release(release, "registered", actor=owner)
+
+    assert Release.objects.get(pk=release.pk).failure_reason == ""
+
+
+def test_it_rejects_unknown_states(release, owner):
+    with pytest.raises(ValidationFailed):
+        do_transition_release(release, "exploded", actor=owner)
+
+
+def test_it_changes_nothing_when_the_audit_write_fails(release, owner, monkeypatch):
+    def broken_audit(*args, **kwargs):
+        raise RuntimeError("audit store down")
+
+    monkeypatch.setattr(actions, "do_record_event", broken_audit)
+
+    with pytest.raises(RuntimeError):
+        do_transition_release(release, "verifying", actor=owner)
+
+    assert Release.objects.get(pk=release.pk).state == "registered"
+    assert not AuditEvent.objects.filter(verb="release.transition").exists()
+
+
+def test_it_names_a_token_actor_in_the_audit_event(release, owner, team):
+    from controlplane.accounts.models import ApiToken
+
+    token, _ = ApiToken.create(owner, team, "ci", ["promote"])
+
+    do_transition_release(release, "verifying", actor=token)
+
+    event = AuditEvent.objects.get(verb="release.transition")
+    assert event.actor_token == token
+    assert event.actor_user == owner
+    assert event.actor_name == "token:ci (alice)"

@@ -1,0 +1,31 @@
+from django.conf import settings
+
+from controlplane import celery_app
+
+
+def test_it_reads_its_config_from_django_settings():
+    assert celery_app.conf.broker_url == settings.CELERY_BROKER_URL
+    assert celery_app.conf.result_backend == settings.CELERY_RESULT_BACKEND
+    assert celery_app.conf.task_serializer == "json"
+    assert celery_app.conf.task_acks_late is True
+
+
+def test_it_discovers_the_pipeline_tasks():
+    celery_app.loader.import_default_modules()
+
+    assert "controlplane.releases.run_promotion" in celery_app.tasks
+    assert "controlplane.releases.run_deployment" in celery_app.tasks
+    assert "controlplane.releases.run_reverification" in celery_app.tasks
+
+
+def test_it_schedules_periodic_reverification_of_a_registered_task():
+    celery_app.loader.import_default_modules()
+
+    for entry in celery_app.conf.beat_schedule.values():
+        assert entry["task"] in celery_app.tasks
+        assert entry["schedule"] > 0
+
+
+def test_it_does_not_run_tasks_eagerly_by_default():
+    # The pipeline must go through a real worker; eager mode would hide that.
+    assert celery_app.conf.task_always_eager is False

@@ -1,0 +1,97 @@
+"""`manage.py demo --no-serve` end to end in a subprocess, on the embedded defaults
+(SQLite file + SQLAlchemy transport) in a fresh data folder, with a real worker."""
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_MODEL = ROOT / "gpuagent" / "engine" / "demo_model"
+PASSWORD = "demo-password-for-tests"
+
+
+def run_demo(data_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DATABASE_URL", "CELERY_"))
+    }
+    env.update(RELEASEGATE_DATA_DIR=str(data_dir), DEMO_PASSWORD=PASSWORD)
+    return subprocess.run(
+        [sys.executable, "manage.py", "demo", "--no-serve", "--timeout", "90", *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+
+
+def release_rows(data_dir: Path) -> list[tuple]:
+    with sqlite3.connect(data_dir / "releasegate.sqlite3") as db:
+        return db.execute(
+            "SELECT version, state, manifest_digest FROM releases_release ORDER BY id"
+        ).fetchall()
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    return folder
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(360)
+def test_it_promotes_approves_and_deploys_through_a_real_worker(tmp_path, model_folder):
+    data_dir = tmp_path / "var"
+
+    first = run_demo(data_dir, "--source", str(model_folder))
+
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "demo-llama@0.1.1 is live in demo/staging" in first.stdout
+    assert f"Login:      demo / {PASSWORD}" in first.stdout
+    assert "Dashboard:  http://127.0.0.1:8000/" in first.stdout
+    for stage in ("verify_source", "compress", "sign", "evaluate", "gate", "deploy"):
+        assert stage in first.stdout
+    [(version, state, digest)] = release_rows(data_dir)
+    assert (version, state) == ("0.1.1", "live")
+    assert digest.startswith("sha256")
+
+    # A second run registers the next version, which supersedes the first.
+    second = run_demo(data_dir, "--source", str(model_folder))
+
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert [row[:2] for row in release_rows(data_dir)] == [
+        ("0.1.1", "superseded"),
+        ("0.1.2", "live"),
+    ]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(200)
+def test_it_fails_loudly_when_verification_fails(tmp_path, model_folder):
+    (model_folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 64)
+
+    result = run_demo(tmp_path / "var", "--source", str(model_folder))
+
+    assert result.returncode != 0
+    assert "failed_verification" in result.stderr
+    assert "pytorch_model.bin" in result.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(200)
+def test_it_ships_a_demo_model_that_passes_the_pipeline(tmp_path):
+    if not DEMO_MODEL.is_dir():
+        pytest.skip(f"{DEMO_MODEL} is not in the tree yet")
+
+    result = run_demo(tmp_path / "var")
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "is live in demo/staging" in result.stdout

@@ -1,0 +1,38 @@
+import pytest
+from pydantic import ValidationError
+
+from gpuagent.protocol import JobResult, Recipe, VerifyResult
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp16", "int8", "int4-g32", "int4-g128"])
+def test_it_accepts_known_weight_formats(weights):
+    assert Recipe(weights=weights, kv_cache_dtype="int8").weights == weights
+
+
+@pytest.mark.parametrize(
+    ("weights", "kv"), [("int4", "int8"), ("int4-g100", "int8"), ("int8", "int3")]
+)
+def test_it_refuses_unknown_formats(weights, kv):
+    with pytest.raises(ValidationError):
+        Recipe(weights=weights, kv_cache_dtype=kv)
+
+
+def test_it_refuses_extra_fields():
+    with pytest.raises(ValidationError):
+        VerifyResult(ok=True, manifest_digest="sha256:00", surprise=1)
+
+
+def test_it_round_trips_a_job_result_through_json():
+    result = JobResult(job_id=1, kind="verify", ok=False, error="changed: a.bin")
+
+    assert JobResult.model_validate_json(result.model_dump_json()) == result
+
+
+def test_it_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, gpuagent.protocol; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+    assert out.stdout.strip() == "False", out.stderr
