@@ -1,0 +1,47 @@
+"""Triton kernels with torch references for the serving engine.
+
+Every public op runs its Triton kernel when its tensors are on CUDA and the torch
+reference otherwise; `impl="triton" | "reference"` forces one (tests run the Triton
+kernels on CPU tensors under TRITON_INTERPRET=1). Importing works without a GPU.
+"""
+
+from kernels.kv_quant import (
+    KV_CACHE_DTYPES,
+    PagedKVCache,
+    allocate_kv_cache,
+    dequantize_kv,
+    gather_kv,
+    kv_bytes_per_token,
+    quantize_kv,
+    write_kv,
+)
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kernels.weight_matmul import (
+    dequantize_weight_int4,
+    pack_int4,
+    quantize_weight_int4,
+    quantize_weight_int8,
+    unpack_int4,
+    weight_int4_matmul,
+    weight_int8_matmul,
+)
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "PagedKVCache",
+    "allocate_kv_cache",
+    "dequantize_kv",
+    "dequantize_weight_int4",
+    "gather_kv",
+    "kv_bytes_per_token",
+    "pack_int4",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "quantize_kv",
+    "quantize_weight_int4",
+    "quantize_weight_int8",
+    "unpack_int4",
+    "weight_int4_matmul",
+    "weight_int8_matmul",
+    "write_kv",
+]

@@ -1,0 +1,226 @@
+"""Side-by-side benchmark of the kernels: `python -m kernels.bench [--quick]`.
+
+For each op and dtype it prints the time, the effective bandwidth (bytes the op must
+move / time) and the speed ratio to the bf16 path measured in the same run. On CUDA
+it times the Triton kernels with `triton.testing.do_bench` at the issue's target
+shapes (decode: batch 32 at 32k context; int4 matmul 4096x14336 at batch 1..16 vs
+bf16 `torch.matmul`) and prints % of HBM bandwidth (H200: 4.8 TB/s). On the CPU it
+times the torch reference path at small shapes and prints the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels import kv_quant, paged_attention, weight_matmul
+from kernels._triton import HAS_TRITON, triton
+
+HBM_BYTES_PER_S = 4.8e12  # H200
+KV_DTYPES = ("bf16", "fp8", "int8", "int4")
+
+
+def time_ms(fn: Callable[[], object], device: str, reps: int) -> float:
+    """Milliseconds per call: do_bench on CUDA; on the CPU the fastest of `reps`
+    perf_counter runs (the least disturbed by other processes on shared cores)."""
+    if device == "cuda" and HAS_TRITON:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+    fn()  # warm-up
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return min(samples)
+
+
+class Table:
+    """Prints rows as they are measured; ratio is bf16 time / this time."""
+
+    def __init__(self, device: str):
+        self.device = device
+        cols = f"{'op':<14} {'dtype':<6} {'shape':<30} {'ms':>9} {'GB/s':>9}"
+        if device == "cuda":
+            cols += f" {'%HBM':>6}"
+        print(cols + f" {'x vs bf16':>9}")
+
+    def row(self, op, dtype, shape, ms, nbytes, bf16_ms) -> None:
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        line = f"{op:<14} {dtype:<6} {shape:<30} {ms:>9.3f} {gbps:>9.1f}"
+        if self.device == "cuda":
+            line += f" {100 * gbps * 1e9 / HBM_BYTES_PER_S:>6.1f}"
+        print(line + f" {bf16_ms / ms:>9.2f}", flush=True)
+
+
+def fill_random(cache: kv_quant.PagedKVCache) -> None:
+    """Random codes straight into the storage (speed does not depend on values)."""
+    for store, scale in (
+        (cache.key, cache.key_scale),
+        (cache.value, cache.value_scale),
+    ):
+        flat = store.view(-1, store.shape[-1])
+        for rows in torch.split(flat, 1 << 20):  # bounded temporaries
+            if cache.dtype in ("bf16", "fp16"):
+                rows.normal_()
+            elif cache.dtype == "fp8":
+                rows.copy_(torch.randn(rows.shape, device=rows.device))
+            elif cache.dtype == "int8":
+                rows.copy_(torch.randint_like(rows, -127, 128))
+            else:
+                rows.copy_(torch.randint_like(rows, 0, 256))
+        if scale is not None:
+            scale.fill_(0.01)
+
+
+def bench_write_kv(table: Table, device: str, num_tokens: int, reps: int) -> None:
+    num_kv_heads, head_dim, block_size = 8, 128, 16
+    num_blocks = triton.cdiv(num_tokens, block_size)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, device=device)
+    key, value = key.bfloat16(), torch.randn_like(key).bfloat16()
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    bf16_ms = None
+    for dtype in KV_DTYPES:
+        cache = kv_quant.allocate_kv_cache(
+            dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device
+        )
+        ms = time_ms(
+            lambda c=cache: kv_quant.write_kv(c, key, value, slots), device, reps
+        )
+        bf16_ms = bf16_ms or ms
+        written = num_tokens * kv_quant.kv_bytes_per_token(
+            dtype, num_kv_heads, head_dim
+        )
+        nbytes = 2 * key.numel() * key.element_size() + written + slots.numel() * 8
+        shape = f"T={num_tokens} Hkv={num_kv_heads} D={head_dim}"
+        table.row("write_kv", dtype, shape, ms, nbytes, bf16_ms)
+
+
+def bench_decode(table, device, batch, context, shape, reps) -> None:
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    blocks_per_seq = triton.cdiv(context, block_size)
+    num_blocks = batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, device=device, dtype=torch.int64)
+    tables = tables.view(batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, num_heads, head_dim, device=device).bfloat16()
+    bf16_ms = None
+    for dtype in KV_DTYPES:
+        cache = kv_quant.allocate_kv_cache(
+            dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device
+        )
+        fill_random(cache)
+
+        def run(c=cache):
+            paged_attention.paged_decode_attention(
+                query, c, tables, lens, head_dim**-0.5
+            )
+
+        ms = time_ms(run, device, reps)
+        bf16_ms = bf16_ms or ms
+        kv = (
+            batch * context * kv_quant.kv_bytes_per_token(dtype, num_kv_heads, head_dim)
+        )
+        nbytes = kv + 2 * query.numel() * query.element_size()
+        desc = f"B={batch} ctx={context} H={num_heads}/{num_kv_heads} D={head_dim}"
+        table.row("decode_attn", dtype, desc, ms, nbytes, bf16_ms)
+        del cache
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    blocks_per_seq = triton.cdiv(new_tokens, block_size)
+    num_blocks = batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, device=device, dtype=torch.int64)
+    tables = tables.view(batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((batch,), new_tokens, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * new_tokens
+    query = torch.randn(batch * new_tokens, num_heads, head_dim, device=device)
+    query = query.bfloat16()
+    bf16_ms = None
+    for dtype in KV_DTYPES:
+        cache = kv_quant.allocate_kv_cache(
+            dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device
+        )
+        fill_random(cache)
+
+        def run(c=cache):
+            paged_attention.paged_prefill_attention(
+                query, c, tables, qsl, lens, head_dim**-0.5
+            )
+
+        ms = time_ms(run, device, reps)
+        bf16_ms = bf16_ms or ms
+        kv = lens.sum().item() * kv_quant.kv_bytes_per_token(
+            dtype, num_kv_heads, head_dim
+        )
+        nbytes = kv + 2 * query.numel() * query.element_size()
+        desc = f"B={batch} new={new_tokens} H={num_heads}/{num_kv_heads} D={head_dim}"
+        table.row("prefill_attn", dtype, desc, ms, nbytes, bf16_ms)
+
+
+def bench_matmul(table, device, n, k, batches, reps) -> None:
+    w = (torch.randn(n, k, device=device) * 0.02).bfloat16()
+    packed, scale4 = weight_matmul.quantize_weight_int4(w)
+    q8, scale8 = weight_matmul.quantize_weight_int8(w)
+    for m in batches:
+        x = torch.randn(m, k, device=device).bfloat16()
+        act_bytes = (m * k + m * n) * 2
+        bf16_ms = time_ms(lambda x=x: torch.matmul(x, w.t()), device, reps)
+        desc = f"M={m} N={n} K={k}"
+        table.row("matmul", "bf16", desc, bf16_ms, w.numel() * 2 + act_bytes, bf16_ms)
+        ms = time_ms(
+            lambda x=x: weight_matmul.weight_int8_matmul(x, q8, scale8), device, reps
+        )
+        table.row("matmul", "int8", desc, ms, q8.numel() + n * 2 + act_bytes, bf16_ms)
+        ms = time_ms(
+            lambda x=x: weight_matmul.weight_int4_matmul(x, packed, scale4),
+            device,
+            reps,
+        )
+        nbytes = packed.numel() * 4 + scale4.numel() * 2 + act_bytes
+        table.row("matmul", "int4", desc, ms, nbytes, bf16_ms)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller shapes")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    args = parser.parse_args(argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    on_gpu = device == "cuda"
+    path = "triton kernels" if on_gpu else "torch reference (CPU)"
+    name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    print(f"# kernels.bench on {name}: {path}; ratio = bf16 time / time")
+    table = Table(device)
+    reps = 5 if not args.quick else 2
+    if on_gpu:
+        bench_write_kv(table, device, 16384, reps)
+        contexts = [4096] if args.quick else [4096, 32768]
+        for context in contexts:
+            bench_decode(table, device, 32, context, (32, 8, 128, 16), reps)
+        bench_decode(table, device, 32, 4096, (16, 4, 64, 32), reps)  # demo-like
+        bench_prefill(table, device, 4, 2048, (32, 8, 128, 16), reps)
+        batches = [1, 16] if args.quick else [1, 4, 16, 64, 256]
+        bench_matmul(table, device, 14336, 4096, batches, reps)
+        bench_matmul(table, device, 4096, 14336, batches, reps)
+    else:
+        bench_write_kv(table, device, 512 if args.quick else 2048, reps)
+        context = 512 if args.quick else 2048
+        bench_decode(table, device, 4, context, (8, 2, 64, 16), reps)
+        bench_prefill(
+            table, device, 2, 128 if args.quick else 256, (8, 2, 64, 16), reps
+        )
+        batches = [1, 16] if args.quick else [1, 4, 16]
+        bench_matmul(table, device, 1024, 2048, batches, reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Compile the Triton kernels for a GPU target without a GPU: `python -m
+kernels.compile_check [kv_quant|paged_attention|weight_matmul ...]`.
+
+The interpreter (TRITON_INTERPRET=1) runs kernels as Python and accepts constructs
+the real compiler rejects; this lowers each kernel, at the configurations the
+launchers use, through Triton's real pipeline to sm_90 PTX/cubin (ptxas ships with
+triton), so a CPU-only machine still catches kernels that would not build on an
+H100/H200. Must run with TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Argument types per kernel (pointer element types as Triton spells them).
+_WRITE_SIG = {
+    "key_ptr": "*bf16",
+    "value_ptr": "*bf16",
+    "slot_ptr": "*i64",
+    "key_cache_ptr": None,  # per dtype
+    "value_cache_ptr": None,
+    "key_scale_ptr": "*fp16",
+    "value_scale_ptr": "*fp16",
+    "stride_kt": "i32",
+    "stride_kh": "i32",
+    "stride_vt": "i32",
+    "stride_vh": "i32",
+    "num_kv_heads": "i32",
+}
+_DECODE_SIG = {
+    "q_ptr": "*bf16",
+    "k_cache_ptr": None,
+    "v_cache_ptr": None,
+    "k_scale_ptr": "*fp16",
+    "v_scale_ptr": "*fp16",
+    "block_tables_ptr": "*i32",
+    "context_lens_ptr": "*i32",
+    "part_out_ptr": "*fp32",
+    "part_max_ptr": "*fp32",
+    "part_sum_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "softmax_scale": "fp32",
+    "num_kv_heads": "i32",
+    "stride_bt": "i32",
+    "num_parts": "i32",
+}
+_PREFILL_SIG = {
+    "q_ptr": "*bf16",
+    "k_cache_ptr": None,
+    "v_cache_ptr": None,
+    "k_scale_ptr": "*fp16",
+    "v_scale_ptr": "*fp16",
+    "block_tables_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "context_lens_ptr": "*i32",
+    "tile_seq_ptr": "*i32",
+    "tile_start_ptr": "*i32",
+    "out_ptr": "*bf16",
+    "softmax_scale": "fp32",
+    "num_kv_heads": "i32",
+    "stride_bt": "i32",
+}
+_REDUCE_SIG = {
+    "part_out_ptr": "*fp32",
+    "part_max_ptr": "*fp32",
+    "part_sum_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "num_parts": "i32",
+}
+_MATMUL_SIG = {
+    "x_ptr": "*bf16",
+    "w_ptr": None,
+    "scale_ptr": "*bf16",
+    "part_ptr": "*fp32",
+    "M": "i32",
+    "N": "i32",
+    "K": "i32",
+    "stride_xm": "i32",
+    "stride_wn": "i32",
+}
+_STORAGE = {0: "*bf16", 1: "*u8", 2: "*i8", 3: "*u8"}
+
+
+def _configs(module: str):
+    """(name, kernel, signature, constexprs, num_warps) to compile for `module`."""
+    from kernels import kv_quant, paged_attention, weight_matmul
+
+    if module == "kv_quant":
+        for code, qmax in ((0, 1.0), (1, 448.0), (2, 127.0), (3, 7.5)):
+            sig = dict(_WRITE_SIG, key_cache_ptr=_STORAGE[code])
+            sig["value_cache_ptr"] = _STORAGE[code]
+            consts = {
+                "HEAD_DIM": 128,
+                "STORED_DIM": 64 if code == 3 else 128,
+                "KV_DTYPE": code,
+                "QMAX": qmax,
+                "CACHE_BF16": code == 0,
+            }
+            yield f"write_kv[{code}]", kv_quant._write_kv_kernel, sig, consts, 1
+    elif module == "paged_attention":
+        # (KV_DTYPE code, GQA group, head_dim, block_size)
+        shapes = ((0, 1, 128, 16), (2, 4, 128, 16), (1, 8, 64, 32), (3, 4, 128, 16),
+                  (3, 8, 64, 32))  # fmt: skip
+        for code, group, head_dim, block_size in shapes:
+            sig = dict(_DECODE_SIG, k_cache_ptr=_STORAGE[code])
+            sig["v_cache_ptr"] = _STORAGE[code]
+            kernel = paged_attention._paged_decode_kernel
+            if code == 3:
+                kernel = paged_attention._paged_decode_int4_kernel
+            consts = {
+                "GROUP": group,
+                "GROUP_PAD": 16,
+                "HEAD_DIM": head_dim,
+                "BLOCK_SIZE": block_size,
+                "BLOCK_N": paged_attention.DECODE_BLOCK_N,
+                "PARTITION_SIZE": paged_attention.PARTITION_SIZE,
+            }
+            if code != 3:
+                consts["KV_DTYPE"] = code
+            # Both epilogues, spread over the shapes to keep the check short.
+            single = group in (1, 8)
+            consts["SINGLE_PART"] = single
+            name = f"decode[{code},G{group},D{head_dim},single={single}]"
+            yield name, kernel, sig, consts, 4
+        for code, group, head_dim in ((0, 1, 64), (2, 4, 128), (1, 8, 64), (3, 4, 128)):
+            sig = dict(_PREFILL_SIG, k_cache_ptr=_STORAGE[code])
+            sig["v_cache_ptr"] = _STORAGE[code]
+            consts = {
+                "GROUP": group,
+                "HEAD_DIM": head_dim,
+                "BLOCK_SIZE": 16,
+                "BLOCK_M": paged_attention.PREFILL_BLOCK_M,
+                "BLOCK_N": paged_attention.PREFILL_BLOCK_N,
+                "KV_DTYPE": code,
+            }
+            warps = 4 if head_dim <= 64 else 8
+            kernel = paged_attention._paged_prefill_kernel
+            yield f"prefill[{code},G{group},D{head_dim}]", kernel, sig, consts, warps
+        consts = {"HEAD_DIM": 128, "PARTS_BLOCK": 32}
+        yield (
+            "reduce",
+            paged_attention._paged_decode_reduce_kernel,
+            _REDUCE_SIG,
+            consts,
+            4,
+        )
+    elif module == "weight_matmul":
+        for m in (1, 64, 256):
+            block_m, block_n, block_k, warps = weight_matmul._tile_config(m)
+            tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+            tiles["DOT_FP32"] = False
+            sig8 = dict(_MATMUL_SIG, w_ptr="*i8", k_per_split="i32")
+            yield f"int8[M{m}]", weight_matmul._int8_matmul_kernel, sig8, tiles, warps
+            sig4 = dict(_MATMUL_SIG, w_ptr="*i32", stride_sn="i32", k_per_split="i32")
+            consts = dict(tiles, GROUP_SIZE=128)
+            yield f"int4[M{m}]", weight_matmul._int4_matmul_kernel, sig4, consts, warps
+            if m == 1:  # no split: the kernel stores the bf16 output itself
+                sig4 = dict(sig4, part_ptr="*bf16")
+                kernel = weight_matmul._int4_matmul_kernel
+                yield "int4[M1,direct]", kernel, sig4, consts, warps
+        sig = {"part_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32"}
+        consts = {"SPLIT_K": 4, "BLOCK": 1024}
+        yield "sum_splits", weight_matmul._sum_splits_kernel, sig, consts, 4
+    else:
+        raise ValueError(f"unknown kernels module {module!r}")
+
+
+def compile_module(module: str, arch: int = 90) -> list[str]:
+    """Compile every configuration of `module` for sm_<arch>; return the failures."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_check needs TRITON_INTERPRET unset")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    failures = []
+    for name, kernel, sig, consts, num_warps in _configs(module):
+        signature = dict(sig, **{k: "constexpr" for k in consts})
+        src = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+        try:
+            triton.compile(src, target=target, options={"num_warps": num_warps})
+        except Exception as exc:  # report every kernel, not just the first
+            failures.append(f"{module}.{name}: {type(exc).__name__}: {exc}")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    modules = (argv if argv is not None else sys.argv[1:]) or [
+        "kv_quant",
+        "paged_attention",
+        "weight_matmul",
+    ]
+    failures = [f for module in modules for f in compile_module(module)]
+    for line in failures:
+        print("FAIL", line)
+    print(f"compiled {', '.join(modules)} for sm_90: {len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""Paged KV cache for one layer, quantized on write through a slot mapping.
+
+Layout (all tensors contiguous, one layer; slot = block_id * block_size + offset):
+
+=======  ==========================================  =====================  =========
+dtype    key / value storage                         key_scale/value_scale  bytes/tok
+=======  ==========================================  =====================  =========
+bf16     [num_blocks, block_size, H, D] bfloat16     None                   4*H*D
+fp16     [num_blocks, block_size, H, D] float16      None                   4*H*D
+fp8      [num_blocks, block_size, H, D] float8_e4m3  [nb, bs, H] float16    2*H*(D+2)
+int8     [num_blocks, block_size, H, D] int8         [nb, bs, H] float16    2*H*(D+2)
+int4     [num_blocks, block_size, H, D//2] uint8     [nb, bs, H] float16    2*H*(D/2+2)
+=======  ==========================================  =====================  =========
+
+Scales are per token per kv head (one float16 per head vector, for K and V alike),
+symmetric, from the vector's absmax, never clipped:
+
+* fp8 (e4m3fn): scale = absmax / 448, stored q = fp8(x / scale), read q * scale.
+* int8: scale = absmax / 127, q = floor(x / scale + 0.5) in [-127, 127].
+* int4: scale = absmax / 7.5, sixteen half-integer levels (u - 7.5) * scale with
+  u = floor(x / scale + 8) in [0, 15]; two values per byte, element 2j in the low
+  nibble of byte j and element 2j+1 in the high nibble. Half-integer levels use all
+  16 codes (absmax / 7 would waste one), which lowers the rounding error by ~7%.
+
+The stored float16 scale is rounded *up* (x (1 + 2^-10) before the cast, so
+|x / scale| never exceeds the code range) and floored at 2^-14, the smallest normal
+float16, so an all-zero vector gets a finite scale. int4 bytes/token vs bf16 is
+(D/2 + 2) / (2 D): 0.266 at head_dim 64, 0.258 at 128; int8/fp8 (D + 2) / (2 D):
+0.516 / 0.508.
+
+`write_kv` quantizes on write (Triton kernel on CUDA, torch reference on CPU);
+`gather_kv` dequantizes one sequence back to float32 for references and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton import check, tl, triton, use_triton
+
+KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+
+SCALE_DTYPE = torch.float16
+_STORAGE_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "int4": torch.uint8,
+}
+# Largest code magnitude per quantized dtype: scale = absmax / QMAX.
+_QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.5}
+# KV_DTYPE constexpr codes shared with kernels/paged_attention.py.
+KV_DTYPE_CODES = {"bf16": 0, "fp16": 0, "fp8": 1, "int8": 2, "int4": 3}
+_SCALE_MIN = 2.0**-14
+_SCALE_ROUND_UP = 1.0 + 2.0**-10
+
+
+@dataclass
+class PagedKVCache:
+    """One layer's paged K and V cache; layout in the module docstring."""
+
+    dtype: str
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    key: torch.Tensor
+    value: torch.Tensor
+    key_scale: torch.Tensor | None
+    value_scale: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte of storage, scales included."""
+        tensors = [self.key, self.value, self.key_scale, self.value_scale]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the cache: num_blocks * block_size."""
+        return self.num_blocks * self.block_size
+
+
+def _check_dtype(dtype: str) -> None:
+    check(dtype in KV_CACHE_DTYPES, f"KV cache dtype must be in {KV_CACHE_DTYPES}")
+
+
+def kv_bytes_per_token(dtype: str, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes one token takes in one layer's cache, K and V, scales included.
+
+    Equals `allocate_kv_cache(...).nbytes / (num_blocks * block_size)` exactly.
+    """
+    _check_dtype(dtype)
+    if dtype in ("bf16", "fp16"):
+        return 2 * num_kv_heads * head_dim * 2
+    data = head_dim // 2 if dtype == "int4" else head_dim
+    return 2 * num_kv_heads * (data + SCALE_DTYPE.itemsize)
+
+
+def allocate_kv_cache(
+    dtype: str,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: str | torch.device = "cpu",
+) -> PagedKVCache:
+    """Allocate a zeroed paged KV cache for one layer (layout in module docstring)."""
+    _check_dtype(dtype)
+    check(dtype != "int4" or head_dim % 2 == 0, "int4 KV needs an even head_dim")
+    stored_dim = head_dim // 2 if dtype == "int4" else head_dim
+    shape = (num_blocks, block_size, num_kv_heads, stored_dim)
+    storage = _STORAGE_DTYPES[dtype]
+    scaled = dtype in _QMAX
+
+    def scale() -> torch.Tensor | None:
+        if not scaled:
+            return None
+        return torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+
+    return PagedKVCache(
+        dtype=dtype,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        key=torch.zeros(shape, dtype=storage, device=device),
+        value=torch.zeros(shape, dtype=storage, device=device),
+        key_scale=scale(),
+        value_scale=scale(),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Torch reference
+# --------------------------------------------------------------------------------------
+
+
+def quantize_kv(
+    x: torch.Tensor, dtype: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize head vectors x [..., D] to (storage [..., D or D/2], scale [...]).
+
+    Torch reference of the write kernel; the scale is float16 (None for bf16/fp16).
+    """
+    _check_dtype(dtype)
+    if dtype not in _QMAX:
+        return x.to(_STORAGE_DTYPES[dtype]), None
+    x32 = x.float()
+    absmax = x32.abs().amax(dim=-1)
+    scale16 = (
+        (absmax / _QMAX[dtype] * _SCALE_ROUND_UP).clamp_min(_SCALE_MIN).to(SCALE_DTYPE)
+    )
+    y = x32 / scale16.float().unsqueeze(-1)
+    if dtype == "fp8":
+        return y.to(torch.float8_e4m3fn), scale16
+    if dtype == "int8":
+        return torch.floor(y + 0.5).clamp(-127, 127).to(torch.int8), scale16
+    u = torch.floor(y + 8.0).clamp(0, 15).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4), scale16
+
+
+def dequantize_kv(
+    stored: torch.Tensor, scale: torch.Tensor | None, dtype: str
+) -> torch.Tensor:
+    """Inverse of `quantize_kv`: float32 [..., D]."""
+    _check_dtype(dtype)
+    if dtype == "int4":
+        # [..., D/2] bytes -> [..., D/2, 2] (low, high) -> [..., D]
+        nibbles = torch.stack((stored & 0xF, stored >> 4), dim=-1)
+        x = nibbles.flatten(-2).float() - 7.5
+    else:
+        x = stored.float()
+    if scale is not None:
+        x = x * scale.float().unsqueeze(-1)
+    return x
+
+
+def _write_kv_reference(
+    cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
+    keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
+    for src, store, scale in (
+        (key, cache.key, cache.key_scale),
+        (value, cache.value, cache.value_scale),
+    ):
+        q, s = quantize_kv(src, cache.dtype)
+        # fp8 index_put is not implemented everywhere; bytes are bytes.
+        flat = store.view(torch.uint8) if cache.dtype == "fp8" else store
+        flat = flat.view(cache.num_slots, cache.num_kv_heads, -1)
+        flat[slots] = q.view(torch.uint8) if cache.dtype == "fp8" else q
+        if scale is not None:
+            scale.view(cache.num_slots, cache.num_kv_heads)[slots] = s
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp32_to_e4m3_bits(y):
+    # Round-to-nearest-even fp32 -> float8 e4m3fn bits, done with integer ops: the
+    # interpreter's fp8 cast drops the mantissa carry (x/2 errors), and |y| <= 448
+    # is guaranteed by the scale, so no saturation or NaN handling is needed.
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal range: keep 3 mantissa bits, RNE on the 20 dropped ones; the carry
+    # ripples into the exponent on its own. Rebias 127 -> 7.
+    rounded = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal = ((rounded >> 23) - 120) * 8 + ((rounded >> 20) & 7)
+    # subnormal range (a < 2^-6): code = RNE(a / 2^-9); adding 2^23 rounds to an int.
+    sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    mag = tl.where(a < 0.015625, sub, normal)
+    sign = tl.where(y.to(tl.int32, bitcast=True) < 0, 128, 0)  # keeps -0.0
+    return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def _fp32_to_bf16_rne(x):
+    # Round-to-nearest-even fp32 -> bf16 with integer ops (what the GPU cast does);
+    # the interpreter's cast truncates instead.
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _quantize_store_head(
+    src_ptr,  # [HEAD_DIM] one new head vector (bf16/fp16/fp32), contiguous
+    dst_ptr,  # row of the cache storage for (slot, head): HEAD_DIM or HEAD_DIM//2
+    scale_ptr,  # float16 scale for (slot, head); unused when KV_DTYPE == 0
+    HEAD_DIM: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
+    QMAX: tl.constexpr,
+    CACHE_BF16: tl.constexpr,
+):
+    if KV_DTYPE == 3:
+        # int4: even and odd elements apart, so each output byte gets (low, high).
+        offs = tl.arange(0, HEAD_DIM // 2)
+        lo = tl.load(src_ptr + 2 * offs).to(tl.float32)
+        hi = tl.load(src_ptr + 2 * offs + 1).to(tl.float32)
+        absmax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
+        scale = tl.maximum(absmax / QMAX * 1.0009765625, 0.00006103515625)
+        scale16 = scale.to(tl.float16)
+        scale = scale16.to(tl.float32)
+        u_lo = tl.minimum(tl.maximum(tl.floor(lo / scale + 8.0), 0.0), 15.0)
+        u_hi = tl.minimum(tl.maximum(tl.floor(hi / scale + 8.0), 0.0), 15.0)
+        byte = u_lo.to(tl.int32) | (u_hi.to(tl.int32) << 4)
+        tl.store(dst_ptr + offs, byte.to(tl.uint8))
+        tl.store(scale_ptr, scale16)
+    else:
+        offs = tl.arange(0, HEAD_DIM)
+        x = tl.load(src_ptr + offs).to(tl.float32)
+        if KV_DTYPE == 0:
+            if CACHE_BF16:
+                tl.store(dst_ptr + offs, _fp32_to_bf16_rne(x))
+            else:
+                tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty))
+        else:
+            absmax = tl.max(tl.abs(x), axis=0)
+            # 1 + 2^-10 rounds the float16 scale up; 2^-14 = smallest normal fp16.
+            scale = tl.maximum(absmax / QMAX * 1.0009765625, 0.00006103515625)
+            scale16 = scale.to(tl.float16)
+            y = x / scale16.to(tl.float32)
+            if KV_DTYPE == 1:
+                q = _fp32_to_e4m3_bits(y)
+            else:
+                q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -127.0), 127.0)
+                q = q.to(tl.int8)
+            tl.store(dst_ptr + offs, q)
+            tl.store(scale_ptr, scale16)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,  # [T, H, HEAD_DIM] new keys, last dim contiguous
+    value_ptr,  # [T, H, HEAD_DIM] new values, last dim contiguous
+    slot_ptr,  # [T] int64 cache slot per token; -1 = do not write
+    key_cache_ptr,  # [num_slots, H, HEAD_DIM or HEAD_DIM//2] key storage (fp8 as u8)
+    value_cache_ptr,  # [num_slots, H, HEAD_DIM or HEAD_DIM//2] value storage
+    key_scale_ptr,  # [num_slots, H] float16 key scales (dummy for bf16/fp16)
+    value_scale_ptr,  # [num_slots, H] float16 value scales (dummy for bf16/fp16)
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    STORED_DIM: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
+    QMAX: tl.constexpr,
+    CACHE_BF16: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + tok)
+    if slot >= 0:
+        row = slot * num_kv_heads + head
+        _quantize_store_head(
+            key_ptr + tok * stride_kt + head * stride_kh,
+            key_cache_ptr + row * STORED_DIM,
+            key_scale_ptr + row,
+            HEAD_DIM,
+            KV_DTYPE,
+            QMAX,
+            CACHE_BF16,
+        )
+        _quantize_store_head(
+            value_ptr + tok * stride_vt + head * stride_vh,
+            value_cache_ptr + row * STORED_DIM,
+            value_scale_ptr + row,
+            HEAD_DIM,
+            KV_DTYPE,
+            QMAX,
+            CACHE_BF16,
+        )
+
+
+def _write_kv_triton(
+    cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
+    check(
+        key.stride(-1) == 1 and value.stride(-1) == 1,
+        "key/value must be contiguous in head_dim",
+    )
+    check(
+        cache.key.is_contiguous() and cache.value.is_contiguous(),
+        "cache storage must be contiguous",
+    )
+    check(
+        cache.head_dim & (cache.head_dim - 1) == 0,
+        "Triton write_kv needs a power-of-two head_dim",
+    )
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    key_store, value_store = cache.key, cache.value
+    if cache.dtype == "fp8":
+        key_store, value_store = (
+            key_store.view(torch.uint8),
+            value_store.view(torch.uint8),
+        )
+    # bf16/fp16 have no scales; the kernel never touches these pointers then.
+    key_scale = cache.key_scale if cache.key_scale is not None else key_store
+    value_scale = cache.value_scale if cache.value_scale is not None else value_store
+    _write_kv_kernel[(num_tokens, cache.num_kv_heads)](
+        key,
+        value,
+        slots,
+        key_store,
+        value_store,
+        key_scale,
+        value_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cache.num_kv_heads,
+        HEAD_DIM=cache.head_dim,
+        STORED_DIM=key_store.shape[-1],
+        KV_DTYPE=KV_DTYPE_CODES[cache.dtype],
+        QMAX=_QMAX.get(cache.dtype, 1.0),
+        CACHE_BF16=cache.dtype == "bf16",
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------
+
+
+def write_kv(
+    cache: PagedKVCache,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    impl: str = "auto",
+) -> None:
+    """Quantize key/value [T, num_kv_heads, head_dim] into `cache` in place.
+
+    slot_mapping [T] int64 gives each token's slot (block_id * block_size + offset);
+    slot -1 skips the token. Triton on CUDA, torch reference elsewhere (`impl`).
+    """
+    expected = (cache.num_kv_heads, cache.head_dim)
+    check(
+        key.dim() == 3 and tuple(key.shape[1:]) == expected,
+        f"key must be [T, {expected[0]}, {expected[1]}], got {tuple(key.shape)}",
+    )
+    check(key.shape == value.shape, "key and value shapes differ")
+    check(
+        key.dtype in (torch.bfloat16, torch.float16, torch.float32),
+        f"key/value must be bf16/fp16/fp32, got {key.dtype}",
+    )
+    check(
+        slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
+        "slot_mapping must be [T]",
+    )
+    check(slot_mapping.dtype == torch.int64, "slot_mapping must be int64")
+    if use_triton(impl, key, value, slot_mapping, cache.key):
+        _write_kv_triton(cache, key, value, slot_mapping)
+    else:
+        _write_kv_reference(cache, key, value, slot_mapping)
+
+
+def gather_kv(
+    cache: PagedKVCache, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized K, V [context_len, num_kv_heads, head_dim] float32 of one sequence.
+
+    block_table [max_blocks] (or [1, max_blocks]) lists the sequence's physical blocks.
+    """
+    table = block_table.reshape(-1).long()
+    pos = torch.arange(context_len, device=table.device)
+    slots = table[pos // cache.block_size] * cache.block_size + pos % cache.block_size
+    out = []
+    for store, scale in (
+        (cache.key, cache.key_scale),
+        (cache.value, cache.value_scale),
+    ):
+        rows = store.view(cache.num_slots, cache.num_kv_heads, -1)[slots]
+        s = None if scale is None else scale.view(cache.num_slots, -1)[slots]
+        out.append(dequantize_kv(rows, s, cache.dtype))
+    return out[0], out[1]

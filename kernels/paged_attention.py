@@ -1,0 +1,732 @@
+"""Paged attention over a (quantized) paged KV cache: decode and chunked prefill.
+
+Decode: one query token per sequence, K/V read through the block table, grouped-query
+attention (query head h uses kv head h // (num_heads // num_kv_heads)). The Triton
+kernel runs one program per (sequence, kv head, context partition of PARTITION_SIZE
+tokens): all query heads of the group share each K/V tile, which is gathered token
+by token through the block table (so any block size and any context length work),
+dequantized in registers just before each dot, and folded in with an online softmax
+in float32. A second small kernel merges the partitions (flash-decoding style).
+int4 has its own copy of the kernel that keeps the packed bytes contiguous: it splits
+q, K, V and the output into even and odd head_dim elements (low and high nibbles),
+so q.k = q_even.k_even + q_odd.k_odd and no interleave is ever materialised.
+
+Prefill: new token i of sequence b sits at position context_lens[b] - n_new_b + i and
+attends to every cache position <= its own (the cached prefix plus the causal part of
+its chunk). The reference uses SDPA per sequence; the Triton kernel is flash-attention
+over the paged cache: one program per (tile of PREFILL_BLOCK_M new tokens of one
+sequence, query head), K/V tiles gathered through the block table up to the tile's
+last position, causal mask by absolute position. The query heads of a GQA group each
+read their kv head (from L2 after the first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import check, tl, triton, use_triton
+from kernels.kv_quant import KV_DTYPE_CODES, PagedKVCache, dequantize_kv
+
+# Tokens per decode program; 512 matches vLLM's paged-attention v2 partitions.
+PARTITION_SIZE = 512
+# Tokens per K/V tile inside a program.
+DECODE_BLOCK_N = 64
+# Prefill: new tokens per query tile, cached tokens per K/V tile.
+PREFILL_BLOCK_M = 32
+PREFILL_BLOCK_N = 32
+
+# --------------------------------------------------------------------------------------
+# Torch reference
+# --------------------------------------------------------------------------------------
+
+
+def _gather_blocks(cache: PagedKVCache, block_tables: torch.Tensor):
+    """Dequantized K, V [B, max_blocks * block_size, Hkv, D] float32 (all rows)."""
+    # Padding entries of a block table may be -1; they are masked out by length.
+    table = block_tables.long().clamp_min(0)
+    out = []
+    for store, scale in (
+        (cache.key, cache.key_scale),
+        (cache.value, cache.value_scale),
+    ):
+        rows = store[table]  # [B, max_blocks, block_size, Hkv, D or D/2]
+        s = None if scale is None else scale[table]
+        x = dequantize_kv(rows, s, cache.dtype)  # [B, max_blocks, bs, Hkv, D]
+        out.append(x.flatten(1, 2))  # [B, max_blocks * bs, Hkv, D]
+    return out[0], out[1]
+
+
+def paged_decode_attention_reference(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Torch reference of `paged_decode_attention` (float32 math, vectorised)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = cache.num_kv_heads
+    group = num_heads // num_kv_heads
+    key, value = _gather_blocks(cache, block_tables)  # [B, L, Hkv, D]
+    q = query.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, key) * softmax_scale
+    pos = torch.arange(key.shape[1], device=query.device)
+    valid = pos[None, :] < context_lens.to(query.device).long()[:, None]  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A sequence with context 0 has no keys: define its output as 0, not NaN.
+    probs = torch.nan_to_num(probs, nan=0.0)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, value)
+    return out.reshape(batch, num_heads, head_dim).to(query.dtype)
+
+
+def paged_prefill_attention_reference(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Torch reference of `paged_prefill_attention` (SDPA per sequence, float32)."""
+    num_heads = query.shape[1]
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        key, value = _gather_blocks(cache, block_tables[b : b + 1])
+        key, value = key[0, :ctx], value[0, :ctx]  # [ctx, Hkv, D]
+        q_pos = torch.arange(ctx - (hi - lo), ctx, device=query.device)
+        k_pos = torch.arange(ctx, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [n, ctx]
+        o = F.scaled_dot_product_attention(
+            query[lo:hi].float().transpose(0, 1),  # [H, n, D]
+            key.transpose(0, 1),  # [Hkv, ctx, D]
+            value.transpose(0, 1),
+            attn_mask=mask,
+            scale=softmax_scale,
+            enable_gqa=cache.num_kv_heads != num_heads,
+        )
+        out[lo:hi] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,  # [num_slots * Hkv, HEAD_DIM] storage: bf16/fp16, fp8 as uint8, int8
+    scale_ptr,  # [num_slots * Hkv] float16 scales (unused when KV_DTYPE == 0)
+    row,  # [BLOCK_N] int64 row (slot * Hkv + kv_head) of each token
+    mask,  # [BLOCK_N] tokens inside the context
+    HEAD_DIM: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = cache_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+    raw = tl.load(ptrs, mask=mask[:, None], other=0)
+    if KV_DTYPE == 1:
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = raw.to(tl.float32)
+    if KV_DTYPE != 0:
+        scale = tl.load(scale_ptr + row, mask=mask, other=0.0).to(tl.float32)
+        x = x * scale[:, None]
+    return x
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,  # [B, num_heads, HEAD_DIM] queries, contiguous
+    k_cache_ptr,  # key storage, [num_slots, Hkv, HEAD_DIM or HEAD_DIM//2]
+    v_cache_ptr,  # value storage, same layout
+    k_scale_ptr,  # [num_slots, Hkv] float16 key scales (dummy for bf16/fp16)
+    v_scale_ptr,  # [num_slots, Hkv] float16 value scales (dummy for bf16/fp16)
+    block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
+    context_lens_ptr,  # [B] int32 tokens in the cache per sequence
+    part_out_ptr,  # [B, num_heads, num_parts, HEAD_DIM] float32 unnormalised outputs
+    part_max_ptr,  # [B, num_heads, num_parts] float32 running max of the scores
+    part_sum_ptr,  # [B, num_heads, num_parts] float32 softmax denominators
+    out_ptr,  # [B, num_heads, HEAD_DIM] output (query dtype), when SINGLE_PART
+    softmax_scale,
+    num_kv_heads,
+    stride_bt,
+    num_parts,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
+    SINGLE_PART: tl.constexpr,
+):
+    # kv heads vary fastest across programs: the heads of one token share DRAM pages
+    # and the 32-byte sectors of their scales.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    part = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_heads = num_kv_heads * GROUP
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    head = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this kv head
+    q_ptrs = q_ptr + (seq * num_heads + head)[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q = q * softmax_scale
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    start = part * PARTITION_SIZE
+    end = tl.minimum(start + PARTITION_SIZE, context_len)
+    for tok0 in range(start, end, BLOCK_N):
+        offs_n = tok0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block = tl.load(
+            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
+            mask=n_mask,
+            other=0,
+        ).to(tl.int64)
+        row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE)
+        scores = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK_N]
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+
+    if SINGLE_PART:
+        # One partition holds the whole context: normalise here, skip the merge.
+        inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        o_ptrs = (
+            out_ptr + (seq * num_heads + head)[:, None] * HEAD_DIM + offs_d[None, :]
+        )
+        o = acc * inv_l[:, None]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        part_row = (seq * num_heads + head) * num_parts + part  # [GROUP_PAD]
+        tl.store(part_max_ptr + part_row, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part_row, l_i, mask=g_mask)
+        out_ptrs = part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(out_ptrs, acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _load_int4_tile(
+    cache_ptr,  # [num_slots * Hkv, HEAD_DIM // 2] uint8, element 2j low nibble of j
+    scale_ptr,  # [num_slots * Hkv] float16 scales
+    row,  # [BLOCK_N] int64 row (slot * Hkv + kv_head) of each token
+    mask,  # [BLOCK_N] tokens inside the context
+    HEAD_DIM: tl.constexpr,
+):
+    # Contiguous byte rows (vectorised loads); the even and odd elements come back
+    # as two [BLOCK_N, HEAD_DIM // 2] halves so no interleave is needed.
+    offs_j = tl.arange(0, HEAD_DIM // 2)
+    ptrs = cache_ptr + row[:, None] * (HEAD_DIM // 2) + offs_j[None, :]
+    byte = tl.load(ptrs, mask=mask[:, None], other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None]
+    even = ((byte & 0xF).to(tl.float32) - 7.5) * scale
+    odd = ((byte >> 4).to(tl.float32) - 7.5) * scale
+    return even, odd
+
+
+@triton.jit
+def _paged_decode_int4_kernel(
+    q_ptr,  # [B, num_heads, HEAD_DIM] queries, contiguous
+    k_cache_ptr,  # [num_slots, Hkv, HEAD_DIM // 2] uint8 packed key nibbles
+    v_cache_ptr,  # [num_slots, Hkv, HEAD_DIM // 2] uint8 packed value nibbles
+    k_scale_ptr,  # [num_slots, Hkv] float16 key scales
+    v_scale_ptr,  # [num_slots, Hkv] float16 value scales
+    block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
+    context_lens_ptr,  # [B] int32 tokens in the cache per sequence
+    part_out_ptr,  # [B, num_heads, num_parts, HEAD_DIM] float32 unnormalised outputs
+    part_max_ptr,  # [B, num_heads, num_parts] float32 running max of the scores
+    part_sum_ptr,  # [B, num_heads, num_parts] float32 softmax denominators
+    out_ptr,  # [B, num_heads, HEAD_DIM] output (query dtype), when SINGLE_PART
+    softmax_scale,
+    num_kv_heads,
+    stride_bt,
+    num_parts,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    SINGLE_PART: tl.constexpr,
+):
+    # Same as _paged_decode_kernel, with q, K, V and the output split into even and
+    # odd head_dim elements: q.k = q_even.k_even + q_odd.k_odd.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    part = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_heads = num_kv_heads * GROUP
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_j = tl.arange(0, HEAD_DIM // 2)
+    g_mask = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    q_ptrs = q_ptr + (seq * num_heads + head)[:, None] * HEAD_DIM + 2 * offs_j[None, :]
+    q_even = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q_odd = tl.load(q_ptrs + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q_even = q_even * softmax_scale
+    q_odd = q_odd * softmax_scale
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc_even = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+    acc_odd = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
+    start = part * PARTITION_SIZE
+    end = tl.minimum(start + PARTITION_SIZE, context_len)
+    for tok0 in range(start, end, BLOCK_N):
+        offs_n = tok0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block = tl.load(
+            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
+            mask=n_mask,
+            other=0,
+        ).to(tl.int64)
+        row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
+        k_even, k_odd = _load_int4_tile(k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM)
+        scores = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_even, v_odd = _load_int4_tile(v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM)
+        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+        m_i = m_new
+
+    if SINGLE_PART:
+        inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        o_ptrs = out_ptr + (seq * num_heads + head)[:, None] * HEAD_DIM
+        o_ptrs += 2 * offs_j[None, :]
+        even = (acc_even * inv_l[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(o_ptrs, even, mask=g_mask[:, None])
+        odd = (acc_odd * inv_l[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(o_ptrs + 1, odd, mask=g_mask[:, None])
+    else:
+        part_row = (seq * num_heads + head) * num_parts + part  # [GROUP_PAD]
+        tl.store(part_max_ptr + part_row, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part_row, l_i, mask=g_mask)
+        out_ptrs = part_out_ptr + part_row[:, None] * HEAD_DIM + 2 * offs_j[None, :]
+        tl.store(out_ptrs, acc_even, mask=g_mask[:, None])
+        tl.store(out_ptrs + 1, acc_odd, mask=g_mask[:, None])
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    part_out_ptr,  # [B * num_heads, num_parts, HEAD_DIM] float32 partial outputs
+    part_max_ptr,  # [B * num_heads, num_parts] float32 partial score maxima
+    part_sum_ptr,  # [B * num_heads, num_parts] float32 partial denominators
+    out_ptr,  # [B * num_heads, HEAD_DIM] attention output (query dtype)
+    num_parts,
+    HEAD_DIM: tl.constexpr,
+    PARTS_BLOCK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Pass 1: global max over partitions; empty partitions hold -inf.
+    m_all = tl.full([PARTS_BLOCK], float("-inf"), tl.float32)
+    for p0 in range(0, num_parts, PARTS_BLOCK):
+        offs_p = p0 + tl.arange(0, PARTS_BLOCK)
+        m = tl.load(
+            part_max_ptr + bh * num_parts + offs_p,
+            mask=offs_p < num_parts,
+            other=float("-inf"),
+        )
+        m_all = tl.maximum(m_all, m)
+    m_max = tl.max(m_all, axis=0)
+    # No tokens at all (context 0): any finite m_max keeps exp() NaN-free.
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    # Pass 2: rescale and sum.
+    denom = tl.zeros([PARTS_BLOCK], tl.float32)
+    acc = tl.zeros([PARTS_BLOCK, HEAD_DIM], tl.float32)
+    for p0 in range(0, num_parts, PARTS_BLOCK):
+        offs_p = p0 + tl.arange(0, PARTS_BLOCK)
+        p_mask = offs_p < num_parts
+        m = tl.load(
+            part_max_ptr + bh * num_parts + offs_p, mask=p_mask, other=float("-inf")
+        )
+        s = tl.load(part_sum_ptr + bh * num_parts + offs_p, mask=p_mask, other=0.0)
+        w = tl.where(s > 0, tl.exp(m - m_max), 0.0)
+        denom += w * s
+        o_ptrs = part_out_ptr + (bh * num_parts + offs_p)[:, None] * HEAD_DIM
+        o = tl.load(o_ptrs + offs_d[None, :], mask=p_mask[:, None], other=0.0)
+        acc += o * w[:, None]
+    total = tl.sum(denom, axis=0)
+    total = tl.where(total > 0, total, 1.0)
+    out = tl.sum(acc, axis=0) / total
+    tl.store(out_ptr + bh * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def _paged_decode_triton(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+    partition_size: int = PARTITION_SIZE,
+    block_n: int = DECODE_BLOCK_N,
+) -> torch.Tensor:
+    check(query.is_contiguous(), "query must be contiguous [B, num_heads, head_dim]")
+    check(
+        cache.key.is_contiguous() and cache.value.is_contiguous(),
+        "cache storage must be contiguous",
+    )
+    check(block_tables.dtype == torch.int32, "block_tables must be int32")
+    check(context_lens.dtype == torch.int32, "context_lens must be int32")
+    check(block_tables.stride(-1) == 1, "block_tables rows must be contiguous")
+    check(context_lens.is_contiguous(), "context_lens must be contiguous")
+    head_dim = cache.head_dim
+    check(
+        head_dim >= 16 and head_dim & (head_dim - 1) == 0,
+        f"Triton paged attention needs a power-of-two head_dim >= 16, got {head_dim}",
+    )
+    check(
+        block_n >= 16 and partition_size % block_n == 0,
+        "partition_size must be a multiple of block_n >= 16",
+    )
+    batch, num_heads, _ = query.shape
+    group = num_heads // cache.num_kv_heads
+    # Upper bound on the context from the table width: no device->host sync here;
+    # partitions past a sequence's end exit at once.
+    max_context = block_tables.shape[1] * cache.block_size
+    num_parts = max(1, triton.cdiv(max_context, partition_size))
+    dev = query.device
+    # Partial results only when the context spans several partitions.
+    parts_shape = (batch, num_heads, num_parts) if num_parts > 1 else (1, 1, 1)
+    part_out = torch.empty((*parts_shape, head_dim), dtype=torch.float32, device=dev)
+    part_max = torch.empty(parts_shape, dtype=torch.float32, device=dev)
+    part_sum = torch.empty_like(part_max)
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    key, value = cache.key, cache.value
+    if cache.dtype == "fp8":
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    key_scale = cache.key_scale if cache.key_scale is not None else key
+    value_scale = cache.value_scale if cache.value_scale is not None else value
+    int4 = cache.dtype == "int4"
+    kernel = _paged_decode_int4_kernel if int4 else _paged_decode_kernel
+    dtype_arg = {} if int4 else {"KV_DTYPE": KV_DTYPE_CODES[cache.dtype]}
+    kernel[(cache.num_kv_heads, batch, num_parts)](
+        query,
+        key,
+        value,
+        key_scale,
+        value_scale,
+        block_tables,
+        context_lens,
+        part_out,
+        part_max,
+        part_sum,
+        out,
+        softmax_scale,
+        cache.num_kv_heads,
+        block_tables.stride(0),
+        num_parts,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=cache.block_size,
+        BLOCK_N=block_n,
+        PARTITION_SIZE=partition_size,
+        **dtype_arg,
+        SINGLE_PART=num_parts == 1,
+        num_warps=4,
+    )
+    if num_parts == 1:
+        return out
+    _paged_decode_reduce_kernel[(batch * num_heads,)](
+        part_out,
+        part_max,
+        part_sum,
+        out,
+        num_parts,
+        HEAD_DIM=head_dim,
+        PARTS_BLOCK=min(32, triton.next_power_of_2(num_parts)),
+        num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _load_int4_tile_interleaved(
+    cache_ptr,  # [num_slots * Hkv, HEAD_DIM // 2] uint8, element 2j low nibble of j
+    scale_ptr,  # [num_slots * Hkv] float16 scales
+    row,  # [BLOCK_N] int64 row (slot * Hkv + kv_head) of each token
+    mask,  # [BLOCK_N] tokens inside the context
+    HEAD_DIM: tl.constexpr,
+):
+    even, odd = _load_int4_tile(cache_ptr, scale_ptr, row, mask, HEAD_DIM)
+    # [BLOCK_N, D/2, 2] -> [BLOCK_N, D]: row-major merge puts even_j at 2j.
+    return tl.reshape(tl.join(even, odd), [row.shape[0], HEAD_DIM])
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,  # [T, num_heads, HEAD_DIM] queries of the new tokens, contiguous
+    k_cache_ptr,  # key storage, [num_slots, Hkv, HEAD_DIM or HEAD_DIM//2]
+    v_cache_ptr,  # value storage, same layout
+    k_scale_ptr,  # [num_slots, Hkv] float16 key scales (dummy for bf16/fp16)
+    v_scale_ptr,  # [num_slots, Hkv] float16 value scales (dummy for bf16/fp16)
+    block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
+    query_start_loc_ptr,  # [B + 1] int32 first query row of each sequence
+    context_lens_ptr,  # [B] int32 tokens in the cache per sequence, new ones included
+    tile_seq_ptr,  # [num_tiles] int32 sequence of each query tile, -1 = no tile
+    tile_start_ptr,  # [num_tiles] int32 first new-token index of the tile in its seq
+    out_ptr,  # [T, num_heads, HEAD_DIM] output (query dtype)
+    softmax_scale,
+    num_kv_heads,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq >= 0:
+        num_heads = num_kv_heads * GROUP
+        kv_head = head // GROUP
+        q_lo = tl.load(query_start_loc_ptr + seq)
+        num_new = tl.load(query_start_loc_ptr + seq + 1) - q_lo
+        context_len = tl.load(context_lens_ptr + seq)
+        offs_m = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < num_new
+        q_pos = context_len - num_new + offs_m  # [BLOCK_M] positions in the sequence
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_rows = (q_lo + offs_m).to(tl.int64) * num_heads + head
+        q_ptrs = q_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        q = q * softmax_scale
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # Keys up to the tile's last position; position 0 is in the first K tile,
+        # so every row has a finite max after it (no NaN from fully masked rows).
+        end = tl.minimum(tl.max(q_pos, axis=0) + 1, context_len)
+        for tok0 in range(0, end, BLOCK_N):
+            offs_n = tok0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            block = tl.load(
+                block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
+                mask=n_mask,
+                other=0,
+            ).to(tl.int64)
+            row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
+            if KV_DTYPE == 3:
+                k = _load_int4_tile_interleaved(
+                    k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM
+                )
+            else:
+                k = _load_kv_tile(
+                    k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE
+                )
+            scores = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+            causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            scores = tl.where(causal, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if KV_DTYPE == 3:
+                v = _load_int4_tile_interleaved(
+                    v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM
+                )
+            else:
+                v = _load_kv_tile(
+                    v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE
+                )
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def _paged_prefill_triton(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+    block_m: int = PREFILL_BLOCK_M,
+    block_n: int = PREFILL_BLOCK_N,
+) -> torch.Tensor:
+    check(query.is_contiguous(), "query must be contiguous [T, num_heads, head_dim]")
+    check(
+        cache.key.is_contiguous() and cache.value.is_contiguous(),
+        "cache storage must be contiguous",
+    )
+    for name, t in (
+        ("block_tables", block_tables),
+        ("query_start_loc", query_start_loc),
+        ("context_lens", context_lens),
+    ):
+        check(t.dtype == torch.int32, f"{name} must be int32")
+    check(block_tables.stride(-1) == 1, "block_tables rows must be contiguous")
+    head_dim = cache.head_dim
+    check(
+        head_dim >= 16 and head_dim & (head_dim - 1) == 0,
+        f"Triton paged attention needs a power-of-two head_dim >= 16, got {head_dim}",
+    )
+    num_tokens, num_heads, _ = query.shape
+    batch = context_lens.shape[0]
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    # Query tiles of block_m new tokens, never straddling two sequences. Their count
+    # is at most T / block_m + B, so the grid is sized without a host sync and
+    # the spare programs find tile_seq = -1 and exit.
+    qsl = query_start_loc.long()
+    num_new = qsl[1:] - qsl[:-1]  # [B]
+    tiles_per_seq = (num_new + block_m - 1) // block_m
+    tiles_end = torch.cumsum(tiles_per_seq, 0)  # [B] one past each seq's last tile
+    num_tiles = num_tokens // block_m + batch
+    ids = torch.arange(num_tiles, device=query.device)
+    seq = torch.searchsorted(tiles_end, ids, right=True)  # [num_tiles]
+    seq_c = seq.clamp(max=batch - 1)
+    start = (ids - tiles_end[seq_c] + tiles_per_seq[seq_c]) * block_m
+    tile_seq = torch.where(seq < batch, seq, -1).to(torch.int32)
+    key, value = cache.key, cache.value
+    if cache.dtype == "fp8":
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    key_scale = cache.key_scale if cache.key_scale is not None else key
+    value_scale = cache.value_scale if cache.value_scale is not None else value
+    _paged_prefill_kernel[(num_tiles, num_heads)](
+        query,
+        key,
+        value,
+        key_scale,
+        value_scale,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        tile_seq,
+        start.to(torch.int32),
+        out,
+        softmax_scale,
+        cache.num_kv_heads,
+        block_tables.stride(0),
+        GROUP=num_heads // cache.num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=cache.block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        KV_DTYPE=KV_DTYPE_CODES[cache.dtype],
+        num_warps=4 if head_dim <= 64 else 8,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------
+
+
+def _check_attention_args(
+    query: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor
+) -> None:
+    check(
+        query.dim() == 3, f"query must be [*, num_heads, head_dim], got {query.shape}"
+    )
+    check(
+        query.shape[2] == cache.head_dim,
+        f"query head_dim {query.shape[2]} != cache head_dim {cache.head_dim}",
+    )
+    check(
+        query.shape[1] % cache.num_kv_heads == 0,
+        f"num_heads {query.shape[1]} is not a multiple of {cache.num_kv_heads}",
+    )
+    check(
+        query.dtype in (torch.bfloat16, torch.float16, torch.float32),
+        f"query must be bf16/fp16/fp32, got {query.dtype}",
+    )
+    check(block_tables.dim() == 2, "block_tables must be [B, max_blocks]")
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Decode attention: query [B, num_heads, D] -> [B, num_heads, D] (query dtype).
+
+    block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache,
+    the new token's K/V already written). Triton on CUDA, torch reference elsewhere.
+    """
+    _check_attention_args(query, cache, block_tables)
+    check(
+        block_tables.shape[0] == query.shape[0] == context_lens.shape[0],
+        "query, block_tables and context_lens disagree on the batch size",
+    )
+    if use_triton(impl, query, cache.key, block_tables, context_lens):
+        return _paged_decode_triton(
+            query, cache, block_tables, context_lens, softmax_scale
+        )
+    return paged_decode_attention_reference(
+        query, cache, block_tables, context_lens, softmax_scale
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Chunked-prefill attention: query [T, num_heads, D] -> [T, num_heads, D].
+
+    Sequence b owns query[qsl[b]:qsl[b+1]]; context_lens[b] counts its cached tokens
+    including the new ones (already written). New token i sits at position
+    context_lens[b] - n_new + i and attends causally to positions <= its own.
+    """
+    _check_attention_args(query, cache, block_tables)
+    check(
+        query_start_loc.shape[0]
+        == block_tables.shape[0] + 1
+        == context_lens.shape[0] + 1,
+        "query_start_loc must be [B+1] and context_lens [B]",
+    )
+    if not use_triton(impl, query, cache.key, block_tables, context_lens):
+        return paged_prefill_attention_reference(
+            query, cache, block_tables, query_start_loc, context_lens, softmax_scale
+        )
+    return _paged_prefill_triton(
+        query.contiguous(),
+        cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        softmax_scale,
+    )

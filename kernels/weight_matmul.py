@@ -1,0 +1,404 @@
+"""Weight-only quantized linear layers: y = x @ W^T with W dequantized in the kernel.
+
+* int8: q [N, K] int8 and one scale per output channel, W = q * scale[:, None].
+  Since the scale is constant along K it is applied once to the accumulator.
+* int4: the compressed-tensors "pack-quantized" layout (what vLLM loads):
+  weight_packed [N, K / 8] int32, packed along the input dim, eight values per word,
+  least-significant nibble first, each stored as q + 8 (q in [-8, 7]);
+  weight_scale [N, K / group_size] (model dtype), W = q * scale[n, k // group_size].
+  The kernel's K tile divides group_size, so each tile has one scale per column and
+  is scaled after its dot.
+
+The int4 quantizer follows compressed-tensors' symmetric min-max observer (scale =
+absmax / 7.5, q = round(w / scale) clamped to [-8, 7]), so a checkpoint made here
+packs bit for bit like one made by llm-compressor. int8 uses absmax / 127 and codes
+in [-127, 127] (no clipping of the row maximum).
+
+Small batches (decode, M <= 16) are memory-bound: the launcher splits K across
+programs (partial sums in float32, added up by a small second kernel) so that a layer
+with few output tiles still fills the GPU; without a split the kernel writes the
+output directly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kernels._triton import check, tl, triton, use_triton
+
+# Programs to aim for when splitting K (about 2x the SMs of an H100/H200).
+_TARGET_PROGRAMS = 264
+
+# --------------------------------------------------------------------------------------
+# Torch reference
+# --------------------------------------------------------------------------------------
+
+
+def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: w [N, K] -> (q [N, K] int8, scale [N])."""
+    check(w.dim() == 2, "weight must be [N, K]")
+    w32 = w.float()
+    scale = (w32.abs().amax(dim=1) / 127.0).clamp_min(1e-10).to(w.dtype)
+    q = torch.round(w32 / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack int4 codes q [N, K] (values in [-8, 7]) into [N, K / 8] int32 words."""
+    check(q.shape[-1] % 8 == 0, "K must be a multiple of 8 to pack int4")
+    u = (q.to(torch.int64) + 8).view(q.shape[0], -1, 8)  # [N, K/8, 8]
+    shifts = 4 * torch.arange(8, device=q.device, dtype=torch.int64)
+    words = (u << shifts).sum(dim=-1)  # [N, K/8] in [0, 2^32)
+    # Reinterpret as signed int32 (two's complement), the checkpoint dtype.
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4`: [N, K / 8] int32 -> [N, K] int8 codes in [-8, 7]."""
+    if sys.byteorder == "little" and packed.is_contiguous():
+        # LSB-first nibbles of a little-endian word are its bytes' (low, high)
+        # nibbles in memory order: split bytes instead of shifting words.
+        as_bytes = packed.view(torch.uint8)  # [N, K/2]
+        nibbles = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1)  # [N, K/2, 2]
+        return (nibbles.flatten(-2).view(torch.int8)) - 8
+    shifts = 4 * torch.arange(8, device=packed.device, dtype=torch.int32)
+    nibbles = (packed[..., None] >> shifts) & 0xF  # [N, K/8, 8]
+    return (nibbles.flatten(-2) - 8).to(torch.int8)
+
+
+def quantize_weight_int4(
+    w: torch.Tensor, group_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise symmetric int4: w [N, K] -> (packed [N, K/8] int32, scale [N, K/g]).
+
+    Codes in [-8, 7] with scale = absmax / 7.5 per group of `group_size` inputs.
+    """
+    check(w.dim() == 2, "weight must be [N, K]")
+    n, k = w.shape
+    check(k % group_size == 0, f"K={k} must be a multiple of group_size={group_size}")
+    groups = w.float().view(n, k // group_size, group_size)
+    scale = (groups.abs().amax(dim=-1) / 7.5).clamp_min(1e-10).to(w.dtype)
+    q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7)
+    return pack_int4(q.view(n, k).to(torch.int8)), scale
+
+
+def dequantize_weight_int4(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int = 128
+) -> torch.Tensor:
+    """Float32 W [N, K] from the pack-quantized layout."""
+    q = unpack_int4(weight_packed).float()
+    n, k = q.shape
+    # [N, K/g, g] * [N, K/g, 1]: broadcast the group scale instead of repeating it.
+    w = q.view(n, k // group_size, group_size) * weight_scale.float()[..., None]
+    return w.view(n, k)
+
+
+def weight_int8_matmul_reference(
+    x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of `weight_int8_matmul` (float32 accumulation)."""
+    out = (x.float() @ weight_q.float().t()) * scale.float()
+    return out.to(x.dtype)
+
+
+def weight_int4_matmul_reference(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int = 128,
+) -> torch.Tensor:
+    """Torch reference of `weight_int4_matmul` (float32 accumulation)."""
+    w = dequantize_weight_int4(weight_packed, weight_scale, group_size)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot_operands(x, codes, DOT_FP32: tl.constexpr):
+    # Integer codes are exact in bf16/fp16, so on the GPU the dot runs in the input
+    # dtype. The interpreter multiplies bf16 as raw uint16 bits and casts int -> bf16
+    # wrongly, so there (DOT_FP32) both operands go to float32; int -> float32 first
+    # in either case.
+    w = codes.to(tl.float32)
+    if DOT_FP32:
+        return x.to(tl.float32), w
+    return x, w.to(x.dtype)
+
+
+@triton.jit
+def _int8_matmul_kernel(
+    x_ptr,  # [M, K] activations (bf16/fp16/fp32)
+    w_ptr,  # [N, K] int8 weight codes
+    scale_ptr,  # [N] per-output-channel scales
+    part_ptr,  # [SPLIT_K, M, N] float32 partial sums, or [M, N] output if no split
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
+            mask=n_mask[None, :] & k_mask[:, None],
+            other=0,
+        )  # [BLOCK_K, BLOCK_N]
+        a, b = _dot_operands(x, w, DOT_FP32)
+        acc += tl.dot(a, b)
+    scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    acc = acc * scale[None, :]
+    out_ptrs = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
+    out = acc.to(part_ptr.dtype.element_ty)
+    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int4_matmul_kernel(
+    x_ptr,  # [M, K] activations (bf16/fp16/fp32)
+    w_ptr,  # [N, K // 8] int32 packed codes, LSB first, stored as q + 8
+    scale_ptr,  # [N, K // GROUP_SIZE] group scales
+    part_ptr,  # [SPLIT_K, M, N] float32 partial sums, or [M, N] output if no split
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    k_per_split,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # k_per_split and K are multiples of BLOCK_K, and BLOCK_K divides GROUP_SIZE:
+    # no K mask, one scale per column per tile.
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=m_mask[:, None],
+            other=0.0,
+        )
+        # Element k of a row is nibble k % 8 of word k // 8: load whole words
+        # ([BLOCK_N, BLOCK_K // 8], contiguous along K), shift out the 8 nibbles and
+        # merge (word, nibble) into k = 8 * word + nibble.
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+            mask=n_mask[:, None],
+            other=0,
+        )  # [BLOCK_N, BLOCK_K // 8]
+        shifts = tl.arange(0, 8) * 4
+        nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        q = tl.reshape(nibbles, [BLOCK_N, BLOCK_K]) - 8  # [BLOCK_N, BLOCK_K]
+        scale = tl.load(
+            scale_ptr + offs_n * stride_sn + k0 // GROUP_SIZE, mask=n_mask, other=0.0
+        ).to(tl.float32)
+        a, b = _dot_operands(x, tl.trans(q), DOT_FP32)
+        acc += tl.dot(a, b) * scale[None, :]
+    out_ptrs = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
+    out = acc.to(part_ptr.dtype.element_ty)
+    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr,  # [SPLIT_K, numel] float32 partial sums
+    out_ptr,  # [numel] output (activation dtype)
+    numel,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], tl.float32)
+    for split in range(SPLIT_K):
+        acc += tl.load(part_ptr + split * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile_config(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a batch of m rows."""
+    if m <= 16:
+        return 16, 64, 128, 4
+    if m <= 64:
+        return 64, 64, 64, 4
+    return 128, 128, 64, 8
+
+
+def _split_k(grid_mn: int, k_tiles: int) -> int:
+    """Split K so the launch has about _TARGET_PROGRAMS programs, >= 4 tiles each."""
+    want = max(1, _TARGET_PROGRAMS // grid_mn)
+    return max(1, min(want, k_tiles // 4 if k_tiles >= 8 else k_tiles))
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    check(x.dim() == 2 and x.shape[1] == k, f"x must be [M, {k}], got {tuple(x.shape)}")
+    check(
+        x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+        f"x must be bf16/fp16/fp32, got {x.dtype}",
+    )
+
+
+def _launch(
+    kernel, x, w, scale, n, k, extra_strides, extra_consts, block_k_limit, split_k
+):
+    m = x.shape[0]
+    block_m, block_n, block_k, num_warps = _tile_config(m)
+    block_k = min(block_k, block_k_limit)
+    grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    split = split_k or _split_k(grid_m * grid_n, k_tiles)
+    k_per_split = triton.cdiv(k_tiles, split) * block_k
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    # Without a split the kernel writes the output itself: at decode batch sizes
+    # every extra launch is a visible share of the time.
+    part = out
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    kernel[(grid_m, grid_n, split)](
+        x,
+        w,
+        scale,
+        part,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        *extra_strides,
+        k_per_split,
+        **extra_consts,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_FP32=not x.is_cuda,
+        num_warps=num_warps,
+    )
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            part, out, m * n, SPLIT_K=split, BLOCK=block
+        )
+    return out
+
+
+def _weight_int8_matmul_triton(x, weight_q, scale, split_k=None):
+    check(x.stride(1) == 1, "x must be contiguous in K")
+    check(weight_q.is_contiguous(), "weight_q must be contiguous [N, K]")
+    check(scale.is_contiguous(), "scale must be contiguous [N]")
+    n, k = weight_q.shape
+    return _launch(_int8_matmul_kernel, x, weight_q, scale, n, k, (), {}, 128, split_k)
+
+
+def _weight_int4_matmul_triton(
+    x, weight_packed, weight_scale, group_size, split_k=None
+):
+    check(x.stride(1) == 1, "x must be contiguous in K")
+    check(weight_packed.is_contiguous(), "weight_packed must be contiguous")
+    check(weight_scale.stride(1) == 1, "weight_scale must be contiguous by group")
+    check(
+        group_size >= 16 and group_size & (group_size - 1) == 0,
+        "Triton int4 matmul needs a power-of-two group_size >= 16",
+    )
+    n = weight_packed.shape[0]
+    k = x.shape[1]
+    return _launch(
+        _int4_matmul_kernel,
+        x,
+        weight_packed,
+        weight_scale,
+        n,
+        k,
+        (weight_scale.stride(0),),
+        {"GROUP_SIZE": group_size},
+        group_size,
+        split_k,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------
+
+
+def weight_int8_matmul(
+    x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
+    """x [M, K] @ (weight_q [N, K] int8 * scale [N, 1])^T -> [M, N] in x's dtype."""
+    check(weight_q.dim() == 2 and weight_q.dtype == torch.int8, "weight_q: [N,K] int8")
+    n, k = weight_q.shape
+    _check_x(x, k)
+    check(scale.shape == (n,), f"scale must be [{n}], got {tuple(scale.shape)}")
+    if use_triton(impl, x, weight_q, scale):
+        return _weight_int8_matmul_triton(x, weight_q, scale)
+    return weight_int8_matmul_reference(x, weight_q, scale)
+
+
+def weight_int4_matmul(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int = 128,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """x [M, K] @ W^T for pack-quantized int4 W (module docstring) -> [M, N]."""
+    check(
+        weight_packed.dim() == 2 and weight_packed.dtype == torch.int32,
+        "weight_packed must be [N, K/8] int32",
+    )
+    n = weight_packed.shape[0]
+    k = weight_packed.shape[1] * 8
+    _check_x(x, k)
+    check(k % group_size == 0, f"K={k} must be a multiple of group_size={group_size}")
+    check(
+        weight_scale.shape == (n, k // group_size),
+        f"weight_scale must be [{n}, {k // group_size}], "
+        f"got {tuple(weight_scale.shape)}",
+    )
+    if use_triton(impl, x, weight_packed, weight_scale):
+        return _weight_int4_matmul_triton(x, weight_packed, weight_scale, group_size)
+    return weight_int4_matmul_reference(x, weight_packed, weight_scale, group_size)
