@@ -1,0 +1,159 @@
+"""Real-browser tests of the dashboard: headless Chromium, driven by Playwright,
+against pytest-django's `live_server` (a real HTTP server in a thread of this process).
+
+The cast comes from tests/controlplane/conftest.py (alice the owner, bob the approver,
+carol a member, mallory the outsider). Releases reach their states through the real
+actions; Celery tasks queued on commit are recorded by `queued` and run in the test
+with `run_queued()` (the dashboard tests record `.delay` the same way).
+"""
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from controlplane.releases import tasks
+from controlplane.releases.actions import (
+    do_record_gate_result,
+    do_record_manifest,
+    do_transition_release,
+)
+from controlplane.releases.models import Release
+from gpuagent.protocol import FileDigest
+from tests.controlplane.conftest import PASSWORD
+
+# CI installs it with `apt-get install -y chromium` (Debian); Playwright's own
+# downloads are not reachable there.
+CHROMIUM = os.environ.get("RELEASEGATE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+# Short, so a missing element fails the test in seconds rather than 30 s.
+TIMEOUT_MS = 5_000
+WORKER = "system:worker"
+QUEUED_TASKS = ("run_promotion", "run_deployment", "run_reverification")
+
+
+@pytest.fixture(scope="package")
+def browser():
+    """One Chromium for all browser tests. Package-scoped rather than session-scoped:
+    Playwright's sync API keeps an asyncio loop running in this thread while it is
+    up, which would break later tests (outside this folder) that call asyncio.run."""
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(
+            f"Chromium not found at {CHROMIUM}; the dashboard browser tests need it. "
+            "Install it (Debian/Ubuntu: apt-get install -y chromium) or point "
+            "RELEASEGATE_CHROMIUM at a Chromium binary.",
+            pytrace=False,
+        )
+    from playwright.sync_api import sync_playwright
+
+    # That running loop also makes Django refuse ORM calls from this thread unless
+    # told they are safe; they are: the test, not an event loop, makes them.
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_playwright() as playwright:
+            chromium = playwright.chromium.launch(
+                executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+            )
+            yield chromium
+            chromium.close()
+    finally:
+        if previous is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
+
+
+@pytest.fixture
+def page(browser, live_server):
+    """A page in a fresh browser context (no cookies shared between tests)."""
+    context = browser.new_context(base_url=live_server.url)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def log_in(page):
+    def log_in(username: str, password: str = PASSWORD) -> None:
+        page.goto("/accounts/login/")
+        page.get_by_label("Username").fill(username)
+        page.get_by_label("Password").fill(password)
+        # click() does not wait for the POST's answer; the caller reads page.url.
+        with page.expect_navigation():
+            page.get_by_role("button", name="Log in").click()
+
+    return log_in
+
+
+@pytest.fixture
+def queued(monkeypatch) -> list[tuple[str, tuple]]:
+    """Every task the code under test queues, as (task name, args), in order."""
+    calls: list[tuple[str, tuple]] = []
+    for name in QUEUED_TASKS:
+        monkeypatch.setattr(
+            getattr(tasks, name), "delay", lambda *a, _n=name: calls.append((_n, a))
+        )
+    return calls
+
+
+@pytest.fixture
+def run_queued(queued):
+    """Run what was queued, oldest first, through the real task code."""
+
+    def run() -> list[str]:
+        outcomes = []
+        while queued:
+            name, args = queued.pop(0)
+            outcomes.append(getattr(tasks, name)(*args))
+        return outcomes
+
+    return run
+
+
+def manifest_digest_for(release: Release, salt: str = "") -> str:
+    return "sha256:" + hashlib.sha256(f"{release.pk}:{salt}".encode()).hexdigest()
+
+
+@pytest.fixture
+def awaiting_approval(make_release):
+    """make(version=None) -> a release the worker took through the pipeline to
+    awaiting_approval: a manifest recorded while compressing, a passing gate while
+    evaluating, every move through the actions the worker uses."""
+
+    def make(version: str | None = None) -> Release:
+        release = make_release(version)
+        for state in ("verifying", "compressing"):
+            do_transition_release(release, state, actor=WORKER)
+        digest = manifest_digest_for(release)
+        files = [FileDigest(path="model.safetensors", size_bytes=1024, digest=digest)]
+        do_record_manifest(release, manifest_digest=digest, files=files)
+        do_transition_release(release, "evaluating", actor=WORKER)
+        do_record_gate_result(
+            release,
+            gate="quality",
+            metric="perplexity_ratio",
+            observed=1.01,
+            threshold=1.03,
+            outcome="pass",
+        )
+        for state in ("gated", "awaiting_approval"):
+            do_transition_release(release, state, actor=WORKER)
+        release.refresh_from_db()
+        return release
+
+    return make
+
+
+def table_under(page, heading: str):
+    """The table that follows the <h2> named `heading` on the page."""
+    return page.locator(f"h2:text-is('{heading}') + table")

@@ -1,0 +1,125 @@
+import pytest
+from playwright.sync_api import expect
+
+from controlplane.fleet.models import Deployment
+from controlplane.releases.actions import do_record_manifest
+from controlplane.releases.models import Approval, Release
+from gpuagent.protocol import FileDigest
+from tests.controlplane.browser.conftest import manifest_digest_for, table_under
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+APPROVE = "Approve manifest"
+
+
+def _digest_cell(page):
+    return page.get_by_role("row").filter(has_text="Manifest digest").locator("code")
+
+
+def test_it_lets_the_teammate_approve_the_digest_they_saw(
+    page, log_in, owner, teammate, awaiting_approval, queued, run_queued
+):
+    release = awaiting_approval()
+    log_in("bob")
+    page.goto(f"/releases/{release.pk}/")
+    expect(_digest_cell(page)).to_have_text(release.manifest_digest)
+
+    page.get_by_role("button", name=APPROVE).click()
+
+    expect(page.locator(".messages")).to_contain_text(f"Approved {release}")
+    expect(page.locator("h1 .state")).to_have_text("approved")
+    expect(page.get_by_role("button", name=APPROVE)).to_have_count(0)
+    decision = table_under(page, "Approvals").get_by_role("row").nth(1)
+    expect(decision).to_contain_text(f"bob approve {release.manifest_digest}")
+    approval = Approval.objects.get(release=release)
+    assert (approval.user, approval.decision) == (teammate, "approve")
+    assert approval.manifest_digest == release.manifest_digest
+    assert Release.objects.get(pk=release.pk).state == "approved"
+    assert queued == [("run_deployment", (release.pk,))]
+
+    assert run_queued() == ["live"]
+    page.reload()
+    expect(page.locator("h1 .state")).to_have_text("live")
+    deployment = Deployment.objects.get(release=release)
+    assert deployment.state == "live"
+
+
+def test_it_refuses_an_approval_of_a_digest_that_changed_meanwhile(
+    page, log_in, owner, teammate, awaiting_approval, queued
+):
+    release = awaiting_approval()
+    log_in("bob")
+    page.goto(f"/releases/{release.pk}/")
+    # The candidate is rebuilt while bob reads the page: his form carries the old
+    # digest, and an approval is bound to the bytes the approver saw.
+    new_digest = manifest_digest_for(release, salt="rebuilt")
+    do_record_manifest(
+        release,
+        manifest_digest=new_digest,
+        files=[FileDigest(path="model.safetensors", size_bytes=1, digest=new_digest)],
+    )
+
+    page.get_by_role("button", name=APPROVE).click()
+
+    expect(page.locator(".messages .error")).to_contain_text("approval is for manifest")
+    expect(page.locator("h1 .state")).to_have_text("awaiting_approval")
+    expect(_digest_cell(page)).to_have_text(new_digest)
+    assert not Approval.objects.filter(release=release).exists()
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
+    assert queued == []
+
+
+def test_it_gives_the_registering_owner_no_approve_button(
+    page, log_in, owner, teammate, awaiting_approval, queued
+):
+    release = awaiting_approval()
+    log_in("alice")
+
+    page.goto(f"/releases/{release.pk}/")
+
+    expect(page.locator("h1 .state")).to_have_text("awaiting_approval")
+    expect(_digest_cell(page)).to_have_text(release.manifest_digest)
+    expect(page.get_by_role("heading", name="Decision")).to_have_count(0)
+    expect(page.get_by_role("button", name=APPROVE)).to_have_count(0)
+    expect(page.get_by_role("button", name="Reject")).to_have_count(0)
+
+
+def test_it_refuses_a_forced_approval_by_the_registering_owner(
+    page, log_in, owner, teammate, awaiting_approval, queued
+):
+    release = awaiting_approval()
+    log_in("alice")
+    page.goto(f"/releases/{release.pk}/")
+
+    # Build the form the page withholds, with the session's own CSRF token (from the
+    # logout form), and submit it from the browser.
+    with page.expect_navigation() as navigation:
+        page.evaluate(
+            """([action, digest]) => {
+                const form = document.createElement("form");
+                form.method = "post";
+                form.action = action;
+                const fields = {
+                    csrfmiddlewaretoken: document.querySelector(
+                        "input[name=csrfmiddlewaretoken]").value,
+                    manifest_digest: digest,
+                    comment: "approving my own release",
+                };
+                for (const [name, value] of Object.entries(fields)) {
+                    const input = document.createElement("input");
+                    input.type = "hidden";
+                    input.name = name;
+                    input.value = value;
+                    form.appendChild(input);
+                }
+                document.body.appendChild(form);
+                form.submit();
+            }""",
+            [f"/releases/{release.pk}/approve/", release.manifest_digest],
+        )
+
+    assert navigation.value.status == 403
+    expect(page.locator("body")).to_contain_text("cannot also approve")
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
+    assert not Approval.objects.filter(release=release).exists()
+    assert queued == []
