@@ -1,0 +1,74 @@
+"""Integrity gate: decides whether a model folder is exactly what was approved.
+
+Torch-free (the control plane imports it). Public API:
+
+- `inspect_model(folder, policy)`: structural checks, report per file.
+- `hash_model(folder, algorithm)`: manifest of digests, manifest digest.
+- `sign_model(...)` / `verify_model(folder, signature, policy)`: model-signing
+  signatures bound to a release.
+- `read_verified_files(dir, manifest_digest, ...)`: verify-on-load; feed the
+  result to `gpuagent.engine.loader.load_model(dir, files=...)`.
+"""
+
+from gpuagent.integrity.errors import (
+    BindingMismatchError,
+    HashingError,
+    IgnoreListError,
+    IntegrityError,
+    ManifestDigestMismatchError,
+    ManifestMismatchError,
+    ModelRejectedError,
+    PolicyError,
+    SignatureError,
+    SignerNotTrustedError,
+    SigningError,
+    UnsafePathError,
+)
+from gpuagent.integrity.inspection import (
+    FileVerdict,
+    Finding,
+    InspectionReport,
+    inspect_model,
+)
+from gpuagent.integrity.manifest import HashSpec, Manifest, Resource, hash_model
+from gpuagent.integrity.policy import DEFAULT_POLICY, Policy, ReleaseBinding
+from gpuagent.integrity.signing import (
+    SignResult,
+    VerificationReport,
+    key_fingerprint,
+    sign_model,
+    verify_model,
+)
+from gpuagent.integrity.verified_load import read_verified_files
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "BindingMismatchError",
+    "FileVerdict",
+    "Finding",
+    "HashSpec",
+    "HashingError",
+    "IgnoreListError",
+    "InspectionReport",
+    "IntegrityError",
+    "Manifest",
+    "ManifestDigestMismatchError",
+    "ManifestMismatchError",
+    "ModelRejectedError",
+    "Policy",
+    "PolicyError",
+    "ReleaseBinding",
+    "Resource",
+    "SignResult",
+    "SignatureError",
+    "SignerNotTrustedError",
+    "SigningError",
+    "UnsafePathError",
+    "VerificationReport",
+    "hash_model",
+    "inspect_model",
+    "key_fingerprint",
+    "read_verified_files",
+    "sign_model",
+    "verify_model",
+]

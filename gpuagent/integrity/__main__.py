@@ -1,0 +1,243 @@
+"""`python -m gpuagent.integrity inspect|hash|sign|verify ...`
+
+Exit codes: 0 accepted, 1 rejected (any integrity failure), 2 bad usage
+(argparse, or a key/file argument that cannot be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpuagent.integrity.errors import IntegrityError, ModelRejectedError, PolicyError
+from gpuagent.integrity.inspection import inspect_model
+from gpuagent.integrity.manifest import hash_model
+from gpuagent.integrity.policy import DEFAULT_POLICY, ReleaseBinding
+from gpuagent.integrity.signing import sign_model, verify_model
+
+EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gpuagent.integrity")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("folder", type=Path, help="model folder")
+        p.add_argument("--json", action="store_true", help="print a JSON report")
+
+    p = sub.add_parser("inspect", help="structural checks of a model folder")
+    common(p)
+    p.add_argument(
+        "--scan-nonfinite", action="store_true", help="also scan weights for NaN/Inf"
+    )
+
+    def hashing(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--algorithm", choices=("sha256", "blake3"), default="sha256")
+        p.add_argument(
+            "--shard-size",
+            type=int,
+            default=None,
+            help="hash sha256 in shards of N bytes",
+        )
+        p.add_argument(
+            "--ignore",
+            action="append",
+            default=[],
+            help="path to leave out (repeatable)",
+        )
+
+    p = sub.add_parser("hash", help="manifest of file digests")
+    common(p)
+    hashing(p)
+    p.add_argument("--output", type=Path, help="write the manifest JSON here")
+
+    def release(p: argparse.ArgumentParser, required: bool) -> None:
+        p.add_argument("--model", required=required)
+        p.add_argument("--version", required=required)
+        p.add_argument("--recipe", required=required)
+        p.add_argument("--parent-digest", default="")
+
+    p = sub.add_parser("sign", help="sign the manifest, bound to a release")
+    common(p)
+    hashing(p)
+    release(p, True)
+    p.add_argument("--signature", type=Path, required=True)
+    p.add_argument("--private-key", type=Path, help="ECDSA PEM (key/certificate mode)")
+    p.add_argument("--sigstore-token", help="OIDC identity token: Sigstore keyless")
+    p.add_argument("--sigstore-trust-config", type=Path, help="pinned trust config")
+    p.add_argument("--password")
+    p.add_argument("--certificate", type=Path)
+    p.add_argument("--certificate-chain", type=Path, action="append", default=[])
+
+    p = sub.add_parser("verify", help="verify a folder against its signature")
+    common(p)
+    release(p, False)
+    p.add_argument("--signature", type=Path, required=True)
+    p.add_argument(
+        "--public-key",
+        type=Path,
+        action="append",
+        default=[],
+        help="trusted key (repeatable)",
+    )
+    p.add_argument(
+        "--certificate-chain", type=Path, help="pinned chain (certificate mode)"
+    )
+    p.add_argument(
+        "--sigstore-trust-config", type=Path, help="pinned trust config (sigstore mode)"
+    )
+    p.add_argument("--identity", help="certificate / sigstore identity")
+    p.add_argument("--issuer", help="certificate issuer / OIDC issuer")
+    p.add_argument("--manifest-digest", help="also require this manifest digest")
+    p.add_argument(
+        "--allow-ignore",
+        action="append",
+        default=[],
+        help="extra path the signature may leave out",
+    )
+    return parser
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e}") from e
+
+
+def _release(args: argparse.Namespace) -> ReleaseBinding | None:
+    fields = (args.model, args.version, args.recipe)
+    if all(f is None for f in fields):
+        return None
+    if any(f is None for f in fields):
+        raise UsageError("--model, --version and --recipe go together")
+    return ReleaseBinding(args.model, args.version, args.recipe, args.parent_digest)
+
+
+def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    if not args.folder.is_dir():
+        raise UsageError(f"{args.folder} is not a folder")
+    if args.command == "inspect":
+        report = inspect_model(
+            args.folder, DEFAULT_POLICY.replace(scan_nonfinite=args.scan_nonfinite)
+        )
+        return report.to_dict(), report.to_text()
+    if args.command == "hash":
+        manifest = hash_model(
+            args.folder,
+            args.algorithm,
+            shard_size=args.shard_size,
+            ignore_paths=tuple(args.ignore),
+        )
+        data = manifest.to_dict()
+        if args.output:
+            args.output.write_text(json.dumps(data, indent=2) + "\n")
+        text = f"{manifest.digest}  {args.folder} ({len(manifest.files())} files)"
+        return data, text
+    if args.command == "sign":
+        if not args.sigstore_token and not (
+            args.private_key and args.private_key.is_file()
+        ):
+            raise UsageError("give a readable --private-key, or --sigstore-token")
+        result = sign_model(
+            args.folder,
+            args.signature,
+            release=_release(args),
+            private_key=args.private_key,
+            password=args.password,
+            certificate=args.certificate,
+            certificate_chain=tuple(args.certificate_chain),
+            sigstore_identity_token=args.sigstore_token,
+            sigstore_trust_config=args.sigstore_trust_config,
+            algorithm=args.algorithm,
+            shard_size=args.shard_size,
+            ignore_paths=tuple(args.ignore),
+        )
+        return (
+            result.to_dict(),
+            f"signed {args.folder} -> {args.signature}\n"
+            f"  manifest digest: {result.manifest.digest}",
+        )
+    # verify
+    policy = DEFAULT_POLICY.replace(
+        release=_release(args),
+        extra_ignorable_paths=tuple(args.allow_ignore),
+        signature_names=(*DEFAULT_POLICY.signature_names, args.signature.name),
+    )
+    if args.sigstore_trust_config:
+        policy = policy.replace(
+            signature_mode="sigstore",
+            sigstore_trust_config=str(args.sigstore_trust_config),
+            certificate_identity=args.identity,
+            certificate_issuer=args.issuer,
+        )
+    elif args.certificate_chain:
+        policy = policy.replace(
+            signature_mode="certificate",
+            certificate_chain_pem=_read(args.certificate_chain),
+            certificate_identity=args.identity,
+            certificate_issuer=args.issuer,
+        )
+    elif args.public_key:
+        policy = policy.replace(
+            public_keys_pem=tuple(_read(p) for p in args.public_key)
+        )
+    else:
+        raise UsageError(
+            "give --public-key, --certificate-chain or --sigstore-trust-config"
+        )
+    report = verify_model(args.folder, args.signature, policy)
+    if args.manifest_digest and args.manifest_digest != report.manifest_digest:
+        from gpuagent.integrity.errors import ManifestDigestMismatchError
+
+        raise ManifestDigestMismatchError(args.manifest_digest, report.manifest_digest)
+    text = report.to_text()
+    if policy.release is None:
+        text += "\n  note: binding not checked (give --model, --version and --recipe)"
+    return report.to_dict(), text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        data, text = _run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModelRejectedError as e:
+        if args.json:
+            print(json.dumps({"ok": False, **e.to_dict()}, indent=2))
+        else:
+            print(e.report.to_text())
+        return EXIT_REJECTED
+    except PolicyError as e:
+        _print_error(args, e)
+        return EXIT_REJECTED
+    except IntegrityError as e:
+        _print_error(args, e)
+        return EXIT_REJECTED
+    if args.json:
+        print(json.dumps({"ok": True, **data}, indent=2))
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def _print_error(args: argparse.Namespace, error: IntegrityError) -> None:
+    if args.json:
+        print(json.dumps({"ok": False, **error.to_dict()}, indent=2))
+    else:
+        print(f"REJECTED [{error.code}] {error}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Folder walking and file opening that never follows a symlink.
+
+Every file is opened relative to a directory fd, one path component at a time,
+with O_NOFOLLOW, and checked to be a regular file on the open fd (fstat), so a
+symlink or FIFO swapped in after the listing is refused rather than followed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from gpuagent.integrity.errors import HashingError, UnsafePathError
+
+# O_NONBLOCK: opening a FIFO swapped in for a file must not hang the agent.
+_O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One directory entry, as found (symlinks not followed)."""
+
+    path: str  # posix path relative to the root
+    kind: str  # "file" | "dir" | "symlink" | "special"
+    size: int
+    link_target: str | None = None
+
+
+def normalize_ignore(paths: list[str] | tuple[str, ...] | frozenset[str]) -> list[str]:
+    """Relative posix forms of ignore paths ("./a/" -> "a")."""
+    out = []
+    for p in paths:
+        text = str(PurePosixPath(str(p)))
+        out.append(text)
+    return sorted(set(out))
+
+
+def is_ignored(path: str, ignore: list[str]) -> bool:
+    """Same rule as model-signing: a path is ignored if it is or lies under one."""
+    return any(path == ig or path.startswith(ig + "/") for ig in ignore)
+
+
+def open_root(folder: str | Path) -> int:
+    """Opens the model folder itself (the root may be a symlink, e.g. `current`)."""
+    try:
+        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise HashingError(f"model folder {folder} does not exist") from e
+    except NotADirectoryError as e:
+        raise HashingError(f"model path {folder} is not a folder") from e
+    except OSError as e:
+        raise HashingError(f"cannot open model folder {folder}: {e}") from e
+
+
+def scan_tree(root_fd: int, prefix: str = "") -> list[Entry]:
+    """Every entry under the root, depth first, sorted; symlinks are reported,
+    never followed."""
+    entries: list[Entry] = []
+    with os.scandir(root_fd) as it:
+        found = sorted(it, key=lambda e: e.name)
+    for item in found:
+        path = f"{prefix}{item.name}"
+        st = item.stat(follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(item.name, dir_fd=root_fd)
+            entries.append(Entry(path, "symlink", 0, target))
+        elif stat.S_ISDIR(st.st_mode):
+            entries.append(Entry(path, "dir", 0))
+            sub = os.open(item.name, _O_DIR, dir_fd=root_fd)
+            try:
+                entries.extend(scan_tree(sub, path + "/"))
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(st.st_mode):
+            entries.append(Entry(path, "file", st.st_size))
+        else:
+            entries.append(Entry(path, "special", 0))
+    return entries
+
+
+def list_files(root_fd: int, ignore: list[str]) -> list[tuple[str, int]]:
+    """(path, size) of every regular file not ignored; raises UnsafePathError on
+    a symlink or special file anywhere outside the ignored paths."""
+    files: list[tuple[str, int]] = []
+
+    def walk(dir_fd: int, prefix: str) -> None:
+        with os.scandir(dir_fd) as it:
+            found = sorted(it, key=lambda e: e.name)
+        for item in found:
+            path = f"{prefix}{item.name}"
+            if is_ignored(path, ignore):
+                continue
+            st = item.stat(follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePathError(f"{path} is a symlink; symlinks are refused")
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(item.name, _O_DIR, dir_fd=dir_fd)
+                try:
+                    walk(sub, path + "/")
+                finally:
+                    os.close(sub)
+            elif stat.S_ISREG(st.st_mode):
+                files.append((path, st.st_size))
+            else:
+                raise UnsafePathError(f"{path} is a special file (not a regular file)")
+
+    try:
+        walk(root_fd, "")
+    except OSError as e:
+        raise HashingError(f"cannot list the model folder: {e}") from e
+    return files
+
+
+def open_file(root_fd: int, path: str) -> tuple[int, int]:
+    """Opens `path` (relative) without following any symlink on the way.
+
+    Returns (fd, size); the caller closes the fd.
+    """
+    parts = PurePosixPath(path).parts
+    if not parts or any(p in ("..", "/", "") for p in parts) or path.startswith("/"):
+        raise UnsafePathError(f"{path!r} is not a path inside the model folder")
+    dir_fd = root_fd
+    opened: list[int] = []
+    try:
+        for part in parts[:-1]:
+            dir_fd = os.open(part, _O_DIR, dir_fd=dir_fd)
+            opened.append(dir_fd)
+        fd = os.open(parts[-1], _O_FILE, dir_fd=dir_fd)
+    except OSError as e:
+        # ELOOP: last component is a symlink; ENOTDIR: a middle one is.
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(f"{path} is (or goes through) a symlink") from e
+        if isinstance(e, FileNotFoundError):
+            raise HashingError(f"{path} disappeared while reading") from e
+        raise HashingError(f"cannot open {path}: {e}") from e
+    finally:
+        for d in opened:
+            os.close(d)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafePathError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd, st.st_size
+
+
+def read_exact_at(fd: int, size: int, offset: int = 0) -> bytes:
+    """Reads exactly `size` bytes at `offset` without moving the file position."""
+    chunks = []
+    position, remaining = offset, size
+    while remaining:
+        chunk = os.pread(fd, min(remaining, 1 << 30), position)
+        if not chunk:
+            raise HashingError("file shrank while reading")
+        chunks.append(chunk)
+        position += len(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks) if len(chunks) != 1 else chunks[0]

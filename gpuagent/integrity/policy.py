@@ -1,0 +1,107 @@
+"""What the gate accepts: structural limits, hash settings, trusted signers and
+the release a signature must be bound to."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# Files model-signing ignores by default; they never change model behaviour.
+GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
+
+# Byte-sized safetensors dtypes and their item size. Sub-byte (F4, F6_*) and
+# complex types are left out of the default allowlist on purpose.
+SAFETENSORS_DTYPE_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
+@dataclass(frozen=True)
+class ReleaseBinding:
+    """The release a signature is made for; it goes into the signed statement.
+
+    `parent_digest` is the manifest digest of the model this one was derived
+    from ("" for a source model).
+    """
+
+    model: str
+    version: str
+    recipe: str
+    parent_digest: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReleaseBinding:
+        return cls(
+            model=str(data["model"]),
+            version=str(data["version"]),
+            recipe=str(data["recipe"]),
+            parent_digest=str(data.get("parent_digest", "")),
+        )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Limits and trust anchors. The defaults are the strict production ones.
+
+    Signer trust: `public_keys_pem` for key signatures (a key's fingerprint is
+    the SHA-256 of its PEM SubjectPublicKeyInfo, as model-signing's key hint);
+    `certificate_chain_pem` + `certificate_identity` + `certificate_issuer` for
+    certificate signatures; `sigstore_trust_config` + `certificate_identity` +
+    `certificate_issuer` (the OIDC issuer) for Sigstore keyless signatures.
+    """
+
+    max_header_bytes: int = 100 * 1024 * 1024
+    max_json_depth: int = 16
+    max_tensor_rank: int = 8
+    allowed_dtypes: frozenset[str] = frozenset(SAFETENSORS_DTYPE_SIZES)
+    scan_nonfinite: bool = False
+    allow_internal_symlinks: bool = False
+    # Hash settings a signature may use.
+    allowed_hash_types: frozenset[str] = frozenset({"sha256", "blake3"})
+    min_shard_size: int = 1 << 20
+    # Paths a signature may leave out of the manifest. Everything else (weights,
+    # configs, tokenizers) must be covered. Signature files must be listed here
+    # AND in the signed ignore list.
+    signature_names: tuple[str, ...] = ("model.sig",)
+    extra_ignorable_paths: tuple[str, ...] = ()
+    ignore_git_paths: bool = True
+    # Trust anchors (see the class docstring).
+    signature_mode: str = "key"  # "key" | "certificate" | "sigstore"
+    public_keys_pem: tuple[bytes, ...] = ()
+    certificate_chain_pem: bytes | None = None
+    certificate_identity: str | None = None
+    certificate_issuer: str | None = None
+    sigstore_trust_config: str | None = None
+    # The release the signature must be bound to; None: binding not enforced
+    # (only for signatures made by other tools, e.g. a publisher's).
+    release: ReleaseBinding | None = None
+
+    def ignorable_paths(self) -> frozenset[str]:
+        paths = set(self.signature_names) | set(self.extra_ignorable_paths)
+        if self.ignore_git_paths:
+            paths |= set(GIT_PATHS)
+        return frozenset(paths)
+
+    def replace(self, **changes: Any) -> Policy:
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_POLICY = Policy()

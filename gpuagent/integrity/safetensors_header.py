@@ -1,0 +1,228 @@
+"""Strict parsing of a safetensors header, done here rather than trusting the
+`safetensors` library, which accepts duplicate tensor names (last wins), a
+header not starting with `{` and unknown fields in an entry.
+
+Layout: 8-byte little-endian header length N, N bytes of UTF-8 JSON starting
+with `{` (space padding allowed after it), then the data buffer, which the
+tensors must tile exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from gpuagent.integrity.policy import DEFAULT_POLICY, SAFETENSORS_DTYPE_SIZES, Policy
+
+ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+class HeaderRejected(Exception):
+    """A structural defect; `code` names it (tests and reports key on it)."""
+
+    def __init__(self, code: str, detail: str):
+        self.code, self.detail = code, detail
+        super().__init__(f"[{code}] {detail}")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # offsets relative to the start of the data buffer
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    header_bytes: int  # N
+    data_start: int  # 8 + N, absolute offset of the data buffer
+    data_bytes: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorEntry]
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise HeaderRejected("duplicate-key", f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise HeaderRejected("nonfinite-literal", f"JSON literal {name} is not allowed")
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
+)
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+_JSON_WHITESPACE = " \t\n\r"
+
+
+def strict_json_loads(text: str, max_depth: int, *, safetensors_header: bool = False):
+    """json.loads that rejects duplicate keys at any depth, NaN/Infinity, and
+    nesting deeper than `max_depth`. Raises HeaderRejected.
+
+    A JSON document may have whitespace around it; a safetensors header must
+    start with `{` (checked by the caller) and may only be padded with spaces.
+    """
+    start = 0 if safetensors_header else len(text) - len(text.lstrip(_JSON_WHITESPACE))
+    try:
+        value, end = _DECODER.raw_decode(text, start)
+    except HeaderRejected:
+        raise
+    except RecursionError as e:
+        raise HeaderRejected("nesting-too-deep", "JSON nesting is too deep") from e
+    except ValueError as e:
+        raise HeaderRejected("invalid-json", str(e)) from e
+    rest = text[end:]
+    padding = " " if safetensors_header else _JSON_WHITESPACE
+    if rest.strip(padding):
+        code = "header-bad-padding" if safetensors_header else "invalid-json"
+        raise HeaderRejected(code, f"{len(rest)} unexpected character(s) after JSON")
+    if _depth(value) > max_depth:
+        raise HeaderRejected("nesting-too-deep", f"JSON nesting exceeds {max_depth}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_header(
+    fd: int, file_size: int, policy: Policy = DEFAULT_POLICY
+) -> SafetensorsHeader:
+    """Reads only the first 8 + N bytes of the file behind `fd` and validates
+    the whole header against `file_size`. Raises HeaderRejected."""
+    if file_size < 8:
+        raise HeaderRejected("file-too-short", f"{file_size} bytes, need at least 8")
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) != 8:
+        raise HeaderRejected("file-too-short", "could not read the 8-byte length")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > policy.max_header_bytes:
+        raise HeaderRejected(
+            "header-too-large", f"header length {n} > limit {policy.max_header_bytes}"
+        )
+    if n > file_size - 8:
+        raise HeaderRejected(
+            "header-past-end", f"header length {n} > file size - 8 ({file_size - 8})"
+        )
+    if n == 0:
+        raise HeaderRejected("header-not-object", "empty header")
+    raw = os.pread(fd, n, 8)
+    if len(raw) != n:
+        raise HeaderRejected("header-past-end", "file shorter than its header length")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HeaderRejected("header-not-utf8", str(e)) from e
+    if not text.startswith("{"):
+        raise HeaderRejected(
+            "header-not-object", f"header starts with {text[:1]!r}, not '{{'"
+        )
+    header = strict_json_loads(text, policy.max_json_depth, safetensors_header=True)
+    if not isinstance(header, dict):
+        raise HeaderRejected("header-not-object", "header is not a JSON object")
+
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise HeaderRejected("metadata-not-str-map", "__metadata__ must map str to str")
+
+    data_start = 8 + n
+    data_bytes = file_size - data_start
+    tensors: dict[str, TensorEntry] = {}
+    for name, entry in header.items():
+        tensors[name] = _check_entry(name, entry, policy)
+    _check_tiling(list(tensors.values()), data_bytes)
+    return SafetensorsHeader(n, data_start, data_bytes, metadata, tensors)
+
+
+def _check_entry(name: str, entry: Any, policy: Policy) -> TensorEntry:
+    if not name:
+        raise HeaderRejected("tensor-name-invalid", "empty tensor name")
+    if not isinstance(entry, dict):
+        raise HeaderRejected("entry-not-object", f"{name}: entry is not an object")
+    if set(entry) != ENTRY_FIELDS:
+        unknown = sorted(set(entry) - ENTRY_FIELDS)
+        missing = sorted(ENTRY_FIELDS - set(entry))
+        raise HeaderRejected(
+            "entry-fields",
+            f"{name}: unknown fields {unknown}, missing fields {missing}",
+        )
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in policy.allowed_dtypes:
+        raise HeaderRejected(
+            "dtype-not-allowed", f"{name}: dtype {dtype!r} not allowed"
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > policy.max_tensor_rank
+        or not all(_is_int(d) and d >= 0 for d in shape)
+    ):
+        raise HeaderRejected(
+            "shape-invalid",
+            f"{name}: shape {shape!r} is not a list of non-negative ints",
+        )
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise HeaderRejected(
+            "offsets-invalid", f"{name}: data_offsets {offsets!r} invalid"
+        )
+    expected = math.prod(shape) * SAFETENSORS_DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise HeaderRejected(
+            "size-mismatch",
+            f"{name}: {offsets[1] - offsets[0]} bytes for shape {shape} {dtype}, "
+            f"{expected} expected",
+        )
+    return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_tiling(entries: list[TensorEntry], data_bytes: int) -> None:
+    position = 0
+    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if entry.end > data_bytes:
+            raise HeaderRejected(
+                "data-past-end",
+                f"{entry.name}: ends at {entry.end} > buffer {data_bytes}",
+            )
+        if entry.begin > position:
+            raise HeaderRejected(
+                "data-gap", f"gap of {entry.begin - position} bytes before {entry.name}"
+            )
+        if entry.begin < position:
+            raise HeaderRejected(
+                "data-overlap", f"{entry.name} overlaps the previous tensor"
+            )
+        position = entry.end
+    if position != data_bytes:
+        raise HeaderRejected(
+            "trailing-bytes", f"{data_bytes - position} bytes after the last tensor"
+        )

@@ -1,0 +1,523 @@
+"""Signing and verification through OpenSSF `model-signing`, bound to a release.
+
+Binding. model-signing signs an in-toto statement whose predicate holds the
+serialization parameters and every resource digest; v1.0 verifiers ignore other
+predicate keys. We add one, `releasegate`, holding the release (model, version,
+recipe, parent digest) and our manifest digest. It sits inside the DSSE payload,
+so it is covered by the signature: editing it breaks the signature, and a valid
+signature for release A fails release B's check on the binding (and on the
+manifest digest if the files differ). The upstream `model_signing` tool still
+verifies our signatures (it ignores the extra key), and we verify its
+signatures when the policy does not demand a binding.
+
+Verification order: signature and signer, statement, serialization parameters
+and ignore list against the policy, binding, then every file digest. Every
+library exception becomes one of our `IntegrityError` subclasses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuagent.integrity.errors import (
+    BindingMismatchError,
+    IgnoreListError,
+    IntegrityError,
+    ManifestMismatchError,
+    PolicyError,
+    SignatureError,
+    SignerNotTrustedError,
+    SigningError,
+)
+from gpuagent.integrity.manifest import Manifest, hash_folder_listing, hash_model
+from gpuagent.integrity.policy import DEFAULT_POLICY, Policy, ReleaseBinding
+from gpuagent.integrity.safetensors_header import HeaderRejected, strict_json_loads
+
+BINDING_KEY = "releasegate"
+BINDING_FORMAT = "releasegate-binding/v1"
+_IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
+_IN_TOTO_STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+_PREDICATE_TYPE = "https://model_signing/signature/v1.0"
+
+
+@dataclass(frozen=True)
+class SignResult:
+    manifest: Manifest
+    signature_path: str
+    release: ReleaseBinding
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "signature_path": self.signature_path,
+            "manifest_digest": self.manifest.digest,
+            "root_digest": self.manifest.root_digest,
+            "release": self.release.to_dict(),
+            "files": len(self.manifest.files()),
+        }
+
+
+@dataclass(frozen=True)
+class SignedStatement:
+    """What a signature says, after its signature and signer were verified."""
+
+    manifest: Manifest
+    signer: str  # "key sha256:<fingerprint>" or "certificate <identity> by <issuer>"
+    binding: dict[str, str] | None
+    serialization: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    ok: bool
+    folder: str
+    signer: str
+    manifest_digest: str
+    root_digest: str
+    release: dict[str, str] | None
+    files: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def to_text(self) -> str:
+        release = self.release or {}
+        bound = (
+            f"{release.get('model')} {release.get('version')} ({release.get('recipe')})"
+            if release
+            else "not bound to a release"
+        )
+        return "\n".join(
+            [
+                f"verify {self.folder}: OK",
+                f"  signer:          {self.signer}",
+                f"  release:         {bound}",
+                f"  manifest digest: {self.manifest_digest}",
+                f"  files verified:  {len(self.files)}",
+            ]
+        )
+
+
+def key_fingerprint(public_key_pem: bytes) -> str:
+    """SHA-256 of the key's PEM SubjectPublicKeyInfo: model-signing's key hint."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_pem_public_key(public_key_pem)
+    except Exception as e:  # noqa: BLE001
+        raise PolicyError(f"not a PEM public key: {e}") from e
+    raw = key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(raw).hexdigest()
+
+
+# --- signing ---------------------------------------------------------------
+
+
+def _relative_inside(folder: Path, path: Path) -> str | None:
+    try:
+        return (
+            Path(os.path.abspath(path))
+            .relative_to(Path(os.path.abspath(folder)))
+            .as_posix()
+        )
+    except ValueError:
+        return None
+
+
+def _payload(manifest: Manifest, release: ReleaseBinding):
+    from in_toto_attestation.v1 import statement as intoto
+    from model_signing._signing import signing as ms_signing
+
+    base = ms_signing.Payload(manifest.to_model_signing())
+    predicate = {
+        "serialization": manifest.to_model_signing().serialization_type,
+        "resources": [
+            {"name": r.name, "algorithm": r.algorithm, "digest": r.digest}
+            for r in manifest.resources
+        ],
+        BINDING_KEY: {
+            "format": BINDING_FORMAT,
+            **release.to_dict(),
+            "manifest_digest": manifest.digest,
+        },
+    }
+    base.statement = intoto.Statement(
+        subjects=[base.statement.pb.subject[0]],
+        predicate_type=_PREDICATE_TYPE,
+        predicate=predicate,
+    )
+    return base
+
+
+def _signer(
+    private_key: str | Path | None,
+    password: str | None,
+    certificate: str | Path | None,
+    certificate_chain: tuple[str | Path, ...],
+    sigstore_identity_token: str | None,
+    sigstore_trust_config: str | Path | None,
+):
+    try:
+        from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore
+
+        if sigstore_identity_token:
+            trust = Path(sigstore_trust_config) if sigstore_trust_config else None
+            return sign_sigstore.Signer(
+                identity_token=sigstore_identity_token,
+                use_ambient_credentials=False,
+                trust_config=trust,
+            )
+        if private_key and certificate:
+            return sign_certificate.Signer(
+                Path(private_key),
+                Path(certificate),
+                [Path(c) for c in certificate_chain],
+            )
+        if private_key:
+            return sign_ec_key.Signer(Path(private_key), password)
+    except Exception as e:  # noqa: BLE001 - bad key, password, certificate...
+        raise SigningError(f"cannot set up the signer: {type(e).__name__}: {e}") from e
+    raise SigningError("no signing key, certificate or identity token given")
+
+
+def sign_model(
+    folder: str | Path,
+    signature_path: str | Path,
+    *,
+    release: ReleaseBinding,
+    private_key: str | Path | None = None,
+    password: str | None = None,
+    certificate: str | Path | None = None,
+    certificate_chain: tuple[str | Path, ...] = (),
+    sigstore_identity_token: str | None = None,
+    sigstore_trust_config: str | Path | None = None,
+    algorithm: str = "sha256",
+    shard_size: int | None = None,
+    ignore_paths: tuple[str, ...] = (),
+) -> SignResult:
+    """Hashes `folder` and signs its manifest bound to `release`.
+
+    Modes: `private_key` (ECDSA PEM) alone = key signature; with `certificate`
+    (+ chain) = certificate signature; `sigstore_identity_token` = Sigstore
+    keyless (needs the network at signing time). A signature written inside the
+    folder is added to the ignore list explicitly.
+    """
+    folder, signature_path = Path(folder), Path(signature_path)
+    signer = _signer(
+        private_key,
+        password,
+        certificate,
+        certificate_chain,
+        sigstore_identity_token,
+        sigstore_trust_config,
+    )
+    ignore = list(ignore_paths)
+    inside = _relative_inside(folder, signature_path)
+    if inside is not None:
+        ignore.append(inside)
+    manifest = hash_model(
+        folder, algorithm, shard_size=shard_size, ignore_paths=tuple(ignore)
+    )
+    try:
+        signature = signer.sign(_payload(manifest, release))
+        signature.write(signature_path)
+    except Exception as e:  # noqa: BLE001 - library failures become ours
+        raise SigningError(f"signing failed: {type(e).__name__}: {e}") from e
+    return SignResult(manifest, str(signature_path), release)
+
+
+# --- verification ----------------------------------------------------------
+
+
+def read_signed_statement(
+    signature_path: str | Path, policy: Policy = DEFAULT_POLICY
+) -> SignedStatement:
+    """Verifies the signature and signer of `signature_path` against `policy`
+    and returns what it signs. Does not look at the model files."""
+    path = Path(signature_path)
+    if not path.is_file():
+        raise SignatureError(f"signature file {path} does not exist")
+    try:
+        with tempfile.TemporaryDirectory(prefix="rg-trust-") as tmp:
+            payload_type, payload, signer = _verify_signature(path, policy, Path(tmp))
+    except IntegrityError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ValueError, InvalidSignature, OpenSSL, sigstore...
+        raise SignatureError(
+            f"signature does not verify: {type(e).__name__}: {e}"
+        ) from e
+    if payload_type != _IN_TOTO_PAYLOAD_TYPE:
+        raise SignatureError(f"unexpected payload type {payload_type!r}")
+    return _parse_statement(payload, signer)
+
+
+def _verify_signature(path: Path, policy: Policy, tmp: Path) -> tuple[str, bytes, str]:
+    from model_signing._signing import (
+        sign_certificate,
+        sign_ec_key,
+        sign_sigstore,
+        sign_sigstore_pb,
+    )
+
+    mode = policy.signature_mode
+    if mode == "sigstore":
+        if not (
+            policy.sigstore_trust_config
+            and policy.certificate_identity
+            and policy.certificate_issuer
+        ):
+            raise PolicyError(
+                "sigstore mode needs a pinned trust config, identity and OIDC issuer"
+            )
+        signature = sign_sigstore.Signature.read(path)
+        verifier = sign_sigstore.Verifier(
+            identity=policy.certificate_identity,
+            oidc_issuer=policy.certificate_issuer,
+            trust_config=Path(policy.sigstore_trust_config),
+        )
+        payload_type, payload = verifier._verify_signed_content(signature)
+        return (
+            payload_type,
+            payload,
+            f"sigstore {policy.certificate_identity} by {policy.certificate_issuer}",
+        )
+
+    try:
+        signature = sign_sigstore_pb.Signature.read(path)
+    except Exception as e:  # noqa: BLE001
+        raise SignatureError(
+            f"unreadable signature bundle: {type(e).__name__}: {e}"
+        ) from e
+    material = signature.bundle.verification_material
+    if mode == "key":
+        if material.public_key is None:
+            raise SignatureError(
+                "not a key signature (no public key hint in the bundle)"
+            )
+        trusted = {key_fingerprint(pem): pem for pem in policy.public_keys_pem}
+        if not trusted:
+            raise PolicyError("policy trusts no public key")
+        hint = material.public_key.hint
+        candidates = [hint] if hint else sorted(trusted)
+        if hint and hint not in trusted:
+            raise SignerNotTrustedError(
+                f"signed by key sha256:{hint}, which the policy does not trust"
+            )
+        last: Exception | None = None
+        for fingerprint in candidates:
+            key_path = tmp / f"{fingerprint}.pub"
+            key_path.write_bytes(trusted[fingerprint])
+            try:
+                payload_type, payload = sign_ec_key.Verifier(
+                    key_path
+                )._verify_signed_content(signature)
+            except Exception as e:  # noqa: BLE001
+                last = e
+                continue
+            return payload_type, payload, f"key sha256:{fingerprint}"
+        raise SignatureError(
+            f"signature does not verify: {type(last).__name__}: {last}"
+        )
+    if mode == "certificate":
+        if not (
+            policy.certificate_chain_pem
+            and policy.certificate_identity
+            and policy.certificate_issuer
+        ):
+            raise PolicyError(
+                "certificate mode needs a pinned chain, identity and issuer"
+            )
+        if material.x509_certificate_chain is None:
+            raise SignatureError(
+                "not a certificate signature (no certificate chain in the bundle)"
+            )
+        chain_path = tmp / "chain.pem"
+        chain_path.write_bytes(policy.certificate_chain_pem)
+        verifier = sign_certificate.Verifier([chain_path])
+        payload_type, payload = verifier._verify_signed_content(signature)
+        leaf = material.x509_certificate_chain.certificates[0].raw_bytes
+        _check_certificate_identity(leaf, policy)
+        return (
+            payload_type,
+            payload,
+            f"certificate {policy.certificate_identity} by {policy.certificate_issuer}",
+        )
+    raise PolicyError(f"unknown signature mode {mode!r}")
+
+
+def _check_certificate_identity(leaf_der: bytes, policy: Policy) -> None:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    cert = x509.load_der_x509_certificate(leaf_der)
+    identities = {
+        a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    }
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        identities |= {str(v) for v in san.get_values_for_type(x509.RFC822Name)}
+        identities |= {
+            str(v) for v in san.get_values_for_type(x509.UniformResourceIdentifier)
+        }
+        identities |= {str(v) for v in san.get_values_for_type(x509.DNSName)}
+    except x509.ExtensionNotFound:
+        pass
+    issuers = {cert.issuer.rfc4514_string()}
+    issuers |= {
+        a.value for a in cert.issuer.get_attributes_for_oid(NameOID.COMMON_NAME)
+    }
+    if policy.certificate_identity not in identities:
+        raise SignerNotTrustedError(
+            f"certificate identity {sorted(identities)} is not "
+            f"{policy.certificate_identity!r}"
+        )
+    if policy.certificate_issuer not in issuers:
+        raise SignerNotTrustedError(
+            f"certificate issuer {sorted(issuers)} is not {policy.certificate_issuer!r}"
+        )
+
+
+def _parse_statement(payload: bytes, signer: str) -> SignedStatement:
+    from model_signing._signing import signing as ms_signing
+
+    try:
+        # Strict: a duplicate key could make two parsers read different releases.
+        statement = strict_json_loads(payload.decode("utf-8"), 64)
+    except (UnicodeDecodeError, HeaderRejected) as e:
+        raise SignatureError(f"signed statement is not strict JSON: {e}") from e
+    if (
+        not isinstance(statement, dict)
+        or statement.get("_type") != _IN_TOTO_STATEMENT_TYPE
+    ):
+        raise SignatureError("signed payload is not an in-toto v1 statement")
+    if statement.get("predicateType") != _PREDICATE_TYPE:
+        # The v0.2 compat format has no serialization parameters: refuse it.
+        raise SignatureError(
+            f"unsupported predicate type {statement.get('predicateType')!r}"
+        )
+    try:
+        ms_manifest = ms_signing.dsse_payload_to_manifest(statement)
+        manifest = Manifest.from_model_signing(ms_manifest)
+    except IntegrityError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise SignatureError(
+            f"signed manifest is inconsistent: {type(e).__name__}: {e}"
+        ) from e
+    predicate = statement["predicate"]
+    binding = predicate.get(BINDING_KEY)
+    if binding is not None and not (
+        isinstance(binding, dict) and all(isinstance(v, str) for v in binding.values())
+    ):
+        raise SignatureError("signed release binding is malformed")
+    return SignedStatement(manifest, signer, binding, dict(predicate["serialization"]))
+
+
+def check_statement(
+    statement: SignedStatement, policy: Policy, signature_inside: str | None
+) -> None:
+    """Serialization parameters, ignore list and release binding against the policy."""
+    args = statement.serialization
+    if args.get("allow_symlinks") not in (False, "false", None):
+        raise PolicyError(
+            "signature was made with allow_symlinks; symlinks are refused"
+        )
+    spec = statement.manifest.spec
+    if spec.hash_type not in policy.allowed_hash_types:
+        raise PolicyError(f"hash type {spec.hash_type!r} not allowed by policy")
+    if spec.method == "shards" and spec.shard_size < policy.min_shard_size:
+        raise PolicyError(
+            f"shard size {spec.shard_size} below policy minimum {policy.min_shard_size}"
+        )
+    ignored = list(statement.manifest.ignore_paths)
+    allowed = policy.ignorable_paths()
+    if signature_inside is not None:  # the signature being checked may be left out
+        allowed |= {signature_inside}
+    bad = sorted(p for p in ignored if p not in allowed)
+    if bad:
+        raise IgnoreListError(
+            "signed ignore list leaves out paths the policy requires to be signed: "
+            + ", ".join(bad),
+            bad,
+        )
+    if signature_inside is not None and signature_inside not in ignored:
+        raise IgnoreListError(
+            f"signature file {signature_inside} is inside the model folder but not in "
+            "the signed ignore list",
+            [signature_inside],
+        )
+    if policy.release is not None:
+        check_binding(statement, policy.release)
+
+
+def check_binding(statement: SignedStatement, release: ReleaseBinding) -> None:
+    binding = statement.binding
+    if binding is None:
+        raise BindingMismatchError(
+            "signature is not bound to any release",
+            {"release": (release.to_dict(), None)},
+        )
+    if binding.get("format") != BINDING_FORMAT:
+        raise BindingMismatchError(
+            f"unknown binding format {binding.get('format')!r}", {}
+        )
+    mismatches = {
+        k: (v, binding.get(k))
+        for k, v in release.to_dict().items()
+        if binding.get(k) != v
+    }
+    if binding.get("manifest_digest") != statement.manifest.digest:
+        mismatches["manifest_digest"] = (
+            statement.manifest.digest,
+            binding.get("manifest_digest"),
+        )
+    if mismatches:
+        detail = "; ".join(
+            f"{k}: expected {exp!r}, signed {got!r}"
+            for k, (exp, got) in mismatches.items()
+        )
+        raise BindingMismatchError(
+            f"signature is for another release: {detail}", mismatches
+        )
+
+
+def verify_model(
+    folder: str | Path,
+    signature_path: str | Path,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    max_workers: int | None = None,
+) -> VerificationReport:
+    """Verifies `folder` against the signature: signature, signer, binding,
+    ignore list, and every file digest (our fd-based parallel hasher, with the
+    signed hash settings). Raises an `IntegrityError` subclass on any failure."""
+    folder = Path(folder)
+    statement = read_signed_statement(signature_path, policy)
+    check_statement(statement, policy, _relative_inside(folder, Path(signature_path)))
+    expected = statement.manifest
+    actual, listed = hash_folder_listing(
+        folder, expected.spec, expected.ignore_paths, max_workers=max_workers
+    )
+    missing, extra, changed = expected.diff(actual)
+    # An empty file has no shard, so it is absent from a sharded manifest;
+    # count it as extra rather than let it in unsigned.
+    extra = sorted(set(extra) | {p for p in listed if p not in actual.files()})
+    if missing or extra or changed:
+        raise ManifestMismatchError(missing, extra, changed)
+    if actual.digest != expected.digest:  # same files, e.g. different shard layout
+        raise ManifestMismatchError([], [], sorted(actual.files()))
+    return VerificationReport(
+        ok=True,
+        folder=str(folder),
+        signer=statement.signer,
+        manifest_digest=actual.digest,
+        root_digest=actual.root_digest,
+        release=statement.binding,
+        files=sorted(actual.files()),
+    )

@@ -1,0 +1,156 @@
+"""Builders shared by the integrity tests: deterministic model folders, raw
+safetensors bytes and throwaway signing keys (never committed)."""
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from safetensors.numpy import save
+
+from gpuagent.integrity import Policy, ReleaseBinding
+
+RELEASE = ReleaseBinding("demo-llama", "1.0.0", "weights=int4-g128,kv=int8", "")
+
+
+def raw_safetensors(header, data: bytes = b"", *, length: int | None = None) -> bytes:
+    """A safetensors file with exactly this header (dict, str or bytes)."""
+    if isinstance(header, dict):
+        header = json.dumps(header)
+    if isinstance(header, str):
+        header = header.encode()
+    n = len(header) if length is None else length
+    return struct.pack("<Q", n) + header + data
+
+
+def tensors(seed: int, names: list[str]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal((4, 8), dtype=np.float32) for n in names}
+
+
+def write_model(folder: Path, *, sharded: bool = False, seed: int = 0) -> Path:
+    """A small deterministic HF-style folder (same bytes on every run)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    # Indented with a final newline, as transformers writes them.
+    config = {"model_type": "llama", "hidden_size": 8, "vocab_size": 4}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "vocab": {}}))
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    if not sharded:
+        (folder / "model.safetensors").write_bytes(save(tensors(seed, names)))
+        return folder
+    shards = {
+        "model-00001-of-00002.safetensors": names[:2],
+        "model-00002-of-00002.safetensors": names[2:],
+    }
+    weight_map = {}
+    for i, (shard, shard_names) in enumerate(shards.items()):
+        (folder / shard).write_bytes(save(tensors(seed + i, shard_names)))
+        weight_map.update({n: shard for n in shard_names})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map})
+    )
+    return folder
+
+
+class Keys:
+    def __init__(self, root: Path, name: str):
+        key = ec.generate_private_key(ec.SECP256R1())
+        self.private = root / f"{name}.pem"
+        self.public = root / f"{name}.pub"
+        self.private.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        self.public_pem = key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        self.public.write_bytes(self.public_pem)
+
+    def policy(self, **changes) -> Policy:
+        return Policy(
+            **{"public_keys_pem": (self.public_pem,), "release": RELEASE, **changes}
+        )
+
+
+class CertificateAuthority:
+    """A throwaway CA and a code-signing leaf certificate for one identity."""
+
+    def __init__(self, root: Path, name: str, identity: str):
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.x509.oid import NameOID
+
+        now = datetime.datetime.now(datetime.UTC)
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+        ca = (
+            x509.CertificateBuilder()
+            .subject_name(ca_name)
+            .issuer_name(ca_name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=2))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .add_extension(
+                x509.KeyUsage(
+                    False, False, False, False, False, True, True, False, False
+                ),
+                True,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        leaf_key = ec.generate_private_key(ec.SECP256R1())
+        leaf = (
+            x509.CertificateBuilder()
+            .subject_name(
+                x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "signer")])
+            )
+            .issuer_name(ca_name)
+            .public_key(leaf_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=10))
+            .add_extension(
+                x509.SubjectAlternativeName([x509.RFC822Name(identity)]), False
+            )
+            .add_extension(
+                x509.KeyUsage(
+                    True, False, False, False, False, False, False, False, False
+                ),
+                True,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        pem = serialization.Encoding.PEM
+        self.issuer = f"{name} CA"
+        self.identity = identity
+        self.chain_pem = ca.public_bytes(pem)
+        self.chain = root / f"{name}-ca.pem"
+        self.chain.write_bytes(self.chain_pem)
+        self.certificate = root / f"{name}-leaf.pem"
+        self.certificate.write_bytes(leaf.public_bytes(pem))
+        self.private = root / f"{name}-leaf-key.pem"
+        self.private.write_bytes(
+            leaf_key.private_bytes(
+                pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+
+    def policy(self, **changes) -> Policy:
+        settings = {
+            "signature_mode": "certificate",
+            "certificate_chain_pem": self.chain_pem,
+            "certificate_identity": self.identity,
+            "certificate_issuer": self.issuer,
+            "release": RELEASE,
+        }
+        return Policy(**{**settings, **changes})

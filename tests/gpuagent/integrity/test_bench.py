@@ -1,0 +1,31 @@
+"""The benchmark script runs end to end on a tiny folder and cleans up after
+itself (its numbers are not asserted: benchmarks are not timed tests)."""
+
+from gpuagent.integrity.bench import main
+
+
+def test_it_prints_the_table_and_removes_its_folder(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "--size-gb",
+                "0.004",
+                "--repeats",
+                "1",
+                "--dir",
+                str(tmp_path),
+                "--no-engine",
+            ]
+        )
+        == 0
+    )
+
+    out = capsys.readouterr().out
+    for row in (
+        "model_signing verify sha256",
+        "ours verify sha256",
+        "ours verify blake3 (cold)",
+        "ours vs model_signing, sha256:",
+    ):
+        assert row in out
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,644 @@
+"""inspect_model on a generated corpus of malformed safetensors files and
+folders: every case is named and must be rejected for its own reason."""
+
+import gzip
+import io
+import json
+import os
+import pickle
+import tarfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from safetensors.numpy import save
+
+from gpuagent.integrity import (
+    DEFAULT_POLICY,
+    IntegrityError,
+    ModelRejectedError,
+    inspect_model,
+)
+from tests.gpuagent.integrity.builders import raw_safetensors, write_model
+
+F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+def weights(folder: Path, content: bytes, name: str = "model.safetensors") -> None:
+    (folder / name).write_bytes(content)
+
+
+def entry(begin: int, end: int, shape=None, dtype="F32") -> dict:
+    shape = [(end - begin) // 4] if shape is None else shape
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def index(folder: Path, weight_map: dict, raw: str | None = None) -> None:
+    text = raw if raw is not None else json.dumps({"weight_map": weight_map})
+    (folder / "model.safetensors.index.json").write_text(text)
+
+
+def shard(folder: Path, name: str, tensor_names: list[str]) -> None:
+    arrays = {n: np.zeros(2, dtype=np.float32) for n in tensor_names}
+    (folder / name).write_bytes(save(arrays))
+
+
+def sharded(folder: Path, weight_map: dict, shards: dict) -> None:
+    (folder / "model.safetensors").unlink()
+    for name, tensor_names in shards.items():
+        shard(folder, name, tensor_names)
+    index(folder, weight_map)
+
+
+def zip_bytes() -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"w": 1}))
+    return buf.getvalue()
+
+
+def tar_bytes() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        info = tarfile.TarInfo("data.pkl")
+        payload = pickle.dumps([1])
+        info.size = len(payload)
+        t.addfile(info, io.BytesIO(payload))
+    return buf.getvalue()
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=True)
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[Path], None]
+    code: str
+    path: str = "model.safetensors"
+
+
+A = 'a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}'
+
+CASES = [
+    # --- safetensors header ---------------------------------------------------
+    Case("too-short", lambda f: weights(f, b"\x01\x02"), "file-too-short"),
+    Case(
+        "header-over-limit",
+        lambda f: weights(f, raw_safetensors("{}", length=200 * 1024 * 1024)),
+        "header-too-large",
+    ),
+    Case(
+        "header-past-end",
+        lambda f: weights(f, raw_safetensors("{}", length=1000)),
+        "header-past-end",
+    ),
+    Case(
+        "zero-length-header",
+        lambda f: weights(f, raw_safetensors("")),
+        "header-not-object",
+    ),
+    Case(
+        "header-not-utf8",
+        lambda f: weights(f, raw_safetensors(b'{"\xff": 1}')),
+        "header-not-utf8",
+    ),
+    Case(
+        "leading-spaces",
+        lambda f: weights(f, raw_safetensors('  {"' + A + "}", b"\0" * 8)),
+        "header-not-object",
+    ),
+    Case(
+        "header-is-array",
+        lambda f: weights(f, raw_safetensors("[]")),
+        "header-not-object",
+    ),
+    Case(
+        "nul-padding",
+        lambda f: weights(f, raw_safetensors('{"' + A + "}\0\0", b"\0" * 8)),
+        "header-bad-padding",
+    ),
+    Case(
+        "trailing-garbage",
+        lambda f: weights(f, raw_safetensors('{"' + A + "} x", b"\0" * 8)),
+        "header-bad-padding",
+    ),
+    Case(
+        "invalid-json", lambda f: weights(f, raw_safetensors('{"a": }')), "invalid-json"
+    ),
+    Case(
+        "duplicate-tensor-name",
+        lambda f: weights(f, raw_safetensors('{"' + A + ', "' + A + "}", b"\0" * 8)),
+        "duplicate-key",
+    ),
+    Case(
+        "duplicate-field-in-entry",
+        lambda f: weights(
+            f,
+            raw_safetensors(
+                '{"a": {"dtype": "F32", "dtype": "I32", "shape": [2], '
+                '"data_offsets": [0, 8]}}',
+                b"\0" * 8,
+            ),
+        ),
+        "duplicate-key",
+    ),
+    Case(
+        "duplicate-metadata-key",
+        lambda f: weights(f, raw_safetensors('{"__metadata__": {"k": "1", "k": "2"}}')),
+        "duplicate-key",
+    ),
+    Case(
+        "nan-literal-in-shape",
+        lambda f: weights(
+            f,
+            raw_safetensors(
+                '{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 8]}}'
+            ),
+        ),
+        "nonfinite-literal",
+    ),
+    Case(
+        "infinity-literal",
+        lambda f: weights(f, raw_safetensors('{"__metadata__": {"k": Infinity}}')),
+        "nonfinite-literal",
+    ),
+    Case(
+        "nesting-too-deep",
+        lambda f: weights(f, raw_safetensors('{"__metadata__": ' + nested(40) + "}")),
+        "nesting-too-deep",
+    ),
+    Case(
+        "nesting-past-recursion-limit",
+        lambda f: weights(f, raw_safetensors('{"a": ' + nested(100_000) + "}")),
+        "nesting-too-deep",
+    ),
+    Case(
+        "metadata-not-str-map",
+        lambda f: weights(f, raw_safetensors({"__metadata__": {"k": 1}})),
+        "metadata-not-str-map",
+    ),
+    Case(
+        "entry-not-object",
+        lambda f: weights(f, raw_safetensors({"a": [0, 8]}, b"\0" * 8)),
+        "entry-not-object",
+    ),
+    Case(
+        "unknown-entry-field",
+        lambda f: weights(
+            f, raw_safetensors({"a": {**F32_2, "offset_hint": 0}}, b"\0" * 8)
+        ),
+        "entry-fields",
+    ),
+    Case(
+        "missing-entry-field",
+        lambda f: weights(
+            f, raw_safetensors({"a": {"dtype": "F32", "shape": [2]}}, b"\0" * 8)
+        ),
+        "entry-fields",
+    ),
+    Case(
+        "dtype-not-allowed",
+        lambda f: weights(
+            f, raw_safetensors({"a": {**F32_2, "dtype": "F4"}}, b"\0" * 8)
+        ),
+        "dtype-not-allowed",
+    ),
+    Case(
+        "shape-bool",
+        lambda f: weights(
+            f, raw_safetensors({"a": {**F32_2, "shape": [True, 2]}}, b"\0" * 8)
+        ),
+        "shape-invalid",
+    ),
+    Case(
+        "shape-negative",
+        lambda f: weights(
+            f, raw_safetensors({"a": {**F32_2, "shape": [-2]}}, b"\0" * 8)
+        ),
+        "shape-invalid",
+    ),
+    Case(
+        "shape-float",
+        lambda f: weights(
+            f, raw_safetensors({"a": {**F32_2, "shape": [2.0]}}, b"\0" * 8)
+        ),
+        "shape-invalid",
+    ),
+    Case(
+        "offsets-three-values",
+        lambda f: weights(
+            f, raw_safetensors({"a": {**F32_2, "data_offsets": [0, 4, 8]}}, b"\0" * 8)
+        ),
+        "offsets-invalid",
+    ),
+    Case(
+        "offsets-reversed",
+        lambda f: weights(
+            f, raw_safetensors({"a": {**F32_2, "data_offsets": [8, 0]}}, b"\0" * 8)
+        ),
+        "offsets-invalid",
+    ),
+    Case(
+        "size-mismatch",
+        lambda f: weights(f, raw_safetensors({"a": entry(0, 8, shape=[3])}, b"\0" * 8)),
+        "size-mismatch",
+    ),
+    Case(
+        "gap-between-tensors",
+        lambda f: weights(
+            f, raw_safetensors({"a": entry(0, 4), "b": entry(8, 12)}, b"\0" * 12)
+        ),
+        "data-gap",
+    ),
+    Case(
+        "overlapping-tensors",
+        lambda f: weights(
+            f, raw_safetensors({"a": entry(0, 8), "b": entry(4, 12)}, b"\0" * 12)
+        ),
+        "data-overlap",
+    ),
+    Case(
+        "tensor-past-end",
+        lambda f: weights(f, raw_safetensors({"a": entry(0, 8)}, b"\0" * 4)),
+        "data-past-end",
+    ),
+    Case(
+        "trailing-bytes",
+        lambda f: weights(f, raw_safetensors({"a": entry(0, 8)}, b"\0" * 12)),
+        "trailing-bytes",
+    ),
+    Case(
+        "empty-tensor-name",
+        lambda f: weights(f, raw_safetensors({"": entry(0, 8)}, b"\0" * 8)),
+        "tensor-name-invalid",
+    ),
+    # --- sharded index ----------------------------------------------------------
+    Case(
+        "index-parent-traversal",
+        lambda f: sharded(
+            f, {"a": "../model-1.safetensors"}, {"model-1.safetensors": ["a"]}
+        ),
+        "index-path-traversal",
+        "model.safetensors.index.json",
+    ),
+    Case(
+        "index-absolute-path",
+        lambda f: sharded(
+            f, {"a": "/etc/model-1.safetensors"}, {"model-1.safetensors": ["a"]}
+        ),
+        "index-path-traversal",
+        "model.safetensors.index.json",
+    ),
+    Case(
+        "index-missing-shard",
+        lambda f: sharded(
+            f,
+            {"a": "model-1.safetensors", "b": "model-2.safetensors"},
+            {"model-1.safetensors": ["a"]},
+        ),
+        "index-missing-shard",
+        "model.safetensors.index.json",
+    ),
+    Case(
+        "index-tensor-in-wrong-shard",
+        lambda f: sharded(
+            f,
+            {"a": "model-1.safetensors", "b": "model-1.safetensors"},
+            {"model-1.safetensors": ["a"], "model-2.safetensors": ["b"]},
+        ),
+        "index-tensor-missing",
+        "model.safetensors.index.json",
+    ),
+    Case(
+        "index-unmapped-tensor",
+        lambda f: sharded(
+            f, {"a": "model-1.safetensors"}, {"model-1.safetensors": ["a", "hidden"]}
+        ),
+        "index-unmapped-tensor",
+        "model.safetensors.index.json",
+    ),
+    Case(
+        "index-tensor-in-two-shards",
+        lambda f: sharded(
+            f,
+            {"a": "model-1.safetensors", "b": "model-2.safetensors"},
+            {"model-1.safetensors": ["a"], "model-2.safetensors": ["a", "b"]},
+        ),
+        "index-duplicate-tensor",
+        "model.safetensors.index.json",
+    ),
+    Case(
+        "index-unreferenced-shard",
+        lambda f: sharded(
+            f,
+            {"a": "model-1.safetensors"},
+            {"model-1.safetensors": ["a"], "model-9.safetensors": ["z"]},
+        ),
+        "index-unreferenced-shard",
+        "model-9.safetensors",
+    ),
+    Case(
+        "index-duplicate-key",
+        lambda f: index(
+            f, {}, '{"weight_map": {"a": "model.safetensors"}, "weight_map": {}}'
+        ),
+        "json-duplicate-key",
+        "model.safetensors.index.json",
+    ),
+    # --- folder ---------------------------------------------------------------
+    Case(
+        "zip-under-innocent-name",
+        lambda f: (f / "weights.dat").write_bytes(zip_bytes()),
+        "pickle-zip",
+        "weights.dat",
+    ),
+    Case(
+        "pickle-protocol-4",
+        lambda f: (f / "tokenizer.model").write_bytes(
+            pickle.dumps({"a": 1}, protocol=4)
+        ),
+        "pickle-protocol",
+        "tokenizer.model",
+    ),
+    Case(
+        "pickle-protocol-2",
+        lambda f: (f / "extra.dat").write_bytes(pickle.dumps([1], protocol=2)),
+        "pickle-protocol",
+        "extra.dat",
+    ),
+    Case(
+        "7z-archive",
+        lambda f: (f / "blob").write_bytes(b"7z\xbc\xaf\x27\x1c" + b"\0" * 30),
+        "archive-7z",
+        "blob",
+    ),
+    Case(
+        "gzip-stream",
+        lambda f: (f / "vocab.txt").write_bytes(gzip.compress(b"hello")),
+        "archive-gzip",
+        "vocab.txt",
+    ),
+    Case(
+        "tar-archive",
+        lambda f: (f / "data").write_bytes(tar_bytes()),
+        "archive-other",
+        "data",
+    ),
+    Case(
+        "hdf5-file",
+        lambda f: (f / "tf_model.weights").write_bytes(
+            b"\x89HDF\r\n\x1a\n" + b"\0" * 64
+        ),
+        "hdf5",
+        "tf_model.weights",
+    ),
+    Case(
+        "numpy-object-array",
+        lambda f: (f / "emb.npy").write_bytes(
+            npy_bytes(np.array([{"x": 1}], dtype=object))
+        ),
+        "numpy-object-array",
+        "emb.npy",
+    ),
+    Case(
+        "torch-bin-extension",
+        lambda f: (f / "pytorch_model.bin").write_bytes(b"\0" * 16),
+        "pickle-extension",
+        "pytorch_model.bin",
+    ),
+    Case(
+        "python-file",
+        lambda f: (f / "modeling_llama.py").write_text("import os\n"),
+        "python-file",
+        "modeling_llama.py",
+    ),
+    Case(
+        "auto-map-in-config",
+        lambda f: (f / "config.json").write_text(
+            json.dumps({"auto_map": {"AutoModel": "modeling.Model"}})
+        ),
+        "remote-code-auto_map",
+        "config.json",
+    ),
+    Case(
+        "auto-map-in-tokenizer-config",
+        lambda f: (f / "tokenizer_config.json").write_text(
+            json.dumps({"auto_map": {"AutoTokenizer": ["tok.T", None]}})
+        ),
+        "remote-code-auto_map",
+        "tokenizer_config.json",
+    ),
+    Case(
+        "config-nan",
+        lambda f: (f / "config.json").write_text('{"rope_theta": NaN}'),
+        "json-nonfinite-literal",
+        "config.json",
+    ),
+    Case(
+        "symlink-absolute",
+        lambda f: os.symlink("/etc/passwd", f / "tokenizer.model"),
+        "symlink-escapes",
+        "tokenizer.model",
+    ),
+    Case(
+        "symlink-parent",
+        lambda f: os.symlink("../../outside.safetensors", f / "extra.safetensors"),
+        "symlink-escapes",
+        "extra.safetensors",
+    ),
+    Case(
+        "symlink-internal",
+        lambda f: os.symlink("config.json", f / "config2.json"),
+        "symlink",
+        "config2.json",
+    ),
+    Case("fifo", lambda f: os.mkfifo(f / "pipe"), "special-file", "pipe"),
+    Case(
+        "config-not-json",
+        lambda f: (f / "config.json").write_text("{'a': 1}"),
+        "json-invalid",
+        "config.json",
+    ),
+    Case(
+        "pickle-in-subfolder",
+        lambda f: (
+            (f / "sub").mkdir()
+            or (f / "sub" / "opt.state").write_bytes(
+                pickle.dumps({"step": 1}, protocol=5)
+            )
+        ),
+        "pickle-protocol",
+        "sub/opt.state",
+    ),
+    Case(
+        "stray-weights-beside-index",
+        lambda f: (
+            sharded(f, {"a": "model-1.safetensors"}, {"model-1.safetensors": ["a"]})
+            or shard(f, "model.safetensors", ["a"])
+        ),
+        "index-unreferenced-shard",
+        "model.safetensors",
+    ),
+]
+
+
+def test_it_has_at_least_thirty_named_cases():
+    assert len(CASES) >= 30
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_it_rejects_malformed_input_for_the_right_reason(tmp_path, case):
+    folder = write_model(tmp_path / "model")
+    case.build(folder)
+
+    with pytest.raises(ModelRejectedError) as info:
+        inspect_model(folder)
+
+    report = info.value.report
+    rejected = {
+        f.path: {x.code for x in f.findings} for f in report.files if f.findings
+    }
+    assert case.code in rejected.get(case.path, set()), rejected
+    assert isinstance(info.value, IntegrityError)
+    assert case.path in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["duplicate-tensor-name", "leading-spaces", "unknown-entry-field"],
+)
+def test_it_rejects_files_the_safetensors_library_accepts(tmp_path, name):
+    case = next(c for c in CASES if c.name == name)
+    folder = write_model(tmp_path / "model")
+    case.build(folder)
+    content = (folder / "model.safetensors").read_bytes()
+
+    loaded = safetensors.numpy.load(content)  # the library takes it...
+
+    assert "a" in loaded
+    with pytest.raises(ModelRejectedError):  # ...the gate does not
+        inspect_model(folder)
+
+
+def test_it_reports_every_file_of_a_clean_folder(tmp_path):
+    folder = write_model(tmp_path / "model")
+    (folder / "ok.npy").write_bytes(npy_bytes(np.arange(4, dtype=np.float32)))
+
+    report = inspect_model(folder)
+
+    assert report.ok
+    assert {f.path: f.verdict for f in report.files} == {
+        "config.json": "ok",
+        "model.safetensors": "ok",
+        "ok.npy": "ok",
+        "tokenizer.json": "ok",
+    }
+    assert {f.path: f.kind for f in report.files}["model.safetensors"] == "safetensors"
+
+
+def test_it_accepts_a_clean_sharded_folder(tmp_path):
+    folder = write_model(tmp_path / "model", sharded=True)
+
+    report = inspect_model(folder)
+
+    assert report.ok
+    assert "model.safetensors.index.json" in [f.path for f in report.files]
+
+
+def test_it_accepts_zero_sized_tensors_and_metadata(tmp_path):
+    folder = write_model(tmp_path / "model")
+    arrays = {"empty": np.zeros((0, 4), np.float32), "w": np.ones(3, np.float16)}
+    (folder / "model.safetensors").write_bytes(save(arrays, metadata={"format": "np"}))
+
+    assert inspect_model(folder).ok
+
+
+def test_it_reports_every_rejected_file_not_only_the_first(tmp_path):
+    folder = write_model(tmp_path / "model")
+    (folder / "a.py").write_text("")
+    (folder / "b.pkl").write_bytes(pickle.dumps(1))
+
+    with pytest.raises(ModelRejectedError) as info:
+        inspect_model(folder)
+
+    rejected = sorted(f.path for f in info.value.report.files if f.findings)
+    assert rejected == ["a.py", "b.pkl"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bad"),
+    [("F32", np.float32(np.nan)), ("F16", np.float16(np.inf)), ("F64", -np.inf)],
+)
+def test_it_finds_nonfinite_weights_when_asked(tmp_path, dtype, bad):
+    folder = write_model(tmp_path / "model")
+    array = np.ones(
+        1000, dtype={"F32": np.float32, "F16": np.float16, "F64": np.float64}[dtype]
+    )
+    array[777] = bad
+    (folder / "model.safetensors").write_bytes(save({"w": array}))
+
+    assert inspect_model(folder).ok  # not scanned by default
+    with pytest.raises(ModelRejectedError) as info:
+        inspect_model(folder, DEFAULT_POLICY.replace(scan_nonfinite=True))
+
+    assert "nonfinite-weights" in info.value.report.codes()
+    assert "1 NaN/Inf" in str(info.value)
+
+
+def test_it_finds_nonfinite_bf16_weights_by_bit_pattern(tmp_path):
+    folder = write_model(tmp_path / "model")
+    bits = np.full(64, 0x3F80, dtype=np.uint16)  # bf16 1.0
+    bits[5], bits[9] = 0x7F80, 0xFFC1  # +Inf, a NaN
+    header = {"w": {"dtype": "BF16", "shape": [64], "data_offsets": [0, 128]}}
+    (folder / "model.safetensors").write_bytes(raw_safetensors(header, bits.tobytes()))
+
+    with pytest.raises(ModelRejectedError) as info:
+        inspect_model(folder, DEFAULT_POLICY.replace(scan_nonfinite=True))
+
+    assert "w: 2 NaN/Inf" in str(info.value)
+
+
+def test_it_refuses_a_missing_folder_with_a_typed_error(tmp_path):
+    with pytest.raises(IntegrityError, match="does not exist"):
+        inspect_model(tmp_path / "nope")
+
+
+def test_it_accepts_the_demo_model_that_ships_with_the_engine():
+    demo = Path(__file__).resolve().parents[3] / "gpuagent" / "engine" / "demo_model"
+
+    report = inspect_model(demo, DEFAULT_POLICY.replace(scan_nonfinite=True))
+
+    assert report.ok
+    assert "model.safetensors" in [f.path for f in report.files]
+
+
+def test_it_never_raises_anything_but_its_own_error_on_mutated_headers(tmp_path):
+    folder = write_model(tmp_path / "model")
+    original = (folder / "model.safetensors").read_bytes()
+    rng = np.random.default_rng(1234)
+    outcomes = set()
+    for _ in range(300):
+        data = bytearray(original)
+        for position in rng.integers(0, 8 + 200, size=rng.integers(1, 4)):
+            data[position] = int(rng.integers(0, 256))
+        (folder / "model.safetensors").write_bytes(bytes(data))
+        try:
+            inspect_model(folder)
+            outcomes.add("ok")
+        except ModelRejectedError as e:
+            outcomes.update(e.report.codes())
+
+    assert len(outcomes) >= 5  # the mutations hit many different checks

@@ -1,0 +1,170 @@
+"""Verify-on-load: `read_verified_files` hashes exactly the bytes it returns, so
+a file swapped after verification never reaches the engine, and one swapped
+before the load attempt is refused."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpuagent.integrity import (
+    ManifestDigestMismatchError,
+    ManifestMismatchError,
+    UnsafePathError,
+    hash_model,
+    read_verified_files,
+    sign_model,
+    verify_model,
+)
+from tests.gpuagent.integrity.builders import RELEASE, write_model
+
+SHARD1 = "model-00001-of-00002.safetensors"
+
+
+def test_it_returns_the_verified_bytes_of_every_file(tmp_path):
+    folder = write_model(tmp_path / "model", sharded=True)
+    manifest = hash_model(folder)
+
+    files = read_verified_files(folder, manifest.digest)
+
+    assert sorted(files) == sorted(manifest.files())
+    assert all(files[p] == (folder / p).read_bytes() for p in files)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "shard_size"), [("blake3", None), ("sha256", 64)]
+)
+def test_it_recomputes_the_hash_settings_named_by_the_digest(
+    tmp_path, algorithm, shard_size
+):
+    folder = write_model(tmp_path / "model")
+    manifest = hash_model(folder, algorithm, shard_size=shard_size)
+
+    files = read_verified_files(folder, manifest.digest)
+
+    assert files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+
+
+def test_it_refuses_a_file_swapped_between_verification_and_load(tmp_path, keys):
+    folder = write_model(tmp_path / "model", sharded=True)
+    result = sign_model(
+        folder, folder / "model.sig", release=RELEASE, private_key=keys.private
+    )
+    assert verify_model(folder, folder / "model.sig", keys.policy()).ok
+    # The swap: same size, other weights.
+    other = write_model(tmp_path / "other", sharded=True, seed=5)
+    shutil.copy(other / SHARD1, folder / SHARD1)
+
+    with pytest.raises(ManifestDigestMismatchError):
+        read_verified_files(folder, result.manifest.digest)
+    with pytest.raises(ManifestMismatchError) as info:
+        read_verified_files(
+            folder,
+            result.manifest.digest,
+            signature_path=folder / "model.sig",
+            policy=keys.policy(),
+        )
+    assert info.value.changed == [SHARD1]
+
+
+def test_it_refuses_a_signature_for_another_manifest(tmp_path, keys):
+    folder = write_model(tmp_path / "model")
+    sign_model(folder, folder / "model.sig", release=RELEASE, private_key=keys.private)
+    approved = hash_model(write_model(tmp_path / "approved", seed=3)).digest
+
+    with pytest.raises(ManifestDigestMismatchError):
+        read_verified_files(
+            folder, approved, signature_path=folder / "model.sig", policy=keys.policy()
+        )
+
+
+def test_it_refuses_a_planted_file_and_a_symlink(tmp_path):
+    folder = write_model(tmp_path / "model")
+    digest = hash_model(folder).digest
+    (folder / "extra.json").write_text("{}")
+    with pytest.raises(ManifestDigestMismatchError):
+        read_verified_files(folder, digest)
+    (folder / "extra.json").unlink()
+
+    os.rename(folder / "config.json", tmp_path / "config.json")
+    os.symlink(tmp_path / "config.json", folder / "config.json")
+    with pytest.raises(UnsafePathError):
+        read_verified_files(folder, digest)
+
+
+def test_it_refuses_a_symlinked_subfolder_and_a_fifo(tmp_path):
+    folder = write_model(tmp_path / "model")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "a.txt").write_text("a")
+    digest = hash_model(folder).digest
+    shutil.move(folder / "sub", tmp_path / "sub")
+    os.symlink(tmp_path / "sub", folder / "sub")
+    with pytest.raises(UnsafePathError, match="sub"):
+        read_verified_files(folder, digest)
+    os.unlink(folder / "sub")
+    os.mkfifo(folder / "pipe")  # must be refused, not block the reader
+    with pytest.raises(UnsafePathError, match="pipe"):
+        read_verified_files(folder, digest)
+
+
+# --- with the engine's loader ----------------------------------------------
+
+
+def write_llama(folder: Path, seed: int) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from gpuagent.engine.loader import hf_name
+    from gpuagent.engine.model import LlamaConfig, Transformer
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    model = Transformer(config)
+    folder.mkdir(parents=True)
+    state = {hf_name(n): t.contiguous() for n, t in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config.to_hf_config()))
+    return folder
+
+
+def test_it_loads_only_the_verified_bytes_into_the_engine(tmp_path):
+    import torch
+
+    from gpuagent.engine.loader import load_model
+
+    folder = write_llama(tmp_path / "llama", seed=0)
+    approved = load_model(shutil.copytree(folder, tmp_path / "approved"))
+    swapped = write_llama(tmp_path / "swapped", seed=1)
+    digest = hash_model(folder).digest
+
+    files = read_verified_files(folder, digest)
+    # Swapped after verification: the engine still gets what was verified.
+    shutil.copy(swapped / "model.safetensors", folder / "model.safetensors")
+    model = load_model(folder, files=files)
+    from_disk = load_model(folder)
+
+    assert torch.equal(model.embed_tokens.weight, approved.embed_tokens.weight)
+    assert not torch.equal(model.embed_tokens.weight, from_disk.embed_tokens.weight)
+    with pytest.raises(ManifestDigestMismatchError):  # the next load refuses
+        read_verified_files(folder, digest)
+
+
+def test_it_lets_the_engine_refuse_files_that_were_not_verified(tmp_path):
+    from gpuagent.engine.loader import ModelLoadError, load_model
+
+    folder = write_llama(tmp_path / "llama", seed=0)
+    files = read_verified_files(folder, hash_model(folder).digest)
+    del files["model.safetensors"]
+
+    with pytest.raises(ModelLoadError):
+        load_model(folder, files=files)
