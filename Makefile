@@ -8,7 +8,10 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # the range in pyproject.toml admits it.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint clean
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install demo test lint clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,11 +26,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) manage.py demo
 
+# The dashboard tests drive a real Chromium through Playwright (Debian's package; Playwright's
+# own browser download is not used).
+browser:
+	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+test: lint browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

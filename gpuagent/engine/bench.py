@@ -1,0 +1,545 @@
+"""Engine benchmark: `python -m gpuagent.engine.bench [--quick] [--model-dir DIR]`.
+
+Prints ratios measured side by side in one run, each with its target and PASS/FAIL:
+
+- memory: KV bytes/token of each dtype vs bf16, and how many concurrent 2k-token
+  sequences the block pool admits in the same byte budget, counted by admitting
+  requests through the scheduler;
+- throughput: aggregate output tokens/s of 16 concurrent requests vs the same 16 one
+  after another, and vs `transformers` `generate` on the same model, prompts and
+  lengths (batched 16 with left padding; one-at-a-time shown for information);
+- quality: each KV dtype vs bf16 KV, teacher-forced over the same token positions:
+  mean KL divergence and same-top-1 rate.
+
+Runs on the demo model (gpuagent/engine/demo_model); without it, on a random model of
+the same shape, with a loud note (quality numbers then mean little). On a CPU the
+kernels' torch references run; on CUDA the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpuagent.engine.cache import KVCacheManager, kv_bytes_per_token
+from gpuagent.engine.engine import LLMEngine, prepare_inputs
+from gpuagent.engine.sampling import SamplingParams
+from gpuagent.engine.scheduler import ScheduledChunk, Scheduler
+from gpuagent.engine.scheduler import Sequence as Seq
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+CAPACITY_SEQ_TOKENS = 2048
+# The byte budget of the capacity test holds this many bf16 sequences; large enough
+# that whole-sequence rounding doesn't hide a ratio (int8: 31 vs 16, not 15 vs 8).
+CAPACITY_BF16_SEQS = 16
+
+THROUGHPUT_PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "The history of the city begins",
+    "In this chapter we describe how",
+    "안녕하세요. 오늘은",
+    "파일을 열 수 없습니다:",
+    "Return the number of",
+    "for i in range(10):\n",
+    "He looked out of the window and",
+    "# Parse the command line\nparser = ",
+    "설정을 저장하시겠습니까?",
+    "Once upon a time, there was",
+    "def __repr__(self):\n        return",
+    "The results show that",
+    "if __name__ == '__main__':\n",
+]
+
+QUALITY_TEXTS = [
+    # English prose
+    "The committee met on a cold morning in early spring. After a long discussion "
+    "about the budget, the members agreed that the new library would open in the "
+    "autumn, and that the old building would be kept as a museum for the town. "
+    "Several people asked whether the reading room would stay open in the evenings; "
+    "the chair promised an answer at the next meeting.",
+    # Python code
+    "def read_config(path):\n"
+    '    """Return the settings in the file at path as a dict."""\n'
+    "    settings = {}\n"
+    "    with open(path, encoding='utf-8') as f:\n"
+    "        for line in f:\n"
+    "            line = line.strip()\n"
+    "            if not line or line.startswith('#'):\n"
+    "                continue\n"
+    "            key, _, value = line.partition('=')\n"
+    "            settings[key.strip()] = value.strip()\n"
+    "    return settings\n",
+    # Korean
+    "이 프로그램은 자유 소프트웨어입니다. 소프트웨어의 피양도자는 자유 소프트웨어 "
+    "재단이 공표한 GNU 일반 공중 사용 허가서의 규정에 따라 프로그램을 개작하거나 "
+    "재배포할 수 있습니다. 파일을 찾을 수 없습니다. 다시 시도하십시오.",
+]
+
+
+@dataclass
+class Row:
+    """One printed line: what, measured value, target, pass?"""
+
+    name: str
+    value: str
+    target: str
+    ok: bool | None  # None: information only
+
+    def render(self) -> str:
+        result = "info" if self.ok is None else ("PASS" if self.ok else "FAIL")
+        return f"{self.name:<52} {self.value:>12}  {self.target:>10}  {result}"
+
+
+# -------------------------------------------------------------------------- model
+
+
+def random_demo_shaped_dir(path: Path) -> Path:
+    """A random Llama folder shaped like the demo model (when it isn't there)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpuagent.engine.tokenizer import save_byte_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=264,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        bos_token_id=256,
+        eos_token_id=257,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    save_byte_tokenizer(path)
+    return path
+
+
+# ------------------------------------------------------------------------- memory
+
+
+def memory_rows(config) -> list[Row]:
+    """KV bytes/token of each dtype vs bf16."""
+    bf16 = kv_bytes_per_token(config, "bf16")
+    targets = {"fp8": 0.52, "int8": 0.52, "int4": 0.27}
+    rows = [Row("KV bytes/token, bf16 (all layers, K+V)", f"{bf16}", "", None)]
+    for dtype in KV_DTYPES[1:]:
+        per_token = kv_bytes_per_token(config, dtype)
+        ratio = per_token / bf16
+        target = targets.get(dtype)
+        rows.append(
+            Row(
+                f"KV bytes/token {dtype} / bf16  ({per_token} B)",
+                f"{ratio:.4f}",
+                f"<= {target}" if target else "",
+                ratio <= target if target else None,
+            )
+        )
+    return rows
+
+
+def admitted_sequences(config, kv_dtype: str, budget_bytes: int) -> tuple[int, int]:
+    """How many 2k-token requests the scheduler admits at once in `budget_bytes` of
+    KV cache (the cache is really allocated); returns (admitted, cache bytes)."""
+    kv = KVCacheManager.for_budget(config, kv_dtype, budget_bytes, block_size=16)
+    assert kv.nbytes <= budget_bytes
+    scheduler = Scheduler(kv.blocks, max_num_seqs=10_000, max_num_batched_tokens=10**9)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = [i % 256 for i in range(CAPACITY_SEQ_TOKENS - 1)]  # + 1 generated
+    capacity_guess = kv.blocks.capacity_tokens // CAPACITY_SEQ_TOKENS + 2
+    for i in range(capacity_guess):
+        scheduler.add(Seq(f"cap-{i}", list(prompt), params))
+    scheduler.schedule()
+    admitted = len(scheduler.running)
+    assert len(scheduler.waiting) > 0, "offered too few requests to find the limit"
+    return admitted, kv.nbytes
+
+
+def capacity_rows(config) -> list[Row]:
+    """Concurrent 2k-token sequences admitted in one budget, each dtype vs bf16."""
+    budget = (
+        CAPACITY_BF16_SEQS * CAPACITY_SEQ_TOKENS * kv_bytes_per_token(config, "bf16")
+    )
+    targets = {"fp8": 1.9, "int8": 1.9, "int4": 3.6}
+    base, _ = admitted_sequences(config, "bf16", budget)
+    rows = [
+        Row(
+            f"2k-token seqs admitted in {budget / 2**20:.0f} MiB, bf16",
+            f"{base}",
+            "",
+            None,
+        )
+    ]
+    for dtype in KV_DTYPES[1:]:
+        admitted, _ = admitted_sequences(config, dtype, budget)
+        ratio = admitted / base
+        target = targets.get(dtype)
+        rows.append(
+            Row(
+                f"2k-token seqs admitted {dtype} / bf16  ({admitted})",
+                f"{ratio:.3f}x",
+                f">= {target}x" if target else "",
+                ratio >= target if target else None,
+            )
+        )
+    return rows
+
+
+# --------------------------------------------------------------------- throughput
+
+
+def time_engine(
+    engine: LLMEngine,
+    prompts: Sequence[str],
+    max_tokens: int,
+    concurrent: bool,
+    repeats: int = 1,
+) -> tuple[float, list[list[int]]]:
+    """Best-of-`repeats` seconds to generate `max_tokens` for every prompt, together
+    or one by one (best-of because other processes share the CPU)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if concurrent:
+            outs = engine.generate(prompts, params)
+        else:
+            outs = [engine.generate([p], params)[0] for p in prompts]
+        _sync(engine.device)
+        best = min(best, time.perf_counter() - start)
+    assert all(len(o.token_ids) == max_tokens for o in outs)
+    return best, [o.token_ids for o in outs]
+
+
+def time_transformers(
+    model_dir: Path,
+    prompt_ids: Sequence[list[int]],
+    max_tokens: int,
+    pad_id: int,
+    device: str,
+    batched: bool,
+    repeats: int = 1,
+) -> float:
+    """Best-of-`repeats` seconds for `transformers` generate (greedy, exactly
+    `max_tokens` new tokens per prompt)."""
+    model = _hf_model(model_dir, device)
+    kwargs = dict(
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+
+    def run(batch: Sequence[list[int]]) -> None:
+        width = max(len(ids) for ids in batch)
+        # Left padding so that every row's last prompt token is at the end.
+        ids = torch.tensor([[pad_id] * (width - len(x)) + x for x in batch])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs
+            )
+        assert out.shape[1] == width + max_tokens
+
+    run([prompt_ids[0]])  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if batched:
+            run(prompt_ids)
+        else:
+            for ids in prompt_ids:
+                run([ids])
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+_HF_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+
+
+def _hf_model(model_dir: Path, device: str) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    key = (str(model_dir), str(device))
+    if key not in _HF_MODELS:
+        import transformers
+
+        # The folder's generation_config sets max_length; max_new_tokens wins, and
+        # transformers says so on every call.
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        _HF_MODELS[key] = model.to(device).eval()
+    return _HF_MODELS[key]
+
+
+def _sync(device: str | torch.device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def throughput_rows(
+    model_dir: Path, model, tokenizer, device: str, max_tokens: int, repeats: int
+) -> list[Row]:
+    """Aggregate output tok/s: 16 concurrent vs 16 sequential vs transformers."""
+    prompts = THROUGHPUT_PROMPTS
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        kv_cache_dtype="bf16",
+        num_blocks=len(prompts) * 8,
+        block_size=16,
+        max_num_seqs=len(prompts),
+    )
+    total = len(prompts) * max_tokens
+    time_engine(engine, prompts[:2], 4, concurrent=True)  # warm-up
+    concurrent_s, concurrent_ids = time_engine(
+        engine, prompts, max_tokens, True, repeats
+    )
+    sequential_s, sequential_ids = time_engine(
+        engine, prompts, max_tokens, False, repeats
+    )
+    same = sum(a == b for a, b in zip(concurrent_ids, sequential_ids, strict=True))
+    rows = [
+        Row(
+            f"engine tok/s, {len(prompts)} concurrent (bf16 KV, {max_tokens} tok)",
+            f"{total / concurrent_s:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "engine tok/s, same 16 one after another",
+            f"{total / sequential_s:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "concurrent / sequential tok/s",
+            f"{sequential_s / concurrent_s:.2f}x",
+            ">= 4x",
+            sequential_s / concurrent_s >= 4,
+        ),
+        Row(
+            "greedy tokens identical, concurrent vs sequential",
+            f"{same}/{len(prompts)}",
+            "",
+            None,
+        ),
+    ]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        rows.append(Row("transformers generate", "missing", ">= 2x", False))
+        return rows
+    prompt_ids = [engine.encode_prompt(p) for p in prompts]
+    pad_id = 258 if model.config.vocab_size > 258 else 0
+    hf_batched_s = time_transformers(
+        model_dir, prompt_ids, max_tokens, pad_id, device, True, repeats
+    )
+    hf_sequential_s = time_transformers(
+        model_dir, prompt_ids, max_tokens, pad_id, device, False, repeats
+    )
+    rows += [
+        Row(
+            "transformers generate tok/s, batch 16 (left-padded)",
+            f"{total / hf_batched_s:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "engine 16 concurrent / transformers batch 16",
+            f"{hf_batched_s / concurrent_s:.2f}x",
+            ">= 2x",
+            hf_batched_s / concurrent_s >= 2,
+        ),
+        Row(
+            "transformers generate tok/s, one request at a time",
+            f"{total / hf_sequential_s:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "engine 16 concurrent / transformers one at a time",
+            f"{hf_sequential_s / concurrent_s:.2f}x",
+            ">= 2x",
+            hf_sequential_s / concurrent_s >= 2,
+        ),
+    ]
+    return rows
+
+
+# ------------------------------------------------------------------------ quality
+
+
+def teacher_forced_logprobs(
+    model, token_ids: list[int], kv_dtype: str, chunk_tokens: int = 16
+) -> torch.Tensor:
+    """Log-probs [len-1, vocab] of every next token, reading K/V back from a cache of
+    `kv_dtype`; the sequence is fed `chunk_tokens` at a time (chunked prefill), so
+    later tokens attend to earlier ones through the quantized cache."""
+    device = next(model.parameters()).device
+    kv = KVCacheManager(
+        model.config,
+        kv_dtype,
+        num_blocks=-(-len(token_ids) // 16),
+        block_size=16,
+        device=device,
+    )
+    seq = Seq("tf", token_ids, SamplingParams(max_tokens=1))
+    kv.blocks.ensure_capacity("tf", len(token_ids))
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(token_ids), chunk_tokens):
+            n = min(chunk_tokens, len(token_ids) - start)
+            ids, pos, attn = prepare_inputs(
+                [ScheduledChunk(seq, start, n)], kv.blocks, device
+            )
+            logits = model(ids, pos, kv.kv_caches, attn, all_logits=True)  # [n, V]
+            out.append(torch.log_softmax(logits.float(), -1))
+    return torch.cat(out)[:-1].cpu()  # position i predicts token i + 1
+
+
+def quality_rows(model, tokenizer, max_len: int) -> list[Row]:
+    """Mean KLD(bf16 || dtype) and same-top-1 rate over the same positions."""
+    sequences = []
+    for text in QUALITY_TEXTS:
+        ids = tokenizer.encode(text)[: max_len - 1]
+        bos = getattr(tokenizer, "bos_token_id", None)
+        sequences.append(([bos] if bos is not None else []) + ids)
+    reference = [teacher_forced_logprobs(model, ids, "bf16") for ids in sequences]
+    ref = torch.cat(reference)  # [P, V]
+    positions = ref.shape[0]
+    targets = {"fp8": (0.002, 0.975), "int8": (0.002, 0.975), "int4": (0.03, 0.92)}
+    rows = []
+    for dtype in KV_DTYPES[1:]:
+        cand = torch.cat(
+            [teacher_forced_logprobs(model, ids, dtype) for ids in sequences]
+        )
+        kld = (ref.exp() * (ref - cand)).sum(-1)  # [P] KL(bf16 || dtype)
+        top1 = (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
+        mean_kld = kld.mean().item()
+        kld_target, top1_target = targets.get(dtype, (None, None))
+        rows.append(
+            Row(
+                f"KV {dtype} vs bf16: mean KLD ({positions} positions)",
+                f"{mean_kld:.6f}",
+                f"<= {kld_target}" if kld_target else "",
+                mean_kld <= kld_target if kld_target else None,
+            )
+        )
+        rows.append(
+            Row(
+                f"KV {dtype} vs bf16: same top-1",
+                f"{100 * top1:.2f}%",
+                f">= {100 * top1_target:.1f}%" if top1_target else "",
+                top1 >= top1_target if top1_target else None,
+            )
+        )
+    bits = -sum(
+        lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item()
+        for lp, ids in zip(reference, sequences, strict=True)
+    ) / (positions * math.log(2))
+    rows.append(
+        Row("bits/token on the quality texts (bf16 KV)", f"{bits:.3f}", "", None)
+    )
+    return rows
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns 0 when every target passes, else 1."""
+    from gpuagent.engine.loader import load_model
+    from gpuagent.engine.tokenizer import load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m gpuagent.engine.bench")
+    parser.add_argument("--quick", action="store_true", help="fewer tokens (CPU)")
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads on CPU (1: on a shared CPU, more threads "
+        "spin-wait against other processes and run tiny matmuls far slower)",
+    )
+    args = parser.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+
+    tmp = None
+    model_dir = args.model_dir or DEMO_MODEL_DIR
+    if not (model_dir / "config.json").exists():
+        tmp = tempfile.TemporaryDirectory()
+        print("!" * 78)
+        print(f"!! {model_dir} has no model: benchmarking a RANDOM model of the demo's")
+        print("!! shape instead. Memory and throughput ratios hold; quality numbers")
+        print("!! of a random model say little about the demo model.")
+        print("!" * 78)
+        model_dir = random_demo_shaped_dir(Path(tmp.name))
+    started = time.perf_counter()
+    model = load_model(model_dir, dtype=torch.float32, device=args.device)
+    tokenizer = load_tokenizer(model_dir)
+    c = model.config
+    print(
+        f"model {model_dir.name}: {c.num_hidden_layers} layers, hidden "
+        f"{c.hidden_size}, {c.num_attention_heads} heads / {c.num_key_value_heads} KV "
+        f"heads, head_dim {c.head_dim}, {model.num_parameters() / 1e6:.2f}M params; "
+        f"device {args.device}; torch threads {torch.get_num_threads()}"
+    )
+    max_tokens = 16 if args.quick else 32
+    repeats = 2 if args.quick else 3
+    quality_len = 160 if args.quick else 320
+
+    sections = [
+        ("memory", lambda: memory_rows(c) + capacity_rows(c)),
+        (
+            "throughput",
+            lambda: throughput_rows(
+                model_dir, model, tokenizer, args.device, max_tokens, repeats
+            ),
+        ),
+        (
+            "quality (teacher-forced, vs bf16 KV)",
+            lambda: quality_rows(model, tokenizer, quality_len),
+        ),
+    ]
+    rows: list[Row] = []
+    header = f"{'metric':<52} {'value':>12}  {'target':>10}  result"
+    for title, build in sections:
+        print(f"\n== {title}")
+        print(header)
+        section_rows = build()
+        for row in section_rows:
+            print(row.render())
+        rows += section_rows
+    judged = [r for r in rows if r.ok is not None]
+    passed = sum(r.ok for r in judged)
+    print(
+        f"\n{passed}/{len(judged)} targets pass; {time.perf_counter() - started:.0f} s"
+    )
+    if tmp is not None:
+        tmp.cleanup()
+    return 0 if passed == len(judged) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+"""Load a Hugging Face format Llama folder into `model.Transformer`.
+
+Reads `config.json` and either `model.safetensors` or the shards named by
+`model.safetensors.index.json`. Tensors are parsed with `safetensors.torch.load` on the
+file bytes — never `torch.load`, never pickle. With `files=` the bytes come only from
+that mapping (what verify-on-load hands over after hashing exactly those bytes), so
+nothing is read from disk twice or behind the verifier's back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+
+from gpuagent.engine.model import LlamaConfig, Transformer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Older transformers saved RoPE's inverse frequencies as a buffer; we recompute them.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class ModelLoadError(ValueError):
+    """The folder is not a loadable Llama checkpoint; the message says exactly why."""
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    files: Mapping[str, bytes] | None = None,
+) -> Transformer:
+    """Build a `Transformer` from a HF Llama folder, weights cast to `dtype`.
+
+    `files` maps names relative to `model_dir` to their bytes; when given, only those
+    bytes are used. Raises ModelLoadError for unsupported configs (auto_map, other
+    architectures) and for missing, unexpected or misshapen tensors.
+    """
+    reader = _FileReader(Path(model_dir), files)
+    hf_config = json.loads(reader.read(CONFIG_FILE))
+    check_supported_config(hf_config)
+    try:
+        config = LlamaConfig.from_hf_config(hf_config)
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{CONFIG_FILE}: {exc}") from exc
+
+    checkpoint = read_checkpoint(reader)
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = _match_state_dict(model, checkpoint)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()  # assign=True replaced the shared Parameter with two
+    return model.eval()
+
+
+def check_supported_config(hf_config: dict[str, Any]) -> None:
+    """Refuse configs that would run custom code or are not a plain Llama."""
+    if "auto_map" in hf_config:
+        raise ModelLoadError(
+            f"{CONFIG_FILE} has auto_map (custom modeling code); refusing to load"
+        )
+    model_type = hf_config.get("model_type")
+    if model_type != "llama":
+        raise ModelLoadError(
+            f"model_type {model_type!r} is not supported (need 'llama')"
+        )
+    architectures = hf_config.get("architectures") or list(SUPPORTED_ARCHITECTURES)
+    unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported:
+        raise ModelLoadError(f"architectures {unsupported} are not supported")
+
+
+def read_checkpoint(reader: _FileReader) -> dict[str, torch.Tensor]:
+    """All tensors of the single file or of every shard the index names."""
+    if reader.exists(INDEX_FILE):
+        return _read_sharded(reader)
+    if reader.exists(WEIGHTS_FILE):
+        return _read_safetensors(reader, WEIGHTS_FILE)
+    raise ModelLoadError(f"neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
+
+
+def _read_sharded(reader: _FileReader) -> dict[str, torch.Tensor]:
+    weight_map: dict[str, str] = json.loads(reader.read(INDEX_FILE))["weight_map"]
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        _check_relative_name(shard)
+        shard_tensors = _read_safetensors(reader, shard)
+        listed = {n for n, s in weight_map.items() if s == shard}
+        if listed != set(shard_tensors):
+            raise ModelLoadError(
+                f"{shard} does not match {INDEX_FILE}: "
+                f"listed but absent {sorted(listed - set(shard_tensors))}, "
+                f"present but unlisted {sorted(set(shard_tensors) - listed)}"
+            )
+        tensors.update(shard_tensors)
+    return tensors
+
+
+def _read_safetensors(reader: _FileReader, name: str) -> dict[str, torch.Tensor]:
+    try:
+        tensors = load_safetensors_bytes(reader.read(name))
+    except Exception as exc:  # safetensors raises its own error types
+        raise ModelLoadError(f"{name} is not a valid safetensors file: {exc}") from exc
+    bad = {
+        k: str(v.dtype) for k, v in tensors.items() if v.dtype not in CHECKPOINT_DTYPES
+    }
+    if bad:
+        raise ModelLoadError(f"{name}: unsupported tensor dtypes {bad}")
+    return tensors
+
+
+def hf_name(name: str) -> str:
+    """HF checkpoint name of our parameter (`norm.weight` -> `model.norm.weight`)."""
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def _match_state_dict(
+    model: Transformer, checkpoint: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    # Map HF names onto our parameter names and fail with the full list of problems.
+    checkpoint = {
+        k: v for k, v in checkpoint.items() if not k.endswith(IGNORED_SUFFIXES)
+    }
+    tied = model.config.tie_word_embeddings
+    expected = {hf_name(n): p for n, p in model.state_dict().items()}
+    if tied:
+        expected.pop("lm_head.weight")
+        _check_tied_head(checkpoint)
+        checkpoint.pop("lm_head.weight", None)
+
+    missing = sorted(set(expected) - set(checkpoint))
+    unexpected = sorted(set(checkpoint) - set(expected))
+    misshapen = [
+        f"{n}: checkpoint {tuple(checkpoint[n].shape)} vs config {tuple(p.shape)}"
+        for n, p in expected.items()
+        if n in checkpoint and checkpoint[n].shape != p.shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected}")
+    if misshapen:
+        problems.append(f"shape mismatch {misshapen}")
+    if problems:
+        raise ModelLoadError("checkpoint does not match config: " + "; ".join(problems))
+
+    state = {
+        n: checkpoint[hf_name(n)] for n in model.state_dict() if hf_name(n) in expected
+    }
+    if tied:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
+
+
+def _check_tied_head(checkpoint: dict[str, torch.Tensor]) -> None:
+    # Some tied checkpoints carry a copy of the embedding as lm_head; a copy that
+    # differs means the config's tie flag is wrong, and guessing would be silent.
+    head = checkpoint.get("lm_head.weight")
+    embed = checkpoint.get("model.embed_tokens.weight")
+    if head is not None and (embed is None or not torch.equal(head, embed)):
+        raise ModelLoadError(
+            "tie_word_embeddings=true but lm_head.weight differs from "
+            "model.embed_tokens.weight"
+        )
+
+
+def _check_relative_name(name: str) -> None:
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts or "\\" in name or not path.parts:
+        raise ModelLoadError(f"{INDEX_FILE} names a file outside the folder: {name!r}")
+
+
+class _FileReader:
+    """Bytes of files in the model folder, or only from a given mapping."""
+
+    def __init__(self, model_dir: Path, files: Mapping[str, bytes] | None) -> None:
+        self.model_dir = model_dir
+        self.files = files
+
+    def exists(self, name: str) -> bool:
+        if self.files is not None:
+            return name in self.files
+        return (self.model_dir / name).is_file()
+
+    def read(self, name: str) -> bytes:
+        if self.files is not None:
+            if name not in self.files:
+                raise ModelLoadError(f"{name} is not among the verified files")
+            return self.files[name]
+        path = self.model_dir / name
+        if not path.is_file():
+            raise ModelLoadError(f"{path} not found")
+        return path.read_bytes()

@@ -1,0 +1,409 @@
+"""Llama-family decoder in one file: RMSNorm, RoPE (plain or Llama-3 scaled), GQA,
+SwiGLU MLP, tied or untied embeddings.
+
+Two ways to run it:
+
+- `Transformer.forward` — the serving path. Takes the new tokens of every sequence in
+  the batch flattened into one `[T]` vector, writes their K/V into the paged cache
+  through `kernels.write_kv` and attends over the cache with
+  `kernels.paged_decode_attention` / `kernels.paged_prefill_attention`.
+- `Transformer.forward_dense` — plain causal attention over `[B, T]` tokens with no
+  cache; used for training the demo model and as a cross-check of the paged path.
+
+Submodule names follow the Hugging Face Llama layout (`layers.N.self_attn.q_proj`, ...)
+so a HF state dict maps onto this module by dropping the `model.` prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.kv_quant import allocate_kv_cache, write_kv
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+
+if TYPE_CHECKING:
+    from kernels.kv_quant import PagedKVCache
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the new tokens of one step go in the paged cache, and what they see."""
+
+    slot_mapping: Tensor  # [T] int64, cache slot of each new token
+    block_tables: Tensor  # [B, max_blocks] int32
+    query_start_loc: Tensor  # [B+1] int32, seq b owns tokens qsl[b]:qsl[b+1]
+    context_lens: Tensor  # [B] int32, tokens in cache per seq AFTER this step
+    decode_only: bool  # every sequence has exactly one new token
+
+
+@dataclass
+class LlamaConfig:
+    """The subset of a HF Llama `config.json` this model needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    # None for plain RoPE, else {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    eos_token_id: int | list[int] | None = None
+    bos_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get(
+                "rope_type", self.rope_scaling.get("type")
+            )
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"unsupported rope_scaling type {rope_type!r}; "
+                    f"supported: {SUPPORTED_ROPE_TYPES}"
+                )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Build from a HF `config.json` dict (transformers 4.x or 5.x layout).
+
+        transformers 5 writes `rope_parameters` ({"rope_theta", "rope_type", ...});
+        older checkpoints write `rope_theta` and `rope_scaling` separately. Both are
+        read. Raises ValueError for features this model does not implement (biases,
+        activations other than SiLU, rope types other than default/llama3).
+        """
+        for flag in ("attention_bias", "mlp_bias"):
+            if cfg.get(flag):
+                raise ValueError(f"{flag}=true is not supported")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = rope if rope and rope_type != "default" else None
+
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_id=cfg.get("eos_token_id"),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The `config.json` dict that transformers' LlamaForCausalLM accepts."""
+        rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        rope_parameters.update(self.rope_scaling or {})
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            # both spellings, so transformers 4.x and 5.x read the same RoPE
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rope_parameters": rope_parameters,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "eos_token_id": self.eos_token_id,
+            "bos_token_id": self.bos_token_id,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+        }
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: LlamaConfig) -> Tensor:
+    """Inverse frequencies [head_dim // 2] float32, Llama-3 scaled when configured."""
+    dim = config.head_dim
+    # always on the CPU, also when the module is built under torch.device("meta")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # [dim // 2]
+    if config.rope_scaling is None:
+        return inv_freq
+    return _llama3_scale_inv_freq(inv_freq, config.rope_scaling)
+
+
+def _llama3_scale_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+    # between is interpolated smoothly (same arithmetic as transformers, for parity).
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin [..., head_dim] float32 for integer `positions` [...]."""
+    freqs = positions.float()[..., None] * inv_freq  # [..., head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., head_dim]
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [..., T, H, D] by cos/sin [..., T, D] (HF's non-interleaved layout)."""
+    cos = cos.unsqueeze(-2).to(x.dtype)  # [..., T, 1, D]
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+# -------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalize in float32 whatever the weight dtype, as transformers does
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.softmax_scale = config.head_dim**-0.5
+        hidden, q_dim = config.hidden_size, self.num_heads * self.head_dim
+        kv_dim = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=False)
+
+    def _qkv(
+        self, x: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        # x [..., T, hidden] -> q [..., T, H, D], k/v [..., T, KVH, D], RoPE on q, k
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: Tensor,  # [T, hidden]
+        cos: Tensor,  # [T, D]
+        sin: Tensor,
+        cache: PagedKVCache,
+        attn: AttentionMetadata,
+    ) -> Tensor:
+        q, k, v = self._qkv(x, cos, sin)  # [T, H, D], [T, KVH, D], [T, KVH, D]
+        write_kv(cache, k, v, attn.slot_mapping)
+        if attn.decode_only:
+            out = paged_decode_attention(
+                q, cache, attn.block_tables, attn.context_lens, self.softmax_scale
+            )
+        else:
+            out = paged_prefill_attention(
+                q,
+                cache,
+                attn.block_tables,
+                attn.query_start_loc,
+                attn.context_lens,
+                self.softmax_scale,
+            )
+        out = out.to(x.dtype).flatten(-2)  # [T, H, D] -> [T, H * D]
+        return self.o_proj(out)
+
+    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # x [B, T, hidden], cos/sin [T, D]
+        q, k, v = self._qkv(x, cos, sin)  # [B, T, H, D], [B, T, KVH, D]
+        groups = self.num_heads // self.num_kv_heads
+        # kv head h // groups serves query head h
+        k = k.repeat_interleave(groups, dim=2)  # [B, T, H, D]
+        v = v.repeat_interleave(groups, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [B, H, T, D]
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=self.softmax_scale,
+        )  # [B, H, T, D]
+        out = out.transpose(1, 2).flatten(-2)  # [B, T, H * D]
+        return self.o_proj(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = FeedForward(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: PagedKVCache,
+        attn: AttentionMetadata,
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Llama decoder: `forward` over the paged KV cache, `forward_dense` without one."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            TransformerBlock(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        # Kept out of the state dict and out of module.to(dtype): RoPE angles must be
+        # computed in float32 even for a bf16 model.
+        self._inv_freq = rope_inv_freq(config)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the output head when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        return rope_cos_sin(self._inv_freq, positions)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [T] int64, all new tokens of all seqs
+        positions: Tensor,  # [T] int64
+        kv_caches: list[PagedKVCache],  # one per layer
+        attn: AttentionMetadata,
+        all_logits: bool = False,
+    ) -> Tensor:
+        """Logits float32 [B, vocab] for each seq's last new token, or [T, vocab]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"need {len(self.layers)} caches, got {len(kv_caches)}")
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self._rope(positions)  # [T, D] each
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, cache, attn)
+        if not all_logits:
+            last = attn.query_start_loc[1:].long() - 1  # [B]
+            h = h[last]  # [B, hidden]
+        return self.lm_head(self.norm(h)).float()
+
+    def forward_dense(self, tokens: Tensor) -> Tensor:
+        """Causal logits float32 [B, T, vocab] for tokens [B, T], positions 0..T-1."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)  # [T]
+        cos, sin = self._rope(positions)  # [T, D]
+        h = self.embed_tokens(tokens)  # [B, T, hidden]
+        for layer in self.layers:
+            h = layer.forward_dense(h, cos, sin)
+        return self.lm_head(self.norm(h)).float()
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def allocate_kv_caches(
+    config: LlamaConfig,
+    kv_dtype: str,
+    num_blocks: int,
+    block_size: int,
+    device: str | torch.device = "cpu",
+) -> list[PagedKVCache]:
+    """One `kernels.PagedKVCache` per layer, shaped for this model."""
+    return [
+        allocate_kv_cache(
+            kv_dtype,
+            num_blocks,
+            block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+            device=device,
+        )
+        for _ in range(config.num_hidden_layers)
+    ]

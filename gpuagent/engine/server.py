@@ -1,0 +1,713 @@
+"""OpenAI-compatible HTTP server over `AsyncLLMEngine` (FastAPI on uvicorn).
+
+Routes: /v1/completions, /v1/chat/completions (SSE streaming or not, usage in the
+stream with `stream_options.include_usage`, logprobs), /v1/models, /tokenize, /health,
+/metrics (Prometheus). Errors have OpenAI's body
+`{"error": {"message", "type", "param", "code"}}`; bad input is a 400 and the server
+keeps serving. A client that disconnects mid-stream has its request aborted, which
+frees its KV blocks before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gpuagent.engine.engine import AsyncLLMEngine, RequestOutput, RequestStream
+from gpuagent.engine.sampling import MAX_LOGPROBS, SamplingParams
+from gpuagent.engine.scheduler import RequestTooLargeError
+
+# How often a non-streamed request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type = message, status, type
+        self.param, self.code = param, code
+
+
+def error_response(err: APIError) -> JSONResponse:
+    """OpenAI-style error body for `err`."""
+    body = {
+        "error": {
+            "message": err.message,
+            "type": err.type,
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+    return JSONResponse(body, status_code=err.status)
+
+
+# ------------------------------------------------------------------ request bodies
+
+
+class _Body(BaseModel):
+    # Unknown OpenAI fields (user, presence_penalty, ...) are accepted and ignored.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(
+                    "only text content parts are supported", param="messages"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The request's JSON body validated as `model` (APIError 400 otherwise)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(
+            f"invalid field {param}: {first['msg']}", param=param, code="invalid_value"
+        ) from None
+
+
+# --------------------------------------------------------------------------- app
+
+
+class OpenAIServer:
+    """Request handling shared by the routes (holds the engine and model name)."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.llm = engine.engine
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    # -- validation ------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling_params(
+        self,
+        body: _SamplingFields,
+        prompt_len: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_param: str,
+    ) -> SamplingParams:
+        if body.n != 1:
+            raise APIError("only n=1 is supported", param="n")
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(
+                f"max_tokens must be at least 1, got {max_tokens}",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        room = min(self.llm.max_model_len, self.llm.kv.blocks.capacity_tokens)
+        if prompt_len >= room:
+            raise APIError(
+                f"this model's maximum context length is {room} tokens; the prompt "
+                f"has {prompt_len}",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = room - prompt_len
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop=body.stop or [],
+                stop_token_ids=body.stop_token_ids or [],
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0]
+            raise APIError(str(exc), param=param, code="invalid_value") from None
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, prompt_param: str
+    ) -> RequestStream:
+        try:
+            return self.engine.submit(prompt_ids, params)
+        except RequestTooLargeError as exc:
+            raise APIError(
+                str(exc), param=prompt_param, code="context_length_exceeded"
+            ) from None
+        except ValueError as exc:
+            raise APIError(str(exc), param=prompt_param) from None
+
+    def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        try:
+            ids = self.llm.encode_prompt(prompt)
+        except ValueError as exc:
+            raise APIError(str(exc), param=param) from None
+        if not ids:
+            raise APIError("the prompt is empty", param=param)
+        return ids
+
+    def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        turns = [{"role": m.role, "content": m.text()} for m in messages]
+        tokenizer = self.llm.tokenizer
+        if getattr(tokenizer, "chat_template", None):
+            return tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        # No template in the folder: a plain transcript ending in the assistant's turn.
+        lines = [f"{t['role']}: {t['content']}" for t in turns]
+        return "\n".join(lines) + "\nassistant:"
+
+    # -- formatting ------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        return self.llm.tokenizer.decode([token_id])
+
+    def completion_logprobs(
+        self, out: RequestOutput, text_offset: int
+    ) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for lp in out.new_logprobs:
+            token = self.token_text(lp.token_id)
+            tokens.append(token)
+            token_logprobs.append(lp.logprob)
+            top.append({self.token_text(t): v for t, v in lp.top_logprobs})
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self.token_text(token_id)
+            return {
+                "token": token,
+                "logprob": logprob,
+                "bytes": list(token.encode("utf-8")),
+            }
+
+        content = []
+        for lp in out.new_logprobs:
+            item = entry(lp.token_id, lp.logprob)
+            item["top_logprobs"] = [entry(t, v) for t, v in lp.top_logprobs]
+            content.append(item)
+        return {"content": content}
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+
+async def merge_streams(
+    streams: Sequence[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several request streams as they come; closing the merged
+    iterator closes (aborts) the unfinished ones."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]
+    queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except Exception as exc:
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[None]) -> None:
+    """Await `work` (collecting a non-streamed answer); if the client goes away first,
+    cancel it, which closes its request streams and so aborts them."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()
+                return
+            if await request.is_disconnected():
+                raise APIError(
+                    "the client disconnected", status=499, code="client_disconnected"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
+    """The FastAPI app; starts the engine thread at startup, stops it at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="releasegate engine", lifespan=lifespan)
+    server = OpenAIServer(engine, model_name)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(
+            APIError(str(exc.detail), status=exc.status_code, type=kind)
+        )
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(
+            APIError(f"internal error: {exc}", status=500, type="internal_error")
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = generate_latest(server.llm.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "releasegate",
+                    "max_model_len": server.llm.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, TokenizeRequest)
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            ids = server.encode(server.chat_prompt(body.messages), "messages")
+        else:
+            ids = server.encode(body.prompt or "", "prompt")
+        return {
+            "count": len(ids),
+            "max_model_len": server.llm.max_model_len,
+            "tokens": ids,
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        server.check_model(body.model)
+        if body.echo:
+            raise APIError("echo is not supported", param="echo")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs"
+            )
+        prompts: list[str | list[int]]
+        if isinstance(body.prompt, str) or (
+            body.prompt and isinstance(body.prompt[0], int)
+        ):
+            prompts = [body.prompt]  # type: ignore[list-item]
+        else:
+            prompts = list(body.prompt)  # type: ignore[arg-type]
+        if not prompts:
+            raise APIError("the prompt is empty", param="prompt")
+        encoded = [server.encode(p, "prompt") for p in prompts]
+        params = [
+            server.sampling_params(
+                body, len(ids), body.max_tokens, body.logprobs, "prompt"
+            )
+            for ids in encoded
+        ]
+        streams: list[RequestStream] = []
+        try:
+            for ids, p in zip(encoded, params, strict=True):
+                streams.append(server.submit(ids, p, "prompt"))
+        except APIError:
+            for stream in streams:
+                stream.close()
+            raise
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        if body.stream:
+            include_usage = bool(
+                body.stream_options and body.stream_options.include_usage
+            )
+            return StreamingResponse(
+                stream_completion(
+                    server,
+                    request_id,
+                    streams,
+                    prompt_tokens,
+                    include_usage,
+                    body.logprobs is not None,
+                ),
+                media_type="text/event-stream",
+            )
+        finals: dict[int, RequestOutput] = {}
+        logprobs: dict[int, list] = {i: [] for i in range(len(streams))}
+
+        async def collect() -> None:
+            async for index, out in merge_streams(streams):
+                logprobs[index] += out.new_logprobs
+                if out.finished:
+                    finals[index] = out
+
+        await unless_disconnected(request, collect())
+        choices = []
+        for index in range(len(streams)):
+            out = finals[index]
+            out.new_logprobs = logprobs[index]
+            choices.append(
+                {
+                    "index": index,
+                    "text": out.text,
+                    "logprobs": server.completion_logprobs(out, 0)
+                    if body.logprobs is not None
+                    else None,
+                    "finish_reason": out.finish_reason,
+                }
+            )
+        completion_tokens = sum(o.num_output_tokens for o in finals.values())
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": choices,
+                "usage": server.usage(prompt_tokens, completion_tokens),
+            }
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        server.check_model(body.model)
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}",
+                param="top_logprobs",
+            )
+        ids = server.encode(server.chat_prompt(body.messages), "messages")
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = body.max_tokens
+        logprobs = (top or 0) if body.logprobs else None
+        params = server.sampling_params(
+            body, len(ids), max_tokens, logprobs, "messages"
+        )
+        stream = server.submit(ids, params, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(
+                body.stream_options and body.stream_options.include_usage
+            )
+            return StreamingResponse(
+                stream_chat(
+                    server, request_id, stream, len(ids), include_usage, body.logprobs
+                ),
+                media_type="text/event-stream",
+            )
+        outputs: list[RequestOutput] = []
+
+        async def collect() -> None:
+            async for out in stream:
+                outputs.append(out)
+
+        await unless_disconnected(request, collect())
+        final = outputs[-1]
+        all_logprobs = [lp for out in outputs for lp in out.new_logprobs]
+        final.new_logprobs = all_logprobs
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": final.text},
+                        "logprobs": server.chat_logprobs(final)
+                        if body.logprobs
+                        else None,
+                        "finish_reason": final.finish_reason,
+                    }
+                ],
+                "usage": server.usage(len(ids), final.num_output_tokens),
+            }
+        )
+
+    return app
+
+
+async def stream_completion(
+    server: OpenAIServer,
+    request_id: str,
+    streams: Sequence[RequestStream],
+    prompt_tokens: int,
+    include_usage: bool,
+    with_logprobs: bool,
+) -> AsyncIterator[str]:
+    """SSE chunks of a streamed /v1/completions request."""
+    created = int(time.time())
+    offsets = [0] * len(streams)
+    completion_tokens = 0
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": server.model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            data["usage"] = usage
+        return sse(data)
+
+    try:
+        async for index, out in merge_streams(streams):
+            if out.finished:
+                completion_tokens += out.num_output_tokens
+            if not (out.new_text or out.finished or with_logprobs):
+                continue
+            logprobs = None
+            if with_logprobs:
+                logprobs = server.completion_logprobs(out, offsets[index])
+            offsets[index] += len(out.new_text)
+            yield chunk(
+                [
+                    {
+                        "index": index,
+                        "text": out.new_text,
+                        "logprobs": logprobs,
+                        "finish_reason": out.finish_reason,
+                    }
+                ]
+            )
+        if include_usage:
+            yield chunk([], server.usage(prompt_tokens, completion_tokens))
+        yield sse("[DONE]")
+    except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+        yield sse(
+            {
+                "error": {
+                    "message": str(exc),
+                    "type": "internal_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+        )
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+async def stream_chat(
+    server: OpenAIServer,
+    request_id: str,
+    stream: RequestStream,
+    prompt_tokens: int,
+    include_usage: bool,
+    with_logprobs: bool,
+) -> AsyncIterator[str]:
+    """SSE chunks of a streamed /v1/chat/completions request."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": server.model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            data["usage"] = usage
+        return sse(data)
+
+    completion_tokens = 0
+    try:
+        yield chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+        async for out in stream:
+            completion_tokens = out.num_output_tokens
+            if not (out.new_text or out.finished or with_logprobs):
+                continue
+            delta = {"content": out.new_text} if out.new_text else {}
+            yield chunk(
+                [
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "logprobs": server.chat_logprobs(out)
+                        if with_logprobs
+                        else None,
+                        "finish_reason": out.finish_reason,
+                    }
+                ]
+            )
+        if include_usage:
+            yield chunk([], server.usage(prompt_tokens, completion_tokens))
+        yield sse("[DONE]")
+    except Exception as exc:
+        yield sse(
+            {
+                "error": {
+                    "message": str(exc),
+                    "type": "internal_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+        )
+    finally:
+        stream.close()

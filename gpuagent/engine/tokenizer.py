@@ -1,0 +1,168 @@
+"""Tokenizers for served models: a model folder's `tokenizer.json` through the
+`tokenizers` package, plus the byte-level tokenizer the demo model is trained with.
+
+The byte-level vocabulary is id == byte value for 0..255, then SPECIAL_TOKENS, so any
+UTF-8 text (Korean included) encodes to its bytes and decodes back exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+SPECIAL_TOKENS = (
+    "<|bos|>",
+    "<|eos|>",
+    "<|pad|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|reserved_0|>",
+    "<|reserved_1|>",
+)
+BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # 264
+
+# One turn per message, each closed by eos; the generation prompt opens an assistant
+# turn so the model's eos ends its answer.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the ids and chat template the engine needs."""
+
+    def __init__(
+        self, inner: HFTokenizer, config: dict[str, Any] | None = None
+    ) -> None:
+        self.inner = inner
+        self.config = config or {}
+        self.bos_token = self.config.get("bos_token")
+        self.eos_token = self.config.get("eos_token")
+        self.bos_token_id = self._id_of(self.bos_token)
+        self.eos_token_id = self._id_of(self.eos_token)
+        self.chat_template: str | None = self.config.get("chat_template")
+
+    def _id_of(self, token: Any) -> int | None:
+        if isinstance(token, dict):  # HF AddedToken serialization
+            token = token.get("content")
+        return None if token is None else self.inner.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return self.inner.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in it map to their ids."""
+        return self.inner.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (a cut-off UTF-8 sequence decodes to U+FFFD)."""
+        return self.inner.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render chat `messages` ({"role", "content"}) to the prompt text."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        # Templates come from model folders, so render them sandboxed, as HF does.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def build_byte_tokenizer() -> HFTokenizer:
+    """A `tokenizers.Tokenizer` with one token per byte (id == byte) + specials."""
+    # ByteLevel maps each byte to a printable unicode char; a BPE model with those 256
+    # chars as its vocab and no merges then emits exactly one token per byte.
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    assert sorted(byte_chars) == sorted(byte_to_char.values())
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=False
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's printable-char mapping, which tokenizers' ByteLevel also uses.
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def byte_tokenizer_config() -> dict[str, Any]:
+    """`tokenizer_config.json` contents for the byte-level tokenizer."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def save_byte_tokenizer(model_dir: str | Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json for the byte-level tokenizer."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    build_byte_tokenizer().save(str(model_dir / "tokenizer.json"))
+    config_text = json.dumps(byte_tokenizer_config(), indent=2, ensure_ascii=False)
+    (model_dir / "tokenizer_config.json").write_text(config_text + "\n")
+
+
+def load_tokenizer(
+    model_dir: str | Path, files: Mapping[str, bytes] | None = None
+) -> Tokenizer:
+    """Load `tokenizer.json` (+ `tokenizer_config.json` when present) from a folder.
+
+    With `files` (names relative to model_dir -> bytes, as verify-on-load returns
+    them) only those bytes are used, as in `loader.load_model`.
+    """
+    if files is None:
+        model_dir = Path(model_dir)
+        names = ("tokenizer.json", "tokenizer_config.json")
+        files = {
+            n: (model_dir / n).read_bytes() for n in names if (model_dir / n).exists()
+        }
+    if "tokenizer.json" not in files:
+        raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+    inner = HFTokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+    config_bytes = files.get("tokenizer_config.json")
+    config = json.loads(config_bytes) if config_bytes is not None else {}
+    return Tokenizer(inner, config)

@@ -1,0 +1,184 @@
+import pytest
+
+from gpuagent.engine.cache import (
+    BlockManager,
+    BlockPool,
+    KVCacheManager,
+    NoFreeBlocksError,
+    blocks_needed,
+    kv_bytes_per_token,
+    num_blocks_for_budget,
+    slot_mapping,
+)
+from gpuagent.engine.model import LlamaConfig
+
+KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+
+
+def small_config(head_dim: int = 64, num_kv_heads: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=264,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+
+
+def test_it_hands_out_every_block_once_and_takes_them_back():
+    pool = BlockPool(8)
+
+    first = pool.allocate(5)
+    second = pool.allocate(3)
+
+    assert sorted(first + second) == list(range(8))
+    assert pool.num_free_blocks == 0
+    pool.free(first)
+    assert pool.num_free_blocks == 5
+    assert pool.num_used_blocks == 3
+
+
+def test_it_refuses_more_blocks_than_free_without_taking_any():
+    pool = BlockPool(4)
+    pool.allocate(3)
+
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(2)
+
+    assert pool.num_free_blocks == 1
+
+
+def test_it_rejects_a_double_free():
+    pool = BlockPool(2)
+    blocks = pool.allocate(1)
+    pool.free(blocks)
+
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(blocks)
+
+
+def test_it_keeps_a_shared_block_until_its_last_reference_goes():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.share(block)
+
+    pool.free([block])
+    assert pool.num_free_blocks == 1
+    pool.free([block])
+    assert pool.num_free_blocks == 2
+
+
+def test_it_maps_positions_to_slots_through_the_block_table():
+    table = [5, 2, 9]
+
+    slots = slot_mapping(table, 2, 10, block_size=4)
+
+    assert slots == [22, 23, 8, 9, 10, 11, 36, 37]
+
+
+def test_it_refuses_slots_beyond_the_table():
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        slot_mapping([0, 1], 0, 9, block_size=4)
+
+
+def test_it_grows_block_tables_only_when_a_block_fills():
+    blocks = BlockManager(num_blocks=6, block_size=4)
+
+    assert blocks.ensure_capacity("a", 4)
+    assert len(blocks.block_table("a")) == 1
+    assert blocks.ensure_capacity("a", 5)
+    assert len(blocks.block_table("a")) == 2
+    assert blocks.ensure_capacity("a", 8)
+    assert len(blocks.block_table("a")) == 2
+    assert blocks.num_used_blocks == 2
+
+
+def test_it_takes_nothing_when_a_sequence_cannot_grow():
+    blocks = BlockManager(num_blocks=3, block_size=4)
+    blocks.ensure_capacity("a", 8)
+
+    assert not blocks.ensure_capacity("b", 9)
+
+    assert blocks.block_table("b") == []
+    assert blocks.num_free_blocks == 1
+
+
+def test_it_gives_distinct_sequences_disjoint_slots():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    for seq_id, length in (("a", 7), ("b", 13), ("c", 1)):
+        assert blocks.ensure_capacity(seq_id, length)
+
+    all_slots = [
+        slot
+        for seq_id, length in (("a", 7), ("b", 13), ("c", 1))
+        for slot in blocks.slot_mapping(seq_id, 0, length)
+    ]
+
+    assert len(all_slots) == len(set(all_slots)) == 21
+    assert max(all_slots) < 10 * 4
+
+
+def test_it_frees_a_sequences_blocks_at_once():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    blocks.ensure_capacity("a", 10)
+
+    assert blocks.free("a") == 3
+
+    assert blocks.num_free_blocks == 4
+    assert blocks.block_table("a") == []
+
+
+def test_it_counts_blocks_for_partial_blocks():
+    assert [blocks_needed(n, 16) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_it_counts_kv_bytes_per_token_exactly(kv_dtype, head_dim):
+    config = small_config(head_dim=head_dim)
+    manager = KVCacheManager(config, kv_dtype, num_blocks=5, block_size=16)
+
+    per_token = kv_bytes_per_token(config, kv_dtype)
+
+    assert per_token * 5 * 16 == manager.nbytes
+    assert manager.bytes_per_token == per_token
+    assert len(manager.kv_caches) == config.num_hidden_layers
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_it_fits_as_many_blocks_as_the_budget_holds(kv_dtype):
+    config = small_config()
+    budget_bytes = 1_000_000
+
+    num_blocks = num_blocks_for_budget(config, kv_dtype, budget_bytes, 16)
+    manager = KVCacheManager.for_budget(config, kv_dtype, budget_bytes, 16)
+
+    assert manager.num_blocks == num_blocks
+    assert manager.nbytes <= budget_bytes
+    one_block_more = manager.nbytes + kv_bytes_per_token(config, kv_dtype) * 16
+    assert one_block_more > budget_bytes
+
+
+def test_it_gives_quantized_dtypes_the_expected_share_of_bf16_bytes():
+    config = small_config(head_dim=64)
+    bf16 = kv_bytes_per_token(config, "bf16")
+
+    assert kv_bytes_per_token(config, "fp16") == bf16
+    assert kv_bytes_per_token(config, "int8") / bf16 <= 0.52
+    assert kv_bytes_per_token(config, "fp8") / bf16 <= 0.52
+    assert kv_bytes_per_token(config, "int4") / bf16 <= 0.27
+    # Scales must be counted: quantized sizes exceed the bare payload.
+    assert kv_bytes_per_token(config, "int8") > bf16 / 2
+    assert kv_bytes_per_token(config, "int4") > bf16 / 4
+
+
+def test_it_rejects_an_unknown_kv_dtype():
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        KVCacheManager(small_config(), "int3", num_blocks=1)
+
+
+def test_it_refuses_a_budget_below_one_block():
+    with pytest.raises(ValueError, match="holds no block"):
+        KVCacheManager.for_budget(small_config(), "bf16", 100, 16)

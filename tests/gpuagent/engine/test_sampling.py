@@ -1,0 +1,145 @@
+import pytest
+import torch
+
+from gpuagent.engine.sampling import (
+    SamplingParams,
+    apply_top_k_top_p,
+    find_stop_string,
+    sample,
+    stop_holdback,
+)
+
+
+def random_logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def draw_stream(logits_steps, params, position, batch_mates):
+    """Tokens a seeded request draws over several steps while sitting at `position`
+    in a batch with other (random, unseeded) requests."""
+    generator = params.make_generator()
+    tokens = []
+    for step_logits in logits_steps:
+        rows = [row.clone() for row in batch_mates]
+        rows.insert(position, step_logits)
+        all_params = [SamplingParams(temperature=1.0) for _ in batch_mates]
+        all_params.insert(position, params)
+        generators = [None] * len(batch_mates)
+        generators.insert(position, generator)
+        result = sample(torch.stack(rows), all_params, generators)
+        tokens.append(result[position].token_id)
+    return tokens
+
+
+def test_it_picks_the_argmax_when_greedy():
+    logits = random_logits(4)
+
+    result = sample(logits, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
+
+    assert [r.token_id for r in result] == logits.argmax(-1).tolist()
+
+
+def test_it_gives_the_same_tokens_for_the_same_seed_whatever_the_batch():
+    steps = list(random_logits(6, seed=3))
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    mates = list(random_logits(3, seed=9))
+
+    alone = draw_stream(steps, params, 0, [])
+    batched = draw_stream(steps, params, 2, mates)
+    other_seed = draw_stream(steps, SamplingParams(temperature=0.9, seed=43), 0, [])
+
+    assert alone == batched
+    assert alone != other_seed
+
+
+def test_it_draws_according_to_the_softmax_at_temperature_one():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample(logits, [params], [generator])[0].token_id] += 1
+
+    assert torch.allclose(counts / 3000, logits[0].softmax(-1), atol=0.03)
+
+
+def test_it_samples_only_within_the_top_k():
+    logits = random_logits(1, vocab=30, seed=5)
+    allowed = set(torch.topk(logits[0], 3).indices.tolist())
+    params = SamplingParams(temperature=5.0, top_k=3)
+    generator = torch.Generator().manual_seed(0)
+
+    drawn = {sample(logits, [params], [generator])[0].token_id for _ in range(200)}
+
+    assert drawn <= allowed
+    assert len(drawn) == 3
+
+
+def test_it_keeps_the_smallest_nucleus_covering_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+    kept = apply_top_k_top_p(logits, top_k=0, top_p=0.7).isfinite().tolist()
+
+    assert kept == [True, True, False, False]
+
+
+def test_it_keeps_the_top_token_even_for_a_tiny_top_p():
+    logits = random_logits(1, seed=2)
+    params = SamplingParams(temperature=1.0, top_p=1e-6)
+    generator = torch.Generator().manual_seed(0)
+
+    result = sample(logits, [params], [generator])
+
+    assert result[0].token_id == logits.argmax().item()
+
+
+def test_it_reports_raw_logprobs_of_the_chosen_and_top_tokens():
+    logits = random_logits(2, seed=7)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0),
+    ]
+
+    result = sample(logits, params, [None, None])
+
+    expected = torch.log_softmax(logits, -1)
+    chosen = result[0].token_id
+    assert result[0].logprob == pytest.approx(expected[0, chosen].item(), abs=1e-6)
+    top = result[0].top_logprobs
+    assert [t for t, _ in top] == torch.topk(expected[0], 3).indices.tolist()
+    assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    assert result[1].top_logprobs == []
+
+
+def test_it_finds_the_earliest_stop_string_in_new_text():
+    assert find_stop_string("hello world\n\nbye", ["\n\n", "bye"], 5) == 11
+    assert find_stop_string("abc STOP", ["STOP"], 6) == 4  # spans old and new text
+    assert find_stop_string("STOP then", ["STOP"], 8) is None  # already checked
+
+
+def test_it_holds_back_text_that_may_begin_a_stop_string():
+    assert stop_holdback("answer: 42\n", ["\n\n"]) == 1
+    assert stop_holdback("answer: 42 EN", ["END"]) == 2
+    assert stop_holdback("answer: 42", ["END", "\n\n"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("logprobs", 21),
+    ],
+)
+def test_it_rejects_bad_parameters(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_it_accepts_a_single_stop_string():
+    assert SamplingParams(stop="\n").stop == ["\n"]

@@ -1,0 +1,447 @@
+"""The OpenAI-compatible server, run for real: uvicorn on 127.0.0.1 in a thread."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from gpuagent.engine.engine import AsyncLLMEngine
+from gpuagent.engine.server import build_app
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_and_tokenizer):
+    from gpuagent.engine.engine import LLMEngine
+
+    model, tokenizer = tiny_model_and_tokenizer
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        num_blocks=256,
+        block_size=8,
+        max_num_seqs=64,
+        max_model_len=128,
+    )
+    app = build_app(AsyncLLMEngine(engine), MODEL)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    server.should_exit = True
+    thread.join(10)
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_until_idle(base_url: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (
+            metric(base_url, "engine_kv_blocks_used") == 0
+            and metric(base_url, "engine_num_requests_running") == 0
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError("engine still holds blocks")
+
+
+def sse_events(lines):
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            yield None if payload == "[DONE]" else json.loads(payload)
+
+
+def test_it_answers_a_completion(served):
+    base_url, _ = served
+
+    resp = httpx.post(
+        f"{base_url}/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "hello",
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 2,
+        },
+        timeout=30,
+    )
+
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["prompt_tokens"] == 6  # BOS + 5 bytes
+    logprobs = body["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == 5
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+
+
+def test_it_streams_a_completion_with_usage_last(served):
+    base_url, _ = served
+    payload = {
+        "model": MODEL,
+        "prompt": "abc",
+        "max_tokens": 7,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    plain = httpx.post(
+        f"{base_url}/v1/completions", json={**payload, "stream": False}, timeout=30
+    ).json()
+
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json=payload, timeout=30
+    ) as resp:
+        events = list(sse_events(resp.iter_lines()))
+
+    assert events[-1] is None
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 7
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert text == plain["choices"][0]["text"]
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_it_serves_64_concurrent_streaming_clients_without_losing_one(served):
+    base_url, engine = served
+
+    async def one(client, i):
+        payload = {
+            "model": MODEL,
+            "prompt": f"request {i}: ",
+            "max_tokens": 8,
+            "temperature": 0.8,
+            "seed": i,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with client.stream("POST", "/v1/completions", json=payload) as resp:
+            assert resp.status_code == 200
+            events = [e async for e in _aiter_events(resp)]
+        finish = [e["choices"][0]["finish_reason"] for e in events[:-2]]
+        return finish[-1], events[-2]["usage"]["completion_tokens"], events[-1]
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as c:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(c, i) for i in range(64))), timeout=120
+            )
+
+    results = asyncio.run(main())
+
+    assert results == [("length", 8, None)] * 64
+    wait_until_idle(base_url)
+    finished = engine.metrics.registry.get_sample_value(
+        "engine_requests_finished_total", {"finish_reason": "length"}
+    )
+    assert finished >= 64
+    assert engine.kv.blocks.num_used_blocks == 0
+
+
+async def _aiter_events(resp):
+    async for line in resp.aiter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            yield None if payload == "[DONE]" else json.loads(payload)
+
+
+def test_it_frees_the_blocks_of_a_client_that_disconnects_mid_stream(served):
+    base_url, engine = served
+    wait_until_idle(base_url)
+    aborted_before = (
+        engine.metrics.registry.get_sample_value(
+            "engine_requests_finished_total", {"finish_reason": "abort"}
+        )
+        or 0.0
+    )
+    payload = {
+        "model": MODEL,
+        "prompt": "long story",
+        "max_tokens": 100,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json=payload, timeout=30
+    ) as resp:
+        for seen, _event in enumerate(sse_events(resp.iter_lines()), start=1):
+            if seen == 3:
+                assert metric(base_url, "engine_kv_blocks_used") > 0
+                break  # leaving the block closes the connection
+
+    wait_until_idle(base_url)
+    aborted = engine.metrics.registry.get_sample_value(
+        "engine_requests_finished_total", {"finish_reason": "abort"}
+    )
+    assert aborted == aborted_before + 1
+
+
+def test_it_aborts_a_non_streamed_request_whose_client_gave_up(served, monkeypatch):
+    base_url, engine = served
+    wait_until_idle(base_url)
+    real_forward = engine._forward
+
+    def slow_forward(chunks):
+        time.sleep(0.02)  # 100 tokens now take ~2 s
+        return real_forward(chunks)
+
+    monkeypatch.setattr(engine, "_forward", slow_forward)
+    before = (
+        engine.metrics.registry.get_sample_value(
+            "engine_requests_finished_total", {"finish_reason": "abort"}
+        )
+        or 0.0
+    )
+    payload = {
+        "model": MODEL,
+        "prompt": "go",
+        "max_tokens": 100,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", json=payload, timeout=0.3)
+
+    wait_until_idle(base_url)
+    after = engine.metrics.registry.get_sample_value(
+        "engine_requests_finished_total", {"finish_reason": "abort"}
+    )
+    assert after == before + 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"model": "gpt-9", "prompt": "hi"}, "model", "model_not_found"),
+        (
+            {"model": MODEL, "prompt": "hi", "max_tokens": -1},
+            "max_tokens",
+            "invalid_value",
+        ),
+        ({"model": MODEL, "prompt": "x" * 500}, "prompt", "context_length_exceeded"),
+        (
+            {"model": MODEL, "prompt": "x" * 100, "max_tokens": 50},
+            "prompt",
+            "context_length_exceeded",
+        ),
+        ({"model": MODEL}, "prompt", "invalid_value"),
+        (
+            {"model": MODEL, "prompt": "hi", "temperature": -2},
+            "temperature",
+            "invalid_value",
+        ),
+        ({"model": MODEL, "prompt": [99999]}, "prompt", None),
+    ],
+)
+def test_it_answers_bad_completions_with_openai_400s(served, body, param, code):
+    base_url, _ = served
+
+    resp = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (param, code)
+    assert error["message"]
+
+
+def test_it_rejects_malformed_json_and_keeps_serving(served):
+    base_url, _ = served
+
+    bad = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    not_object = httpx.post(f"{base_url}/v1/completions", json=[1, 2], timeout=30)
+    no_messages = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": []},
+        timeout=30,
+    )
+    good = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        timeout=30,
+    )
+
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    assert not_object.status_code == 400
+    assert no_messages.status_code == 400
+    assert no_messages.json()["error"]["param"] == "messages"
+    assert good.status_code == 200
+    assert good.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_it_lists_the_model_tokenizes_and_reports_health(served):
+    base_url, engine = served
+
+    models = httpx.get(f"{base_url}/v1/models", timeout=10).json()
+    tokens = httpx.post(f"{base_url}/tokenize", json={"prompt": "한"}, timeout=10)
+    health = httpx.get(f"{base_url}/health", timeout=10)
+    missing = httpx.get(f"{base_url}/v1/nothing", timeout=10)
+
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert tokens.json()["tokens"] == [256, *"한".encode()]
+    assert health.status_code == 200
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert metric(base_url, "engine_kv_bytes_per_token") == engine.kv.bytes_per_token
+    assert metric(base_url, "engine_kv_blocks_free") == engine.kv.num_blocks
+
+
+def test_it_works_with_the_official_openai_client(served):
+    base_url, _ = served
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=30)
+
+    completion = client.completions.create(
+        model=MODEL, prompt="def f(", max_tokens=6, temperature=0, seed=1
+    )
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="def f(",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    streamed = list(stream)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "안녕"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    chat_stream = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "안녕"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    streamed_text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert streamed_text == completion.choices[0].text
+    assert streamed[-1].usage.completion_tokens == completion.usage.completion_tokens
+    assert chat.choices[0].message.content is not None
+    content_logprobs = chat.choices[0].logprobs.content
+    assert len(content_logprobs) == chat.usage.completion_tokens
+    assert all(len(lp.top_logprobs) == 2 for lp in content_logprobs)
+    chat_text = "".join(
+        c.choices[0].delta.content or "" for c in chat_stream if c.choices
+    )
+    assert chat_text == chat.choices[0].message.content
+    assert chat_stream[-1].usage.completion_tokens == chat.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_it_builds_the_engine_the_cli_asks_for(tiny_model_dir):
+    from gpuagent.engine.__main__ import build_engine, build_parser
+    from gpuagent.engine.cache import num_blocks_for_budget
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            str(tiny_model_dir),
+            "--kv-cache-dtype",
+            "int8",
+            "--kv-memory-gb",
+            "0.001",
+            "--block-size",
+            "8",
+            "--device",
+            "cpu",
+        ]
+    )
+
+    engine = build_engine(args)
+
+    budget = int(0.001 * 2**30)
+    assert engine.kv.kv_dtype == "int8"
+    assert engine.kv.num_blocks == num_blocks_for_budget(
+        engine.config, "int8", budget, 8
+    )
+    assert engine.kv.nbytes <= budget
+    assert (args.host, args.port) == ("127.0.0.1", 8100)
+
+
+def test_it_serves_only_verified_bytes_when_given_a_manifest_digest(
+    tiny_model_dir, tmp_path
+):
+    import shutil
+
+    from gpuagent.engine.__main__ import build_engine, build_parser
+    from gpuagent.engine.sampling import SamplingParams
+    from gpuagent.integrity import IntegrityError, hash_model
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    digest = hash_model(model_dir).digest
+    argv = [
+        "serve",
+        str(model_dir),
+        "--manifest-digest",
+        digest,
+        "--device",
+        "cpu",
+        "--kv-memory-gb",
+        "0.001",
+    ]
+
+    engine = build_engine(build_parser().parse_args(argv))
+    out = engine.generate(["hi"], SamplingParams(max_tokens=2, temperature=0))[0]
+    config = model_dir / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("<|eos|>", "<|pad|>"))
+
+    assert len(out.token_ids) >= 1
+    with pytest.raises(IntegrityError):
+        build_engine(build_parser().parse_args(argv))
