@@ -3,6 +3,7 @@ autodiscovered from each app's tasks.py. Start a worker with
 `celery -A controlplane worker`."""
 
 import os
+import sys
 
 from celery import Celery
 
@@ -11,3 +12,22 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 app = Celery("controlplane")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+def worker_command(*extra_args: str) -> list[str]:
+    """The command line of one single-process worker for this app (the demo and the
+    worker integration test start it as a real subprocess)."""
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "controlplane",
+        "worker",
+        "--pool=solo",
+        "--concurrency=1",
+        "--without-gossip",
+        "--without-mingle",
+        *extra_args,
+        "--loglevel=INFO",
+    ]

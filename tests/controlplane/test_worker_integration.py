@@ -6,7 +6,6 @@ same broker from taking this test's tasks."""
 
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 from django.conf import settings
 
 from controlplane import celery_app
+from controlplane.celery import worker_command
 from controlplane.releases.actions import do_approve_release, do_request_promotion
 from controlplane.releases.models import Release
 
@@ -51,21 +51,7 @@ def worker(tmp_path):
         "CELERY_BROKER_URL": celery_app.conf.broker_url,
         "CELERY_RESULT_BACKEND": str(celery_app.conf.result_backend),
     }
-    command = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "controlplane",
-        "worker",
-        "--pool=solo",
-        "--concurrency=1",
-        "--without-gossip",
-        "--without-mingle",
-        "--without-heartbeat",
-        f"--queues={queue}",
-        "--loglevel=INFO",
-    ]
+    command = worker_command("--without-heartbeat", f"--queues={queue}")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT

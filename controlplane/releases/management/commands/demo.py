@@ -21,6 +21,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.accounts.models import Membership, Team
+from controlplane.celery import worker_command
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions import (
     do_approve_release,
@@ -113,19 +114,7 @@ class Command(BaseCommand):
         log_path = Path(
             tempfile.mkstemp(prefix="releasegate-worker-", suffix=".log")[1]
         )
-        command = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "controlplane",
-            "worker",
-            "--pool=solo",
-            "--concurrency=1",
-            "--without-gossip",
-            "--without-mingle",
-            "--loglevel=INFO",
-        ]
+        command = worker_command()
         with open(log_path, "wb") as log:
             worker = subprocess.Popen(
                 command,
