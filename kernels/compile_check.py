@@ -98,6 +98,11 @@ def _configs(module: str):
                 "CACHE_BF16": code == 0,
             }
             yield f"write_kv[{code}]", kv_quant._write_kv_kernel, sig, consts, 1
+        # fp32 storage: code 0 without the bf16 rounding, a plain float32 store.
+        sig = dict(_WRITE_SIG, key_cache_ptr="*fp32", value_cache_ptr="*fp32")
+        consts = {"HEAD_DIM": 128, "STORED_DIM": 128, "KV_DTYPE": 0, "QMAX": 1.0}
+        consts["CACHE_BF16"] = False
+        yield "write_kv[fp32]", kv_quant._write_kv_kernel, sig, consts, 1
     elif module == "paged_attention":
         # (KV_DTYPE code, GQA group, head_dim, block_size)
         shapes = ((0, 1, 128, 16), (2, 4, 128, 16), (1, 8, 64, 32), (3, 4, 128, 16),
@@ -118,6 +123,7 @@ def _configs(module: str):
             }
             if code != 3:
                 consts["KV_DTYPE"] = code
+                consts["DOT_PRECISION"] = "tf32"
             # Both epilogues, spread over the shapes to keep the check short.
             single = group in (1, 8)
             consts["SINGLE_PART"] = single
@@ -133,10 +139,37 @@ def _configs(module: str):
                 "BLOCK_M": paged_attention.PREFILL_BLOCK_M,
                 "BLOCK_N": paged_attention.PREFILL_BLOCK_N,
                 "KV_DTYPE": code,
+                "DOT_PRECISION": "tf32",
             }
             warps = 4 if head_dim <= 64 else 8
             kernel = paged_attention._paged_prefill_kernel
             yield f"prefill[{code},G{group},D{head_dim}]", kernel, sig, consts, warps
+        # fp32 KV: float32 storage read by the code-0 path, full-precision dots.
+        fp32 = {"k_cache_ptr": "*fp32", "v_cache_ptr": "*fp32"}
+        consts = {
+            "GROUP": 4,
+            "GROUP_PAD": 16,
+            "HEAD_DIM": 64,
+            "BLOCK_SIZE": 16,
+            "BLOCK_N": paged_attention.DECODE_BLOCK_N,
+            "PARTITION_SIZE": paged_attention.PARTITION_SIZE,
+            "KV_DTYPE": 0,
+            "DOT_PRECISION": "ieee",
+            "SINGLE_PART": False,
+        }
+        kernel = paged_attention._paged_decode_kernel
+        yield "decode[fp32,G4,D64]", kernel, dict(_DECODE_SIG, **fp32), consts, 4
+        consts = {
+            "GROUP": 4,
+            "HEAD_DIM": 64,
+            "BLOCK_SIZE": 16,
+            "BLOCK_M": paged_attention.PREFILL_BLOCK_M,
+            "BLOCK_N": paged_attention.PREFILL_BLOCK_N,
+            "KV_DTYPE": 0,
+            "DOT_PRECISION": "ieee",
+        }
+        kernel = paged_attention._paged_prefill_kernel
+        yield "prefill[fp32,G4,D64]", kernel, dict(_PREFILL_SIG, **fp32), consts, 4
         consts = {"HEAD_DIM": 128, "PARTS_BLOCK": 32}
         yield (
             "reduce",

@@ -10,7 +10,11 @@ fp16     [num_blocks, block_size, H, D] float16      None                   4*H*
 fp8      [num_blocks, block_size, H, D] float8_e4m3  [nb, bs, H] float16    2*H*(D+2)
 int8     [num_blocks, block_size, H, D] int8         [nb, bs, H] float16    2*H*(D+2)
 int4     [num_blocks, block_size, H, D//2] uint8     [nb, bs, H] float16    2*H*(D/2+2)
+fp32     [num_blocks, block_size, H, D] float32      None                   8*H*D
 =======  ==========================================  =====================  =========
+
+fp32 is a plain copy, for exact parity checks against a float32 reference (twice the
+bf16 bytes; not a serving format).
 
 Scales are per token per kv head (one float16 per head vector, for K and V alike),
 symmetric, from the vector's absmax, never clipped:
@@ -40,7 +44,7 @@ import torch
 
 from kernels._triton import check, tl, triton, use_triton
 
-KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
 
 SCALE_DTYPE = torch.float16
 _STORAGE_DTYPES = {
@@ -49,11 +53,13 @@ _STORAGE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "int8": torch.int8,
     "int4": torch.uint8,
+    "fp32": torch.float32,
 }
 # Largest code magnitude per quantized dtype: scale = absmax / QMAX.
 _QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.5}
 # KV_DTYPE constexpr codes shared with kernels/paged_attention.py.
-KV_DTYPE_CODES = {"bf16": 0, "fp16": 0, "fp8": 1, "int8": 2, "int4": 3}
+# Code 0 = unscaled storage, read back with a plain cast (bf16, fp16, fp32).
+KV_DTYPE_CODES = {"bf16": 0, "fp16": 0, "fp8": 1, "int8": 2, "int4": 3, "fp32": 0}
 _SCALE_MIN = 2.0**-14
 _SCALE_ROUND_UP = 1.0 + 2.0**-10
 
@@ -94,8 +100,8 @@ def kv_bytes_per_token(dtype: str, num_kv_heads: int, head_dim: int) -> int:
     Equals `allocate_kv_cache(...).nbytes / (num_blocks * block_size)` exactly.
     """
     _check_dtype(dtype)
-    if dtype in ("bf16", "fp16"):
-        return 2 * num_kv_heads * head_dim * 2
+    if dtype not in _QMAX:  # unscaled: bf16, fp16 (2 bytes), fp32 (4 bytes)
+        return 2 * num_kv_heads * head_dim * _STORAGE_DTYPES[dtype].itemsize
     data = head_dim // 2 if dtype == "int4" else head_dim
     return 2 * num_kv_heads * (data + SCALE_DTYPE.itemsize)
 
@@ -144,7 +150,8 @@ def quantize_kv(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantize head vectors x [..., D] to (storage [..., D or D/2], scale [...]).
 
-    Torch reference of the write kernel; the scale is float16 (None for bf16/fp16).
+    Torch reference of the write kernel; the scale is float16 (None for
+    bf16/fp16/fp32).
     """
     _check_dtype(dtype)
     if dtype not in _QMAX:
@@ -182,8 +189,8 @@ def dequantize_kv(
 def _write_kv_reference(
     cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    keep = slots >= 0
-    if not bool(keep.all()):
+    if slots.numel() and int(slots.min()) < 0:  # one op when nothing is skipped
+        keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
     for src, store, scale in (
         (key, cache.key, cache.key_scale),
@@ -193,9 +200,10 @@ def _write_kv_reference(
         # fp8 index_put is not implemented everywhere; bytes are bytes.
         flat = store.view(torch.uint8) if cache.dtype == "fp8" else store
         flat = flat.view(cache.num_slots, cache.num_kv_heads, -1)
-        flat[slots] = q.view(torch.uint8) if cache.dtype == "fp8" else q
+        # index_copy_ writes whole rows (cheaper than flat[slots] = q on the CPU)
+        flat.index_copy_(0, slots, q.view(torch.uint8) if cache.dtype == "fp8" else q)
         if scale is not None:
-            scale.view(cache.num_slots, cache.num_kv_heads)[slots] = s
+            scale.view(cache.num_slots, cache.num_kv_heads).index_copy_(0, slots, s)
 
 
 # --------------------------------------------------------------------------------------
@@ -284,8 +292,8 @@ def _write_kv_kernel(
     slot_ptr,  # [T] int64 cache slot per token; -1 = do not write
     key_cache_ptr,  # [num_slots, H, HEAD_DIM or HEAD_DIM//2] key storage (fp8 as u8)
     value_cache_ptr,  # [num_slots, H, HEAD_DIM or HEAD_DIM//2] value storage
-    key_scale_ptr,  # [num_slots, H] float16 key scales (dummy for bf16/fp16)
-    value_scale_ptr,  # [num_slots, H] float16 value scales (dummy for bf16/fp16)
+    key_scale_ptr,  # [num_slots, H] float16 key scales (dummy: unscaled)
+    value_scale_ptr,  # [num_slots, H] float16 value scales (dummy: unscaled)
     stride_kt,
     stride_kh,
     stride_vt,
@@ -346,7 +354,7 @@ def _write_kv_triton(
             key_store.view(torch.uint8),
             value_store.view(torch.uint8),
         )
-    # bf16/fp16 have no scales; the kernel never touches these pointers then.
+    # bf16/fp16/fp32 have no scales; the kernel never touches these pointers then.
     key_scale = cache.key_scale if cache.key_scale is not None else key_store
     value_scale = cache.value_scale if cache.value_scale is not None else value_store
     _write_kv_kernel[(num_tokens, cache.num_kv_heads)](

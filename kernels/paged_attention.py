@@ -36,24 +36,38 @@ DECODE_BLOCK_N = 64
 PREFILL_BLOCK_M = 32
 PREFILL_BLOCK_N = 32
 
+
+def _dot_precision(cache: PagedKVCache) -> str:
+    # The dots multiply float32 tiles; CUDA's default TF32 (10-bit mantissa) would
+    # undo an fp32 cache, whose only purpose is float32-exact parity checks.
+    return "ieee" if cache.dtype == "fp32" else "tf32"
+
+
 # --------------------------------------------------------------------------------------
 # Torch reference
 # --------------------------------------------------------------------------------------
 
 
-def _gather_blocks(cache: PagedKVCache, block_tables: torch.Tensor):
-    """Dequantized K, V [B, max_blocks * block_size, Hkv, D] float32 (all rows)."""
+def _gather_context(cache: PagedKVCache, block_tables: torch.Tensor):
+    """Dequantized K, V [B, max_blocks * block_size, Hkv, D] float32: every position
+    the block tables [B, max_blocks] cover, gathered a whole block at a time."""
+    batch = block_tables.shape[0]
     # Padding entries of a block table may be -1; they are masked out by length.
-    table = block_tables.long().clamp_min(0)
+    blocks = block_tables.reshape(-1).clamp_min(0)  # [B * max_blocks]
     out = []
     for store, scale in (
         (cache.key, cache.key_scale),
         (cache.value, cache.value_scale),
     ):
-        rows = store[table]  # [B, max_blocks, block_size, Hkv, D or D/2]
-        s = None if scale is None else scale[table]
-        x = dequantize_kv(rows, s, cache.dtype)  # [B, max_blocks, bs, Hkv, D]
-        out.append(x.flatten(1, 2))  # [B, max_blocks * bs, Hkv, D]
+        # index_select copies whole blocks, several times faster on the CPU than
+        # store[table]; fp8 travels as bytes (bytes are bytes).
+        raw = store.view(torch.uint8) if cache.dtype == "fp8" else store
+        rows = raw.index_select(0, blocks)  # [B * max_blocks, bs, Hkv, D or D/2]
+        if cache.dtype == "fp8":
+            rows = rows.view(torch.float8_e4m3fn)
+        s = None if scale is None else scale.index_select(0, blocks)
+        x = dequantize_kv(rows, s, cache.dtype)  # [B * max_blocks, bs, Hkv, D]
+        out.append(x.view(batch, -1, cache.num_kv_heads, cache.head_dim))
     return out[0], out[1]
 
 
@@ -68,16 +82,21 @@ def paged_decode_attention_reference(
     batch, num_heads, head_dim = query.shape
     num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
-    key, value = _gather_blocks(cache, block_tables)  # [B, L, Hkv, D]
+    key, value = _gather_context(cache, block_tables.to(query.device))  # [B, L, ...]
+    # The `group` query heads of one kv head act as `group` query rows against that
+    # head's keys, so GQA needs no repeated K/V.
     q = query.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", q, key) * softmax_scale
-    pos = torch.arange(key.shape[1], device=query.device)
+    pos = torch.arange(key.shape[1], device=query.device)  # [L]
     valid = pos[None, :] < context_lens.to(query.device).long()[:, None]  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    out = F.scaled_dot_product_attention(
+        q,  # [B, Hkv, group, D]
+        key.transpose(1, 2),  # [B, Hkv, L, D]
+        value.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=softmax_scale,
+    )  # [B, Hkv, group, D]
     # A sequence with context 0 has no keys: define its output as 0, not NaN.
-    probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, value)
+    out = torch.nan_to_num(out, nan=0.0)
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
@@ -89,29 +108,39 @@ def paged_prefill_attention_reference(
     context_lens: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Torch reference of `paged_prefill_attention` (SDPA per sequence, float32)."""
-    num_heads = query.shape[1]
-    out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    for b, ctx in enumerate(context_lens.tolist()):
-        lo, hi = starts[b], starts[b + 1]
-        if hi == lo:
-            continue
-        key, value = _gather_blocks(cache, block_tables[b : b + 1])
-        key, value = key[0, :ctx], value[0, :ctx]  # [ctx, Hkv, D]
-        q_pos = torch.arange(ctx - (hi - lo), ctx, device=query.device)
-        k_pos = torch.arange(ctx, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [n, ctx]
-        o = F.scaled_dot_product_attention(
-            query[lo:hi].float().transpose(0, 1),  # [H, n, D]
-            key.transpose(0, 1),  # [Hkv, ctx, D]
-            value.transpose(0, 1),
-            attn_mask=mask,
-            scale=softmax_scale,
-            enable_gqa=cache.num_kv_heads != num_heads,
-        )
-        out[lo:hi] = o.transpose(0, 1).to(query.dtype)
-    return out
+    """Torch reference of `paged_prefill_attention` (float32, one SDPA for the whole
+    batch: queries padded to [B, max_new], K/V to [B, max_blocks * block_size])."""
+    num_tokens, num_heads, head_dim = query.shape
+    device = query.device
+    batch = context_lens.shape[0]
+    if num_tokens == 0:
+        return torch.empty_like(query)
+    qsl = query_start_loc.to(device).long()
+    ctx = context_lens.to(device).long()  # [B]
+    num_new = qsl[1:] - qsl[:-1]  # [B]
+    max_new = int(num_new.max())
+    # Token t of the flat batch is row `row[t]` of sequence `seq[t]`.
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), num_new)  # [T]
+    row = torch.arange(num_tokens, device=device) - qsl[seq]  # [T]
+    q = query.new_zeros((batch, max_new, num_heads, head_dim), dtype=torch.float32)
+    q[seq, row] = query.float()
+    key, value = _gather_context(cache, block_tables.to(device))  # [B, L, Hkv, D]
+    # New token i of seq b sits at ctx[b] - num_new[b] + i; it sees positions up to
+    # its own. Padding rows see something harmless and are dropped below.
+    q_pos = (ctx - num_new)[:, None] + torch.arange(max_new, device=device)  # [B, N]
+    k_pos = torch.arange(key.shape[1], device=device)  # [L]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+        k_pos[None, None, :] < ctx[:, None, None]
+    )  # [B, N, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [B, H, N, D]
+        key.transpose(1, 2),  # [B, Hkv, L, D]
+        value.transpose(1, 2),
+        attn_mask=mask[:, None],  # [B, 1, N, L]
+        scale=softmax_scale,
+        enable_gqa=cache.num_kv_heads != num_heads,
+    )  # [B, H, N, D]
+    return out.transpose(1, 2)[seq, row].to(query.dtype)  # [T, H, D]
 
 
 # --------------------------------------------------------------------------------------
@@ -121,7 +150,7 @@ def paged_prefill_attention_reference(
 
 @triton.jit
 def _load_kv_tile(
-    cache_ptr,  # [num_slots * Hkv, HEAD_DIM] storage: bf16/fp16, fp8 as uint8, int8
+    cache_ptr,  # [num_slots * Hkv, HEAD_DIM] storage: bf16/fp16/fp32, fp8 as u8, int8
     scale_ptr,  # [num_slots * Hkv] float16 scales (unused when KV_DTYPE == 0)
     row,  # [BLOCK_N] int64 row (slot * Hkv + kv_head) of each token
     mask,  # [BLOCK_N] tokens inside the context
@@ -146,8 +175,8 @@ def _paged_decode_kernel(
     q_ptr,  # [B, num_heads, HEAD_DIM] queries, contiguous
     k_cache_ptr,  # key storage, [num_slots, Hkv, HEAD_DIM or HEAD_DIM//2]
     v_cache_ptr,  # value storage, same layout
-    k_scale_ptr,  # [num_slots, Hkv] float16 key scales (dummy for bf16/fp16)
-    v_scale_ptr,  # [num_slots, Hkv] float16 value scales (dummy for bf16/fp16)
+    k_scale_ptr,  # [num_slots, Hkv] float16 key scales (dummy: unscaled)
+    v_scale_ptr,  # [num_slots, Hkv] float16 value scales (dummy: unscaled)
     block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
     context_lens_ptr,  # [B] int32 tokens in the cache per sequence
     part_out_ptr,  # [B, num_heads, num_parts, HEAD_DIM] float32 unnormalised outputs
@@ -165,6 +194,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     KV_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     SINGLE_PART: tl.constexpr,
 ):
     # kv heads vary fastest across programs: the heads of one token share DRAM pages
@@ -198,14 +228,14 @@ def _paged_decode_kernel(
         ).to(tl.int64)
         row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
         k = _load_kv_tile(k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE)
-        scores = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if SINGLE_PART:
@@ -425,7 +455,12 @@ def _paged_decode_triton(
     value_scale = cache.value_scale if cache.value_scale is not None else value
     int4 = cache.dtype == "int4"
     kernel = _paged_decode_int4_kernel if int4 else _paged_decode_kernel
-    dtype_arg = {} if int4 else {"KV_DTYPE": KV_DTYPE_CODES[cache.dtype]}
+    dtype_arg = {}
+    if not int4:
+        dtype_arg = {
+            "KV_DTYPE": KV_DTYPE_CODES[cache.dtype],
+            "DOT_PRECISION": _dot_precision(cache),
+        }
     kernel[(cache.num_kv_heads, batch, num_parts)](
         query,
         key,
@@ -485,8 +520,8 @@ def _paged_prefill_kernel(
     q_ptr,  # [T, num_heads, HEAD_DIM] queries of the new tokens, contiguous
     k_cache_ptr,  # key storage, [num_slots, Hkv, HEAD_DIM or HEAD_DIM//2]
     v_cache_ptr,  # value storage, same layout
-    k_scale_ptr,  # [num_slots, Hkv] float16 key scales (dummy for bf16/fp16)
-    v_scale_ptr,  # [num_slots, Hkv] float16 value scales (dummy for bf16/fp16)
+    k_scale_ptr,  # [num_slots, Hkv] float16 key scales (dummy: unscaled)
+    v_scale_ptr,  # [num_slots, Hkv] float16 value scales (dummy: unscaled)
     block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
     query_start_loc_ptr,  # [B + 1] int32 first query row of each sequence
     context_lens_ptr,  # [B] int32 tokens in the cache per sequence, new ones included
@@ -502,6 +537,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KV_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -544,7 +580,8 @@ def _paged_prefill_kernel(
                 k = _load_kv_tile(
                     k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE
                 )
-            scores = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+            # [BLOCK_M, BLOCK_N]
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             scores = tl.where(causal, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -559,7 +596,7 @@ def _paged_prefill_kernel(
                 v = _load_kv_tile(
                     v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE
                 )
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -638,6 +675,7 @@ def _paged_prefill_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         KV_DTYPE=KV_DTYPE_CODES[cache.dtype],
+        DOT_PRECISION=_dot_precision(cache),
         num_warps=4 if head_dim <= 64 else 8,
     )
     return out

@@ -30,6 +30,8 @@ def codes(cache, which: str) -> torch.Tensor:
         stored = torch.stack((stored & 0xF, stored >> 4), dim=-1)
     if stored.dtype in (torch.bfloat16, torch.float16):
         stored = stored.view(torch.int16)
+    if stored.dtype == torch.float32:
+        stored = stored.view(torch.int32)
     return stored.int()
 
 
@@ -51,8 +53,10 @@ def shuffled_slots(num_tokens, num_slots, seed=0):
 
 def slow_quantize_head(x: np.ndarray, dtype: str) -> tuple[np.ndarray, float | None]:
     """One head vector, the spec in plain numpy: codes (unpacked) and fp16 scale."""
-    if dtype in ("bf16", "fp16"):
-        target = torch.bfloat16 if dtype == "bf16" else torch.float16
+    if dtype in ("bf16", "fp16", "fp32"):
+        target = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+        if target is None:  # fp32: a plain copy, the input bits themselves
+            return x.astype(np.float32), None
         return torch.from_numpy(x).to(target).float().numpy(), None
     x = x.astype(np.float32)
     absmax = np.float32(max(abs(float(v)) for v in x))
@@ -199,6 +203,24 @@ def test_it_writes_the_same_bytes_with_triton_as_the_reference(
         assert torch.equal(tri.value_scale, ref.value_scale)
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_it_stores_float32_key_value_bit_exactly_in_an_fp32_cache(impl):
+    cache = kernels.allocate_kv_cache("fp32", 3, 16, 2, 64)
+    key, value = random_kv(9, 2, 64, seed=7)  # float32, magnitudes 2^-8 .. 2^4
+    slots = shuffled_slots(9, cache.num_slots, seed=8)
+
+    kernels.write_kv(cache, key, value, slots, impl=impl)
+
+    keep = slots >= 0
+    rows = slots[keep]
+    assert torch.equal(cache.key.view(cache.num_slots, 2, 64)[rows], key[keep])
+    assert torch.equal(cache.value.view(cache.num_slots, 2, 64)[rows], value[keep])
+    assert cache.key_scale is None and cache.value_scale is None
+    untouched = torch.ones(cache.num_slots, dtype=torch.bool)
+    untouched[rows] = False
+    assert not cache.key.view(cache.num_slots, -1)[untouched].any()
+
+
 @triton.jit
 def _encode_fp8_kernel(
     x_ptr,  # [N] float32 values with |x| <= 448
@@ -255,7 +277,7 @@ def test_it_round_trips_within_the_dtype_error_bound(dtype):
     back = kernels.dequantize_kv(stored, scale, dtype)
 
     err = (back - key).abs()
-    if dtype in ("bf16", "fp16"):
+    if dtype in ("bf16", "fp16", "fp32"):
         assert torch.equal(back, key.to(stored.dtype).float())
         return
     s = scale.float()[..., None]

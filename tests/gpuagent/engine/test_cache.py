@@ -12,7 +12,7 @@ from gpuagent.engine.cache import (
 )
 from gpuagent.engine.model import LlamaConfig
 
-KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
 
 
 def small_config(head_dim: int = 64, num_kv_heads: int = 2) -> LlamaConfig:

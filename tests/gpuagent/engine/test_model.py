@@ -2,9 +2,12 @@
 
 Tiny random HF folders are written with transformers' own save_pretrained and read
 back through our loader, so names, layouts and RoPE conventions are checked end to end.
-The KV cache has no fp32 storage (kernels.KV_CACHE_DTYPES), so the paged path is held
-to the dense path's 1e-4 only up to the rounding of K/V to fp16/bf16: see PAGED_ATOL.
+With the fp32 KV cache (a plain copy) the paged path, the one the engine serves with,
+is held to the same 1e-4 as the dense path; with fp16/bf16 KV only up to the rounding
+of K/V to 16 bits: see PAGED_ATOL.
 """
+
+import copy
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ DENSE_ATOL = 1e-4
 # builds while a real bug (wrong position, block or head) shows up as O(1). Against
 # the dense path with K/V rounded the same way the paged path agrees to MATCHED_ATOL:
 # not 0, because a 1e-7 difference in a K element can flip its rounding by one ulp.
-PAGED_ATOL = {"fp16": 1e-2, "bf16": 6e-2}
+PAGED_ATOL = {"fp16": 1e-2, "bf16": 6e-2, "fp32": DENSE_ATOL}
 MATCHED_ATOL = 2e-4
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -67,9 +70,13 @@ def _hf_logits(hf, tokens):
         return hf(torch.tensor([tokens])).logits[0].float()  # [T, V]
 
 
-def _run_paged(model, seqs, prefill_lens, kv_dtype, block_size=4):
-    """Prefill each seq's first prefill_lens[b] tokens in one batch, then decode the
-    rest one token per step, all seqs together. Returns per-seq logits [T_b, V]."""
+def _run_paged(model, seqs, prefill_lens, kv_dtype, block_size=4, chunk=None):
+    """Run seqs through the paged path as the engine's scheduler would, all seqs in
+    one batch per step: each prefills its first prefill_lens[b] tokens (in chunks of
+    at most `chunk` tokens, the later chunks reading the earlier ones from the cache),
+    then decodes the rest one token per step. A seq that finished its prefill decodes
+    in the same step as another one's prefill chunk (a mixed batch). Returns per-seq
+    logits [T_b, V]."""
     cfg = model.config
     max_blocks = max(-(-len(s) // block_size) for s in seqs)
     caches = allocate_kv_caches(cfg, kv_dtype, len(seqs) * max_blocks, block_size)
@@ -87,40 +94,37 @@ def _run_paged(model, seqs, prefill_lens, kv_dtype, block_size=4):
         return tables[b, pos // block_size].item() * block_size + pos % block_size
 
     out = [[] for _ in seqs]
-    ids, positions, slots, qsl = [], [], [], [0]
-    for b, (s, n) in enumerate(zip(seqs, prefill_lens, strict=True)):
-        ids += s[:n]
-        positions += list(range(n))
-        slots += [slot(b, p) for p in range(n)]
-        qsl.append(qsl[-1] + n)
-    attn = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_tables=tables,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        context_lens=torch.tensor(prefill_lens, dtype=torch.int32),
-        decode_only=False,
-    )
-    with torch.no_grad():
-        logits = model(torch.tensor(ids), torch.tensor(positions), caches, attn, True)
-    for b in range(len(seqs)):
-        out[b].append(logits[qsl[b] : qsl[b + 1]])
-
-    lens = list(prefill_lens)
+    lens = [0] * len(seqs)
     while any(n < len(s) for s, n in zip(seqs, lens, strict=True)):
         live = [b for b in range(len(seqs)) if lens[b] < len(seqs[b])]
+        take = {}
+        for b in live:
+            left = prefill_lens[b] - lens[b]
+            take[b] = 1 if left <= 0 else min(left, chunk or left)
+        decode_only = all(lens[b] >= prefill_lens[b] for b in live)
+        ids, positions, slots, qsl = [], [], [], [0]
+        for b in live:
+            span = range(lens[b], lens[b] + take[b])
+            ids += [seqs[b][p] for p in span]
+            positions += list(span)
+            slots += [slot(b, p) for p in span]
+            qsl.append(qsl[-1] + take[b])
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor([slot(b, lens[b]) for b in live]),
+            slot_mapping=torch.tensor(slots),
             block_tables=tables[live],
-            query_start_loc=torch.arange(len(live) + 1, dtype=torch.int32),
-            context_lens=torch.tensor([lens[b] + 1 for b in live], dtype=torch.int32),
-            decode_only=True,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            context_lens=torch.tensor(
+                [lens[b] + take[b] for b in live], dtype=torch.int32
+            ),
+            decode_only=decode_only,
         )
-        ids = torch.tensor([seqs[b][lens[b]] for b in live])
         with torch.no_grad():
-            logits = model(ids, torch.tensor([lens[b] for b in live]), caches, attn)
+            logits = model(
+                torch.tensor(ids), torch.tensor(positions), caches, attn, True
+            )
         for i, b in enumerate(live):
-            out[b].append(logits[i : i + 1])
-            lens[b] += 1
+            out[b].append(logits[qsl[i] : qsl[i + 1]])
+            lens[b] += take[b]
     return [torch.cat(o) for o in out]
 
 
@@ -153,6 +157,71 @@ def test_it_matches_transformers_paged_prefill_and_decode(tmp_path, kv_dtype):
     for s, logits in zip(seqs, paged, strict=True):
         diff = (logits - _hf_logits(hf, s)).abs().max().item()
         assert diff <= PAGED_ATOL[kv_dtype], (kv_dtype, diff)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "chunk"),
+    [
+        ({}, None),  # GQA (4 heads on 2 kv heads), untied; whole-prompt prefill
+        ({}, 4),  # chunked prefill, later chunks batched with other seqs' decodes
+        ({"tie_word_embeddings": True, "num_key_value_heads": 1}, 3),
+        ({"rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING}, 8),
+    ],
+    ids=["gqa-untied", "gqa-chunked", "tied-mqa-chunked", "llama3-rope-chunked"],
+)
+def test_it_matches_transformers_on_the_paged_path_with_fp32_kv(
+    tmp_path, overrides, chunk
+):
+    # a deep copy: transformers writes rope_theta into the dict it is given
+    hf = _hf_folder(tmp_path, **copy.deepcopy(overrides))
+    model = load_model(tmp_path)
+    # 40 tokens: past llama3's original_max_position_embeddings=16; the first two
+    # seqs decode 10 and 11 steps after their prefill, the third only prefills.
+    seqs = [_tokens(40, seed=2), _tokens(23, seed=3), _tokens(9, seed=4)]
+
+    paged = _run_paged(model, seqs, [30, 12, 9], kv_dtype="fp32", chunk=chunk)
+
+    for s, logits in zip(seqs, paged, strict=True):
+        assert logits.shape == (len(s), model.config.vocab_size)
+        diff = (logits - _hf_logits(hf, s)).abs().max().item()
+        assert diff <= PAGED_ATOL["fp32"], diff
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    assert tied == bool(overrides.get("tie_word_embeddings"))
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert (model.config.rope_scaling is not None) == ("rope_scaling" in overrides)
+
+
+def test_it_matches_transformers_through_the_triton_kernels_with_fp32_kv(
+    tmp_path, monkeypatch
+):
+    # The kernels the engine runs on CUDA, here under the interpreter: same bar.
+    import gpuagent.engine.model as model_module
+
+    calls = []
+
+    def on_triton(name, kernel):
+        def run(*args):
+            calls.append(name)
+            return kernel(*args, impl="triton")
+
+        return run
+
+    for name in ("write_kv", "paged_decode_attention", "paged_prefill_attention"):
+        monkeypatch.setattr(
+            model_module, name, on_triton(name, getattr(model_module, name))
+        )
+    hf = _hf_folder(tmp_path, rope_theta=500000.0, rope_scaling=dict(LLAMA3_SCALING))
+    model = load_model(tmp_path)
+    seqs = [_tokens(40, seed=2), _tokens(23, seed=3)]
+
+    paged = _run_paged(model, seqs, [30, 12], kv_dtype="fp32", chunk=8)
+
+    for s, logits in zip(seqs, paged, strict=True):
+        diff = (logits - _hf_logits(hf, s)).abs().max().item()
+        assert diff <= PAGED_ATOL["fp32"], diff
+    assert {"write_kv", "paged_decode_attention", "paged_prefill_attention"} == set(
+        calls
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp16", "bf16"])
