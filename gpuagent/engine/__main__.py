@@ -1,9 +1,16 @@
 """`python -m gpuagent.engine serve MODEL_DIR --kv-cache-dtype int8 --kv-memory-gb 2
---port 8100 [--host 127.0.0.1] [--block-size 16] [--manifest-digest D --signature S]`.
+--port 8100 [--host 127.0.0.1] [--block-size 16] [--manifest-digest D
+[--signature S --public-key PEM ...] [--release-model M --release-version V
+--release-recipe R]]`.
 
 With `--manifest-digest`, every file is read through
 `gpuagent.integrity.read_verified_files` (which hashes exactly the bytes it returns) and
-the model and tokenizer are built from those bytes only: verify-on-load.
+the model and tokenizer are built from those bytes only: verify-on-load. With
+`--signature`, the signature must verify against a trust anchor (`--public-key`,
+repeatable; or `--certificate-chain` / `--sigstore-trust-config` with `--identity` and
+`--issuer`), sign exactly that manifest and be bound to the release named by
+`--release-*` (required with `--signature`). A folder that fails any check is refused:
+exit status 1, the reason on stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from pathlib import Path
 import torch
 
 from gpuagent.engine.engine import AsyncLLMEngine, LLMEngine
+from gpuagent.integrity import IntegrityError
+from gpuagent.integrity.policy import Policy, policy_from_flags, release_from_flags
+from kernels.kv_quant import KV_CACHE_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--kv-cache-dtype",
         default="bf16",
-        choices=("bf16", "fp16", "fp8", "int8", "int4"),
+        choices=KV_CACHE_DTYPES,
+        help="fp32 is a plain copy for float32 parity checks, not a serving format",
     )
     serve.add_argument("--kv-memory-gb", type=float, default=2.0)
     serve.add_argument("--block-size", type=int, default=16)
@@ -48,17 +59,94 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--manifest-digest", default=None)
     serve.add_argument("--signature", type=Path, default=None)
+    trust = serve.add_argument_group(
+        "signature trust (with --signature)",
+        "who may have signed the model, and the release the signature must be for",
+    )
+    trust.add_argument(
+        "--public-key",
+        type=Path,
+        action="append",
+        default=[],
+        help="trusted ECDSA public key, PEM (repeatable)",
+    )
+    trust.add_argument("--certificate-chain", type=Path, help="pinned chain, PEM")
+    trust.add_argument("--sigstore-trust-config", type=Path, help="pinned config")
+    trust.add_argument("--identity", help="certificate / sigstore signer identity")
+    trust.add_argument("--issuer", help="certificate issuer / OIDC issuer")
+    trust.add_argument("--release-model", help="model name the signature must bind")
+    trust.add_argument("--release-version", help="release version it must bind")
+    trust.add_argument("--release-recipe", help="release recipe it must bind")
+    trust.add_argument("--release-parent-digest", default="")
     serve.add_argument("--log-level", default="info")
     return parser
 
 
+def _read_pem(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise SystemExit(f"error: cannot read {path}: {e}") from e
+
+
+def signature_policy(args: argparse.Namespace) -> Policy | None:
+    """The policy `--signature` is verified against (None without a signature).
+
+    Built by `gpuagent.integrity.policy.policy_from_flags`, as the integrity CLI's
+    `verify` does. Bad flag combinations exit with a usage message.
+    """
+    if args.signature is None:
+        trust_flags = (
+            args.public_key,
+            args.certificate_chain,
+            args.sigstore_trust_config,
+            args.release_model,
+            args.release_version,
+            args.release_recipe,
+        )
+        if any(trust_flags):  # they would check nothing: say so
+            raise SystemExit("error: trust and release flags need --signature")
+        return None
+    try:
+        release = release_from_flags(
+            args.release_model,
+            args.release_version,
+            args.release_recipe,
+            args.release_parent_digest,
+        )
+        if release is None:
+            # The agent always knows which release it deploys; a signature checked
+            # without that binding could be one replayed from another release.
+            raise ValueError(
+                "--signature needs the release it must be bound to: "
+                "--release-model, --release-version and --release-recipe"
+            )
+        return policy_from_flags(
+            public_keys_pem=[_read_pem(p) for p in args.public_key],
+            certificate_chain_pem=(
+                _read_pem(args.certificate_chain) if args.certificate_chain else None
+            ),
+            sigstore_trust_config=args.sigstore_trust_config,
+            identity=args.identity,
+            issuer=args.issuer,
+            release=release,
+            signature_name=args.signature.name,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    """Load (and verify, when a digest is given) the model and size the KV pool."""
+    """Load (and verify, when a digest is given) the model and size the KV pool.
+
+    Raises `gpuagent.integrity.IntegrityError` when the folder fails verification.
+    """
     from gpuagent.engine.loader import load_model
     from gpuagent.engine.tokenizer import load_tokenizer
 
     if args.signature is not None and args.manifest_digest is None:
-        raise SystemExit("--signature needs --manifest-digest")
+        raise SystemExit("error: --signature needs --manifest-digest")
+    policy = signature_policy(args)
     dtype_name = args.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if str(args.device).startswith("cuda") else "float32"
@@ -67,7 +155,10 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         from gpuagent.integrity import read_verified_files
 
         files = read_verified_files(
-            args.model_dir, args.manifest_digest, signature_path=args.signature
+            args.model_dir,
+            args.manifest_digest,
+            signature_path=args.signature,
+            policy=policy,
         )
         model = load_model(args.model_dir, dtype=dtype, device=args.device, files=files)
         tokenizer = load_tokenizer(args.model_dir, files=files)
@@ -94,7 +185,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
-    engine = build_engine(args)
+    try:
+        engine = build_engine(args)
+    except IntegrityError as e:
+        # A refusal, not a crash: one line that says which check failed.
+        raise SystemExit(
+            f"error: refused to load {args.model_dir}: [{e.code}] {e}"
+        ) from None
     name = args.served_model_name or args.model_dir.resolve().name
     logging.getLogger(__name__).info(
         "serving %s: kv %s, %d blocks x %d tokens, %d bytes/token",

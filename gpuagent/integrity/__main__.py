@@ -15,7 +15,12 @@ from typing import Any
 from gpuagent.integrity.errors import IntegrityError, ModelRejectedError, PolicyError
 from gpuagent.integrity.inspection import inspect_model
 from gpuagent.integrity.manifest import hash_model
-from gpuagent.integrity.policy import DEFAULT_POLICY, ReleaseBinding
+from gpuagent.integrity.policy import (
+    DEFAULT_POLICY,
+    ReleaseBinding,
+    policy_from_flags,
+    release_from_flags,
+)
 from gpuagent.integrity.signing import sign_model, verify_model
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
@@ -114,12 +119,12 @@ def _read(path: Path) -> bytes:
 
 
 def _release(args: argparse.Namespace) -> ReleaseBinding | None:
-    fields = (args.model, args.version, args.recipe)
-    if all(f is None for f in fields):
-        return None
-    if any(f is None for f in fields):
-        raise UsageError("--model, --version and --recipe go together")
-    return ReleaseBinding(args.model, args.version, args.recipe, args.parent_digest)
+    try:
+        return release_from_flags(
+            args.model, args.version, args.recipe, args.parent_digest
+        )
+    except ValueError:
+        raise UsageError("--model, --version and --recipe go together") from None
 
 
 def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -167,33 +172,22 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             f"  manifest digest: {result.manifest.digest}",
         )
     # verify
-    policy = DEFAULT_POLICY.replace(
-        release=_release(args),
-        extra_ignorable_paths=tuple(args.allow_ignore),
-        signature_names=(*DEFAULT_POLICY.signature_names, args.signature.name),
-    )
-    if args.sigstore_trust_config:
-        policy = policy.replace(
-            signature_mode="sigstore",
-            sigstore_trust_config=str(args.sigstore_trust_config),
-            certificate_identity=args.identity,
-            certificate_issuer=args.issuer,
+    release = _release(args)
+    try:
+        policy = policy_from_flags(
+            public_keys_pem=[_read(p) for p in args.public_key],
+            certificate_chain_pem=(
+                _read(args.certificate_chain) if args.certificate_chain else None
+            ),
+            sigstore_trust_config=args.sigstore_trust_config,
+            identity=args.identity,
+            issuer=args.issuer,
+            release=release,
+            signature_name=args.signature.name,
+            extra_ignorable_paths=args.allow_ignore,
         )
-    elif args.certificate_chain:
-        policy = policy.replace(
-            signature_mode="certificate",
-            certificate_chain_pem=_read(args.certificate_chain),
-            certificate_identity=args.identity,
-            certificate_issuer=args.issuer,
-        )
-    elif args.public_key:
-        policy = policy.replace(
-            public_keys_pem=tuple(_read(p) for p in args.public_key)
-        )
-    else:
-        raise UsageError(
-            "give --public-key, --certificate-chain or --sigstore-trust-config"
-        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     report = verify_model(args.folder, args.signature, policy)
     if args.manifest_digest and args.manifest_digest != report.manifest_digest:
         from gpuagent.integrity.errors import ManifestDigestMismatchError

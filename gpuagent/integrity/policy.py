@@ -4,6 +4,8 @@ the release a signature must be bound to."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,3 +107,76 @@ class Policy:
 
 
 DEFAULT_POLICY = Policy()
+
+
+def release_from_flags(
+    model: str | None,
+    version: str | None,
+    recipe: str | None,
+    parent_digest: str = "",
+) -> ReleaseBinding | None:
+    """The release named on a command line (`--model/--version/--recipe`, or a
+    CLI's spelling of them): None when none of the three is given.
+
+    Raises ValueError when only some are: a partial release would silently check
+    nothing.
+    """
+    fields = (model, version, recipe)
+    if all(f is None for f in fields):
+        return None
+    if any(f is None for f in fields):
+        raise ValueError("the release model, version and recipe go together")
+    return ReleaseBinding(str(model), str(version), str(recipe), parent_digest or "")
+
+
+def policy_from_flags(
+    *,
+    public_keys_pem: Sequence[bytes] = (),
+    certificate_chain_pem: bytes | None = None,
+    sigstore_trust_config: str | os.PathLike[str] | None = None,
+    identity: str | None = None,
+    issuer: str | None = None,
+    release: ReleaseBinding | None = None,
+    signature_name: str | None = None,
+    extra_ignorable_paths: Sequence[str] = (),
+    base: Policy = DEFAULT_POLICY,
+) -> Policy:
+    """The verification policy the command-line flags ask for, on top of `base`.
+
+    One trust anchor, in this order: a pinned Sigstore trust config (with the
+    identity and OIDC issuer), a pinned certificate chain (with the certificate
+    identity and issuer), or trusted public keys (PEM). `signature_name` (the
+    signature's file name) may be left out of the manifest; `release`, when given,
+    must be the one the signature is bound to. Raises ValueError when no trust
+    anchor is given: a policy without one trusts no signer.
+    """
+    policy = base.replace(
+        release=release,
+        extra_ignorable_paths=(*base.extra_ignorable_paths, *extra_ignorable_paths),
+    )
+    if signature_name and signature_name not in policy.signature_names:
+        policy = policy.replace(
+            signature_names=(*policy.signature_names, signature_name)
+        )
+    if sigstore_trust_config:
+        return policy.replace(
+            signature_mode="sigstore",
+            sigstore_trust_config=str(sigstore_trust_config),
+            certificate_identity=identity,
+            certificate_issuer=issuer,
+        )
+    if certificate_chain_pem:
+        return policy.replace(
+            signature_mode="certificate",
+            certificate_chain_pem=certificate_chain_pem,
+            certificate_identity=identity,
+            certificate_issuer=issuer,
+        )
+    if public_keys_pem:
+        return policy.replace(
+            signature_mode="key", public_keys_pem=tuple(public_keys_pem)
+        )
+    raise ValueError(
+        "give a trusted public key (--public-key), a certificate chain "
+        "(--certificate-chain) or a sigstore trust config (--sigstore-trust-config)"
+    )

@@ -1,0 +1,221 @@
+"""`python -m gpuagent.engine serve`: verify-on-load of a signed model from the command
+line (manifest digest + signature + trusted public key), and refusals with exit codes.
+
+The shipped demo model is copied and signed in the test with a key generated here;
+one real `serve` process is started (127.0.0.1, bounded in time and requests).
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpuagent.engine.__main__ import build_parser, main, signature_policy
+from gpuagent.integrity import ReleaseBinding, sign_model
+from tests.gpuagent.integrity.builders import Keys
+
+DEMO_MODEL = Path(__file__).resolve().parents[3] / "gpuagent" / "engine" / "demo_model"
+REPO = Path(__file__).resolve().parents[3]
+RELEASE = ReleaseBinding(model="demo", version="1.0.0", recipe="fp32-kv")
+RELEASE_FLAGS = [
+    "--release-model",
+    RELEASE.model,
+    "--release-version",
+    RELEASE.version,
+    "--release-recipe",
+    RELEASE.recipe,
+]
+
+
+@pytest.fixture(scope="module")
+def signed_demo(tmp_path_factory):
+    """(model folder, manifest digest, publisher keys, intruder keys)."""
+    root = tmp_path_factory.mktemp("signed_demo")
+    folder = root / "model"
+    shutil.copytree(DEMO_MODEL, folder)
+    publisher, intruder = Keys(root, "publisher"), Keys(root, "intruder")
+    result = sign_model(
+        folder, folder / "model.sig", release=RELEASE, private_key=publisher.private
+    )
+    return folder, result.manifest.digest, publisher, intruder
+
+
+def serve_argv(folder, digest, public_key, *extra):
+    return [
+        "serve",
+        str(folder),
+        "--manifest-digest",
+        digest,
+        "--signature",
+        str(folder / "model.sig"),
+        "--public-key",
+        str(public_key),
+        "--device",
+        "cpu",
+        "--kv-memory-gb",
+        "0.005",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def refusal(argv) -> str:
+    """Run the CLI in-process; it must exit with an error message (status 1)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    message = info.value.code
+    assert isinstance(message, str), message  # SystemExit(str): exit status 1
+    return message
+
+
+@pytest.mark.timeout(180)
+def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
+    folder, digest, publisher, _ = signed_demo
+    port = free_port()
+    argv = serve_argv(folder, digest, publisher.public, *RELEASE_FLAGS)
+    argv += ["--port", str(port), "--kv-cache-dtype", "fp32", "--max-num-seqs", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)  # the engine runs the torch references on CPU
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuagent.engine", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.25)
+        body = {"model": "model", "prompt": "def ", "max_tokens": 3, "temperature": 0}
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 3
+    # --kv-cache-dtype fp32 was taken: K and V, 4 bytes per element, no scales.
+    config = json.loads((folder / "config.json").read_text())
+    want = 2 * 4 * config["num_hidden_layers"] * config["num_key_value_heads"]
+    want *= config["head_dim"]
+    (line,) = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("engine_kv_bytes_per_token{")
+    ]
+    assert 'kv_cache_dtype="fp32"' in line and float(line.rsplit(" ", 1)[1]) == want
+
+
+def test_it_refuses_a_signature_by_a_key_it_does_not_trust(signed_demo):
+    folder, digest, _, intruder = signed_demo
+
+    message = refusal(serve_argv(folder, digest, intruder.public, *RELEASE_FLAGS))
+
+    assert "refused to load" in message and "[signer-not-trusted]" in message
+
+
+def test_it_refuses_a_tampered_file_and_names_it(signed_demo, tmp_path):
+    folder, digest, publisher, _ = signed_demo
+    tampered = tmp_path / "model"
+    shutil.copytree(folder, tampered)
+    weights = tampered / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last weight
+    weights.write_bytes(bytes(data))
+
+    message = refusal(serve_argv(tampered, digest, publisher.public, *RELEASE_FLAGS))
+
+    assert "[manifest-mismatch]" in message and "model.safetensors" in message
+
+
+def test_it_refuses_a_signature_bound_to_another_release(signed_demo):
+    folder, digest, publisher, _ = signed_demo
+    flags = [*RELEASE_FLAGS[:-1], "int4-kv"]  # same model and version, other recipe
+
+    message = refusal(serve_argv(folder, digest, publisher.public, *flags))
+
+    assert "[binding-mismatch]" in message and "int4-kv" in message
+
+
+def test_it_exits_nonzero_with_the_reason_when_run_as_a_module(signed_demo):
+    folder, digest, _, intruder = signed_demo
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuagent.engine",
+            *serve_argv(folder, digest, intruder.public, *RELEASE_FLAGS),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert done.returncode == 1
+    assert "refused to load" in done.stderr and "signer-not-trusted" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_it_builds_the_policy_from_the_trust_flags(signed_demo):
+    folder, digest, publisher, intruder = signed_demo
+    argv = serve_argv(folder, digest, publisher.public, "--public-key")
+    argv += [str(intruder.public), *RELEASE_FLAGS]
+
+    policy = signature_policy(build_parser().parse_args(argv))
+
+    assert policy.signature_mode == "key"
+    assert policy.public_keys_pem == (publisher.public_pem, intruder.public_pem)
+    assert policy.release == RELEASE
+
+
+@pytest.mark.parametrize(
+    ("drop", "expected"),
+    [
+        (["--public-key"], "trusted public key"),  # a signature, nobody trusted
+        (["--release-version", "--release-recipe"], "go together"),  # half a release
+        (["--signature"], "need --signature"),  # trust flags without one
+        # a signature checked without its release could be replayed from another
+        (["--release-model", "--release-version", "--release-recipe"], "bound to"),
+    ],
+)
+def test_it_rejects_incomplete_trust_flags(signed_demo, drop, expected):
+    folder, digest, publisher, _ = signed_demo
+    argv = serve_argv(folder, digest, publisher.public, *RELEASE_FLAGS)
+    for flag in drop:
+        i = argv.index(flag)
+        del argv[i : i + 2]
+
+    assert expected in refusal(argv)
