@@ -87,7 +87,7 @@ def prepare_inputs(
     tables: list[list[int]] = []
     for chunk in chunks:
         seq_id = chunk.seq.request_id
-        input_ids += chunk.seq.all_token_ids[chunk.start : chunk.end]
+        input_ids += chunk.seq.token_ids(chunk.start, chunk.end)
         positions += range(chunk.start, chunk.end)
         slots += blocks.slot_mapping(seq_id, chunk.start, chunk.end)
         query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
@@ -314,9 +314,11 @@ class LLMEngine:
                 return []
             sampling_chunks = [c for c in out.chunks if c.samples]
             logits = self._forward(out.chunks)  # [B, vocab]
-            rows = [i for i, c in enumerate(out.chunks) if c.samples]
+            if len(sampling_chunks) < len(out.chunks):  # unfinished prompt chunks
+                rows = [i for i, c in enumerate(out.chunks) if c.samples]
+                logits = logits[rows]
             tokens = sample(
-                logits[rows],
+                logits,
                 [c.seq.params for c in sampling_chunks],
                 [c.seq.generator for c in sampling_chunks],
             )
@@ -327,6 +329,7 @@ class LLMEngine:
                     for c, t in zip(sampling_chunks, tokens, strict=True)
                 },
             )
+            self.metrics.generation_tokens.inc(len(tokens))
             return [
                 self._process_token(c.seq, t)
                 for c, t in zip(sampling_chunks, tokens, strict=True)
@@ -344,7 +347,6 @@ class LLMEngine:
         elif seq.last_token_s is not None:
             self.metrics.inter_token_latency.observe(now - seq.last_token_s)
         seq.last_token_s = now
-        self.metrics.generation_tokens.inc()
         params = seq.params
         if params.logprobs is not None:
             seq.token_logprobs.append(
@@ -353,10 +355,10 @@ class LLMEngine:
 
         finish_reason = None
         text_ids = seq.output_token_ids
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        if token.token_id in stop_ids:
+        is_stop_token = token.token_id in params.stop_token_ids or (
+            not params.ignore_eos and token.token_id in self.eos_token_ids
+        )
+        if is_stop_token:
             finish_reason = "stop"
             text_ids = text_ids[:-1]  # the stop token's text isn't part of the answer
         elif len(seq.output_token_ids) >= params.max_tokens:

@@ -188,22 +188,24 @@ def _llama3_scale_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin [..., head_dim] float32 for integer `positions` [...]."""
+    """cos and signed sin [..., 1, head_dim] float32 for integer `positions` [...].
+
+    The singleton axis broadcasts over heads. sin's first half is negated, which is
+    the sign `rotate_half` would put on x's second half: `apply_rope` then needs no
+    negation per layer, and the products are bit-for-bit the textbook ones.
+    """
     freqs = positions.float()[..., None] * inv_freq  # [..., head_dim // 2]
+    sin = freqs.sin()
     emb = torch.cat((freqs, freqs), dim=-1)  # [..., head_dim]
-    return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    signed_sin = torch.cat((-sin, sin), dim=-1)  # [..., head_dim]
+    return emb.cos().unsqueeze(-2), signed_sin.unsqueeze(-2)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [..., T, H, D] by cos/sin [..., T, D] (HF's non-interleaved layout)."""
-    cos = cos.unsqueeze(-2).to(x.dtype)  # [..., T, 1, D]
-    sin = sin.unsqueeze(-2).to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    """Rotate x [..., T, H, D] by cos / signed sin [..., T, 1, D] from
+    `rope_cos_sin` (HF's non-interleaved layout: x * cos + rotate_half(x) * sin)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1) [..., T, H, D]
+    return x * cos + swapped * sin
 
 
 # -------------------------------------------------------------------------- layers
@@ -216,10 +218,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one op
         # normalize in float32 whatever the weight dtype, as transformers does
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -248,14 +251,25 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,  # [T, hidden]
-        cos: Tensor,  # [T, D]
+        cos: Tensor,  # [T, 1, D]
         sin: Tensor,
         cache: PagedKVCache,
         attn: AttentionMetadata,
+        out_rows: Tensor | None = None,  # [B] rows to compute; None: all T
     ) -> Tensor:
         q, k, v = self._qkv(x, cos, sin)  # [T, H, D], [T, KVH, D], [T, KVH, D]
         write_kv(cache, k, v, attn.slot_mapping)
-        if attn.decode_only:
+        if out_rows is not None:
+            # Each kept row is its sequence's last new token, which sees the whole
+            # context: that is decode attention. [B, H, D]
+            out = paged_decode_attention(
+                q[out_rows],
+                cache,
+                attn.block_tables,
+                attn.context_lens,
+                self.softmax_scale,
+            )
+        elif attn.decode_only:
             out = paged_decode_attention(
                 q, cache, attn.block_tables, attn.context_lens, self.softmax_scale
             )
@@ -268,11 +282,11 @@ class Attention(nn.Module):
                 attn.context_lens,
                 self.softmax_scale,
             )
-        out = out.to(x.dtype).flatten(-2)  # [T, H, D] -> [T, H * D]
+        out = out.to(x.dtype).flatten(-2)  # [T or B, H, D] -> [T or B, H * D]
         return self.o_proj(out)
 
     def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # x [B, T, hidden], cos/sin [T, D]
+        # x [B, T, hidden], cos/sin [T, 1, D]
         q, k, v = self._qkv(x, cos, sin)  # [B, T, H, D], [B, T, KVH, D]
         groups = self.num_heads // self.num_kv_heads
         # kv head h // groups serves query head h
@@ -318,8 +332,15 @@ class TransformerBlock(nn.Module):
         sin: Tensor,
         cache: PagedKVCache,
         attn: AttentionMetadata,
+        out_rows: Tensor | None = None,  # [B] rows to compute; None: all T
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attn)
+        # K/V of every token are written; only `out_rows` go on through the block.
+        attn_out = self.self_attn(
+            self.input_layernorm(x), cos, sin, cache, attn, out_rows
+        )
+        if out_rows is not None:
+            x = x[out_rows]  # [B, hidden]
+        x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -350,9 +371,13 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # cos, signed sin [T, 1, D] in the model's dtype, computed once per forward
+        # and shared by every layer
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        return rope_cos_sin(self._inv_freq, positions)
+        cos, sin = rope_cos_sin(self._inv_freq, positions)
+        dtype = self.embed_tokens.weight.dtype
+        return cos.to(dtype), sin.to(dtype)
 
     def forward(
         self,
@@ -366,18 +391,22 @@ class Transformer(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} caches, got {len(kv_caches)}")
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self._rope(positions)  # [T, D] each
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, cache, attn)
-        if not all_logits:
-            last = attn.query_start_loc[1:].long() - 1  # [B]
-            h = h[last]  # [B, hidden]
-        return self.lm_head(self.norm(h)).float()
+        cos, sin = self._rope(positions)  # [T, 1, D] each
+        last = None  # [B] each sequence's last new token, when only those are wanted
+        # (in a decode-only step every token is its sequence's last)
+        if not all_logits and not attn.decode_only:
+            last = attn.query_start_loc[1:].long() - 1
+        final = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            # Past the last layer's K/V write only the logits' rows matter: a prompt
+            # chunk's other rows skip its attention output, o_proj and MLP.
+            h = layer(h, cos, sin, cache, attn, last if i == final else None)
+        return self.lm_head(self.norm(h)).float()  # [B or T, vocab]
 
     def forward_dense(self, tokens: Tensor) -> Tensor:
         """Causal logits float32 [B, T, vocab] for tokens [B, T], positions 0..T-1."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)  # [T]
-        cos, sin = self._rope(positions)  # [T, D]
+        cos, sin = self._rope(positions)  # [T, 1, D]
         h = self.embed_tokens(tokens)  # [B, T, hidden]
         for layer in self.layers:
             h = layer.forward_dense(h, cos, sin)

@@ -117,12 +117,14 @@ def sample(
         return []
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-    token_ids = logits.argmax(dim=-1).tolist()  # greedy rows; others overwritten
-    for row, p in enumerate(params):
-        if not p.greedy:
-            token_ids[row] = sample_row(logits[row], p, generators[row])
-    rows = torch.arange(len(token_ids))
-    chosen = logprobs[rows, torch.tensor(token_ids, dtype=torch.long)].tolist()
+    # Greedy rows all at once; random rows draw one by one from their own generator.
+    chosen_ids = logits.argmax(dim=-1)  # [B]
+    random_rows = [row for row, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        drawn = [sample_row(logits[r], params[r], generators[r]) for r in random_rows]
+        chosen_ids[random_rows] = torch.tensor(drawn, device=chosen_ids.device)
+    token_ids = chosen_ids.tolist()
+    chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()  # [B]
     max_top = max((p.logprobs or 0 for p in params), default=0)
     top_values = top_ids = None
     if max_top:

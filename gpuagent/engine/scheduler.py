@@ -67,6 +67,16 @@ class Sequence:
         """Prompt then generated tokens."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start..end-1 (prompt then generated), without building
+        the whole list: a decode step asks for one token of a long sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
