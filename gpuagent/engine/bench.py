@@ -9,7 +9,12 @@ Prints ratios measured side by side in one run, each with its target and PASS/FA
   after another, and vs `transformers` `generate` on the same model, prompts and
   lengths (batched 16 with left padding; one-at-a-time shown for information);
 - quality: each KV dtype vs bf16 KV, teacher-forced over the same token positions:
-  mean KL divergence and same-top-1 rate.
+  mean KL divergence and same-top-1 rate;
+- attention output: issue 3's KV quality bar on the demo model's real activations.
+  Each layer's post-RoPE q, k and v of the quality texts are captured, K/V written
+  into a cache of each dtype with `kernels.write_kv`, and the decode attention of
+  sampled positions t (context 0..t) run with `kernels.paged_decode_attention`;
+  relative error ||o_q - o_bf16|| / ||o_bf16||, mean over layers and worst layer.
 
 Runs on the demo model (gpuagent/engine/demo_model); without it, on a random model of
 the same shape, with a loud note (quality numbers then mean little). On a CPU the
@@ -421,13 +426,20 @@ def teacher_forced_logprobs(
     return torch.cat(out)[:-1].cpu()  # position i predicts token i + 1
 
 
-def quality_rows(model, tokenizer, max_len: int) -> list[Row]:
-    """Mean KLD(bf16 || dtype) and same-top-1 rate over the same positions."""
+def quality_sequences(tokenizer, max_len: int) -> list[list[int]]:
+    """QUALITY_TEXTS as token ids, BOS first when the tokenizer has one, at most
+    `max_len` tokens each."""
     sequences = []
     for text in QUALITY_TEXTS:
         ids = tokenizer.encode(text)[: max_len - 1]
         bos = getattr(tokenizer, "bos_token_id", None)
         sequences.append(([bos] if bos is not None else []) + ids)
+    return sequences
+
+
+def quality_rows(model, tokenizer, max_len: int) -> list[Row]:
+    """Mean KLD(bf16 || dtype) and same-top-1 rate over the same positions."""
+    sequences = quality_sequences(tokenizer, max_len)
     reference = [teacher_forced_logprobs(model, ids, "bf16") for ids in sequences]
     ref = torch.cat(reference)  # [P, V]
     positions = ref.shape[0]
@@ -464,6 +476,205 @@ def quality_rows(model, tokenizer, max_len: int) -> list[Row]:
     rows.append(
         Row("bits/token on the quality texts (bf16 KV)", f"{bits:.3f}", "", None)
     )
+    return rows
+
+
+# ------------------------------------------------------- attention on activations
+
+
+@dataclass
+class LayerActivations:
+    """One prompt's real attention inputs at one layer, as the model produced them."""
+
+    query: torch.Tensor  # [n, H, D] post-RoPE queries
+    key: torch.Tensor  # [n, KVH, D] post-RoPE keys
+    value: torch.Tensor  # [n, KVH, D]
+    softmax_scale: float
+
+
+def capture_attention_inputs(
+    model, token_ids: list[int], block_size: int = 16
+) -> list[LayerActivations]:
+    """Every layer's post-RoPE q, k and v for `token_ids` (one prompt, positions
+    0..n-1), from one prefill through the paged path into an fp32 KV cache.
+
+    K and V are read back from the cache with `kernels.gather_kv` (exactly what the
+    model wrote). Queries never reach the cache: a forward hook takes q_proj's
+    output and RoPE is applied with the model's own functions; the same recomputation
+    on k_proj's output must reproduce the cached keys, which checks it.
+    """
+    import kernels
+    from gpuagent.engine.model import (
+        AttentionMetadata,
+        allocate_kv_caches,
+        apply_rope,
+        rope_cos_sin,
+        rope_inv_freq,
+    )
+
+    config = model.config
+    device = next(model.parameters()).device
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    caches = allocate_kv_caches(config, "fp32", num_blocks, block_size, device)
+    attn = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        decode_only=n == 1,
+    )
+    projections: dict[tuple[int, str], torch.Tensor] = {}
+    handles = []
+    for i, layer in enumerate(model.layers):
+        for name in ("q_proj", "k_proj"):
+
+            def hook(_module, _args, out, key=(i, name)) -> None:
+                projections[key] = out.detach()
+
+            handles.append(getattr(layer.self_attn, name).register_forward_hook(hook))
+    positions = torch.arange(n, device=device)
+    try:
+        with torch.inference_mode():
+            model(torch.tensor(token_ids, device=device), positions, caches, attn)
+    finally:
+        for handle in handles:
+            handle.remove()
+    cos, sin = rope_cos_sin(rope_inv_freq(config).to(device), positions)  # [n, 1, D]
+    heads, kv_heads, dim = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    layers = []
+    for i, (layer, cache) in enumerate(zip(model.layers, caches, strict=True)):
+        key, value = kernels.gather_kv(cache, attn.block_tables[0], n)  # [n, KVH, D]
+        q = projections[i, "q_proj"].unflatten(-1, (heads, dim)).float()
+        k = projections[i, "k_proj"].unflatten(-1, (kv_heads, dim)).float()
+        recomputed = apply_rope(k, cos.float(), sin.float())
+        assert torch.allclose(recomputed, key, rtol=1e-4, atol=1e-4), (
+            f"layer {i}: RoPE recomputed from k_proj != the keys in the cache"
+        )
+        layers.append(
+            LayerActivations(
+                apply_rope(q, cos.float(), sin.float()),
+                key,
+                value,
+                layer.self_attn.softmax_scale,
+            )
+        )
+    return layers
+
+
+def decode_attention_outputs(
+    acts: LayerActivations,
+    kv_dtype: str,
+    query_positions: torch.Tensor,
+    block_size: int = 16,
+) -> torch.Tensor:
+    """Decode attention [P, H, D] float32 of the query at each of `query_positions`
+    over context 0..t, with K/V stored through `kernels.write_kv` into a `kv_dtype`
+    cache and read by `kernels.paged_decode_attention` (the serving path)."""
+    import kernels
+
+    n, kv_heads, dim = acts.key.shape
+    device = acts.key.device
+    num_blocks = -(-n // block_size)
+    cache = kernels.allocate_kv_cache(
+        kv_dtype, num_blocks, block_size, kv_heads, dim, device=device
+    )
+    slots = torch.arange(n, dtype=torch.int64, device=device)
+    kernels.write_kv(cache, acts.key, acts.value, slots)
+    # Every query is a decode step of the same sequence: the same block table, and
+    # a context that ends at (and includes) the query's own token.
+    table = torch.arange(num_blocks, dtype=torch.int32, device=device)
+    tables = table[None].expand(len(query_positions), -1).contiguous()  # [P, blocks]
+    context_lens = (query_positions + 1).to(torch.int32)  # [P]
+    out = kernels.paged_decode_attention(
+        acts.query[query_positions].contiguous(),
+        cache,
+        tables,
+        context_lens,
+        acts.softmax_scale,
+    )
+    return out.float()
+
+
+def sampled_positions(n: int, count: int) -> torch.Tensor:
+    """Up to `count` distinct positions spread evenly over 0..n-1, both ends in."""
+    return torch.linspace(0, n - 1, min(count, n)).round().long().unique()
+
+
+def attention_relative_errors(
+    model,
+    sequences: Sequence[list[int]],
+    kv_dtypes: Sequence[str],
+    positions_per_prompt: int,
+    reference_dtype: str = "bf16",
+) -> dict[str, torch.Tensor]:
+    """Relative error ||o_q - o_ref|| / ||o_ref|| of decode attention output with
+    each KV dtype vs `reference_dtype` KV, on the model's real activations.
+
+    Returns {dtype: [num_layers] float64}; per layer the norms are taken over every
+    sampled query of every prompt (all heads), so a layer's error is its output
+    error energy over its output energy. Query positions are spread evenly over
+    each prompt, first and last included.
+    """
+    num_layers = len(model.layers)
+    err_sq = {
+        dtype: torch.zeros(num_layers, dtype=torch.float64) for dtype in kv_dtypes
+    }
+    ref_sq = torch.zeros(num_layers, dtype=torch.float64)
+    for token_ids in sequences:
+        layers = capture_attention_inputs(model, token_ids)
+        n = len(token_ids)
+        device = layers[0].key.device
+        picks = sampled_positions(n, positions_per_prompt).to(device)
+        for i, acts in enumerate(layers):
+            ref = decode_attention_outputs(acts, reference_dtype, picks)
+            ref_sq[i] += ref.double().pow(2).sum().cpu()
+            for dtype in kv_dtypes:
+                out = decode_attention_outputs(acts, dtype, picks)
+                err_sq[dtype][i] += (out - ref).double().pow(2).sum().cpu()
+    return {dtype: (err / ref_sq).sqrt() for dtype, err in err_sq.items()}
+
+
+def attention_error_rows(
+    model, tokenizer, max_len: int, positions_per_prompt: int
+) -> list[Row]:
+    """Issue 3's KV quality bar on real activations: mean and worst layer per dtype."""
+    sequences = quality_sequences(tokenizer, max_len)
+    targets = {"fp8": 0.01, "int8": 0.01, "int4": 0.05}
+    errors = attention_relative_errors(
+        model, sequences, ("fp32", *KV_DTYPES[1:]), positions_per_prompt
+    )
+    queries = sum(
+        len(sampled_positions(len(s), positions_per_prompt)) for s in sequences
+    )
+    rows = [
+        Row(
+            f"attn out fp32 vs bf16 KV, mean ({queries} q, {len(sequences)} texts)",
+            f"{100 * errors['fp32'].mean().item():.3f}%",
+            "",
+            None,
+        )
+    ]
+    for dtype in KV_DTYPES[1:]:
+        per_layer = errors[dtype]
+        target = targets.get(dtype)
+        worst = int(per_layer.argmax())
+        for label, value in (
+            ("mean of layers", per_layer.mean().item()),
+            (f"worst layer ({worst})", per_layer[worst].item()),
+        ):
+            rows.append(
+                Row(
+                    f"attn out {dtype} vs bf16 KV: rel. err, {label}",
+                    f"{100 * value:.3f}%",
+                    f"<= {100 * target:g}%" if target else "",
+                    value <= target if target else None,
+                )
+            )
     return rows
 
 
@@ -515,6 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_tokens = 16 if args.quick else 32
     repeats = 2 if args.quick else 3
     quality_len = 160 if args.quick else 320
+    attention_positions = 24 if args.quick else 64
 
     sections = [
         ("memory", lambda: memory_rows(c) + capacity_rows(c)),
@@ -527,6 +739,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         (
             "quality (teacher-forced, vs bf16 KV)",
             lambda: quality_rows(model, tokenizer, quality_len),
+        ),
+        (
+            "attention output vs bf16 KV (real activations, decode at sampled t)",
+            lambda: attention_error_rows(
+                model, tokenizer, quality_len, attention_positions
+            ),
         ),
     ]
     rows: list[Row] = []
