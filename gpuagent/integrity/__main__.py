@@ -144,7 +144,10 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         )
         data = manifest.to_dict()
         if args.output:
-            args.output.write_text(json.dumps(data, indent=2) + "\n")
+            try:
+                args.output.write_text(json.dumps(data, indent=2) + "\n")
+            except OSError as e:
+                raise UsageError(f"cannot write {args.output}: {e}") from e
         text = f"{manifest.digest}  {args.folder} ({len(manifest.files())} files)"
         return data, text
     if args.command == "sign":

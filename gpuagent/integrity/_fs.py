@@ -18,6 +18,9 @@ from gpuagent.integrity.errors import HashingError, UnsafePathError
 # O_NONBLOCK: opening a FIFO swapped in for a file must not hang the agent.
 _O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Walks recurse (and hold one fd) per level: a planted folder thousands of levels
+# deep must be refused, not overflow the Python stack. Models use two or three.
+MAX_FOLDER_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class Entry:
     """One directory entry, as found (symlinks not followed)."""
 
     path: str  # posix path relative to the root
-    kind: str  # "file" | "dir" | "symlink" | "special"
+    kind: str  # "file" | "dir" | "symlink" | "special" | "too-deep"
     size: int
     link_target: str | None = None
 
@@ -37,6 +40,30 @@ def normalize_ignore(paths: list[str] | tuple[str, ...] | frozenset[str]) -> lis
         text = str(PurePosixPath(str(p)))
         out.append(text)
     return sorted(set(out))
+
+
+def bad_name_reason(path: str) -> str | None:
+    """Why `path` is not an acceptable file name, or None.
+
+    A name that is not UTF-8 (decoded with surrogate escapes) cannot be put in
+    a JSON report, a protocol message or the database; a control character
+    (newline, escape) can forge lines of a text report.
+    """
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "file name is not valid UTF-8"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        return "file name contains a control character"
+    return None
+
+
+def printable(text: str) -> str:
+    """`text` (a path, or a message naming one) safe to print and serialize:
+    escaped as by `ascii()` when `bad_name_reason` would refuse it."""
+    if bad_name_reason(text) is None:
+        return text
+    return ascii(text)[1:-1]
 
 
 def is_ignored(path: str, ignore: list[str]) -> bool:
@@ -56,9 +83,10 @@ def open_root(folder: str | Path) -> int:
         raise HashingError(f"cannot open model folder {folder}: {e}") from e
 
 
-def scan_tree(root_fd: int, prefix: str = "") -> list[Entry]:
+def scan_tree(root_fd: int, prefix: str = "", depth: int = 1) -> list[Entry]:
     """Every entry under the root, depth first, sorted; symlinks are reported,
-    never followed."""
+    never followed. A folder nested deeper than MAX_FOLDER_DEPTH is reported as
+    kind "too-deep" and not entered."""
     entries: list[Entry] = []
     with os.scandir(root_fd) as it:
         found = sorted(it, key=lambda e: e.name)
@@ -68,11 +96,13 @@ def scan_tree(root_fd: int, prefix: str = "") -> list[Entry]:
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(item.name, dir_fd=root_fd)
             entries.append(Entry(path, "symlink", 0, target))
+        elif stat.S_ISDIR(st.st_mode) and depth > MAX_FOLDER_DEPTH:
+            entries.append(Entry(path, "too-deep", 0))
         elif stat.S_ISDIR(st.st_mode):
             entries.append(Entry(path, "dir", 0))
             sub = os.open(item.name, _O_DIR, dir_fd=root_fd)
             try:
-                entries.extend(scan_tree(sub, path + "/"))
+                entries.extend(scan_tree(sub, path + "/", depth + 1))
             finally:
                 os.close(sub)
         elif stat.S_ISREG(st.st_mode):
@@ -87,20 +117,27 @@ def list_files(root_fd: int, ignore: list[str]) -> list[tuple[str, int]]:
     a symlink or special file anywhere outside the ignored paths."""
     files: list[tuple[str, int]] = []
 
-    def walk(dir_fd: int, prefix: str) -> None:
+    def walk(dir_fd: int, prefix: str, depth: int) -> None:
         with os.scandir(dir_fd) as it:
             found = sorted(it, key=lambda e: e.name)
         for item in found:
             path = f"{prefix}{item.name}"
             if is_ignored(path, ignore):
                 continue
+            reason = bad_name_reason(path)
+            if reason is not None:
+                raise UnsafePathError(f"{printable(path)}: {reason}")
             st = item.stat(follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
                 raise UnsafePathError(f"{path} is a symlink; symlinks are refused")
             if stat.S_ISDIR(st.st_mode):
+                if depth > MAX_FOLDER_DEPTH:
+                    raise UnsafePathError(
+                        f"{path}: folders nested deeper than {MAX_FOLDER_DEPTH}"
+                    )
                 sub = os.open(item.name, _O_DIR, dir_fd=dir_fd)
                 try:
-                    walk(sub, path + "/")
+                    walk(sub, path + "/", depth + 1)
                 finally:
                     os.close(sub)
             elif stat.S_ISREG(st.st_mode):
@@ -109,7 +146,7 @@ def list_files(root_fd: int, ignore: list[str]) -> list[tuple[str, int]]:
                 raise UnsafePathError(f"{path} is a special file (not a regular file)")
 
     try:
-        walk(root_fd, "")
+        walk(root_fd, "", 1)
     except OSError as e:
         raise HashingError(f"cannot list the model folder: {e}") from e
     return files

@@ -8,7 +8,9 @@ found by magic bytes, not by extension; remote code by `*.py` files and
 
 from __future__ import annotations
 
+import io
 import os
+import pickletools
 import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,7 @@ MAGIC = [
     for off in (0, 512, 1024, 2048)
 ]
 NPY_MAGIC = b"\x93NUMPY"
+_HEAD_BYTES = 2048 + 8
 # Bit masks of an all-ones exponent (Inf/NaN) for each float dtype, on its
 # unsigned view; F8_E4M3 (fn) has no Inf and NaN is 0x7f/0xff.
 _NONFINITE = {
@@ -75,7 +78,7 @@ class Finding:
 @dataclass
 class FileVerdict:
     path: str
-    kind: str  # safetensors | index | json | file | dir | symlink | special
+    kind: str  # safetensors | index | json | file | dir | symlink | special | too-deep
     findings: list[Finding] = field(default_factory=list)
     parsed: Any = field(default=None, repr=False, compare=False)  # JSON content
 
@@ -84,7 +87,8 @@ class FileVerdict:
         return "rejected" if self.findings else "ok"
 
     def reject(self, code: str, detail: str) -> None:
-        self.findings.append(Finding(code, detail))
+        # Details quote names from the folder and its headers: keep them printable.
+        self.findings.append(Finding(code, _fs.printable(detail)))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -146,10 +150,18 @@ def _inspect(folder: Path, policy: Policy) -> InspectionReport:
         verdicts: list[FileVerdict] = []
         headers: dict[str, SafetensorsHeader] = {}
         for entry in entries:
-            verdict = FileVerdict(entry.path, _kind(entry))
+            verdict = FileVerdict(_fs.printable(entry.path), _kind(entry))
             verdicts.append(verdict)
-            if entry.kind == "symlink":
+            bad_name = _fs.bad_name_reason(entry.path)
+            if bad_name is not None:
+                verdict.reject("path-name-invalid", bad_name)
+            elif entry.kind == "symlink":
                 _check_symlink(folder, entry, verdict, policy)
+            elif entry.kind == "too-deep":
+                verdict.reject(
+                    "folder-too-deep",
+                    f"folders nested deeper than {_fs.MAX_FOLDER_DEPTH} levels",
+                )
             elif entry.kind == "special":
                 verdict.reject(
                     "special-file",
@@ -185,10 +197,25 @@ def _check_symlink(
     # Resolve lexically against the link's own folder: a link may point at a
     # path that does not exist yet, and must not be followed to find out.
     resolved = posixpath.normpath(posixpath.join(posixpath.dirname(entry.path), target))
-    if target.startswith("/") or resolved == ".." or resolved.startswith("../"):
+    if (
+        target.startswith("/")
+        or resolved == ".."
+        or resolved.startswith("../")
+        or not _resolves_inside(folder, entry.path)
+    ):
         verdict.reject("symlink-escapes", f"symlink to {target!r} leaves the folder")
     elif not policy.allow_internal_symlinks:
         verdict.reject("symlink", f"symlink to {target!r}; symlinks are not allowed")
+
+
+def _resolves_inside(folder: Path, path: str) -> bool:
+    """Whether `path` resolves inside `folder`. The lexical check alone is
+    fooled by a link through another link: with `s -> .`, `a -> s/s/../..`
+    normalizes to "." but resolves two levels above the folder. realpath only
+    reads link targets; nothing is opened."""
+    root = os.path.realpath(folder)
+    real = os.path.realpath(os.path.join(root, path))
+    return real == root or real.startswith(root.rstrip("/") + "/")
 
 
 def _check_file(root_fd: int, entry: _fs.Entry, verdict: FileVerdict, policy: Policy):
@@ -221,7 +248,7 @@ def _check_file(root_fd: int, entry: _fs.Entry, verdict: FileVerdict, policy: Po
 
 
 def _check_magic(fd: int, verdict: FileVerdict) -> None:
-    head = os.pread(fd, 2048 + 8, 0)
+    head = os.pread(fd, _HEAD_BYTES, 0)
     for magic, offset, code, what in MAGIC:
         if head[offset : offset + len(magic)] == magic:
             verdict.reject(code, f"{what} detected by content")
@@ -232,6 +259,34 @@ def _check_magic(fd: int, verdict: FileVerdict) -> None:
         )
     elif head.startswith(NPY_MAGIC):
         _check_npy(fd, verdict)
+    elif _is_text_pickle(head, complete=len(head) < _HEAD_BYTES):
+        verdict.reject(
+            "pickle-protocol", "pickle protocol 0/1 stream detected by content"
+        )
+
+
+# Opcodes that import or call: what makes a pickle run code when loaded.
+_PICKLE_CODE_OPS = frozenset(
+    {"GLOBAL", "INST", "STACK_GLOBAL", "REDUCE", "OBJ", "NEWOBJ", "NEWOBJ_EX", "BUILD"}
+)
+
+
+def _is_text_pickle(head: bytes, *, complete: bool) -> bool:
+    """Protocol 0/1 pickles have no `\\x80` header. Parse the head as pickle
+    opcodes (pickletools only decodes, never executes): a pickle that imports or
+    calls, up to STOP or cleanly up to the end of a head cut from a longer file.
+    (A lone "." is a valid STOP too, so text starting with one must not count.)
+    Text and binary formats fail within a few bytes."""
+    stream = io.BytesIO(head)
+    code_op = False
+    try:
+        for opcode, _arg, _pos in pickletools.genops(stream):
+            if opcode.name == "STOP":
+                return code_op
+            code_op = code_op or opcode.name in _PICKLE_CODE_OPS
+    except Exception:  # noqa: BLE001 - any decoding error ends the parse
+        return code_op and not complete and stream.tell() >= len(head)
+    return False
 
 
 def _check_npy(fd: int, verdict: FileVerdict) -> None:

@@ -107,6 +107,9 @@ class Policy:
 
 
 DEFAULT_POLICY = Policy()
+# Names a signature file may have and still be left out of the manifest by name
+# (model-signing writes `model.sig`; Sigstore bundles are `*.sigstore[.json]`).
+SIGNATURE_SUFFIXES = (".sig", ".sigstore", ".sigstore.json", ".bundle")
 
 
 def release_from_flags(
@@ -146,15 +149,21 @@ def policy_from_flags(
     One trust anchor, in this order: a pinned Sigstore trust config (with the
     identity and OIDC issuer), a pinned certificate chain (with the certificate
     identity and issuer), or trusted public keys (PEM). `signature_name` (the
-    signature's file name) may be left out of the manifest; `release`, when given,
-    must be the one the signature is bound to. Raises ValueError when no trust
-    anchor is given: a policy without one trusts no signer.
+    signature's file name) may be left out of the manifest when it ends in one of
+    `SIGNATURE_SUFFIXES`: a signature kept outside the folder as `config.json` must
+    not let a signed ignore list leave out the folder's own `config.json`.
+    `release`, when given, must be the one the signature is bound to. Raises
+    ValueError when no trust anchor is given: a policy without one trusts no signer.
     """
     policy = base.replace(
         release=release,
         extra_ignorable_paths=(*base.extra_ignorable_paths, *extra_ignorable_paths),
     )
-    if signature_name and signature_name not in policy.signature_names:
+    if (
+        signature_name
+        and signature_name.endswith(SIGNATURE_SUFFIXES)
+        and signature_name not in policy.signature_names
+    ):
         policy = policy.replace(
             signature_names=(*policy.signature_names, signature_name)
         )

@@ -13,12 +13,14 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gpuagent.integrity.policy import DEFAULT_POLICY, SAFETENSORS_DTYPE_SIZES, Policy
 
 ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_MAX_INT64 = 2**63 - 1
 
 
 class HeaderRejected(Exception):
@@ -65,7 +67,18 @@ _DECODER = json.JSONDecoder(
 )
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _depth(value: Any) -> int:
+    """Nesting depth of `value`; raises HeaderRejected on a string holding a
+    lone surrogate escape ("\\ud800"), which is no Unicode text: the Rust
+    safetensors parser refuses it, and no JSON report or database can hold it."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, level = stack.pop()
@@ -73,6 +86,12 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, level)
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, level + 1) for child in children)
+            if isinstance(item, dict):
+                stack.extend((key, level) for key in item)
+        elif isinstance(item, str) and not _is_unicode(item):
+            raise HeaderRejected(
+                "string-not-unicode", f"string {item!r} holds a lone surrogate"
+            )
     return deepest
 
 
@@ -114,9 +133,25 @@ def parse_header(
 ) -> SafetensorsHeader:
     """Reads only the first 8 + N bytes of the file behind `fd` and validates
     the whole header against `file_size`. Raises HeaderRejected."""
+    return _parse(lambda size, offset: os.pread(fd, size, offset), file_size, policy)
+
+
+def parse_header_bytes(
+    data: bytes, policy: Policy = DEFAULT_POLICY
+) -> SafetensorsHeader:
+    """`parse_header` on a whole file already in memory. Raises HeaderRejected."""
+    view = memoryview(data)
+    return _parse(
+        lambda size, offset: bytes(view[offset : offset + size]), len(data), policy
+    )
+
+
+def _parse(
+    read_at: Callable[[int, int], bytes], file_size: int, policy: Policy
+) -> SafetensorsHeader:
     if file_size < 8:
         raise HeaderRejected("file-too-short", f"{file_size} bytes, need at least 8")
-    prefix = os.pread(fd, 8, 0)
+    prefix = read_at(8, 0)
     if len(prefix) != 8:
         raise HeaderRejected("file-too-short", "could not read the 8-byte length")
     (n,) = struct.unpack("<Q", prefix)
@@ -130,7 +165,7 @@ def parse_header(
         )
     if n == 0:
         raise HeaderRejected("header-not-object", "empty header")
-    raw = os.pread(fd, n, 8)
+    raw = read_at(n, 8)
     if len(raw) != n:
         raise HeaderRejected("header-past-end", "file shorter than its header length")
     try:
@@ -195,6 +230,15 @@ def _check_entry(name: str, entry: Any, policy: Policy) -> TensorEntry:
         raise HeaderRejected(
             "offsets-invalid", f"{name}: data_offsets {offsets!r} invalid"
         )
+    # Every running product must fit an int64 even when a later dim is 0: the
+    # Rust parser and torch refuse such shapes, so the gate must not pass them.
+    running = SAFETENSORS_DTYPE_SIZES[dtype]
+    for dim in shape:
+        running *= dim
+        if running > _MAX_INT64 or dim > _MAX_INT64:
+            raise HeaderRejected(
+                "shape-overflow", f"{name}: shape {shape!r} overflows 64-bit sizes"
+            )
     expected = math.prod(shape) * SAFETENSORS_DTYPE_SIZES[dtype]
     if offsets[1] - offsets[0] != expected:
         raise HeaderRejected(

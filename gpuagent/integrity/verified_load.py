@@ -20,7 +20,9 @@ from gpuagent.integrity.errors import (
     HashingError,
     ManifestDigestMismatchError,
     ManifestMismatchError,
+    ModelRejectedError,
 )
+from gpuagent.integrity.inspection import FileVerdict, InspectionReport
 from gpuagent.integrity.manifest import (
     HashSpec,
     Manifest,
@@ -29,6 +31,7 @@ from gpuagent.integrity.manifest import (
     hash_bytes,
 )
 from gpuagent.integrity.policy import DEFAULT_POLICY, Policy
+from gpuagent.integrity.safetensors_header import HeaderRejected, parse_header_bytes
 from gpuagent.integrity.signing import (
     _relative_inside,
     check_statement,
@@ -60,7 +63,9 @@ def read_verified_files(
     With `signature_path`, the signature, signer, ignore list and release
     binding are verified first (see `verify_model`) and the signed manifest
     must be the expected one; a mismatch then names the missing, extra and
-    changed files. Raises an `IntegrityError` subclass on any failure.
+    changed files. Every returned safetensors header then passes the strict
+    checks of `inspect_model` (else `ModelRejectedError`). Raises an
+    `IntegrityError` subclass on any failure.
     """
     policy = policy or DEFAULT_POLICY
     model_dir = Path(model_dir)
@@ -82,6 +87,14 @@ def read_verified_files(
     root_fd = _fs.open_root(model_dir)
     try:
         listed = _fs.list_files(root_fd, _fs.normalize_ignore(ignore))
+        if signed is not None:
+            # Refuse planted or missing files before reading anything: a planted
+            # file may be huge (or sparse) and must not be read into memory.
+            names = {p for p, _ in listed}
+            missing = sorted(set(signed.files()) - names)
+            extra = sorted(names - set(signed.files()))
+            if missing or extra:
+                raise ManifestMismatchError(missing, extra, [])
         cpus = os.cpu_count() or 1
         # Twice as many readers as cores: one hashes while another waits on disk.
         with (
@@ -111,4 +124,23 @@ def read_verified_files(
         raise ManifestMismatchError([], uncovered, [])
     if actual.digest != expected_manifest_digest:
         raise ManifestDigestMismatchError(expected_manifest_digest, actual.digest)
+    _check_headers(model_dir, files, policy)
     return files
+
+
+def _check_headers(model_dir: Path, files: dict[str, bytes], policy: Policy) -> None:
+    """The strict safetensors checks of `inspect_model`, on the very bytes the
+    engine gets: the approved digest may have been taken of bytes swapped in
+    after inspection, and the engine's parser takes what ours refuses
+    (duplicate names, unknown fields)."""
+    verdicts = []
+    for path in sorted(p for p in files if p.endswith(".safetensors")):
+        verdict = FileVerdict(path, "safetensors")
+        try:
+            parse_header_bytes(files[path], policy)
+        except HeaderRejected as e:
+            verdict.reject(e.code, e.detail)
+        verdicts.append(verdict)
+    report = InspectionReport(str(model_dir), verdicts)
+    if not report.ok:
+        raise ModelRejectedError(report)

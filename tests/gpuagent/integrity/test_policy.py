@@ -50,3 +50,16 @@ def test_it_reads_a_release_only_when_model_version_and_recipe_come_together():
     )
     with pytest.raises(ValueError, match="together"):
         release_from_flags("m", None, "int8")
+
+
+def test_it_leaves_out_only_signature_file_names(keys):
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        policy = policy_from_flags(
+            public_keys_pem=[keys.public_pem], signature_name=name
+        )
+        assert name not in policy.ignorable_paths()
+    for name in ("release.sig", "model.sigstore.json", "m.sigstore", "m.bundle"):
+        policy = policy_from_flags(
+            public_keys_pem=[keys.public_pem], signature_name=name
+        )
+        assert name in policy.ignorable_paths()

@@ -1,0 +1,308 @@
+"""Attacks found in review: folders and files the gate used to let through (or
+choke on), each refused now for its own reason."""
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from safetensors.numpy import save
+
+from gpuagent.integrity import (
+    DEFAULT_POLICY,
+    ManifestMismatchError,
+    ModelRejectedError,
+    UnsafePathError,
+    hash_model,
+    inspect_model,
+    read_verified_files,
+    sign_model,
+    verified_load,
+)
+from tests.gpuagent.integrity.builders import RELEASE, raw_safetensors, write_model
+
+F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+def rejected_codes(folder: Path, policy=DEFAULT_POLICY) -> set[str]:
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder, policy)
+    return caught.value.report.codes()
+
+
+def plant_non_utf8_name(folder: Path) -> None:
+    fd = os.open(os.fsencode(folder) + b"/weights\xff.dat", os.O_CREAT | os.O_WRONLY)
+    os.close(fd)
+
+
+# --- file names --------------------------------------------------------------
+
+
+def test_it_rejects_a_file_name_that_is_not_utf8_and_still_reports_it(tmp_path):
+    folder = write_model(tmp_path / "model")
+    plant_non_utf8_name(folder)
+
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder)
+
+    assert caught.value.report.codes() == {"path-name-invalid"}
+    # The report goes into protocol messages and the database: it must encode.
+    json.dumps(caught.value.to_dict(), ensure_ascii=False).encode("utf-8")
+    str(caught.value).encode("utf-8")
+
+
+def test_it_rejects_a_file_name_that_could_forge_report_lines(tmp_path):
+    folder = write_model(tmp_path / "model")
+    (folder / "notes\n  ok       safetensors model.safetensors").write_text("x")
+
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder)
+
+    assert caught.value.report.codes() == {"path-name-invalid"}
+    lines = caught.value.report.to_text().splitlines()
+    assert lines.count("  ok       safetensors model.safetensors") == 1  # the real one
+
+
+def test_it_refuses_to_hash_or_load_a_folder_with_a_non_utf8_name(tmp_path):
+    folder = write_model(tmp_path / "model")
+    digest = hash_model(folder).digest
+    plant_non_utf8_name(folder)
+
+    with pytest.raises(UnsafePathError, match="UTF-8"):
+        hash_model(folder)
+    with pytest.raises(UnsafePathError, match="UTF-8"):
+        read_verified_files(folder, digest)
+
+
+# --- safetensors headers -----------------------------------------------------
+
+
+def test_it_rejects_a_tensor_name_with_a_lone_surrogate(tmp_path):
+    folder = write_model(tmp_path / "model")
+    lone_surrogate = '"\\ud800"'  # a JSON escape, not a Python one
+    content = raw_safetensors(f"{{{lone_surrogate}: {json.dumps(F32_2)}}}", b"\0" * 8)
+    (folder / "model.safetensors").write_bytes(content)
+
+    assert rejected_codes(folder) == {"string-not-unicode"}
+    with pytest.raises(Exception, match="hex escape"):  # the engine's parser agrees
+        safetensors.numpy.load(content)
+
+
+@pytest.mark.parametrize("shape", [[2**64, 0], [2**32, 2**32, 0], [0, 2**63]])
+def test_it_rejects_a_zero_sized_shape_that_overflows_64_bits(tmp_path, shape):
+    folder = write_model(tmp_path / "model")
+    huge = {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}
+    content = raw_safetensors({"huge": huge, "w": F32_2}, b"\0" * 8)
+    (folder / "model.safetensors").write_bytes(content)
+
+    assert rejected_codes(folder) == {"shape-overflow"}
+    with pytest.raises(Exception):  # noqa: B017 - the engine's parser agrees
+        safetensors.numpy.load(content)
+
+
+# --- pickles without a protocol header ---------------------------------------
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+@pytest.mark.parametrize(
+    "payload",
+    [os.system, np.zeros(5000, dtype=np.float32)],
+    ids=["callable", "large-array"],
+)
+def test_it_rejects_protocol_0_and_1_pickles_under_any_name(
+    tmp_path, protocol, payload
+):
+    folder = write_model(tmp_path / "model")
+    (folder / "optimizer.dat").write_bytes(pickle.dumps(payload, protocol=protocol))
+
+    assert rejected_codes(folder) == {"pickle-protocol"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b".. -*- rest -*-\n\nAPI changes\n" * 10,  # "." alone is a pickle STOP
+        b"1.5e-01 8.9e-01 1.4e-02\n" * 200,
+        b"cat\ndog\nsome more words here\n" * 200,  # "c" reads like GLOBAL
+    ],
+)
+def test_it_lets_text_through_that_merely_starts_like_pickle_opcodes(tmp_path, text):
+    folder = write_model(tmp_path / "model")
+    (folder / "notes.txt").write_bytes(text)
+
+    assert inspect_model(folder).ok
+
+
+# --- symlinks ------------------------------------------------------------------
+
+
+def test_it_rejects_an_internal_looking_symlink_that_resolves_outside(tmp_path):
+    folder = write_model(tmp_path / "model")
+    os.symlink(".", folder / "here")
+    # Lexically "here/here/../.." is ".", but "here" is the folder itself.
+    os.symlink("here/here/../..", folder / "up")
+    policy = DEFAULT_POLICY.replace(allow_internal_symlinks=True)
+
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder, policy)
+
+    rejected = {f.path for f in caught.value.report.files if f.verdict == "rejected"}
+    assert rejected == {"up"}
+    assert caught.value.report.codes() == {"symlink-escapes"}
+
+
+# --- verify-on-load ------------------------------------------------------------
+
+
+def test_it_refuses_a_planted_file_before_reading_it(tmp_path, keys, monkeypatch):
+    folder = write_model(tmp_path / "model")
+    result = sign_model(
+        folder, folder / "model.sig", release=RELEASE, private_key=keys.private
+    )
+    (folder / "planted.dat").write_bytes(b"\0" * 4096)  # could be a sparse 1 TB
+    read = []
+    real_read = verified_load._read_file
+
+    def spy(root_fd, path):
+        read.append(path)
+        return real_read(root_fd, path)
+
+    monkeypatch.setattr(verified_load, "_read_file", spy)
+
+    with pytest.raises(ManifestMismatchError) as caught:
+        read_verified_files(
+            folder,
+            result.manifest.digest,
+            signature_path=folder / "model.sig",
+            policy=keys.policy(),
+        )
+
+    assert caught.value.extra == ["planted.dat"]
+    assert read == []
+
+
+def test_it_inspects_the_bytes_it_returns_not_only_the_folder_once(tmp_path):
+    folder = write_model(tmp_path / "model")
+    assert inspect_model(folder).ok
+    # Swapped in after inspection, before the approved digest was taken: the
+    # safetensors library loads it (last duplicate wins), our parser does not.
+    arrays = {"w": np.zeros(2, dtype=np.float32)}
+    good = save(arrays)
+    n = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8 : 8 + n])
+    entry = json.dumps(header["w"])
+    duplicated = raw_safetensors(f'{{"w": {entry}, "w": {entry}}}', good[8 + n :])
+    assert set(safetensors.numpy.load(duplicated)) == {"w"}
+    (folder / "model.safetensors").write_bytes(duplicated)
+    digest = hash_model(folder).digest
+
+    with pytest.raises(ModelRejectedError) as caught:
+        read_verified_files(folder, digest)
+
+    assert caught.value.report.codes() == {"duplicate-key"}
+
+
+# --- command line --------------------------------------------------------------
+
+
+def test_it_does_not_let_a_signature_named_like_a_config_unsign_that_config(
+    tmp_path, keys, capsys
+):
+    from gpuagent.integrity.__main__ import EXIT_REJECTED, main
+
+    folder = write_model(tmp_path / "model")
+    signature = tmp_path / "sigs" / "config.json"
+    signature.parent.mkdir()
+    # A signer's slip: config.json left out of the manifest.
+    sign_model(
+        folder,
+        signature,
+        release=RELEASE,
+        private_key=keys.private,
+        ignore_paths=("config.json",),
+    )
+    (folder / "config.json").write_text('{"model_type": "llama", "auto_map": {}}')
+
+    code = main(
+        ["verify", str(folder), "--signature", str(signature)]
+        + ["--public-key", str(keys.public), "--model", RELEASE.model]
+        + ["--version", RELEASE.version, "--recipe", RELEASE.recipe]
+    )
+
+    assert code == EXIT_REJECTED
+    assert "[ignore-list-rejected]" in capsys.readouterr().err
+
+
+def test_it_reports_an_unwritable_manifest_output_as_bad_usage(tmp_path, capsys):
+    from gpuagent.integrity.__main__ import EXIT_USAGE, main
+
+    folder = write_model(tmp_path / "model")
+    output = tmp_path / "no-such-folder" / "manifest.json"
+
+    assert main(["hash", str(folder), "--output", str(output)]) == EXIT_USAGE
+    assert "cannot write" in capsys.readouterr().err
+
+
+# --- folder depth --------------------------------------------------------------
+
+
+def nest(folder: Path, levels: int) -> None:
+    """`levels` folders one inside the other, a file at the bottom (made through
+    dir fds: the full path may be longer than PATH_MAX)."""
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        for _ in range(levels):
+            os.mkdir("d", dir_fd=dir_fd)
+            sub = os.open("d", os.O_RDONLY, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = sub
+        os.close(os.open("x.txt", os.O_CREAT | os.O_WRONLY, dir_fd=dir_fd))
+    finally:
+        os.close(dir_fd)
+
+
+def unnest(folder: Path, levels: int) -> None:
+    """Removes what `nest` made, bottom up (shutil.rmtree recurses per level)."""
+    fds = [os.open(folder, os.O_RDONLY)]
+    try:
+        for _ in range(levels):
+            fds.append(os.open("d", os.O_RDONLY, dir_fd=fds[-1]))
+        os.unlink("x.txt", dir_fd=fds[-1])
+        for parent in reversed(fds[:-1]):
+            os.close(fds.pop())
+            os.rmdir("d", dir_fd=parent)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.fixture
+def deep_folder(tmp_path):
+    folder = write_model(tmp_path / "model")
+    digest = hash_model(folder).digest
+    nest(folder, 1500)  # past Python's recursion limit
+    yield folder, digest
+    unnest(folder, 1500)
+
+
+def test_it_refuses_a_folder_nested_thousands_deep_with_its_own_error(deep_folder):
+    folder, digest = deep_folder
+
+    assert rejected_codes(folder) == {"folder-too-deep"}
+    with pytest.raises(UnsafePathError, match="nested deeper"):
+        hash_model(folder)
+    with pytest.raises(UnsafePathError, match="nested deeper"):
+        read_verified_files(folder, digest)
+
+
+def test_it_accepts_folders_nested_up_to_the_limit(tmp_path):
+    from gpuagent.integrity._fs import MAX_FOLDER_DEPTH
+
+    folder = write_model(tmp_path / "model")
+    nest(folder, MAX_FOLDER_DEPTH)
+
+    assert inspect_model(folder).ok
+    assert f"{'d/' * MAX_FOLDER_DEPTH}x.txt" in hash_model(folder).files()
