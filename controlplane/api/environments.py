@@ -12,7 +12,12 @@ from controlplane.api.schemas import (
     PageParams,
     RollbackOut,
 )
-from controlplane.api.scoping import environments, get_environment, principal_of
+from controlplane.api.scoping import (
+    environments,
+    get_environment,
+    page,
+    principal_of,
+)
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions import do_rollback_environment
 
@@ -34,14 +39,7 @@ def environment_dict(environment: Environment) -> dict:
     summary="List the team's environments and what is live in each",
 )
 def list_environments(request: HttpRequest, params: Query[PageParams]) -> dict:
-    queryset = environments(principal_of(request))
-    window = queryset[params.offset : params.offset + params.limit]
-    return {
-        "items": [environment_dict(env) for env in window],
-        "count": queryset.count(),
-        "limit": params.limit,
-        "offset": params.offset,
-    }
+    return page(environments(principal_of(request)), params, row=environment_dict)
 
 
 @router.post(

@@ -11,6 +11,7 @@ registered on the NinjaAPI in `controlplane.api.main`.
 import logging
 from typing import Any
 
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
@@ -127,6 +128,19 @@ def install_error_handlers(api: NinjaAPI) -> None:
     def on_not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
         body = error_body("not_found", "no such object")
         return error_response(api, request, 404, body)
+
+    @api.exception_handler(SuspiciousOperation)
+    def on_suspicious_request(
+        request: HttpRequest, exc: SuspiciousOperation
+    ) -> HttpResponse:
+        # Django answers these 400 outside ninja (a body over
+        # DATA_UPLOAD_MAX_MEMORY_SIZE, too many query fields); inside ninja they would
+        # fall through to the 500 below although the request is at fault.
+        logger.warning("refused %s %s: %s", request.method, request.path, exc)
+        if isinstance(exc, RequestDataTooBig):
+            body = error_body("request_too_large", str(exc))
+            return error_response(api, request, 413, body)
+        return error_response(api, request, 400, error_body("bad_request", str(exc)))
 
     @api.exception_handler(Exception)
     def on_unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:

@@ -138,7 +138,9 @@ def get_release_detail(request: HttpRequest, release_id: ObjectId) -> dict:
     response={202: PromotionOut, **WRITE_ERRORS},
     summary="Start the promotion pipeline",
     description="Queues the pipeline once the request commits; poll `status_url` "
-    "(also in the Location header) for the release's state, jobs and gate results.",
+    "(also in the Location header) for the release's state, jobs and gate results. "
+    "A failed release is retried; an approved or deploying one has its deployment "
+    "queued again (409 in any other state).",
 )
 def promote_release(
     request: HttpRequest, release_id: ObjectId, response: HttpResponse

@@ -78,7 +78,8 @@ class ErrorOut(Schema):
 
 class PageParams(ClientInput):
     limit: int = Field(50, ge=1, le=200)
-    offset: int = Field(0, ge=0)
+    # Bounded like ObjectId: the database takes OFFSET as a signed 64-bit integer.
+    offset: int = Field(0, ge=0, le=2**63 - 1)
 
 
 class Page(Schema, Generic[T]):

@@ -2,6 +2,7 @@
 ever sees the objects of its own team(s); anything else is a 404, the same answer as
 for an id that does not exist (an outsider learns nothing, not even existence)."""
 
+from collections.abc import Callable
 from typing import Any
 
 from django.db.models import Prefetch, QuerySet
@@ -78,11 +79,16 @@ def audit_events(principal: Principal) -> QuerySet[AuditEvent]:
     )
 
 
-def page(queryset: QuerySet, params: PageParams) -> dict[str, Any]:
-    """One page of `queryset` as to_dict() rows, in the model's default ordering."""
+def page(
+    queryset: QuerySet,
+    params: PageParams,
+    row: Callable[[Any], dict] = lambda obj: obj.to_dict(),
+) -> dict[str, Any]:
+    """One page of `queryset` as `row(obj)` dicts (to_dict() unless told), in the
+    model's default ordering."""
     window = queryset[params.offset : params.offset + params.limit]
     return {
-        "items": [obj.to_dict() for obj in window],
+        "items": [row(obj) for obj in window],
         "count": queryset.count(),
         "limit": params.limit,
         "offset": params.offset,

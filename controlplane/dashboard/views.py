@@ -6,9 +6,10 @@ from django.views.decorators.http import require_POST
 
 from controlplane.accounts.actions import membership_for
 from controlplane.audit.models import AuditEvent
-from controlplane.errors import ControlPlaneError, Forbidden
+from controlplane.errors import ControlPlaneError, Forbidden, ValidationFailed
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions import (
+    check_approve_release,
     do_approve_release,
     do_reject_release,
     do_rollback_environment,
@@ -94,11 +95,21 @@ def release_detail(request, release_id: int):
 def approve_release(request, release_id: int):
     release = _visible_release(request, release_id)
     try:
+        # Who may decide first (403), then what was sent. Like the API, an approval
+        # names the digest the approver saw on the page, so a changed (or never
+        # recorded) manifest is not approved unseen.
+        check_approve_release(release, request.user)
+        manifest_digest = request.POST.get("manifest_digest", "")
+        if not manifest_digest:
+            raise ValidationFailed(
+                "approve needs the manifest digest you reviewed",
+                field="manifest_digest",
+            )
         do_approve_release(
             release,
             request.user,
             comment=request.POST.get("comment", ""),
-            manifest_digest=request.POST.get("manifest_digest"),
+            manifest_digest=manifest_digest,
         )
     except Forbidden as exc:
         return HttpResponseForbidden(exc.message)

@@ -83,6 +83,9 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
 REASON_REQUIRED = ("failed", "failed_verification", "quarantined")
 # States in which the promotion pipeline owns the release and may (re)start.
 PIPELINE_STATES = ("registered", "verifying", "compressing", "evaluating", "gated")
+# States in which the deployment task owns the release. An approval whose deployment
+# was never queued (broker down at commit) or whose task died is resumed by a promote.
+DEPLOYMENT_PIPELINE_STATES = ("approved", "deploying")
 
 assert set(TRANSITIONS) == set(RELEASE_STATES)
 assert all(t in RELEASE_STATES for targets in TRANSITIONS.values() for t in targets)
@@ -286,7 +289,9 @@ def do_register_release(
 def do_request_promotion(release: Release, actor: Actor) -> Release:
     """Queue the promotion pipeline for `release` once this transaction commits. A
     failed release is moved back to registered first (a retry); a release already in
-    the pipeline is queued again, which is harmless because the task is idempotent."""
+    the pipeline is queued again, which is harmless because the task is idempotent.
+    An approved or deploying release gets its (idempotent) deployment task again:
+    its approval stands, so this only resumes what the approval started."""
     check_actor_in_team(actor, release.team, scope="promote")
     with transaction.atomic():
         release.refresh_from_db(fields=["state"])
@@ -294,10 +299,15 @@ def do_request_promotion(release: Release, actor: Actor) -> Release:
             do_transition_release(
                 release, "registered", actor=actor, reason="promotion retried"
             )
-        if release.state not in PIPELINE_STATES:
+        if release.state in PIPELINE_STATES:
+            task_name = "run_promotion"
+        elif release.state in DEPLOYMENT_PIPELINE_STATES:
+            task_name = "run_deployment"
+        else:
+            resumable = (*PIPELINE_STATES, *DEPLOYMENT_PIPELINE_STATES)
             raise Conflict(
                 f"release {release} is {release.state}; only a release in "
-                f"{', '.join(PIPELINE_STATES)} or failed can be promoted"
+                f"{', '.join(resumable)} or failed can be promoted"
             )
         do_record_event(
             actor,
@@ -307,7 +317,7 @@ def do_request_promotion(release: Release, actor: Actor) -> Release:
             team=release.team,
         )
         release_id = release.pk
-        transaction.on_commit(lambda: _queue("run_promotion", release_id))
+        transaction.on_commit(lambda: _queue(task_name, release_id))
     return release
 
 
@@ -318,17 +328,23 @@ def _queue(task_name: str, *args) -> None:
     getattr(tasks, task_name).delay(*args)
 
 
+def _check_approver(release: Release, user, token: ApiToken | None) -> None:
+    """Raise unless `user` (through `token` when given) holds the approver or admin
+    role in the release's team and, for a token, the approve scope."""
+    if token is not None and token.user_id != user.pk:
+        raise Forbidden("token and user do not match")
+    check_actor_in_team(
+        token or user, release.team, scope="approve", roles=("approver", "admin")
+    )
+
+
 def check_approve_release(
     release: Release, user, token: ApiToken | None = None
 ) -> None:
     """Raise unless `user` (acting through `token` when given) may decide on
     `release`: approver or admin in its team, not the user or token that registered
     it, and the release waiting for approval."""
-    if token is not None and token.user_id != user.pk:
-        raise Forbidden("token and user do not match")
-    check_actor_in_team(
-        token or user, release.team, scope="approve", roles=("approver", "admin")
-    )
+    _check_approver(release, user, token)
     if release.created_by_id == user.pk:
         raise SeparationOfDuties(
             f"{user.get_username()} registered {release} and cannot also approve it"
@@ -356,7 +372,9 @@ def do_approve_release(
     check_approve_release(release, user, token)
     actor = token or user
     with transaction.atomic():
-        release.refresh_from_db()
+        # Hold the row from the digest check to the approval row: a manifest recorded
+        # in between would otherwise go live under an approval of the old digest.
+        release.refresh_from_db(from_queryset=Release.objects.select_for_update())
         if manifest_digest is not None and manifest_digest != release.manifest_digest:
             raise DigestMismatch(
                 f"approval is for manifest {manifest_digest!r} but {release} has "
@@ -387,11 +405,7 @@ def do_approve_release(
 def do_reject_release(
     release: Release, user, *, token: ApiToken | None = None, comment: str = ""
 ) -> Approval:
-    if token is not None and token.user_id != user.pk:
-        raise Forbidden("token and user do not match")
-    check_actor_in_team(
-        token or user, release.team, scope="approve", roles=("approver", "admin")
-    )
+    _check_approver(release, user, token)
     actor = token or user
     with transaction.atomic():
         do_transition_release(release, "rejected", actor=actor, reason=comment)

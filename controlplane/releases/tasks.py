@@ -145,7 +145,13 @@ def run_deployment(release_id: int) -> str:
                 release, actor=WORKER, environment=release.target_environment
             )
         job = actions.do_start_job(release, "deploy")
-        result, error = stages.deploy(release, deployment)
+        try:
+            result, error = stages.deploy(release, deployment)
+        except Exception as exc:
+            # As in _run_stage: a crash must not strand the release in deploying
+            # (promote retries a failed release; nothing moves a deploying one).
+            log.exception("deploy failed for release %s", release.pk)
+            result, error = {}, f"{type(exc).__name__}: {exc}"
         with transaction.atomic():
             actions.do_finish_job(job, result=result, error=error)
             if error:

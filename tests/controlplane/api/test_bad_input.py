@@ -6,7 +6,7 @@ import re
 import pytest
 
 from controlplane.accounts.models import API_SCOPES
-from tests.controlplane.api.helpers import api_operations, error_of
+from tests.controlplane.api.helpers import api_operations, error_of, field_names
 
 BAD_BODIES = [
     "{not json",
@@ -25,6 +25,7 @@ BAD_IDS = ["0", "-1", "99999999999999999999999", "1e3", "%00"]
 BAD_QUERIES = [
     {"limit": "many"},
     {"offset": "-3"},
+    {"offset": "99999999999999999999999"},
     {"state": "nonsense", "since": "then", "release": "99999999999999999999999"},
     {"model": "%00", "environment": "%00", "verb": "%00", "actor": "%00"},
 ]
@@ -96,6 +97,41 @@ def test_it_never_fails_on_bad_queries(client, admin_token, operations):
                 assert_client_error(response, (path, query))
                 rejected += 1
     assert rejected >= 10  # limit/offset everywhere, plus the filters
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/models",
+        "/api/v1/releases",
+        "/api/v1/environments",
+        "/api/v1/deployments",
+        "/api/v1/audit-events",
+    ],
+)
+def test_it_names_an_out_of_range_offset(api, admin_token, path):
+    response = api.get(path, token=admin_token, offset=str(2**63))
+
+    error = error_of(response, 422, "validation_error")
+    assert field_names(error) == {"offset"}
+
+
+def test_it_answers_a_body_over_the_upload_limit_with_413(api, admin_token, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    body = {"name": "big", "description": "x" * 2000}
+
+    response = api.post("/api/v1/models", body, token=admin_token)
+
+    error_of(response, 413, "request_too_large")
+
+
+def test_it_answers_too_many_query_fields_with_400(api, admin_token, settings):
+    settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = 10
+    params = {f"x{i}": "1" for i in range(20)}
+
+    response = api.get("/api/v1/releases", token=admin_token, **params)
+
+    error_of(response, 400, "bad_request")
 
 
 def test_it_names_an_out_of_range_id(api, admin_token):

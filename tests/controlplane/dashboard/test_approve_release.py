@@ -86,3 +86,31 @@ def test_it_reports_a_stale_digest_without_approving(client, teammate, waiting):
 
     assert b"approval is for manifest" in response.content
     assert Release.objects.get(pk=waiting.pk).state == "awaiting_approval"
+
+
+@pytest.mark.parametrize("sent", [{}, {"manifest_digest": ""}])
+def test_it_refuses_an_approval_without_the_reviewed_digest(
+    client, teammate, waiting, sent
+):
+    client.force_login(teammate)
+
+    response = client.post(f"/releases/{waiting.pk}/approve/", sent, follow=True)
+
+    assert b"approve needs the manifest digest you reviewed" in response.content
+    assert Release.objects.get(pk=waiting.pk).state == "awaiting_approval"
+    assert not waiting.approvals.exists()
+
+
+def test_it_refuses_to_approve_a_release_without_a_manifest(
+    client, teammate, make_release
+):
+    # The page renders an empty hidden digest; that must not approve unhashed bytes.
+    release = make_release(state="awaiting_approval")
+    client.force_login(teammate)
+
+    response = client.post(
+        f"/releases/{release.pk}/approve/", {"manifest_digest": ""}, follow=True
+    )
+
+    assert response.status_code == 200
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"

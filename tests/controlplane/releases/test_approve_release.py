@@ -110,3 +110,56 @@ def test_it_refuses_a_second_approval(
         do_approve_release(waiting, teammate)
 
     assert Approval.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_binds_the_digest_it_approved_when_a_manifest_lands_concurrently(
+    waiting, teammate, deploys, monkeypatch
+):
+    """A stale worker records a new manifest while the approval is in flight: the
+    approval must hold the row, so the manifest write waits and is then refused."""
+    import threading
+
+    from django.db import connection, connections
+
+    from controlplane.errors import Conflict
+    from controlplane.releases import actions
+    from gpuagent.protocol import FileDigest
+
+    if connection.vendor != "postgresql":
+        pytest.skip("needs row locks between two connections (PostgreSQL, as in CI)")
+    other = "sha256:" + "ef" * 32
+    outcome = {}
+
+    def record_other_manifest():
+        try:
+            actions.do_record_manifest(
+                Release.objects.get(pk=waiting.pk),
+                manifest_digest=other,
+                files=[FileDigest(path="a", size_bytes=1, digest=other)],
+            )
+            outcome["recorded"] = True
+        except Conflict:
+            outcome["refused"] = True
+        finally:
+            connections.close_all()
+
+    real_transition = actions.do_transition_release
+    writer = threading.Thread(target=record_other_manifest)
+
+    def transition_after_a_concurrent_manifest(release, to_state, **kw):
+        if to_state == "approved" and not writer.is_alive():
+            writer.start()
+            writer.join(timeout=1.0)  # blocks on the row lock once it is held
+        return real_transition(release, to_state, **kw)
+
+    monkeypatch.setattr(
+        actions, "do_transition_release", transition_after_a_concurrent_manifest
+    )
+
+    approval = do_approve_release(waiting, teammate, manifest_digest=DIGEST)
+    writer.join(timeout=10)
+
+    assert outcome == {"refused": True}
+    assert approval.manifest_digest == DIGEST
+    assert Release.objects.get(pk=waiting.pk).manifest_digest == DIGEST

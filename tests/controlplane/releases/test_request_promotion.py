@@ -64,3 +64,28 @@ def test_it_requires_the_promote_scope(release, owner, team, queued):
 
     with pytest.raises(Forbidden):
         do_request_promotion(release, token)
+
+
+@pytest.mark.parametrize("state", ["approved", "deploying"])
+def test_it_resumes_the_deployment_of_an_approved_release(
+    make_release,
+    owner,
+    queued,
+    state,
+    monkeypatch,
+    django_capture_on_commit_callbacks,
+):
+    # The approval's own queueing was lost (broker down at commit, or the task died):
+    # without this the release could never leave approved/deploying.
+    deploys = []
+    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: deploys.append(a))
+    release = make_release(state=state)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        do_request_promotion(release, owner)
+
+    assert Release.objects.get(pk=release.pk).state == state
+    assert deploys == [(release.pk,)]
+    assert queued == []
+    event = AuditEvent.objects.get(verb="release.promotion_requested")
+    assert event.after == {"state": state}

@@ -1,4 +1,6 @@
 from controlplane.fleet.models import Deployment
+from controlplane.releases import stages
+from controlplane.releases.actions import do_request_promotion
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import run_deployment
 
@@ -44,3 +46,24 @@ def test_it_leaves_unapproved_releases_alone(make_release):
     assert run_deployment(release.pk) == "awaiting_approval"
 
     assert not Deployment.objects.exists()
+
+
+def test_it_fails_a_crashed_deploy_so_it_can_be_retried(
+    make_release, owner, monkeypatch
+):
+    release = make_release(state="approved")
+
+    def unreachable_agent(release, deployment):
+        raise ConnectionError("agent gpu-1 unreachable")
+
+    monkeypatch.setattr(stages, "deploy", unreachable_agent)
+
+    assert run_deployment(release.pk) == "failed"
+
+    release.refresh_from_db()
+    assert release.failure_reason == "ConnectionError: agent gpu-1 unreachable"
+    assert Deployment.objects.get(release=release).state == "failed"
+    job = Job.objects.get(release=release, kind="deploy")
+    assert (job.state, job.error) == ("failed", release.failure_reason)
+    # Not stranded: a promote moves it back into the pipeline.
+    assert do_request_promotion(release, owner).state == "registered"
