@@ -251,6 +251,14 @@ class LLMEngine:
                     f"prompt token ids must be in [0, {self.config.vocab_size})"
                 )
             return ids
+        if not prompt.isascii():
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                # JSON may carry lone surrogates (\ud800); the tokenizer cannot.
+                raise ValueError(
+                    "the prompt is not valid Unicode (it has a lone surrogate)"
+                ) from None
         ids = self.tokenizer.encode(prompt)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         if bos is not None and (not ids or ids[0] != bos):

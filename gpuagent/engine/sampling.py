@@ -17,6 +17,14 @@ import torch
 from torch import Tensor
 
 MAX_LOGPROBS = 20
+# Below this temperature a request is greedy: dividing float32 logits by a smaller one
+# overflows them to inf, whose softmax is NaN, and the draw would fail the whole batch.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+# Every generated token is checked against every stop string on the engine thread, so
+# a request with thousands of them stalls every other request (OpenAI allows 4).
+MAX_STOP_STRINGS = 16
+# torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass
@@ -50,6 +58,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+            )
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
@@ -57,8 +71,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 means argmax."""
-        return self.temperature == 0.0
+        """Temperature 0 (or below MIN_SAMPLING_TEMPERATURE) means argmax."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def make_generator(
         self, device: str | torch.device = "cpu"
@@ -92,6 +106,8 @@ def apply_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
         # always stays.
         cum_before = probs.cumsum(-1) - probs
         drop_sorted = cum_before >= top_p
+        # A top_p below float32's range compares as 0, which would drop every token.
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -1,11 +1,12 @@
 """OpenAI-compatible HTTP server over `AsyncLLMEngine` (FastAPI on uvicorn).
 
 Routes: /v1/completions, /v1/chat/completions (SSE streaming or not, usage in the
-stream with `stream_options.include_usage`, logprobs), /v1/models, /tokenize, /health,
-/metrics (Prometheus). Errors have OpenAI's body
-`{"error": {"message", "type", "param", "code"}}`; bad input is a 400 and the server
-keeps serving. A client that disconnects mid-stream has its request aborted, which
-frees its KV blocks before the next engine step.
+stream with `stream_options.include_usage`, logprobs), /v1/models (and /v1/models/ID),
+/tokenize, /health, /metrics (Prometheus). Errors have OpenAI's body
+`{"error": {"message", "type", "param", "code"}}`; bad input (wrong JSON types
+included: fields are strict) is a 400, a body past MAX_BODY_BYTES a 413, and the
+server keeps serving. A client that disconnects mid-stream has its request aborted,
+which frees its KV blocks before the next engine step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
@@ -24,12 +25,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuagent.engine.engine import AsyncLLMEngine, RequestOutput, RequestStream
+from gpuagent.engine.engine import (
+    AsyncLLMEngine,
+    RequestOutput,
+    RequestStream,
+    TokenLogprob,
+)
 from gpuagent.engine.sampling import MAX_LOGPROBS, SamplingParams
 from gpuagent.engine.scheduler import RequestTooLargeError
 
 # How often a non-streamed request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
+# Far above any prompt the context holds (a 128k-token prompt is ~1 MB of JSON); a
+# bigger body is refused before it is read into memory.
+MAX_BODY_BYTES = 16 * 2**20
+# Each prompt of a batch is a sequence with its own queue and task; OpenAI caps 2048.
+MAX_PROMPTS_PER_REQUEST = 2048
 
 
 class APIError(Exception):
@@ -67,7 +78,8 @@ def error_response(err: APIError) -> JSONResponse:
 
 class _Body(BaseModel):
     # Unknown OpenAI fields (user, presence_penalty, ...) are accepted and ignored.
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as OpenAI's: "5" or true is no max_tokens (an int is a float).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -87,6 +99,11 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_SamplingFields):
@@ -128,12 +145,33 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
 
 
+async def read_body(request: Request) -> bytes:
+    """The raw body, refused (APIError 413) as soon as it passes MAX_BODY_BYTES."""
+    too_large = APIError(
+        f"the request body is larger than {MAX_BODY_BYTES} bytes",
+        status=413,
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The request's JSON body validated as `model` (APIError 400 otherwise)."""
-    raw = await request.body()
+    """The request's JSON body validated as `model` (APIError 400 otherwise, 413
+    past MAX_BODY_BYTES)."""
+    raw = await read_body(request)
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    # ValueError covers JSONDecodeError, bad UTF-8 and ints past Python's digit limit.
+    except (ValueError, RecursionError) as exc:
         raise APIError(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
@@ -179,13 +217,14 @@ class OpenAIServer:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_param: str,
+        max_tokens_param: str = "max_tokens",
     ) -> SamplingParams:
         if body.n != 1:
             raise APIError("only n=1 is supported", param="n")
         if max_tokens is not None and max_tokens < 1:
             raise APIError(
-                f"max_tokens must be at least 1, got {max_tokens}",
-                param="max_tokens",
+                f"{max_tokens_param} must be at least 1, got {max_tokens}",
+                param=max_tokens_param,
                 code="invalid_value",
             )
         room = min(self.llm.max_model_len, self.llm.kv.blocks.capacity_tokens)
@@ -239,7 +278,17 @@ class OpenAIServer:
         turns = [{"role": m.role, "content": m.text()} for m in messages]
         tokenizer = self.llm.tokenizer
         if getattr(tokenizer, "chat_template", None):
-            return tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+            from jinja2 import TemplateError  # rendering the template needs it anyway
+
+            try:
+                return tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+            except TemplateError as exc:
+                # The folder's template refuses these messages (e.g. roles that
+                # must alternate, or its `raise_exception`, which we don't provide).
+                raise APIError(
+                    f"the model's chat template refused the messages: {exc}",
+                    param="messages",
+                ) from None
         # No template in the folder: a plain transcript ending in the assistant's turn.
         lines = [f"{t['role']}: {t['content']}" for t in turns]
         return "\n".join(lines) + "\nassistant:"
@@ -349,6 +398,62 @@ async def unless_disconnected(request: Request, work: Awaitable[None]) -> None:
             task.cancel()
 
 
+async def collect_finals(
+    request: Request, streams: Sequence[RequestStream]
+) -> list[RequestOutput]:
+    """The final output of each stream, in order, its `new_logprobs` holding all of
+    the request's; all are aborted if the client goes away first."""
+    finals: dict[int, RequestOutput] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(len(streams))}
+
+    async def collect() -> None:
+        async for index, out in merge_streams(streams):
+            logprobs[index] += out.new_logprobs
+            if out.finished:
+                finals[index] = out
+
+    await unless_disconnected(request, collect())
+    for index, out in finals.items():
+        out.new_logprobs = logprobs[index]
+    return [finals[index] for index in range(len(streams))]
+
+
+def chunk_writer(
+    server: OpenAIServer, request_id: str, object_name: str, include_usage: bool
+) -> Callable[..., str]:
+    """`chunk(choices, usage=None)`: one SSE chunk of a streamed response, every
+    chunk with the same id and creation time."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": object_name,
+            "created": created,
+            "model": server.model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            data["usage"] = usage
+        return sse(data)
+
+    return chunk
+
+
+def sse_error(exc: Exception) -> str:
+    """An in-band error event: once the headers are sent the status can't change."""
+    return sse(
+        {
+            "error": {
+                "message": str(exc),
+                "type": "internal_error",
+                "param": None,
+                "code": None,
+            }
+        }
+    )
+
+
 def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
@@ -398,20 +503,30 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         body = generate_latest(server.llm.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "releasegate",
+            "max_model_len": server.llm.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "releasegate",
-                    "max_model_len": server.llm.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_by_id(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(
+                f"the model {model_id!r} does not exist",
+                status=404,
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -448,6 +563,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             prompts = list(body.prompt)  # type: ignore[arg-type]
         if not prompts:
             raise APIError("the prompt is empty", param="prompt")
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(
+                f"a request takes at most {MAX_PROMPTS_PER_REQUEST} prompts, got "
+                f"{len(prompts)}",
+                param="prompt",
+                code="invalid_value",
+            )
         encoded = [server.encode(p, "prompt") for p in prompts]
         params = [
             server.sampling_params(
@@ -466,34 +588,20 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompt_tokens = sum(len(ids) for ids in encoded)
         if body.stream:
-            include_usage = bool(
-                body.stream_options and body.stream_options.include_usage
-            )
             return StreamingResponse(
                 stream_completion(
                     server,
                     request_id,
                     streams,
                     prompt_tokens,
-                    include_usage,
+                    body.include_usage,
                     body.logprobs is not None,
                 ),
                 media_type="text/event-stream",
             )
-        finals: dict[int, RequestOutput] = {}
-        logprobs: dict[int, list] = {i: [] for i in range(len(streams))}
-
-        async def collect() -> None:
-            async for index, out in merge_streams(streams):
-                logprobs[index] += out.new_logprobs
-                if out.finished:
-                    finals[index] = out
-
-        await unless_disconnected(request, collect())
+        finals = await collect_finals(request, streams)
         choices = []
-        for index in range(len(streams)):
-            out = finals[index]
-            out.new_logprobs = logprobs[index]
+        for index, out in enumerate(finals):
             choices.append(
                 {
                     "index": index,
@@ -504,7 +612,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
                     "finish_reason": out.finish_reason,
                 }
             )
-        completion_tokens = sum(o.num_output_tokens for o in finals.values())
+        completion_tokens = sum(o.num_output_tokens for o in finals)
         return JSONResponse(
             {
                 "id": request_id,
@@ -527,35 +635,30 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
                 param="top_logprobs",
             )
         ids = server.encode(server.chat_prompt(body.messages), "messages")
-        max_tokens = body.max_completion_tokens
+        max_tokens, max_tokens_param = body.max_completion_tokens, "max_tokens"
         if max_tokens is None:
             max_tokens = body.max_tokens
+        else:
+            max_tokens_param = "max_completion_tokens"
         logprobs = (top or 0) if body.logprobs else None
         params = server.sampling_params(
-            body, len(ids), max_tokens, logprobs, "messages"
+            body, len(ids), max_tokens, logprobs, "messages", max_tokens_param
         )
         stream = server.submit(ids, params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            include_usage = bool(
-                body.stream_options and body.stream_options.include_usage
-            )
             return StreamingResponse(
                 stream_chat(
-                    server, request_id, stream, len(ids), include_usage, body.logprobs
+                    server,
+                    request_id,
+                    stream,
+                    len(ids),
+                    body.include_usage,
+                    body.logprobs,
                 ),
                 media_type="text/event-stream",
             )
-        outputs: list[RequestOutput] = []
-
-        async def collect() -> None:
-            async for out in stream:
-                outputs.append(out)
-
-        await unless_disconnected(request, collect())
-        final = outputs[-1]
-        all_logprobs = [lp for out in outputs for lp in out.new_logprobs]
-        final.new_logprobs = all_logprobs
+        (final,) = await collect_finals(request, [stream])
         return JSONResponse(
             {
                 "id": request_id,
@@ -588,21 +691,9 @@ async def stream_completion(
     with_logprobs: bool,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/completions request."""
-    created = int(time.time())
+    chunk = chunk_writer(server, request_id, "text_completion", include_usage)
     offsets = [0] * len(streams)
     completion_tokens = 0
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
-        data: dict[str, Any] = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": server.model_name,
-            "choices": choices,
-        }
-        if include_usage:
-            data["usage"] = usage
-        return sse(data)
 
     try:
         async for index, out in merge_streams(streams):
@@ -628,16 +719,7 @@ async def stream_completion(
             yield chunk([], server.usage(prompt_tokens, completion_tokens))
         yield sse("[DONE]")
     except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-        yield sse(
-            {
-                "error": {
-                    "message": str(exc),
-                    "type": "internal_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-        )
+        yield sse_error(exc)
     finally:
         for stream in streams:
             stream.close()
@@ -652,19 +734,7 @@ async def stream_chat(
     with_logprobs: bool,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/chat/completions request."""
-    created = int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
-        data: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": server.model_name,
-            "choices": choices,
-        }
-        if include_usage:
-            data["usage"] = usage
-        return sse(data)
+    chunk = chunk_writer(server, request_id, "chat.completion.chunk", include_usage)
 
     completion_tokens = 0
     try:
@@ -699,15 +769,6 @@ async def stream_chat(
             yield chunk([], server.usage(prompt_tokens, completion_tokens))
         yield sse("[DONE]")
     except Exception as exc:
-        yield sse(
-            {
-                "error": {
-                    "message": str(exc),
-                    "type": "internal_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-        )
+        yield sse_error(exc)
     finally:
         stream.close()

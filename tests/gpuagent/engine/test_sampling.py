@@ -134,6 +134,9 @@ def test_it_holds_back_text_that_may_begin_a_stop_string():
         ("top_p", 1.5),
         ("top_k", -2),
         ("logprobs", 21),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("stop", [f"s{i}" for i in range(17)]),
     ],
 )
 def test_it_rejects_bad_parameters(field, value):
@@ -143,3 +146,26 @@ def test_it_rejects_bad_parameters(field, value):
 
 def test_it_accepts_a_single_stop_string():
     assert SamplingParams(stop="\n").stop == ["\n"]
+
+
+def test_it_samples_a_tiny_temperature_as_argmax_instead_of_failing():
+    # logits / 1e-45 overflows float32 to inf; softmax of inf is NaN.
+    logits = random_logits(2)
+    params = [SamplingParams(temperature=1e-45, seed=0), SamplingParams(temperature=0)]
+
+    tokens = sample(logits, params, [params[0].make_generator(), None])
+
+    assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
+
+
+def test_it_accepts_every_64_bit_seed():
+    for seed in (-(2**63), 2**64 - 1):
+        assert SamplingParams(seed=seed).make_generator() is not None
+
+
+def test_it_keeps_the_top_token_for_a_top_p_below_float32_range():
+    logits = random_logits(1)[0]
+
+    kept = apply_top_k_top_p(logits, 0, 1e-320)
+
+    assert torch.isfinite(kept).nonzero().flatten().tolist() == [int(logits.argmax())]

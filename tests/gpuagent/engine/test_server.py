@@ -24,7 +24,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_and_tokenizer):
+def served_async(tiny_model_and_tokenizer):
+    """(base URL, LLMEngine, AsyncLLMEngine) of a live server."""
     from gpuagent.engine.engine import LLMEngine
 
     model, tokenizer = tiny_model_and_tokenizer
@@ -36,7 +37,8 @@ def served(tiny_model_and_tokenizer):
         max_num_seqs=64,
         max_model_len=128,
     )
-    app = build_app(AsyncLLMEngine(engine), MODEL)
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, MODEL)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -47,9 +49,15 @@ def served(tiny_model_and_tokenizer):
     while not server.started:
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
+    yield f"http://127.0.0.1:{port}", engine, async_engine
     server.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture
+def served(served_async):
+    """(base URL, LLMEngine) of the live server."""
+    return served_async[:2]
 
 
 def metric(base_url: str, name: str) -> float:
@@ -268,6 +276,30 @@ def test_it_aborts_a_non_streamed_request_whose_client_gave_up(served, monkeypat
             "invalid_value",
         ),
         ({"model": MODEL, "prompt": [99999]}, "prompt", None),
+        # OpenAI's types are strict: a string or a bool is not a number.
+        (
+            {"model": MODEL, "prompt": "hi", "max_tokens": "5"},
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            {"model": MODEL, "prompt": "hi", "max_tokens": True},
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            {"model": MODEL, "prompt": "hi", "temperature": "0"},
+            "temperature",
+            "invalid_value",
+        ),
+        ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "seed": 2**64}, "seed", "invalid_value"),
+        (
+            {"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(1000)]},
+            "stop",
+            "invalid_value",
+        ),
+        ({"model": MODEL, "prompt": [[1]] * 2049}, "prompt", "invalid_value"),
     ],
 )
 def test_it_answers_bad_completions_with_openai_400s(served, body, param, code):
@@ -281,6 +313,172 @@ def test_it_answers_bad_completions_with_openai_400s(served, body, param, code):
     assert error["type"] == "invalid_request_error"
     assert (error["param"], error["code"]) == (param, code)
     assert error["message"]
+
+
+def test_it_answers_bodies_json_allows_but_python_chokes_on_with_400s(served):
+    base_url, _ = served
+    headers = {"content-type": "application/json"}
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    long_int = b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"
+    # A JSON escape may encode a lone surrogate, which no tokenizer can take.
+    surrogate_prompt = b'{"prompt": "a\\ud800", "max_tokens": 2}'
+    surrogate_chat = (
+        b'{"max_tokens": 2, "messages": [{"role": "user", "content": "\\udc00"}]}'
+    )
+
+    answers = [
+        httpx.post(f"{base_url}{path}", content=body, headers=headers, timeout=30)
+        for path, body in [
+            ("/v1/completions", deep),
+            ("/v1/completions", long_int),
+            ("/v1/completions", surrogate_prompt),
+            ("/v1/chat/completions", surrogate_chat),
+            ("/tokenize", b'{"prompt": "\\ud800"}'),
+        ]
+    ]
+
+    assert [a.status_code for a in answers] == [400] * 5, [a.text for a in answers]
+    errors = [a.json()["error"] for a in answers]
+    assert [e["code"] for e in errors[:2]] == ["invalid_json"] * 2
+    assert [e["param"] for e in errors[2:]] == ["prompt", "messages", "prompt"]
+    assert all(e["type"] == "invalid_request_error" for e in errors)
+    wait_until_idle(base_url)
+
+
+def test_it_refuses_a_body_over_the_limit_before_reading_it_all(served, monkeypatch):
+    import gpuagent.engine.server as server_module
+
+    base_url, _ = served
+    monkeypatch.setattr(server_module, "MAX_BODY_BYTES", 10_000)
+    big = {"model": MODEL, "prompt": "x" * 10_000, "max_tokens": 1}
+
+    declared = httpx.post(f"{base_url}/v1/completions", json=big, timeout=30)
+    chunked = httpx.post(  # no content-length: counted as it arrives
+        f"{base_url}/v1/completions",
+        content=iter([json.dumps(big).encode()]),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    small = httpx.post(
+        f"{base_url}/v1/completions",
+        json={**big, "prompt": "x"},
+        timeout=30,
+    )
+
+    for resp in (declared, chunked):
+        assert resp.status_code == 413, resp.text
+        assert resp.json()["error"]["code"] == "request_too_large"
+    assert small.status_code == 200
+
+
+def test_it_answers_messages_the_chat_template_refuses_with_a_400(served, monkeypatch):
+    base_url, engine = served
+    # HF templates call raise_exception(...) for conversations they can't render.
+    template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('no') }}"
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template + "{% endif %}")
+    payload = {"model": MODEL, "max_tokens": 2}
+
+    refused = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={**payload, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    rendered = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={**payload, "messages": [{"role": "system", "content": "hi"}]},
+        timeout=30,
+    )
+
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "messages"
+    assert rendered.status_code == 200
+
+
+def test_it_names_max_completion_tokens_when_that_is_the_bad_field(served):
+    base_url, _ = served
+
+    resp = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "max_completion_tokens": 0,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        timeout=30,
+    )
+
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 1e-45}, {"temperature": 1.0, "top_p": 1e-320}]
+)
+def test_it_serves_extreme_sampling_as_greedy_without_failing_the_batch(
+    served_async, sampling
+):
+    # Both round to 0 in float32: logits / 0 and a nucleus of nothing are NaN draws.
+    base_url, _, async_engine = served_async
+    errors_before = async_engine.step_errors
+    payload = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+
+    extreme = httpx.post(
+        f"{base_url}/v1/completions",
+        json={**payload, **sampling, "seed": 3},
+        timeout=30,
+    )
+    greedy = httpx.post(
+        f"{base_url}/v1/completions", json={**payload, "temperature": 0}, timeout=30
+    )
+
+    assert extreme.status_code == 200, extreme.text
+    assert extreme.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    assert async_engine.step_errors == errors_before
+
+
+def test_it_aborts_a_stream_whose_client_left_before_the_response_started(
+    served_async, monkeypatch
+):
+    base_url, engine, async_engine = served_async
+    wait_until_idle(base_url)
+    real_forward = engine._forward
+
+    def slow_forward(chunks):
+        time.sleep(0.02)  # 100 tokens now take ~2 s
+        return real_forward(chunks)
+
+    monkeypatch.setattr(engine, "_forward", slow_forward)
+    aborted_before = (
+        engine.metrics.registry.get_sample_value(
+            "engine_requests_finished_total", {"finish_reason": "abort"}
+        )
+        or 0.0
+    )
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "gone",
+            "max_tokens": 100,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    host, port = base_url.removeprefix("http://").split(":")
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)  # and hang up at once, before any response byte
+
+    wait_until_idle(base_url)
+    aborted = engine.metrics.registry.get_sample_value(
+        "engine_requests_finished_total", {"finish_reason": "abort"}
+    )
+    assert aborted == aborted_before + 1
+    assert async_engine.num_live_streams == 0
 
 
 def test_it_rejects_malformed_json_and_keeps_serving(served):
@@ -382,6 +580,9 @@ def test_it_works_with_the_official_openai_client(served):
     assert chat_stream[-1].usage.completion_tokens == chat.usage.completion_tokens
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
 
 
 def test_it_builds_the_engine_the_cli_asks_for(tiny_model_dir):
