@@ -5,6 +5,7 @@ DATABASE_URL/CELERY_BROKER_URL say so (as .ci/run sets), else the embedded defau
 same broker from taking this test's tasks."""
 
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -15,6 +16,7 @@ import pytest
 from django.conf import settings
 
 from controlplane import celery_app
+from controlplane.accounts.models import ApiToken
 from controlplane.celery import worker_command
 from controlplane.releases.actions import do_approve_release, do_request_promotion
 from controlplane.releases.models import Release
@@ -105,3 +107,46 @@ def test_it_promotes_and_deploys_in_a_real_worker(worker, release, owner, teamma
     wait_for_state(release, "live", worker)
     assert release.deployments.get().state == "live"
     assert b"run_deployment" in worker[1].read_bytes()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_it_promotes_through_the_api_in_a_real_worker(
+    worker, client, make_release, owner, teammate, tmp_path
+):
+    # A local source, so verify_source and sign run for real and record a digest.
+    source = shutil.copytree(
+        ROOT / "gpuagent" / "engine" / "demo_model", tmp_path / "m"
+    )
+    release = make_release(source_uri=source.as_uri())
+    _, ci_token = ApiToken.create(owner, release.team, "ci", ["read", "promote"])
+    _, approver_token = ApiToken.create(
+        teammate, release.team, "approver", ["read", "approve"]
+    )
+
+    response = client.post(
+        f"/api/v1/releases/{release.pk}/promote",
+        headers={"authorization": f"Bearer {ci_token}"},
+    )
+
+    assert response.status_code == 202, response.content
+    status_url = response.json()["status_url"]
+    wait_for_state(release, "awaiting_approval", worker)
+    seen = client.get(status_url, headers={"authorization": f"Bearer {ci_token}"})
+    assert seen.json()["state"] == "awaiting_approval"
+    digest = seen.json()["manifest_digest"]
+    assert digest == release.manifest_digest and digest
+
+    approved = client.post(
+        f"/api/v1/releases/{release.pk}/approve",
+        {"manifest_digest": digest, "comment": "looks good"},
+        content_type="application/json",
+        headers={"authorization": f"Bearer {approver_token}"},
+    )
+
+    assert approved.status_code == 200, approved.content
+    wait_for_state(release, "live", worker)
+    final = client.get(status_url, headers={"authorization": f"Bearer {ci_token}"})
+    assert final.json()["state"] == "live"
+    assert [d["state"] for d in final.json()["deployments"]] == ["live"]
