@@ -2,10 +2,6 @@
 a slow per-token loop), round-trip error bounds per dtype."""
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +10,7 @@ import torch
 import kernels
 from kernels import kv_quant
 from kernels._triton import tl, triton
+from tests.kernels.compile_helper import compile_for_sm90
 
 QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.5}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -333,16 +330,6 @@ def test_it_writes_like_the_reference_on_cuda(dtype):
 
 
 def test_it_compiles_the_kernels_for_sm90_without_a_gpu():
-    # The interpreter accepts Python the real compiler rejects: lower every kernel
-    # config through Triton's real pipeline (subprocess: TRITON_INTERPRET unset).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "kernels.compile_check", "kv_quant"],
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = compile_for_sm90("kv_quant")
 
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

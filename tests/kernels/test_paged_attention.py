@@ -6,10 +6,6 @@ against the reference on irregular shapes and shuffled physical blocks.
 """
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +13,7 @@ import torch
 import kernels
 from kernels import paged_attention
 from kernels.paged_attention import paged_decode_attention_reference
+from tests.kernels.compile_helper import compile_for_sm90
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -321,23 +318,6 @@ def test_it_prefills_like_the_reference_on_cuda(dtype):
 
 
 def test_it_compiles_the_kernels_for_sm90_without_a_gpu():
-    # The interpreter accepts Python the real compiler rejects: lower every kernel
-    # config through Triton's real pipeline (subprocess: TRITON_INTERPRET unset).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-W",
-            "ignore",
-            "-m",
-            "kernels.compile_check",
-            "paged_attention",
-        ],
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = compile_for_sm90("paged_attention")
 
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -1,11 +1,6 @@
 """kernels.weight_matmul: int4 packing bit for bit vs compressed-tensors, quantizer
 error bounds, reference == a slow loop, Triton == reference at batch 1..256."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import (
@@ -15,6 +10,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import (
 
 import kernels
 from kernels import weight_matmul
+from tests.kernels.compile_helper import compile_for_sm90
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -208,23 +204,6 @@ def test_it_runs_both_formats_like_the_reference_on_cuda(batch):
 
 
 def test_it_compiles_the_kernels_for_sm90_without_a_gpu():
-    # The interpreter accepts Python the real compiler rejects: lower every kernel
-    # config through Triton's real pipeline (subprocess: TRITON_INTERPRET unset).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-W",
-            "ignore",
-            "-m",
-            "kernels.compile_check",
-            "weight_matmul",
-        ],
-        cwd=Path(__file__).resolve().parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = compile_for_sm90("weight_matmul")
 
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
