@@ -24,7 +24,7 @@ import torch
 
 from gpuagent.engine.engine import AsyncLLMEngine, LLMEngine
 from gpuagent.integrity import IntegrityError
-from gpuagent.integrity.policy import Policy, policy_from_flags, release_from_flags
+from gpuagent.integrity.policy import Policy, policy_from_trust_args, release_from_flags
 from kernels.kv_quant import KV_CACHE_DTYPES
 
 
@@ -82,17 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_pem(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise SystemExit(f"error: cannot read {path}: {e}") from e
-
-
 def signature_policy(args: argparse.Namespace) -> Policy | None:
     """The policy `--signature` is verified against (None without a signature).
 
-    Built by `gpuagent.integrity.policy.policy_from_flags`, as the integrity CLI's
+    Built by `gpuagent.integrity.policy.policy_from_trust_args`, as the integrity CLI's
     `verify` does. Bad flag combinations exit with a usage message.
     """
     if args.signature is None:
@@ -121,17 +114,7 @@ def signature_policy(args: argparse.Namespace) -> Policy | None:
                 "--signature needs the release it must be bound to: "
                 "--release-model, --release-version and --release-recipe"
             )
-        return policy_from_flags(
-            public_keys_pem=[_read_pem(p) for p in args.public_key],
-            certificate_chain_pem=(
-                _read_pem(args.certificate_chain) if args.certificate_chain else None
-            ),
-            sigstore_trust_config=args.sigstore_trust_config,
-            identity=args.identity,
-            issuer=args.issuer,
-            release=release,
-            signature_name=args.signature.name,
-        )
+        return policy_from_trust_args(args, release=release)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 

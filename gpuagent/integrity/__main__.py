@@ -18,7 +18,7 @@ from gpuagent.integrity.manifest import hash_model
 from gpuagent.integrity.policy import (
     DEFAULT_POLICY,
     ReleaseBinding,
-    policy_from_flags,
+    policy_from_trust_args,
     release_from_flags,
 )
 from gpuagent.integrity.signing import sign_model, verify_model
@@ -111,13 +111,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e}") from e
-
-
 def _release(args: argparse.Namespace) -> ReleaseBinding | None:
     try:
         return release_from_flags(
@@ -177,17 +170,8 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     # verify
     release = _release(args)
     try:
-        policy = policy_from_flags(
-            public_keys_pem=[_read(p) for p in args.public_key],
-            certificate_chain_pem=(
-                _read(args.certificate_chain) if args.certificate_chain else None
-            ),
-            sigstore_trust_config=args.sigstore_trust_config,
-            identity=args.identity,
-            issuer=args.issuer,
-            release=release,
-            signature_name=args.signature.name,
-            extra_ignorable_paths=args.allow_ignore,
+        policy = policy_from_trust_args(
+            args, release=release, extra_ignorable_paths=args.allow_ignore
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -189,3 +189,33 @@ def policy_from_flags(
         "give a trusted public key (--public-key), a certificate chain "
         "(--certificate-chain) or a sigstore trust config (--sigstore-trust-config)"
     )
+
+
+def policy_from_trust_args(
+    args: Any, *, release: ReleaseBinding | None, **extra: Any
+) -> Policy:
+    """`policy_from_flags` over the trust flags the integrity and engine CLIs share:
+    `args.public_key` (paths), `certificate_chain` (path or None),
+    `sigstore_trust_config`, `identity`, `issuer` and `signature` (path). `extra` goes
+    to `policy_from_flags` as is. Raises ValueError for a bad combination or a PEM file
+    that cannot be read."""
+    return policy_from_flags(
+        public_keys_pem=[_read_pem(path) for path in args.public_key],
+        certificate_chain_pem=(
+            _read_pem(args.certificate_chain) if args.certificate_chain else None
+        ),
+        sigstore_trust_config=args.sigstore_trust_config,
+        identity=args.identity,
+        issuer=args.issuer,
+        release=release,
+        signature_name=args.signature.name,
+        **extra,
+    )
+
+
+def _read_pem(path: os.PathLike[str]) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
