@@ -1,6 +1,8 @@
 """Typed errors raised by actions; each carries an http-ish `code` that the API and the
 dashboard map to a 4xx response without knowing which action raised it."""
 
+from datetime import datetime
+
 
 class ControlPlaneError(Exception):
     code: int = 400
@@ -64,3 +66,19 @@ class ConflictingRegistration(Conflict):
 
 class DigestMismatch(Conflict):
     slug = "manifest_digest_mismatch"
+
+
+class JobLeaseHeld(Conflict):
+    """A job of this kind is running and its worker still holds the lease: another
+    task must not start the same work. Tasks catch it and step aside."""
+
+    slug = "job_lease_held"
+
+    def __init__(self, job_id: int, kind: str, lease_expires: datetime) -> None:
+        super().__init__(
+            f"{kind} job {job_id} is running; its lease expires at "
+            f"{lease_expires.isoformat()}"
+        )
+        self.job_id = job_id
+        self.kind = kind
+        self.lease_expires = lease_expires

@@ -145,6 +145,9 @@ class JobOut(Schema):
     attempts: int
     started: datetime | None
     finished: datetime | None
+    lease_expires: datetime | None = Field(
+        description="while running: until when its worker holds the job"
+    )
     duration_s: float | None
     result: dict[str, Any]
     error: str

@@ -31,7 +31,9 @@ registered (both are checked by tests over this table).
 
 import hashlib
 import json
+from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 from pydantic import ValidationError
@@ -45,6 +47,7 @@ from controlplane.errors import (
     DigestMismatch,
     Forbidden,
     IllegalTransition,
+    JobLeaseHeld,
     SeparationOfDuties,
     ValidationFailed,
 )
@@ -583,9 +586,16 @@ def do_rollback_environment(environment: Environment, actor: Actor) -> Deploymen
 # -- jobs, gate results, artifacts ----------------------------------------------------
 
 
+def _lease_until(now: datetime) -> datetime:
+    return now + timedelta(seconds=settings.RELEASEGATE_JOB_LEASE_S)
+
+
 def do_start_job(release: Release, kind: str, *, agent: Agent | None = None) -> Job:
-    """Start a stage's job. A job of the same kind still 'running' (its worker died)
-    is resumed with attempts + 1 instead of adding another row."""
+    """Start a stage's job, leased to the caller for RELEASEGATE_JOB_LEASE_S. A job
+    of the same kind still queued, or running with an expired lease (its worker
+    died), is resumed with attempts + 1 instead of adding another row. One running
+    under a live lease raises JobLeaseHeld and is left as it is: its worker is
+    still at it, and a second run of the same work must not start."""
     if kind not in JOB_KINDS:
         raise ValidationFailed(f"unknown job kind {kind!r}", field="kind")
     with transaction.atomic():
@@ -595,23 +605,35 @@ def do_start_job(release: Release, kind: str, *, agent: Agent | None = None) -> 
             .order_by("-id")
             .first()
         )
+        now = timezone.now()
         if job is None:
             job = Job(release=release, kind=kind)
+        elif job.state == "running" and job.lease_expires and job.lease_expires > now:
+            raise JobLeaseHeld(job.pk, kind, job.lease_expires)
         job.state = "running"
         job.agent = agent or job.agent
         job.attempts += 1
         job.progress = 0.0
-        job.started = timezone.now()
+        job.started = now
         job.finished = None
+        job.lease_expires = _lease_until(now)
         job.error = ""
         job.save()
     return job
 
 
 def do_update_job_progress(job: Job, progress: float) -> Job:
+    """Record progress; for a running job this is also the heartbeat that extends
+    its lease, so a stage longer than one lease keeps its job."""
     if not 0.0 <= progress <= 1.0:
         raise ValidationFailed("progress must be within 0..1", field="progress")
-    Job.objects.filter(pk=job.pk).update(progress=progress)
+    lease_expires = _lease_until(timezone.now())
+    if Job.objects.filter(pk=job.pk, state="running").update(
+        progress=progress, lease_expires=lease_expires
+    ):
+        job.lease_expires = lease_expires
+    else:  # queued or finished: nothing to hold
+        Job.objects.filter(pk=job.pk).update(progress=progress)
     job.progress = progress
     return job
 
@@ -624,9 +646,19 @@ def do_finish_job(job: Job, *, result: dict | None = None, error: str = "") -> J
         job.state = state
         job.finished = timezone.now()
         job.progress = 1.0 if state == "succeeded" else job.progress
+        job.lease_expires = None
         job.result = result or {}
         job.error = error
-        job.save(update_fields=["state", "finished", "progress", "result", "error"])
+        job.save(
+            update_fields=[
+                "state",
+                "finished",
+                "progress",
+                "lease_expires",
+                "result",
+                "error",
+            ]
+        )
         do_record_event(
             "system:worker",
             f"job.{state}",

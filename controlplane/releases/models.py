@@ -199,6 +199,10 @@ class Job(models.Model):
     created = models.DateTimeField(default=timezone.now)
     started = models.DateTimeField(null=True, blank=True)
     finished = models.DateTimeField(null=True, blank=True)
+    # While running: until when its worker holds it (extended by each progress
+    # heartbeat). Another task may resume the job only once this has passed; None
+    # when not running.
+    lease_expires = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(default=dict, blank=True)
     error = models.TextField(blank=True)
 
@@ -230,6 +234,7 @@ class Job(models.Model):
             "attempts": self.attempts,
             "started": _iso(self.started),
             "finished": _iso(self.finished),
+            "lease_expires": _iso(self.lease_expires),
             "duration_s": self.duration_s,
             "result": self.result,
             "error": self.error,

@@ -1,6 +1,10 @@
 """Celery tasks of the promotion pipeline. Thin: each takes ids, re-reads the rows,
 and does its writes through actions.py. Each is idempotent: it continues from the
-state the release is in now, so a redelivered or repeated task does no harm."""
+state the release is in now, so a redelivered or repeated task does no harm.
+
+A repeated task that reaches a stage whose job another worker still runs (its lease
+is live: JobLeaseHeld) steps aside and returns BUSY, changing nothing; once that
+lease has expired (the worker died), the next run resumes the job."""
 
 import logging
 from datetime import datetime
@@ -9,7 +13,7 @@ from celery import shared_task
 from django.db import transaction
 
 from controlplane.audit.models import AuditEvent
-from controlplane.errors import IllegalTransition
+from controlplane.errors import IllegalTransition, JobLeaseHeld
 from controlplane.fleet.models import Deployment
 from controlplane.releases import actions, stages
 from controlplane.releases.gates import evaluate_gates
@@ -17,6 +21,8 @@ from controlplane.releases.models import Release
 
 log = logging.getLogger(__name__)
 WORKER = "system:worker"
+# What a task returns when another worker holds the job it would run.
+BUSY = "busy"
 
 # state the release is in while its jobs run -> (jobs in order, next state).
 # Each job's `work(release)` returns (result dict, error message or "").
@@ -46,8 +52,21 @@ def _entered(release: Release) -> datetime:
     return event.created if event else release.created
 
 
+def _log_busy(held: JobLeaseHeld, release_id: int) -> str:
+    log.info("release %s: %s; leaving it to its worker", release_id, held.message)
+    return BUSY
+
+
+def _close_superseded(job) -> None:
+    # Another run moved the release on while this one worked, and this run's finish
+    # was rolled back with its transition: close the job (its outcome no longer
+    # counts) so that it doesn't sit `running` under a lease and hold the stage.
+    actions.do_finish_job(job, error="superseded: another run moved the release on")
+
+
 def _run_stage(release: Release) -> bool:
-    """Run the jobs of the release's current state; True when it moved on."""
+    """Run the jobs of the release's current state; True when it moved on. Raises
+    JobLeaseHeld, without running it, when another worker runs the next job."""
     jobs, next_state = PIPELINE[release.state]
     entered = _entered(release)
     for position, (kind, work) in enumerate(jobs):
@@ -67,16 +86,20 @@ def _run_stage(release: Release) -> bool:
             result, error = {}, f"{type(exc).__name__}: {exc}"
         # The last job's finish and the move on commit together: a release still in
         # this state never has all of this pass's jobs succeeded.
-        with transaction.atomic():
-            actions.do_finish_job(job, result=result, error=error)
-            if error:
-                to_state = FAILURE_STATE.get(kind, "failed")
-                actions.do_transition_release(
-                    release, to_state, actor=WORKER, reason=f"{kind}: {error}"
-                )
-                return False
-            if last:
-                actions.do_transition_release(release, next_state, actor=WORKER)
+        try:
+            with transaction.atomic():
+                actions.do_finish_job(job, result=result, error=error)
+                if error:
+                    to_state = FAILURE_STATE.get(kind, "failed")
+                    actions.do_transition_release(
+                        release, to_state, actor=WORKER, reason=f"{kind}: {error}"
+                    )
+                    return False
+                if last:
+                    actions.do_transition_release(release, next_state, actor=WORKER)
+        except IllegalTransition:
+            _close_superseded(job)
+            raise
     return True
 
 
@@ -84,27 +107,35 @@ def _run_gate(release: Release) -> bool:
     job = actions.do_start_job(release, "gate")
     decision = evaluate_gates(release.gate_results.all())
     result = {"outcome": decision.outcome, "reason": decision.reason}
-    with transaction.atomic():
-        if decision.outcome == "inconclusive":
-            # Pause in gated: a person looks, or later evidence re-runs the gate.
-            actions.do_finish_job(job, result=result)
-            return False
-        actions.do_finish_job(
-            job, result=result, error="" if decision.ok else decision.reason
-        )
-        if decision.ok:
-            actions.do_transition_release(release, "awaiting_approval", actor=WORKER)
-        else:
-            actions.do_transition_release(
-                release, "failed", actor=WORKER, reason=decision.reason
+    try:
+        with transaction.atomic():
+            if decision.outcome == "inconclusive":
+                # Pause in gated: a person looks, or later evidence re-runs the gate.
+                actions.do_finish_job(job, result=result)
+                return False
+            actions.do_finish_job(
+                job, result=result, error="" if decision.ok else decision.reason
             )
+            if decision.ok:
+                actions.do_transition_release(
+                    release, "awaiting_approval", actor=WORKER
+                )
+            else:
+                actions.do_transition_release(
+                    release, "failed", actor=WORKER, reason=decision.reason
+                )
+    except IllegalTransition:
+        _close_superseded(job)
+        raise
     return decision.ok
 
 
 @shared_task(name="controlplane.releases.run_promotion")
 def run_promotion(release_id: int) -> str:
     """registered -> verifying -> compressing -> evaluating -> gated ->
-    awaiting_approval, running each stage's work; stops there for a person."""
+    awaiting_approval, running each stage's work; stops there for a person.
+    Returns the release's state, or BUSY (nothing done) when another worker holds
+    the job of the stage the release is in."""
     release = Release.objects.filter(pk=release_id).first()
     if release is None:
         return "missing"
@@ -116,6 +147,8 @@ def run_promotion(release_id: int) -> str:
                 break
         if release.state == "gated":
             _run_gate(release)
+    except JobLeaseHeld as held:
+        return _log_busy(held, release_id)
     except IllegalTransition:
         # Another run of this task moved the release meanwhile; it carries on.
         release.refresh_from_db()
@@ -126,7 +159,9 @@ def run_promotion(release_id: int) -> str:
 @shared_task(name="controlplane.releases.run_deployment")
 def run_deployment(release_id: int) -> str:
     """approved -> deploying -> live; whatever was live in the environment becomes
-    superseded. Also finishes a rollback (release already deploying)."""
+    superseded. Also finishes a rollback (release already deploying). Returns the
+    release's state, or BUSY (nothing done) when another worker holds its deploy
+    job."""
     release = Release.objects.filter(pk=release_id).first()
     if release is None:
         return "missing"
@@ -152,14 +187,20 @@ def run_deployment(release_id: int) -> str:
             # (promote retries a failed release; nothing moves a deploying one).
             log.exception("deploy failed for release %s", release.pk)
             result, error = {}, f"{type(exc).__name__}: {exc}"
-        with transaction.atomic():
-            actions.do_finish_job(job, result=result, error=error)
-            if error:
-                actions.do_fail_deployment(deployment, actor=WORKER, reason=error)
-            else:
-                actions.do_complete_deployment(
-                    deployment, actor=WORKER, endpoint=result.get("endpoint", "")
-                )
+        try:
+            with transaction.atomic():
+                actions.do_finish_job(job, result=result, error=error)
+                if error:
+                    actions.do_fail_deployment(deployment, actor=WORKER, reason=error)
+                else:
+                    actions.do_complete_deployment(
+                        deployment, actor=WORKER, endpoint=result.get("endpoint", "")
+                    )
+        except IllegalTransition:
+            _close_superseded(job)
+            raise
+    except JobLeaseHeld as held:
+        return _log_busy(held, release_id)
     except IllegalTransition:
         log.info("release %s moved concurrently", release_id)
     release.refresh_from_db(fields=["state"])
@@ -169,7 +210,9 @@ def run_deployment(release_id: int) -> str:
 @shared_task(name="controlplane.releases.run_reverification")
 def run_reverification(deployment_id: int) -> str:
     """Re-hash a live deployment's files; a mismatch marks the deployment (and its
-    release) failed_verification, which puts the rollback button on the dashboard."""
+    release) failed_verification, which puts the rollback button on the dashboard.
+    Returns the deployment's state, or BUSY (nothing done) when another worker holds
+    the release's reverify job (a re-hash longer than the beat interval)."""
     deployment = (
         Deployment.objects.filter(pk=deployment_id).select_related("release").first()
     )
@@ -178,14 +221,28 @@ def run_reverification(deployment_id: int) -> str:
     if deployment.state != "live":
         return deployment.state
     release = deployment.release
-    job = actions.do_start_job(release, "reverify")
-    result, error = stages.reverify(release)
-    with transaction.atomic():
-        actions.do_finish_job(job, result=result, error=error)
-        if error:
-            actions.do_fail_deployment(
-                deployment, actor=WORKER, reason=error, verification=True
-            )
+    try:
+        job = actions.do_start_job(release, "reverify")
+    except JobLeaseHeld as held:
+        return _log_busy(held, release.pk)
+    try:
+        result, error = stages.reverify(release)
+    except Exception as exc:
+        # Close the job (no lease left holding it); the deployment stays as it is:
+        # a re-hash that could not run says nothing about the files.
+        log.exception("reverify crashed for deployment %s", deployment_id)
+        actions.do_finish_job(job, error=f"{type(exc).__name__}: {exc}")
+        return deployment.state
+    try:
+        with transaction.atomic():
+            actions.do_finish_job(job, result=result, error=error)
+            if error:
+                actions.do_fail_deployment(
+                    deployment, actor=WORKER, reason=error, verification=True
+                )
+    except IllegalTransition:
+        # The deployment stopped being live (superseded, rolled back) meanwhile.
+        _close_superseded(job)
     deployment.refresh_from_db(fields=["state"])
     return deployment.state
 

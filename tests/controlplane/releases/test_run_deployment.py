@@ -1,6 +1,14 @@
+from datetime import timedelta
+
+from django.utils import timezone
+
 from controlplane.fleet.models import Deployment
-from controlplane.releases import stages
-from controlplane.releases.actions import do_request_promotion
+from controlplane.releases import stages, tasks
+from controlplane.releases.actions import (
+    do_request_promotion,
+    do_start_deployment,
+    do_start_job,
+)
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import run_deployment
 
@@ -67,3 +75,37 @@ def test_it_fails_a_crashed_deploy_so_it_can_be_retried(
     assert (job.state, job.error) == ("failed", release.failure_reason)
     # Not stranded: a promote moves it back into the pipeline.
     assert do_request_promotion(release, owner).state == "registered"
+
+
+def test_it_leaves_a_deploy_to_the_worker_holding_it_until_its_lease_expires(
+    make_release, monkeypatch
+):
+    release = make_release(state="approved")
+    deployment = do_start_deployment(release, actor="system:worker")
+    job = do_start_job(release, "deploy")  # another worker is deploying
+    deploys = []
+    real_deploy = stages.deploy
+
+    def counted_deploy(release, deployment):
+        deploys.append(deployment.pk)
+        return real_deploy(release, deployment)
+
+    monkeypatch.setattr(stages, "deploy", counted_deploy)
+
+    assert run_deployment(release.pk) == tasks.BUSY
+
+    assert deploys == []
+    assert Release.objects.get(pk=release.pk).state == "deploying"
+    assert Deployment.objects.get(pk=deployment.pk).state == "deploying"
+    assert Job.objects.get(pk=job.pk).attempts == 1
+
+    Job.objects.filter(pk=job.pk).update(
+        lease_expires=timezone.now() - timedelta(seconds=1)
+    )  # its worker died
+
+    assert run_deployment(release.pk) == "live"
+
+    assert deploys == [deployment.pk]
+    resumed = Job.objects.get(pk=job.pk)
+    assert (resumed.state, resumed.attempts) == ("succeeded", 2)
+    assert Deployment.objects.get(release=release).state == "live"

@@ -1,7 +1,16 @@
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
-from controlplane.releases.actions import do_record_gate_result
+from controlplane.releases import tasks
+from controlplane.releases.actions import (
+    do_finish_job,
+    do_record_gate_result,
+    do_request_promotion,
+    do_start_job,
+)
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import run_promotion
 
@@ -165,3 +174,144 @@ def test_it_does_not_touch_a_release_past_the_pipeline(make_release):
     assert run_promotion(release.pk) == "approved"
 
     assert not Job.objects.filter(release=release).exists()
+
+
+# -- a second run while another worker holds the stage's job -------------------------
+
+
+@pytest.fixture
+def work_calls(monkeypatch) -> list[str]:
+    """The kinds whose work ran, in order; each stage's real work still runs."""
+    calls: list[str] = []
+
+    def counted(kind, work):
+        def run(release):
+            calls.append(kind)
+            return work(release)
+
+        return run
+
+    for state, (jobs, next_state) in list(tasks.PIPELINE.items()):
+        counted_jobs = tuple((kind, counted(kind, work)) for kind, work in jobs)
+        monkeypatch.setitem(tasks.PIPELINE, state, (counted_jobs, next_state))
+    return calls
+
+
+@pytest.fixture
+def promoted(monkeypatch) -> list[str]:
+    """What each run_promotion queued by a promote returned; it runs in-process on
+    commit, as a worker would."""
+    returned: list[str] = []
+    monkeypatch.setattr(
+        tasks.run_promotion, "delay", lambda *a: returned.append(run_promotion(*a))
+    )
+    return returned
+
+
+@pytest.mark.parametrize(
+    ("state", "done", "held"),
+    [
+        ("verifying", [], "verify_source"),
+        ("compressing", [], "compress"),
+        ("compressing", ["compress"], "sign"),
+        ("evaluating", [], "evaluate"),
+        ("gated", [], "gate"),
+    ],
+)
+def test_it_leaves_a_stage_to_the_worker_holding_its_job(
+    make_release, work_calls, state, done, held
+):
+    release = make_release(state=state)
+    for kind in done:
+        do_finish_job(do_start_job(release, kind), result={})
+    job = do_start_job(release, held)  # another worker is at it
+    jobs_before = list(Job.objects.filter(release=release).values())
+    events_before = AuditEvent.objects.count()
+
+    assert run_promotion(release.pk) == tasks.BUSY
+
+    assert work_calls == []
+    stored = Release.objects.get(pk=release.pk)
+    assert (stored.state, stored.updated) == (state, release.updated)
+    assert list(Job.objects.filter(release=release).values()) == jobs_before
+    assert Job.objects.get(pk=job.pk).lease_expires == job.lease_expires
+    assert AuditEvent.objects.count() == events_before
+
+
+def test_it_does_not_run_a_stage_twice_when_promoted_again_during_it(
+    release, work_calls, monkeypatch
+):
+    second_runs = []
+    jobs, next_state = tasks.PIPELINE["compressing"]
+    (_, compress), sign = jobs
+
+    def compress_while_ci_retries(release):
+        # A retried promote's task reaches another worker while compress runs.
+        second_runs.append(run_promotion(release.pk))
+        return compress(release)
+
+    monkeypatch.setitem(
+        tasks.PIPELINE,
+        "compressing",
+        ((("compress", compress_while_ci_retries), sign), next_state),
+    )
+
+    assert run_promotion(release.pk) == "awaiting_approval"
+
+    assert second_runs == [tasks.BUSY]
+    assert work_calls == ["verify_source", "compress", "sign", "evaluate"]
+    jobs = Job.objects.filter(release=release).order_by("id")
+    assert [j.kind for j in jobs] == STAGES
+    assert all((j.state, j.attempts) == ("succeeded", 1) for j in jobs)
+
+
+def test_it_resumes_a_stage_whose_worker_died_once_its_lease_expires(
+    make_release, owner, work_calls, promoted, django_capture_on_commit_callbacks
+):
+    release = make_release(state="compressing")
+    job = do_start_job(release, "compress")  # and then its worker died
+    with django_capture_on_commit_callbacks(execute=True):
+        do_request_promotion(release, owner)
+    assert promoted == [tasks.BUSY]  # too early: the lease still holds
+    Job.objects.filter(pk=job.pk).update(
+        lease_expires=timezone.now() - timedelta(seconds=1)
+    )
+
+    with django_capture_on_commit_callbacks(execute=True):
+        do_request_promotion(release, owner)
+
+    assert promoted == [tasks.BUSY, "awaiting_approval"]
+    assert work_calls == ["compress", "sign", "evaluate"]
+    resumed = Job.objects.get(pk=job.pk)
+    assert (resumed.state, resumed.attempts) == ("succeeded", 2)
+    assert resumed.lease_expires is None
+    assert Job.objects.filter(release=release, kind="compress").count() == 1
+
+
+def test_it_closes_its_job_when_another_run_moved_the_release_meanwhile(
+    release, monkeypatch
+):
+    jobs, next_state = tasks.PIPELINE["verifying"]
+    ((_, verify),) = jobs
+
+    def verify_while_another_run_fails_it(release):
+        result = verify(release)
+        # Meanwhile another run moved the release on (here: failed it).
+        other = Release.objects.get(pk=release.pk)
+        tasks.actions.do_transition_release(
+            other, "failed_verification", actor=tasks.WORKER, reason="other run"
+        )
+        return result
+
+    monkeypatch.setitem(
+        tasks.PIPELINE,
+        "verifying",
+        ((("verify_source", verify_while_another_run_fails_it),), next_state),
+    )
+
+    assert run_promotion(release.pk) == "failed_verification"
+
+    job = Job.objects.get(release=release, kind="verify_source")
+    assert job.state == "failed"
+    assert "superseded" in job.error
+    assert job.lease_expires is None  # nothing holds the stage for a later pass

@@ -1,8 +1,11 @@
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from controlplane.fleet.models import Deployment
-from controlplane.releases import tasks
-from controlplane.releases.actions import do_approve_release
+from controlplane.releases import stages, tasks
+from controlplane.releases.actions import do_approve_release, do_start_job
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import (
     reverify_live_deployments,
@@ -70,3 +73,48 @@ def test_it_queues_one_reverification_per_live_deployment(live, monkeypatch):
     assert reverify_live_deployments() == 1
 
     assert queued == [(deployment.pk,)]
+
+
+def test_it_leaves_a_rehash_to_the_worker_holding_it_until_its_lease_expires(
+    live, monkeypatch
+):
+    _, release, deployment = live
+    job = do_start_job(release, "reverify")  # the previous beat's re-hash
+    rehashes = []
+    real_reverify = stages.reverify
+
+    def counted_reverify(release):
+        rehashes.append(release.pk)
+        return real_reverify(release)
+
+    monkeypatch.setattr(stages, "reverify", counted_reverify)
+
+    assert run_reverification(deployment.pk) == tasks.BUSY
+
+    assert rehashes == []
+    assert Job.objects.get(pk=job.pk).attempts == 1
+
+    Job.objects.filter(pk=job.pk).update(
+        lease_expires=timezone.now() - timedelta(seconds=1)
+    )  # its worker died
+
+    assert run_reverification(deployment.pk) == "live"
+
+    assert rehashes == [release.pk]
+    resumed = Job.objects.get(pk=job.pk)
+    assert (resumed.state, resumed.attempts) == ("succeeded", 2)
+
+
+def test_it_closes_its_job_when_the_rehash_crashes(live, monkeypatch):
+    _, release, deployment = live
+
+    def crash(release):
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(stages, "reverify", crash)
+
+    assert run_reverification(deployment.pk) == "live"
+
+    job = Job.objects.filter(release=release, kind="reverify").get()
+    assert (job.state, job.lease_expires) == ("failed", None)
+    assert "OSError: disk went away" in job.error
