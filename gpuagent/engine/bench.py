@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from gpuagent.engine.cache import KVCacheManager, kv_bytes_per_token
 from gpuagent.engine.engine import LLMEngine, prepare_inputs
@@ -499,9 +500,11 @@ def capture_attention_inputs(
     0..n-1), from one prefill through the paged path into an fp32 KV cache.
 
     K and V are read back from the cache with `kernels.gather_kv` (exactly what the
-    model wrote). Queries never reach the cache: a forward hook takes q_proj's
-    output and RoPE is applied with the model's own functions; the same recomputation
-    on k_proj's output must reproduce the cached keys, which checks it.
+    model wrote). Queries never reach the cache: a hook takes each attention layer's
+    input, q and k are projected from it with the dense q_proj/k_proj weights (the
+    serving path may run them fused and prepacked) and RoPE is applied with the
+    model's own functions; the same recomputation for k must reproduce the cached
+    keys, which checks it.
     """
     import kernels
     from gpuagent.engine.model import (
@@ -524,15 +527,14 @@ def capture_attention_inputs(
         context_lens=torch.tensor([n], dtype=torch.int32, device=device),
         decode_only=n == 1,
     )
-    projections: dict[tuple[int, str], torch.Tensor] = {}
+    inputs: dict[int, torch.Tensor] = {}
     handles = []
     for i, layer in enumerate(model.layers):
-        for name in ("q_proj", "k_proj"):
 
-            def hook(_module, _args, out, key=(i, name)) -> None:
-                projections[key] = out.detach()
+        def hook(_module, args, i=i) -> None:
+            inputs[i] = args[0].detach()  # [n, hidden], normed
 
-            handles.append(getattr(layer.self_attn, name).register_forward_hook(hook))
+        handles.append(layer.self_attn.register_forward_pre_hook(hook))
     positions = torch.arange(n, device=device)
     try:
         with torch.inference_mode():
@@ -549,8 +551,10 @@ def capture_attention_inputs(
     layers = []
     for i, (layer, cache) in enumerate(zip(model.layers, caches, strict=True)):
         key, value = kernels.gather_kv(cache, attn.block_tables[0], n)  # [n, KVH, D]
-        q = projections[i, "q_proj"].unflatten(-1, (heads, dim)).float()
-        k = projections[i, "k_proj"].unflatten(-1, (kv_heads, dim)).float()
+        x, proj = inputs[i], layer.self_attn
+        with torch.inference_mode():
+            q = F.linear(x, proj.q_proj.weight).unflatten(-1, (heads, dim)).float()
+            k = F.linear(x, proj.k_proj.weight).unflatten(-1, (kv_heads, dim)).float()
         recomputed = apply_rope(k, cos.float(), sin.float())
         assert torch.allclose(recomputed, key, rtol=1e-4, atol=1e-4), (
             f"layer {i}: RoPE recomputed from k_proj != the keys in the cache"

@@ -211,6 +211,48 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # -------------------------------------------------------------------------- layers
 
 
+def prepack_weight(weight: Tensor) -> Tensor | None:
+    """`weight` [out, in] reordered once into oneDNN's blocked GEMM layout, or None
+    where that path doesn't apply (not a float32 CPU tensor, torch without oneDNN).
+
+    The multiply is the same float32 GEMM as `F.linear`, minus re-laying the weight
+    out on every call: 2-2.5x faster at decode batch sizes on AVX-512 CPUs, results
+    equal to float32 rounding. The packed copy is a snapshot, so pack after the
+    weights are final (the engine does, once, at start); the dense weights stay for
+    the state dict and for training.
+    """
+    if not (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: Tensor, packed: Tensor) -> Tensor:
+    """x [..., in] @ W^T -> [..., out] with W from `prepack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that runs through `packed_linear` once `prepack()`ed."""
+
+    packed_weight: Tensor | None = None
+
+    def prepack(self) -> bool:
+        """Pack the weight (see `prepack_weight`); False where that doesn't apply."""
+        if self.bias is None:
+            self.packed_weight = prepack_weight(self.weight)
+        return self.packed_weight is not None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed_weight is None or x.dtype != torch.float32:
+            return super().forward(x)
+        return packed_linear(x, self.packed_weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -234,15 +276,28 @@ class Attention(nn.Module):
         self.softmax_scale = config.head_dim**-0.5
         hidden, q_dim = config.hidden_size, self.num_heads * self.head_dim
         kv_dim = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, q_dim, bias=False)
+        self.k_proj = Linear(hidden, kv_dim, bias=False)
+        self.v_proj = Linear(hidden, kv_dim, bias=False)
+        self.o_proj = Linear(q_dim, hidden, bias=False)
+        self.qkv_packed: Tensor | None = None  # [q_dim + 2 kv_dim, hidden], packed
+
+    def prepack(self) -> bool:
+        """Pack q/k/v as one GEMM, and o_proj (CPU; see `prepack_weight`)."""
+        qkv = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        self.qkv_packed = prepack_weight(torch.cat(qkv))  # [(H + 2 KVH) * D, hidden]
+        return self.o_proj.prepack() and self.qkv_packed is not None
 
     def _qkv(
         self, x: Tensor, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         # x [..., T, hidden] -> q [..., T, H, D], k/v [..., T, KVH, D], RoPE on q, k
+        if self.qkv_packed is not None and x.dtype == torch.float32:
+            h, kvh = self.num_heads, self.num_kv_heads
+            qkv = packed_linear(x, self.qkv_packed).unflatten(-1, (-1, self.head_dim))
+            # [..., T, H + 2 KVH, D]: q and k rotate together, as one tensor
+            q, k = apply_rope(qkv[..., : h + kvh, :], cos, sin).split((h, kvh), -2)
+            return q, k, qkv[..., h + kvh :, :]
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -309,11 +364,22 @@ class FeedForward(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
+        self.gate_up_packed: Tensor | None = None  # [2 * inter, hidden], packed
+
+    def prepack(self) -> bool:
+        """Pack gate and up as one GEMM, and down (CPU; see `prepack_weight`)."""
+        gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight))
+        self.gate_up_packed = prepack_weight(gate_up)  # [2 * inter, hidden]
+        return self.down_proj.prepack() and self.gate_up_packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_packed is not None and x.dtype == torch.float32:
+            # [..., 2 * inter] -> gate, up [..., inter]
+            gate, up = packed_linear(x, self.gate_up_packed).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -359,7 +425,7 @@ class Transformer(nn.Module):
             TransformerBlock(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         # Kept out of the state dict and out of module.to(dtype): RoPE angles must be
         # computed in float32 even for a bf16 model.
@@ -411,6 +477,17 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer.forward_dense(h, cos, sin)
         return self.lm_head(self.norm(h)).float()
+
+    def prepack_cpu_weights(self) -> bool:
+        """Pack every projection for oneDNN GEMMs (see `prepack_weight`), q/k/v and
+        gate/up fused; False (nothing packed) off the CPU or for non-float32 weights.
+        Call it once the weights are final: the packed copies don't follow edits."""
+        if prepack_weight(self.lm_head.weight[:1]) is None:
+            return False
+        for layer in self.layers:
+            layer.self_attn.prepack()
+            layer.mlp.prepack()
+        return self.lm_head.prepack()
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied embedding counts once)."""

@@ -77,6 +77,8 @@ def test_it_captures_the_queries_keys_and_values_the_model_attends_with(
     # model's own attention output at those positions, taken from the dense path
     # (SDPA, no cache) at o_proj's input.
     model, ids = demo_model_and_ids
+    # as in the bench, where the engine has prepacked (and fused) the projections
+    model.prepack_cpu_weights()
     o_proj_inputs = []
     handles = [
         layer.self_attn.o_proj.register_forward_pre_hook(

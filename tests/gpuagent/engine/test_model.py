@@ -169,12 +169,17 @@ def test_it_matches_transformers_paged_prefill_and_decode(tmp_path, kv_dtype):
     ],
     ids=["gqa-untied", "gqa-chunked", "tied-mqa-chunked", "llama3-rope-chunked"],
 )
+@pytest.mark.parametrize("prepack", [False, True], ids=["dense-weights", "prepacked"])
 def test_it_matches_transformers_on_the_paged_path_with_fp32_kv(
-    tmp_path, overrides, chunk
+    tmp_path, overrides, chunk, prepack
 ):
     # a deep copy: transformers writes rope_theta into the dict it is given
     hf = _hf_folder(tmp_path, **copy.deepcopy(overrides))
     model = load_model(tmp_path)
+    # prepacked: the engine's CPU configuration (oneDNN GEMMs, q/k/v and gate/up
+    # fused), held to the same bar
+    if prepack:
+        assert model.prepack_cpu_weights()
     # 40 tokens: past llama3's original_max_position_embeddings=16; the first two
     # seqs decode 10 and 11 steps after their prefill, the third only prefills.
     seqs = [_tokens(40, seed=2), _tokens(23, seed=3), _tokens(9, seed=4)]
@@ -407,3 +412,28 @@ def test_it_runs_a_bfloat16_model_on_the_paged_path_close_to_fp32(tmp_path):
     # bf16 weights and activations: ~3 significant digits on |logits| ~4
     assert (ours - reference).abs().max().item() <= 0.25
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_it_prepacks_fused_cpu_gemms_that_agree_with_the_dense_weights(tmp_path):
+    _hf_folder(tmp_path)
+    dense, packed = load_model(tmp_path), load_model(tmp_path)
+    tokens = torch.tensor([_tokens(17)])
+
+    assert packed.prepack_cpu_weights()
+
+    attn, mlp = packed.layers[0].self_attn, packed.layers[0].mlp
+    assert attn.qkv_packed is not None and mlp.gate_up_packed is not None
+    assert packed.lm_head.packed_weight is not None
+    ours, theirs = packed.forward_dense(tokens), dense.forward_dense(tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    # the dense weights stay: the state dict is unchanged
+    assert packed.state_dict().keys() == dense.state_dict().keys()
+
+
+def test_it_does_not_prepack_bfloat16_weights(tmp_path):
+    _hf_folder(tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+
+    assert model.prepack_cpu_weights() is False
+    assert model.layers[0].self_attn.qkv_packed is None
+    assert model.lm_head.packed_weight is None
