@@ -249,10 +249,22 @@ def default_ignore_paths(
 # --- hashing ---------------------------------------------------------------
 
 
-def _new_hasher(hash_type: str):
+def _new_hasher(hash_type: str, blake3_threads: int = blake3.blake3.AUTO):
     if hash_type == "sha256":
         return hashlib.sha256()
-    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    return blake3.blake3(max_threads=blake3_threads)
+
+
+def _blake3_threads(sizes: list[int], cpus: int) -> int:
+    """Threads per blake3 hasher. With the bytes spread over enough files, one
+    thread each: the files already keep every core busy, and blake3's own threads
+    on top only contend (2 GB in 4 files on 2 cores: 0.18 s vs 0.22-0.25 s). A
+    file holding more than a core's share is split across threads instead, or it
+    would finish alone on one core."""
+    total = sum(sizes)
+    if len(sizes) >= cpus and max(sizes, default=0) * cpus <= total:
+        return 1
+    return blake3.blake3.AUTO
 
 
 def _shards(size: int, shard_size: int) -> list[tuple[int, int]]:
@@ -269,11 +281,13 @@ def _buffer() -> memoryview:
     return _local.buf
 
 
-def _hash_range(fd: int, start: int, end: int, hash_type: str) -> str:
+def _hash_range(
+    fd: int, start: int, end: int, hash_type: str, blake3_threads: int
+) -> str:
     """Digest of bytes [start, end) of `fd`, read with preadv into a reused
     buffer small enough to stay in cache between the copy and the hash
     (hashlib and blake3 release the GIL on large updates)."""
-    hasher, buf, position = _new_hasher(hash_type), _buffer(), start
+    hasher, buf, position = _new_hasher(hash_type, blake3_threads), _buffer(), start
     # A larger kernel readahead window keeps a cold disk busy while we hash.
     os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_SEQUENTIAL)
     while position < end:
@@ -293,16 +307,16 @@ def _hash_item(
     size: int,
     start: int | None,
     end: int | None,
+    blake3_threads: int,
 ) -> Resource:
     fd, now = _fs.open_file(root_fd, path)
     try:
         if now != size:
             raise HashingError(f"{path} changed size while hashing ({size} -> {now})")
         if start is None:
-            return Resource(
-                path, spec.digest_name, _hash_range(fd, 0, size, spec.hash_type)
-            )
-        digest = _hash_range(fd, start, end, spec.hash_type)
+            digest = _hash_range(fd, 0, size, spec.hash_type, blake3_threads)
+            return Resource(path, spec.digest_name, digest)
+        digest = _hash_range(fd, start, end, spec.hash_type, blake3_threads)
         return Resource(path, spec.digest_name, digest, start, end)
     finally:
         os.close(fd)
@@ -345,9 +359,13 @@ def hash_folder_listing(
         # Biggest first, so one large file does not end the run alone.
         items.sort(key=lambda it: -((it[3] - it[2]) if it[2] is not None else it[1]))
         # More threads than cores: while one waits on a cold read, another hashes.
-        workers = max_workers or 2 * (os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+        workers = max_workers or 2 * cpus
+        threads = _blake3_threads([size for _, size in files], cpus)
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            resources = list(pool.map(lambda it: _hash_item(root_fd, spec, *it), items))
+            resources = list(
+                pool.map(lambda it: _hash_item(root_fd, spec, *it, threads), items)
+            )
     except OSError as e:
         raise HashingError(f"cannot hash {folder}: {e}") from e
     finally:

@@ -139,3 +139,33 @@ def test_it_refuses_bad_arguments_with_typed_errors(tmp_path):
         hash_model(golden_folder(tmp_path), "md5")
     with pytest.raises(HashingError):
         HashSpec.from_digest_name("sha1")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "cpus", "threaded"),
+    [
+        ([500, 500, 500, 500], 2, False),  # files keep both cores busy
+        ([1900, 50, 25, 25], 2, True),  # one file holds most bytes
+        ([2000], 2, True),  # a single file
+        ([10, 10], 4, True),  # fewer files than cores
+    ],
+)
+def test_it_gives_blake3_its_own_threads_only_where_files_cannot(sizes, cpus, threaded):
+    from gpuagent.integrity.manifest import _blake3_threads
+
+    assert (_blake3_threads(sizes, cpus) != 1) is threaded
+
+
+def test_it_hashes_blake3_the_same_with_or_without_its_threads(tmp_path):
+    import blake3
+
+    from gpuagent.integrity.manifest import _new_hasher
+
+    data = os.urandom(3 << 20)
+    digests = set()
+    for threads in (1, blake3.blake3.AUTO):
+        hasher = _new_hasher("blake3", threads)
+        hasher.update(data)
+        digests.add(hasher.hexdigest())
+
+    assert digests == {blake3.blake3(data).hexdigest()}
