@@ -7,6 +7,8 @@ is live: JobLeaseHeld) steps aside and returns BUSY, changing nothing; once that
 lease has expired (the worker died), the next run resumes the job."""
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 
 from celery import shared_task
@@ -17,7 +19,7 @@ from controlplane.errors import IllegalTransition, JobLeaseHeld
 from controlplane.fleet.models import Deployment
 from controlplane.releases import actions, stages
 from controlplane.releases.gates import evaluate_gates
-from controlplane.releases.models import Release
+from controlplane.releases.models import Job, Release
 
 log = logging.getLogger(__name__)
 WORKER = "system:worker"
@@ -57,11 +59,18 @@ def _log_busy(held: JobLeaseHeld, release_id: int) -> str:
     return BUSY
 
 
-def _close_superseded(job) -> None:
-    # Another run moved the release on while this one worked, and this run's finish
-    # was rolled back with its transition: close the job (its outcome no longer
-    # counts) so that it doesn't sit `running` under a lease and hold the stage.
-    actions.do_finish_job(job, error="superseded: another run moved the release on")
+@contextmanager
+def _finishing(job: Job) -> Iterator[None]:
+    """One transaction for a job's finish and the move it causes. If another run
+    moved the release first (IllegalTransition), the rollback took the finish with
+    it: close the job as superseded (its outcome no longer counts) so that it doesn't
+    sit `running` under a lease and hold the stage, then re-raise."""
+    try:
+        with transaction.atomic():
+            yield
+    except IllegalTransition:
+        actions.do_finish_job(job, error="superseded: another run moved the release on")
+        raise
 
 
 def _run_stage(release: Release) -> bool:
@@ -86,20 +95,16 @@ def _run_stage(release: Release) -> bool:
             result, error = {}, f"{type(exc).__name__}: {exc}"
         # The last job's finish and the move on commit together: a release still in
         # this state never has all of this pass's jobs succeeded.
-        try:
-            with transaction.atomic():
-                actions.do_finish_job(job, result=result, error=error)
-                if error:
-                    to_state = FAILURE_STATE.get(kind, "failed")
-                    actions.do_transition_release(
-                        release, to_state, actor=WORKER, reason=f"{kind}: {error}"
-                    )
-                    return False
-                if last:
-                    actions.do_transition_release(release, next_state, actor=WORKER)
-        except IllegalTransition:
-            _close_superseded(job)
-            raise
+        with _finishing(job):
+            actions.do_finish_job(job, result=result, error=error)
+            if error:
+                to_state = FAILURE_STATE.get(kind, "failed")
+                actions.do_transition_release(
+                    release, to_state, actor=WORKER, reason=f"{kind}: {error}"
+                )
+                return False
+            if last:
+                actions.do_transition_release(release, next_state, actor=WORKER)
     return True
 
 
@@ -107,26 +112,20 @@ def _run_gate(release: Release) -> bool:
     job = actions.do_start_job(release, "gate")
     decision = evaluate_gates(release.gate_results.all())
     result = {"outcome": decision.outcome, "reason": decision.reason}
-    try:
-        with transaction.atomic():
-            if decision.outcome == "inconclusive":
-                # Pause in gated: a person looks, or later evidence re-runs the gate.
-                actions.do_finish_job(job, result=result)
-                return False
-            actions.do_finish_job(
-                job, result=result, error="" if decision.ok else decision.reason
+    with _finishing(job):
+        if decision.outcome == "inconclusive":
+            # Pause in gated: a person looks, or later evidence re-runs the gate.
+            actions.do_finish_job(job, result=result)
+            return False
+        actions.do_finish_job(
+            job, result=result, error="" if decision.ok else decision.reason
+        )
+        if decision.ok:
+            actions.do_transition_release(release, "awaiting_approval", actor=WORKER)
+        else:
+            actions.do_transition_release(
+                release, "failed", actor=WORKER, reason=decision.reason
             )
-            if decision.ok:
-                actions.do_transition_release(
-                    release, "awaiting_approval", actor=WORKER
-                )
-            else:
-                actions.do_transition_release(
-                    release, "failed", actor=WORKER, reason=decision.reason
-                )
-    except IllegalTransition:
-        _close_superseded(job)
-        raise
     return decision.ok
 
 
@@ -187,18 +186,14 @@ def run_deployment(release_id: int) -> str:
             # (promote retries a failed release; nothing moves a deploying one).
             log.exception("deploy failed for release %s", release.pk)
             result, error = {}, f"{type(exc).__name__}: {exc}"
-        try:
-            with transaction.atomic():
-                actions.do_finish_job(job, result=result, error=error)
-                if error:
-                    actions.do_fail_deployment(deployment, actor=WORKER, reason=error)
-                else:
-                    actions.do_complete_deployment(
-                        deployment, actor=WORKER, endpoint=result.get("endpoint", "")
-                    )
-        except IllegalTransition:
-            _close_superseded(job)
-            raise
+        with _finishing(job):
+            actions.do_finish_job(job, result=result, error=error)
+            if error:
+                actions.do_fail_deployment(deployment, actor=WORKER, reason=error)
+            else:
+                actions.do_complete_deployment(
+                    deployment, actor=WORKER, endpoint=result.get("endpoint", "")
+                )
     except JobLeaseHeld as held:
         return _log_busy(held, release_id)
     except IllegalTransition:
@@ -234,15 +229,14 @@ def run_reverification(deployment_id: int) -> str:
         actions.do_finish_job(job, error=f"{type(exc).__name__}: {exc}")
         return deployment.state
     try:
-        with transaction.atomic():
+        with _finishing(job):
             actions.do_finish_job(job, result=result, error=error)
             if error:
                 actions.do_fail_deployment(
                     deployment, actor=WORKER, reason=error, verification=True
                 )
     except IllegalTransition:
-        # The deployment stopped being live (superseded, rolled back) meanwhile.
-        _close_superseded(job)
+        pass  # the deployment stopped being live (superseded, rolled back) meanwhile
     deployment.refresh_from_db(fields=["state"])
     return deployment.state
 
