@@ -211,6 +211,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # -------------------------------------------------------------------------- layers
 
 
+def can_prepack(weight: Tensor) -> bool:
+    """Whether `weight` can take oneDNN's prepacked GEMM (`prepack_weight`): a
+    float32 CPU tensor, on a torch built with oneDNN (the CPU builds are)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
 def prepack_weight(weight: Tensor) -> Tensor | None:
     """`weight` [out, in] reordered once into oneDNN's blocked GEMM layout, or None
     where that path doesn't apply (not a float32 CPU tensor, torch without oneDNN).
@@ -221,12 +232,7 @@ def prepack_weight(weight: Tensor) -> Tensor | None:
     weights are final (the engine does, once, at start); the dense weights stay for
     the state dict and for training.
     """
-    if not (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    ):
+    if not can_prepack(weight):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
@@ -237,7 +243,9 @@ def packed_linear(x: Tensor, packed: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that runs through `packed_linear` once `prepack()`ed."""
+    """`nn.Linear` that runs through `packed_linear` once `prepack()`ed (the
+    projections packed alone: o_proj, down_proj, lm_head; q/k/v and gate/up are
+    packed fused by their modules)."""
 
     packed_weight: Tensor | None = None
 
@@ -276,9 +284,9 @@ class Attention(nn.Module):
         self.softmax_scale = config.head_dim**-0.5
         hidden, q_dim = config.hidden_size, self.num_heads * self.head_dim
         kv_dim = self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(hidden, q_dim, bias=False)
-        self.k_proj = Linear(hidden, kv_dim, bias=False)
-        self.v_proj = Linear(hidden, kv_dim, bias=False)
+        self.q_proj = nn.Linear(hidden, q_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
         self.o_proj = Linear(q_dim, hidden, bias=False)
         self.qkv_packed: Tensor | None = None  # [q_dim + 2 kv_dim, hidden], packed
 
@@ -364,8 +372,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(hidden, inter, bias=False)
-        self.up_proj = Linear(hidden, inter, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
         self.gate_up_packed: Tensor | None = None  # [2 * inter, hidden], packed
 
@@ -482,7 +490,7 @@ class Transformer(nn.Module):
         """Pack every projection for oneDNN GEMMs (see `prepack_weight`), q/k/v and
         gate/up fused; False (nothing packed) off the CPU or for non-float32 weights.
         Call it once the weights are final: the packed copies don't follow edits."""
-        if prepack_weight(self.lm_head.weight[:1]) is None:
+        if not can_prepack(self.lm_head.weight):
             return False
         for layer in self.layers:
             layer.self_attn.prepack()
