@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from gpuagent.engine.cache import KVCacheManager, kv_bytes_per_token
 from gpuagent.engine.engine import LLMEngine, prepare_inputs
@@ -501,8 +500,8 @@ def capture_attention_inputs(
 
     K and V are read back from the cache with `kernels.gather_kv` (exactly what the
     model wrote). Queries never reach the cache: a hook takes each attention layer's
-    input, q and k are projected from it with the dense q_proj/k_proj weights (the
-    serving path may run them fused and prepacked) and RoPE is applied with the
+    input, q and k are projected from it by q_proj/k_proj (the serving path may
+    run them fused and prepacked) and RoPE is applied with the
     model's own functions; the same recomputation for k must reproduce the cached
     keys, which checks it.
     """
@@ -553,8 +552,8 @@ def capture_attention_inputs(
         key, value = kernels.gather_kv(cache, attn.block_tables[0], n)  # [n, KVH, D]
         x, proj = inputs[i], layer.self_attn
         with torch.inference_mode():
-            q = F.linear(x, proj.q_proj.weight).unflatten(-1, (heads, dim)).float()
-            k = F.linear(x, proj.k_proj.weight).unflatten(-1, (kv_heads, dim)).float()
+            q = proj.q_proj(x).unflatten(-1, (heads, dim)).float()
+            k = proj.k_proj(x).unflatten(-1, (kv_heads, dim)).float()
         recomputed = apply_rope(k, cos.float(), sin.float())
         assert torch.allclose(recomputed, key, rtol=1e-4, atol=1e-4), (
             f"layer {i}: RoPE recomputed from k_proj != the keys in the cache"
