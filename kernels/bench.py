@@ -75,6 +75,17 @@ def fill_random(cache: kv_quant.PagedKVCache) -> None:
             scale.fill_(0.01)
 
 
+def shuffled_block_tables(
+    batch: int, tokens: int, block_size: int, device: str
+) -> tuple[int, torch.Tensor]:
+    """Pool size and block tables [batch, blocks per seq] int32 for `tokens` per
+    sequence, the physical blocks shuffled across sequences."""
+    blocks_per_seq = triton.cdiv(tokens, block_size)
+    num_blocks = batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, device=device, dtype=torch.int64)
+    return num_blocks, tables.view(batch, blocks_per_seq).to(torch.int32)
+
+
 def bench_write_kv(table: Table, device: str, num_tokens: int, reps: int) -> None:
     num_kv_heads, head_dim, block_size = 8, 128, 16
     num_blocks = triton.cdiv(num_tokens, block_size)
@@ -100,10 +111,7 @@ def bench_write_kv(table: Table, device: str, num_tokens: int, reps: int) -> Non
 
 def bench_decode(table, device, batch, context, shape, reps) -> None:
     num_heads, num_kv_heads, head_dim, block_size = shape
-    blocks_per_seq = triton.cdiv(context, block_size)
-    num_blocks = batch * blocks_per_seq
-    tables = torch.randperm(num_blocks, device=device, dtype=torch.int64)
-    tables = tables.view(batch, blocks_per_seq).to(torch.int32)
+    num_blocks, tables = shuffled_block_tables(batch, context, block_size, device)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, num_heads, head_dim, device=device).bfloat16()
     bf16_ms = None
@@ -133,10 +141,7 @@ def bench_decode(table, device, batch, context, shape, reps) -> None:
 
 def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
     num_heads, num_kv_heads, head_dim, block_size = shape
-    blocks_per_seq = triton.cdiv(new_tokens, block_size)
-    num_blocks = batch * blocks_per_seq
-    tables = torch.randperm(num_blocks, device=device, dtype=torch.int64)
-    tables = tables.view(batch, blocks_per_seq).to(torch.int32)
+    num_blocks, tables = shuffled_block_tables(batch, new_tokens, block_size, device)
     lens = torch.full((batch,), new_tokens, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * new_tokens
     query = torch.randn(batch * new_tokens, num_heads, head_dim, device=device)
