@@ -90,6 +90,7 @@ def reverify(release) -> tuple[dict, str]:
     """Re-hash the deployed copy and compare it with the approved artifacts; the
     error names every missing, extra and changed file."""
     from gpuagent.integrity import IntegrityError
+    from gpuagent.integrity.manifest import diff_files
 
     path = local_path(release.source_uri)
     if path is None or not release.manifest_digest:
@@ -98,16 +99,16 @@ def reverify(release) -> tuple[dict, str]:
         manifest, files = _file_digests(path)
     except IntegrityError as exc:
         return {}, str(exc)
-    expected = {a.path: a.digest for a in release.artifacts.all()}
-    actual = {f.path: f.digest for f in files}
+    missing, extra, changed = diff_files(
+        {a.path: a.digest for a in release.artifacts.all()},
+        {f.path: f.digest for f in files},
+    )
     result = {
         "expected_manifest_digest": release.manifest_digest,
         "manifest_digest": manifest.digest,
-        "missing": sorted(set(expected) - set(actual)),
-        "extra": sorted(set(actual) - set(expected)),
-        "changed": sorted(
-            p for p in expected.keys() & actual if expected[p] != actual[p]
-        ),
+        "missing": missing,
+        "extra": extra,
+        "changed": changed,
     }
     if manifest.digest == release.manifest_digest:
         return result, ""

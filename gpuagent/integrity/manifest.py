@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -161,15 +162,7 @@ class Manifest:
 
     def diff(self, actual: Manifest) -> tuple[list[str], list[str], list[str]]:
         """(missing, extra, changed) paths of `actual` against this manifest."""
-        expected_files, actual_files = self.files(), actual.files()
-        missing = sorted(set(expected_files) - set(actual_files))
-        extra = sorted(set(actual_files) - set(expected_files))
-        changed = sorted(
-            p
-            for p in set(expected_files) & set(actual_files)
-            if expected_files[p] != actual_files[p]
-        )
-        return missing, extra, changed
+        return diff_files(self.files(), actual.files())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -229,6 +222,19 @@ class Manifest:
         ]
         ignore = [str(p) for p in args.get("ignore_paths", [])]
         return cls(ms.model_name, spec, tuple(resources), tuple(ignore))
+
+
+def diff_files(
+    expected: Mapping[str, Any], actual: Mapping[str, Any]
+) -> tuple[list[str], list[str], list[str]]:
+    """(missing, extra, changed) sorted paths of `actual` against `expected`, both
+    path -> digest(s)."""
+    missing = sorted(expected.keys() - actual.keys())
+    extra = sorted(actual.keys() - expected.keys())
+    changed = sorted(
+        p for p in expected.keys() & actual.keys() if expected[p] != actual[p]
+    )
+    return missing, extra, changed
 
 
 def _resource(spec: HashSpec, name: str, algorithm: str, digest: str) -> Resource:
