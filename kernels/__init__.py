@@ -12,6 +12,7 @@ from kernels.kv_quant import (
     dequantize_kv,
     gather_kv,
     kv_bytes_per_token,
+    kv_window_bytes,
     quantize_kv,
     write_kv,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "dequantize_weight_int4",
     "gather_kv",
     "kv_bytes_per_token",
+    "kv_window_bytes",
     "pack_int4",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -22,6 +22,9 @@ _WRITE_SIG = {
     "value_cache_ptr": None,
     "key_scale_ptr": "*fp16",
     "value_scale_ptr": "*fp16",
+    "window_slot_ptr": "*i64",
+    "key_window_ptr": "*bf16",
+    "value_window_ptr": "*bf16",
     "stride_kt": "i32",
     "stride_kh": "i32",
     "stride_vt": "i32",
@@ -36,6 +39,9 @@ _DECODE_SIG = {
     "v_scale_ptr": "*fp16",
     "block_tables_ptr": "*i32",
     "context_lens_ptr": "*i32",
+    "window_rows_ptr": "*i32",
+    "k_window_ptr": "*bf16",
+    "v_window_ptr": "*bf16",
     "part_out_ptr": "*fp32",
     "part_max_ptr": "*fp32",
     "part_sum_ptr": "*fp32",
@@ -54,6 +60,9 @@ _PREFILL_SIG = {
     "block_tables_ptr": "*i32",
     "query_start_loc_ptr": "*i32",
     "context_lens_ptr": "*i32",
+    "window_rows_ptr": "*i32",
+    "k_window_ptr": "*bf16",
+    "v_window_ptr": "*bf16",
     "tile_seq_ptr": "*i32",
     "tile_start_ptr": "*i32",
     "out_ptr": "*bf16",
@@ -80,6 +89,8 @@ _MATMUL_SIG = {
     "stride_wn": "i32",
 }
 _STORAGE = {0: "*bf16", 1: "*u8", 2: "*i8", 3: "*u8"}
+# Full-precision window length of the WINDOW > 0 variants (quantized codes only).
+_WINDOW = 64
 
 
 def _configs(module: str):
@@ -97,11 +108,15 @@ def _configs(module: str):
                 "QMAX": qmax,
                 "CACHE_BF16": code == 0,
             }
-            yield f"write_kv[{code}]", kv_quant._write_kv_kernel, sig, consts, 1
+            for window in (0, _WINDOW) if code else (0,):
+                consts = dict(consts, WINDOW=window)
+                name = f"write_kv[{code},W{window}]"
+                yield name, kv_quant._write_kv_kernel, sig, consts, 1
         # fp32 storage: code 0 without the bf16 rounding, a plain float32 store.
         sig = dict(_WRITE_SIG, key_cache_ptr="*fp32", value_cache_ptr="*fp32")
         consts = {"HEAD_DIM": 128, "STORED_DIM": 128, "KV_DTYPE": 0, "QMAX": 1.0}
         consts["CACHE_BF16"] = False
+        consts["WINDOW"] = 0
         yield "write_kv[fp32]", kv_quant._write_kv_kernel, sig, consts, 1
     elif module == "paged_attention":
         # (KV_DTYPE code, GQA group, head_dim, block_size)
@@ -127,8 +142,10 @@ def _configs(module: str):
             # Both epilogues, spread over the shapes to keep the check short.
             single = group in (1, 8)
             consts["SINGLE_PART"] = single
-            name = f"decode[{code},G{group},D{head_dim},single={single}]"
-            yield name, kernel, sig, consts, 4
+            for window in (0, _WINDOW) if code else (0,):
+                consts = dict(consts, WINDOW=window)
+                name = f"decode[{code},G{group},D{head_dim},single={single},W{window}]"
+                yield name, kernel, sig, consts, 4
         for code, group, head_dim in ((0, 1, 64), (2, 4, 128), (1, 8, 64), (3, 4, 128)):
             sig = dict(_PREFILL_SIG, k_cache_ptr=_STORAGE[code])
             sig["v_cache_ptr"] = _STORAGE[code]
@@ -143,7 +160,10 @@ def _configs(module: str):
             }
             warps = 4 if head_dim <= 64 else 8
             kernel = paged_attention._paged_prefill_kernel
-            yield f"prefill[{code},G{group},D{head_dim}]", kernel, sig, consts, warps
+            for window in (0, _WINDOW) if code else (0,):
+                consts = dict(consts, WINDOW=window)
+                name = f"prefill[{code},G{group},D{head_dim},W{window}]"
+                yield name, kernel, sig, consts, warps
         # fp32 KV: float32 storage read by the code-0 path, full-precision dots.
         fp32 = {"k_cache_ptr": "*fp32", "v_cache_ptr": "*fp32"}
         consts = {
@@ -156,6 +176,7 @@ def _configs(module: str):
             "KV_DTYPE": 0,
             "DOT_PRECISION": "ieee",
             "SINGLE_PART": False,
+            "WINDOW": 0,
         }
         kernel = paged_attention._paged_decode_kernel
         yield "decode[fp32,G4,D64]", kernel, dict(_DECODE_SIG, **fp32), consts, 4
@@ -167,6 +188,7 @@ def _configs(module: str):
             "BLOCK_N": paged_attention.PREFILL_BLOCK_N,
             "KV_DTYPE": 0,
             "DOT_PRECISION": "ieee",
+            "WINDOW": 0,
         }
         kernel = paged_attention._paged_prefill_kernel
         yield "prefill[fp32,G4,D64]", kernel, dict(_PREFILL_SIG, **fp32), consts, 4

@@ -16,6 +16,15 @@ fp32     [num_blocks, block_size, H, D] float32      None                   8*H*
 fp32 is a plain copy, for exact parity checks against a float32 reference (twice the
 bf16 bytes; not a serving format).
 
+Full-precision window (optional, quantized dtypes only): the newest `window` tokens of
+each sequence are also kept in bfloat16, in `window_key` / `window_value`
+[num_windows, window, H, D]. A sequence owns one window row; position p goes to
+ring slot row * window + p % window. Readers take positions p >= context_len - window
+(the newest ones) from the window, every older position from the quantized blocks.
+Quantization error then only touches tokens that have left the window, where
+attention weight is usually smaller (KIVI's residual). A row costs
+`kv_window_bytes` per layer: 4 * H * D * window.
+
 Scales are per token per kv head (one float16 per head vector, for K and V alike),
 symmetric, from the vector's absmax, never clipped:
 
@@ -47,6 +56,7 @@ from kernels._triton import check, tl, triton, use_triton
 KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
 
 SCALE_DTYPE = torch.float16
+WINDOW_DTYPE = torch.bfloat16
 _STORAGE_DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
@@ -77,12 +87,22 @@ class PagedKVCache:
     value: torch.Tensor
     key_scale: torch.Tensor | None
     value_scale: torch.Tensor | None
+    # Full-precision window of the newest tokens (module docstring); 0: none.
+    window: int = 0
+    window_key: torch.Tensor | None = None  # [num_windows, window, H, D] bfloat16
+    window_value: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        """Every byte of storage, scales included."""
+        """Every byte of storage, scales and window included."""
         tensors = [self.key, self.value, self.key_scale, self.value_scale]
+        tensors += [self.window_key, self.window_value]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @property
+    def num_windows(self) -> int:
+        """Window rows (sequences that can hold a window at once)."""
+        return 0 if self.window_key is None else self.window_key.shape[0]
 
     @property
     def num_slots(self) -> int:
@@ -106,6 +126,11 @@ def kv_bytes_per_token(dtype: str, num_kv_heads: int, head_dim: int) -> int:
     return 2 * num_kv_heads * (data + SCALE_DTYPE.itemsize)
 
 
+def kv_window_bytes(num_kv_heads: int, head_dim: int, window: int) -> int:
+    """Bytes one sequence's full-precision window takes in one layer's cache."""
+    return 2 * window * num_kv_heads * head_dim * WINDOW_DTYPE.itemsize
+
+
 def allocate_kv_cache(
     dtype: str,
     num_blocks: int,
@@ -113,10 +138,22 @@ def allocate_kv_cache(
     num_kv_heads: int,
     head_dim: int,
     device: str | torch.device = "cpu",
+    window: int = 0,
+    num_windows: int = 0,
 ) -> PagedKVCache:
-    """Allocate a zeroed paged KV cache for one layer (layout in module docstring)."""
+    """Allocate a zeroed paged KV cache for one layer (layout in module docstring),
+    with `num_windows` window rows of `window` tokens when window > 0."""
     _check_dtype(dtype)
     check(dtype != "int4" or head_dim % 2 == 0, "int4 KV needs an even head_dim")
+    check(window >= 0 and num_windows >= 0, "window and num_windows must be >= 0")
+    check(
+        window == 0 or dtype in _QMAX,
+        f"a full-precision window is for quantized caches (fp8/int8/int4), not {dtype}",
+    )
+    check(
+        (window == 0) == (num_windows == 0),
+        "window and num_windows must both be 0 or both be positive",
+    )
     stored_dim = head_dim // 2 if dtype == "int4" else head_dim
     shape = (num_blocks, block_size, num_kv_heads, stored_dim)
     storage = _STORAGE_DTYPES[dtype]
@@ -126,6 +163,12 @@ def allocate_kv_cache(
         if not scaled:
             return None
         return torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+
+    def window_store() -> torch.Tensor | None:
+        if window == 0:
+            return None
+        window_shape = (num_windows, window, num_kv_heads, head_dim)
+        return torch.zeros(window_shape, dtype=WINDOW_DTYPE, device=device)
 
     return PagedKVCache(
         dtype=dtype,
@@ -137,6 +180,9 @@ def allocate_kv_cache(
         value=torch.zeros(shape, dtype=storage, device=device),
         key_scale=scale(),
         value_scale=scale(),
+        window=window,
+        window_key=window_store(),
+        window_value=window_store(),
     )
 
 
@@ -204,6 +250,16 @@ def _write_kv_reference(
         flat.index_copy_(0, slots, q.view(torch.uint8) if cache.dtype == "fp8" else q)
         if scale is not None:
             scale.view(cache.num_slots, cache.num_kv_heads).index_copy_(0, slots, s)
+
+
+def _write_window_reference(
+    cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
+    keep = slots >= 0
+    key, value, slots = key[keep], value[keep], slots[keep]
+    for src, store in ((key, cache.window_key), (value, cache.window_value)):
+        flat = store.view(-1, cache.num_kv_heads, cache.head_dim)
+        flat.index_copy_(0, slots, src.to(WINDOW_DTYPE))
 
 
 # --------------------------------------------------------------------------------------
@@ -286,6 +342,17 @@ def _quantize_store_head(
 
 
 @triton.jit
+def _store_window_head(
+    src_ptr,  # [HEAD_DIM] one new head vector (bf16/fp16/fp32), contiguous
+    dst_ptr,  # [HEAD_DIM] bfloat16 row of the window ring for (ring slot, head)
+    HEAD_DIM: tl.constexpr,
+):
+    offs = tl.arange(0, HEAD_DIM)
+    x = tl.load(src_ptr + offs).to(tl.float32)
+    tl.store(dst_ptr + offs, _fp32_to_bf16_rne(x))
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr,  # [T, H, HEAD_DIM] new keys, last dim contiguous
     value_ptr,  # [T, H, HEAD_DIM] new values, last dim contiguous
@@ -294,6 +361,9 @@ def _write_kv_kernel(
     value_cache_ptr,  # [num_slots, H, HEAD_DIM or HEAD_DIM//2] value storage
     key_scale_ptr,  # [num_slots, H] float16 key scales (dummy: unscaled)
     value_scale_ptr,  # [num_slots, H] float16 value scales (dummy: unscaled)
+    window_slot_ptr,  # [T] int64 ring slot per token, -1 = not in the window (dummy)
+    key_window_ptr,  # [num_windows * WINDOW, H, HEAD_DIM] bfloat16 ring (dummy)
+    value_window_ptr,  # [num_windows * WINDOW, H, HEAD_DIM] bfloat16 ring (dummy)
     stride_kt,
     stride_kh,
     stride_vt,
@@ -304,6 +374,7 @@ def _write_kv_kernel(
     KV_DTYPE: tl.constexpr,
     QMAX: tl.constexpr,
     CACHE_BF16: tl.constexpr,
+    WINDOW: tl.constexpr,  # ring length of the full-precision window; 0 = none
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -328,10 +399,29 @@ def _write_kv_kernel(
             QMAX,
             CACHE_BF16,
         )
+    if WINDOW > 0:
+        # Independent of `slot`: the window copy is a second, bf16 home of the token.
+        window_slot = tl.load(window_slot_ptr + tok)
+        if window_slot >= 0:
+            window_row = window_slot * num_kv_heads + head
+            _store_window_head(
+                key_ptr + tok * stride_kt + head * stride_kh,
+                key_window_ptr + window_row * HEAD_DIM,
+                HEAD_DIM,
+            )
+            _store_window_head(
+                value_ptr + tok * stride_vt + head * stride_vh,
+                value_window_ptr + window_row * HEAD_DIM,
+                HEAD_DIM,
+            )
 
 
 def _write_kv_triton(
-    cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    cache: PagedKVCache,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    window_slots: torch.Tensor | None,
 ) -> None:
     check(
         key.stride(-1) == 1 and value.stride(-1) == 1,
@@ -345,6 +435,12 @@ def _write_kv_triton(
         cache.head_dim & (cache.head_dim - 1) == 0,
         "Triton write_kv needs a power-of-two head_dim",
     )
+    if cache.window:
+        check(
+            cache.window_key.is_contiguous() and cache.window_value.is_contiguous(),
+            "window storage must be contiguous",
+        )
+        check(window_slots.is_contiguous(), "window_slots must be contiguous")
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -357,6 +453,11 @@ def _write_kv_triton(
     # bf16/fp16/fp32 have no scales; the kernel never touches these pointers then.
     key_scale = cache.key_scale if cache.key_scale is not None else key_store
     value_scale = cache.value_scale if cache.value_scale is not None else value_store
+    # No window: the kernel never touches these pointers either.
+    if not cache.window:
+        window_slots, key_window, value_window = slots, key_store, value_store
+    else:
+        key_window, value_window = cache.window_key, cache.window_value
     _write_kv_kernel[(num_tokens, cache.num_kv_heads)](
         key,
         value,
@@ -365,6 +466,9 @@ def _write_kv_triton(
         value_store,
         key_scale,
         value_scale,
+        window_slots,
+        key_window,
+        value_window,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -375,6 +479,7 @@ def _write_kv_triton(
         KV_DTYPE=KV_DTYPE_CODES[cache.dtype],
         QMAX=_QMAX.get(cache.dtype, 1.0),
         CACHE_BF16=cache.dtype == "bf16",
+        WINDOW=cache.window,
     )
 
 
@@ -388,12 +493,15 @@ def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    window_slots: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> None:
     """Quantize key/value [T, num_kv_heads, head_dim] into `cache` in place.
 
     slot_mapping [T] int64 gives each token's slot (block_id * block_size + offset);
-    slot -1 skips the token. Triton on CUDA, torch reference elsewhere (`impl`).
+    slot -1 skips the token. A cache with a window also takes window_slots [T] int64:
+    row * window + position % window for tokens that enter their sequence's window
+    (distinct), -1 for the others. Triton on CUDA, torch reference elsewhere (`impl`).
     """
     expected = (cache.num_kv_heads, cache.head_dim)
     check(
@@ -410,19 +518,69 @@ def write_kv(
         "slot_mapping must be [T]",
     )
     check(slot_mapping.dtype == torch.int64, "slot_mapping must be int64")
-    if use_triton(impl, key, value, slot_mapping, cache.key):
-        _write_kv_triton(cache, key, value, slot_mapping)
+    if cache.window:
+        check(
+            window_slots is not None
+            and window_slots.dim() == 1
+            and window_slots.shape[0] == key.shape[0]
+            and window_slots.dtype == torch.int64,
+            "a cache with a window needs window_slots [T] int64",
+        )
+    else:
+        check(window_slots is None, "window_slots given but the cache has no window")
+    windowed = (window_slots, cache.window_key) if cache.window else ()
+    if use_triton(impl, key, value, slot_mapping, cache.key, *windowed):
+        _write_kv_triton(cache, key, value, slot_mapping, window_slots)
     else:
         _write_kv_reference(cache, key, value, slot_mapping)
+        if cache.window:
+            _write_window_reference(cache, key, value, window_slots)
+
+
+def window_positions(
+    cache: PagedKVCache, context_lens: torch.Tensor, window_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each sequence's window tokens are: (seq [N], position [N], ring slot [N])
+    for the positions max(0, L - window) .. L - 1 of every sequence (L its context)."""
+    ctx = context_lens.long()
+    pos = ctx[:, None] - cache.window + torch.arange(cache.window, device=ctx.device)
+    seq = torch.arange(ctx.shape[0], device=ctx.device)[:, None].expand_as(pos)
+    keep = pos >= 0
+    seq, pos = seq[keep], pos[keep]
+    ring = window_rows.to(ctx.device).long()[seq] * cache.window + pos % cache.window
+    return seq, pos, ring
+
+
+def overlay_window(
+    cache: PagedKVCache,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context_lens: torch.Tensor,
+    window_rows: torch.Tensor,
+) -> None:
+    """Replace, in dequantized key/value [B, L, H, D] (positions 0..L-1 of each
+    sequence), every window position with its full-precision copy."""
+    seq, pos, ring = window_positions(cache, context_lens, window_rows)
+    for out, store in ((key, cache.window_key), (value, cache.window_value)):
+        flat = store.view(-1, cache.num_kv_heads, cache.head_dim)
+        out[seq, pos] = flat[ring].to(out.dtype)
 
 
 def gather_kv(
-    cache: PagedKVCache, block_table: torch.Tensor, context_len: int
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    context_len: int,
+    window_row: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized K, V [context_len, num_kv_heads, head_dim] float32 of one sequence.
 
-    block_table [max_blocks] (or [1, max_blocks]) lists the sequence's physical blocks.
+    block_table [max_blocks] (or [1, max_blocks]) lists the sequence's physical blocks;
+    a cache with a window needs the sequence's `window_row`.
     """
+    check(
+        (window_row is not None) == bool(cache.window),
+        "window_row is needed exactly when the cache has a window",
+    )
     table = block_table.reshape(-1).long()
     pos = torch.arange(context_len, device=table.device)
     slots = table[pos // cache.block_size] * cache.block_size + pos % cache.block_size
@@ -434,4 +592,14 @@ def gather_kv(
         rows = store.view(cache.num_slots, cache.num_kv_heads, -1)[slots]
         s = None if scale is None else scale.view(cache.num_slots, -1)[slots]
         out.append(dequantize_kv(rows, s, cache.dtype))
-    return out[0], out[1]
+    key, value = out
+    if cache.window:
+        device = key.device
+        overlay_window(
+            cache,
+            key[None],
+            value[None],
+            torch.tensor([context_len], device=device),
+            torch.tensor([window_row], device=device),
+        )
+    return key, value

@@ -18,6 +18,12 @@ over the paged cache: one program per (tile of PREFILL_BLOCK_M new tokens of one
 sequence, query head), K/V tiles gathered through the block table up to the tile's
 last position, causal mask by absolute position. The query heads of a GQA group each
 read their kv head (from L2 after the first).
+
+Full-precision window (kernels/kv_quant.py): with a window, every position
+p >= context_lens[b] - window of sequence b (for prefill, the context after the
+chunk, for every query of the chunk) is read in bfloat16 from the sequence's window
+row instead of its quantized block; the kernels load both sources under complementary
+masks and select per token, and compile the old code when WINDOW == 0.
 """
 
 from __future__ import annotations
@@ -26,7 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import check, tl, triton, use_triton
-from kernels.kv_quant import KV_DTYPE_CODES, PagedKVCache, dequantize_kv
+from kernels.kv_quant import (
+    KV_DTYPE_CODES,
+    PagedKVCache,
+    dequantize_kv,
+    overlay_window,
+)
 
 # Tokens per decode program; 512 matches vLLM's paged-attention v2 partitions.
 PARTITION_SIZE = 512
@@ -48,9 +59,15 @@ def _dot_precision(cache: PagedKVCache) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def _gather_context(cache: PagedKVCache, block_tables: torch.Tensor):
+def _gather_context(
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    window_rows: torch.Tensor | None,
+):
     """Dequantized K, V [B, max_blocks * block_size, Hkv, D] float32: every position
-    the block tables [B, max_blocks] cover, gathered a whole block at a time."""
+    the block tables [B, max_blocks] cover, gathered a whole block at a time, with
+    each sequence's newest positions from its full-precision window, if any."""
     batch = block_tables.shape[0]
     # Padding entries of a block table may be -1; they are masked out by length.
     blocks = block_tables.reshape(-1).clamp_min(0)  # [B * max_blocks]
@@ -68,7 +85,10 @@ def _gather_context(cache: PagedKVCache, block_tables: torch.Tensor):
         s = None if scale is None else scale.index_select(0, blocks)
         x = dequantize_kv(rows, s, cache.dtype)  # [B * max_blocks, bs, Hkv, D]
         out.append(x.view(batch, -1, cache.num_kv_heads, cache.head_dim))
-    return out[0], out[1]
+    key, value = out
+    if cache.window:
+        overlay_window(cache, key, value, context_lens, window_rows)
+    return key, value
 
 
 def paged_decode_attention_reference(
@@ -77,12 +97,15 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of `paged_decode_attention` (float32 math, vectorised)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
-    key, value = _gather_context(cache, block_tables.to(query.device))  # [B, L, ...]
+    key, value = _gather_context(
+        cache, block_tables.to(query.device), context_lens, window_rows
+    )  # [B, L, Hkv, D]
     # The `group` query heads of one kv head act as `group` query rows against that
     # head's keys, so GQA needs no repeated K/V.
     q = query.float().view(batch, num_kv_heads, group, head_dim)
@@ -107,6 +130,7 @@ def paged_prefill_attention_reference(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of `paged_prefill_attention` (float32, one SDPA for the whole
     batch: queries padded to [B, max_new], K/V to [B, max_blocks * block_size])."""
@@ -124,7 +148,9 @@ def paged_prefill_attention_reference(
     row = torch.arange(num_tokens, device=device) - qsl[seq]  # [T]
     q = query.new_zeros((batch, max_new, num_heads, head_dim), dtype=torch.float32)
     q[seq, row] = query.float()
-    key, value = _gather_context(cache, block_tables.to(device))  # [B, L, Hkv, D]
+    key, value = _gather_context(
+        cache, block_tables.to(device), ctx, window_rows
+    )  # [B, L, Hkv, D]
     # New token i of seq b sits at ctx[b] - num_new[b] + i; it sees positions up to
     # its own. Padding rows see something harmless and are dropped below.
     q_pos = (ctx - num_new)[:, None] + torch.arange(max_new, device=device)  # [B, N]
@@ -171,6 +197,18 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _load_window_tile(
+    window_ptr,  # [num_windows * WINDOW * Hkv, HEAD_DIM] bfloat16 ring of K or V
+    ring,  # [BLOCK_N] int64 ring row of each token (slot in the ring * Hkv + kv_head)
+    mask,  # [BLOCK_N] tokens read from the window
+    HEAD_DIM: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = window_ptr + ring[:, None] * HEAD_DIM + offs_d[None, :]
+    return tl.load(ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [B, num_heads, HEAD_DIM] queries, contiguous
     k_cache_ptr,  # key storage, [num_slots, Hkv, HEAD_DIM or HEAD_DIM//2]
@@ -179,6 +217,9 @@ def _paged_decode_kernel(
     v_scale_ptr,  # [num_slots, Hkv] float16 value scales (dummy: unscaled)
     block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
     context_lens_ptr,  # [B] int32 tokens in the cache per sequence
+    window_rows_ptr,  # [B] int32 window row of each sequence (dummy: WINDOW == 0)
+    k_window_ptr,  # [num_windows * WINDOW, Hkv, HEAD_DIM] bfloat16 keys (dummy)
+    v_window_ptr,  # [num_windows * WINDOW, Hkv, HEAD_DIM] bfloat16 values (dummy)
     part_out_ptr,  # [B, num_heads, num_parts, HEAD_DIM] float32 unnormalised outputs
     part_max_ptr,  # [B, num_heads, num_parts] float32 running max of the scores
     part_sum_ptr,  # [B, num_heads, num_parts] float32 softmax denominators
@@ -196,6 +237,7 @@ def _paged_decode_kernel(
     KV_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SINGLE_PART: tl.constexpr,
+    WINDOW: tl.constexpr,  # full-precision window length; 0 = none
 ):
     # kv heads vary fastest across programs: the heads of one token share DRAM pages
     # and the 32-byte sectors of their scales.
@@ -218,23 +260,37 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     start = part * PARTITION_SIZE
     end = tl.minimum(start + PARTITION_SIZE, context_len)
+    if WINDOW > 0:
+        window_row = tl.load(window_rows_ptr + seq).to(tl.int64)
     for tok0 in range(start, end, BLOCK_N):
         offs_n = tok0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
+        paged = n_mask  # [BLOCK_N] tokens read from the (quantized) blocks
+        if WINDOW > 0:
+            # Positions >= context_len - WINDOW come from the bf16 ring instead.
+            win = n_mask & (offs_n >= context_len - WINDOW)
+            paged = n_mask & (offs_n < context_len - WINDOW)
+            ring = (window_row * WINDOW + offs_n % WINDOW) * num_kv_heads + kv_head
         block = tl.load(
             block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
-            mask=n_mask,
+            mask=paged,
             other=0,
         ).to(tl.int64)
         row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE)
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM, KV_DTYPE)
+        if WINDOW > 0:
+            k_win = _load_window_tile(k_window_ptr, ring, win, HEAD_DIM)
+            k = tl.where(win[:, None], k_win, k)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM, KV_DTYPE)
+        if WINDOW > 0:
+            v_win = _load_window_tile(v_window_ptr, ring, win, HEAD_DIM)
+            v = tl.where(win[:, None], v_win, v)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -274,6 +330,22 @@ def _load_int4_tile(
 
 
 @triton.jit
+def _load_window_tile_split(
+    window_ptr,  # [num_windows * WINDOW * Hkv, HEAD_DIM] bfloat16 ring of K or V
+    ring,  # [BLOCK_N] int64 ring row of each token (slot in the ring * Hkv + kv_head)
+    mask,  # [BLOCK_N] tokens read from the window
+    HEAD_DIM: tl.constexpr,
+):
+    # The int4 kernel's even/odd split of head_dim: two [BLOCK_N, HEAD_DIM // 2]
+    # stride-2 loads (the odd one hits the sectors the even one brought in).
+    offs_j = tl.arange(0, HEAD_DIM // 2)
+    ptrs = window_ptr + ring[:, None] * HEAD_DIM + 2 * offs_j[None, :]
+    even = tl.load(ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
+    odd = tl.load(ptrs + 1, mask=mask[:, None], other=0.0).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
 def _paged_decode_int4_kernel(
     q_ptr,  # [B, num_heads, HEAD_DIM] queries, contiguous
     k_cache_ptr,  # [num_slots, Hkv, HEAD_DIM // 2] uint8 packed key nibbles
@@ -282,6 +354,9 @@ def _paged_decode_int4_kernel(
     v_scale_ptr,  # [num_slots, Hkv] float16 value scales
     block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
     context_lens_ptr,  # [B] int32 tokens in the cache per sequence
+    window_rows_ptr,  # [B] int32 window row of each sequence (dummy: WINDOW == 0)
+    k_window_ptr,  # [num_windows * WINDOW, Hkv, HEAD_DIM] bfloat16 keys (dummy)
+    v_window_ptr,  # [num_windows * WINDOW, Hkv, HEAD_DIM] bfloat16 values (dummy)
     part_out_ptr,  # [B, num_heads, num_parts, HEAD_DIM] float32 unnormalised outputs
     part_max_ptr,  # [B, num_heads, num_parts] float32 running max of the scores
     part_sum_ptr,  # [B, num_heads, num_parts] float32 softmax denominators
@@ -297,6 +372,7 @@ def _paged_decode_int4_kernel(
     BLOCK_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     SINGLE_PART: tl.constexpr,
+    WINDOW: tl.constexpr,  # full-precision window length; 0 = none
 ):
     # Same as _paged_decode_kernel, with q, K, V and the output split into even and
     # odd head_dim elements: q.k = q_even.k_even + q_odd.k_odd.
@@ -322,23 +398,39 @@ def _paged_decode_int4_kernel(
     acc_odd = tl.zeros([GROUP_PAD, HEAD_DIM // 2], tl.float32)
     start = part * PARTITION_SIZE
     end = tl.minimum(start + PARTITION_SIZE, context_len)
+    if WINDOW > 0:
+        window_row = tl.load(window_rows_ptr + seq).to(tl.int64)
     for tok0 in range(start, end, BLOCK_N):
         offs_n = tok0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
+        paged = n_mask  # [BLOCK_N] tokens read from the (quantized) blocks
+        if WINDOW > 0:
+            # Positions >= context_len - WINDOW come from the bf16 ring instead.
+            win = n_mask & (offs_n >= context_len - WINDOW)
+            paged = n_mask & (offs_n < context_len - WINDOW)
+            ring = (window_row * WINDOW + offs_n % WINDOW) * num_kv_heads + kv_head
         block = tl.load(
             block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
-            mask=n_mask,
+            mask=paged,
             other=0,
         ).to(tl.int64)
         row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
-        k_even, k_odd = _load_int4_tile(k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM)
+        k_even, k_odd = _load_int4_tile(k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM)
+        if WINDOW > 0:
+            w_even, w_odd = _load_window_tile_split(k_window_ptr, ring, win, HEAD_DIM)
+            k_even = tl.where(win[:, None], w_even, k_even)
+            k_odd = tl.where(win[:, None], w_odd, k_odd)
         scores = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_even, v_odd = _load_int4_tile(v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM)
+        v_even, v_odd = _load_int4_tile(v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM)
+        if WINDOW > 0:
+            w_even, w_odd = _load_window_tile_split(v_window_ptr, ring, win, HEAD_DIM)
+            v_even = tl.where(win[:, None], w_even, v_even)
+            v_odd = tl.where(win[:, None], w_odd, v_odd)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
         m_i = m_new
@@ -406,12 +498,28 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + bh * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def _window_args(
+    cache: PagedKVCache, window_rows: torch.Tensor | None, dummy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(window_rows, window_key, window_value) kernel arguments; without a window
+    the kernel never touches them, so `dummy` stands in for all three."""
+    if not cache.window:
+        return dummy, dummy, dummy
+    check(window_rows.is_contiguous(), "window_rows must be contiguous")
+    check(
+        cache.window_key.is_contiguous() and cache.window_value.is_contiguous(),
+        "window storage must be contiguous",
+    )
+    return window_rows, cache.window_key, cache.window_value
+
+
 def _paged_decode_triton(
     query: torch.Tensor,
     cache: PagedKVCache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window_rows: torch.Tensor | None = None,
     partition_size: int = PARTITION_SIZE,
     block_n: int = DECODE_BLOCK_N,
 ) -> torch.Tensor:
@@ -455,6 +563,7 @@ def _paged_decode_triton(
     value_scale = cache.value_scale if cache.value_scale is not None else value
     int4 = cache.dtype == "int4"
     kernel = _paged_decode_int4_kernel if int4 else _paged_decode_kernel
+    rows, window_key, window_value = _window_args(cache, window_rows, context_lens)
     dtype_arg = {}
     if not int4:
         dtype_arg = {
@@ -469,6 +578,9 @@ def _paged_decode_triton(
         value_scale,
         block_tables,
         context_lens,
+        rows,
+        window_key,
+        window_value,
         part_out,
         part_max,
         part_sum,
@@ -485,6 +597,7 @@ def _paged_decode_triton(
         PARTITION_SIZE=partition_size,
         **dtype_arg,
         SINGLE_PART=num_parts == 1,
+        WINDOW=cache.window,
         num_warps=4,
     )
     if num_parts == 1:
@@ -525,6 +638,9 @@ def _paged_prefill_kernel(
     block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
     query_start_loc_ptr,  # [B + 1] int32 first query row of each sequence
     context_lens_ptr,  # [B] int32 tokens in the cache per sequence, new ones included
+    window_rows_ptr,  # [B] int32 window row of each sequence (dummy: WINDOW == 0)
+    k_window_ptr,  # [num_windows * WINDOW, Hkv, HEAD_DIM] bfloat16 keys (dummy)
+    v_window_ptr,  # [num_windows * WINDOW, Hkv, HEAD_DIM] bfloat16 values (dummy)
     tile_seq_ptr,  # [num_tiles] int32 sequence of each query tile, -1 = no tile
     tile_start_ptr,  # [num_tiles] int32 first new-token index of the tile in its seq
     out_ptr,  # [T, num_heads, HEAD_DIM] output (query dtype)
@@ -538,6 +654,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     KV_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # full-precision window length; 0 = none
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -563,23 +680,35 @@ def _paged_prefill_kernel(
         # Keys up to the tile's last position; position 0 is in the first K tile,
         # so every row has a finite max after it (no NaN from fully masked rows).
         end = tl.minimum(tl.max(q_pos, axis=0) + 1, context_len)
+        if WINDOW > 0:
+            window_row = tl.load(window_rows_ptr + seq).to(tl.int64)
         for tok0 in range(0, end, BLOCK_N):
             offs_n = tok0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
+            paged = n_mask  # [BLOCK_N] tokens read from the (quantized) blocks
+            if WINDOW > 0:
+                # The whole chunk uses the window of the full context_len: positions
+                # >= context_len - WINDOW come from the bf16 ring.
+                win = n_mask & (offs_n >= context_len - WINDOW)
+                paged = n_mask & (offs_n < context_len - WINDOW)
+                ring = (window_row * WINDOW + offs_n % WINDOW) * num_kv_heads + kv_head
             block = tl.load(
                 block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
-                mask=n_mask,
+                mask=paged,
                 other=0,
             ).to(tl.int64)
             row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
             if KV_DTYPE == 3:
                 k = _load_int4_tile_interleaved(
-                    k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM
+                    k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM
                 )
             else:
                 k = _load_kv_tile(
-                    k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE
+                    k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM, KV_DTYPE
                 )
+            if WINDOW > 0:
+                k_win = _load_window_tile(k_window_ptr, ring, win, HEAD_DIM)
+                k = tl.where(win[:, None], k_win, k)
             # [BLOCK_M, BLOCK_N]
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -590,12 +719,15 @@ def _paged_prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if KV_DTYPE == 3:
                 v = _load_int4_tile_interleaved(
-                    v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM
+                    v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM
                 )
             else:
                 v = _load_kv_tile(
-                    v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM, KV_DTYPE
+                    v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM, KV_DTYPE
                 )
+            if WINDOW > 0:
+                v_win = _load_window_tile(v_window_ptr, ring, win, HEAD_DIM)
+                v = tl.where(win[:, None], v_win, v)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -611,6 +743,7 @@ def _paged_prefill_triton(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window_rows: torch.Tensor | None = None,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int = PREFILL_BLOCK_N,
 ) -> torch.Tensor:
@@ -654,6 +787,7 @@ def _paged_prefill_triton(
         key, value = key.view(torch.uint8), value.view(torch.uint8)
     key_scale = cache.key_scale if cache.key_scale is not None else key
     value_scale = cache.value_scale if cache.value_scale is not None else value
+    rows, window_key, window_value = _window_args(cache, window_rows, context_lens)
     _paged_prefill_kernel[(num_tiles, num_heads)](
         query,
         key,
@@ -663,6 +797,9 @@ def _paged_prefill_triton(
         block_tables,
         query_start_loc,
         context_lens,
+        rows,
+        window_key,
+        window_value,
         tile_seq,
         start.to(torch.int32),
         out,
@@ -676,6 +813,7 @@ def _paged_prefill_triton(
         BLOCK_N=block_n,
         KV_DTYPE=KV_DTYPE_CODES[cache.dtype],
         DOT_PRECISION=_dot_precision(cache),
+        WINDOW=cache.window,
         num_warps=4 if head_dim <= 64 else 8,
     )
     return out
@@ -687,7 +825,10 @@ def _paged_prefill_triton(
 
 
 def _check_attention_args(
-    query: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    window_rows: torch.Tensor | None,
 ) -> None:
     check(
         query.dim() == 3, f"query must be [*, num_heads, head_dim], got {query.shape}"
@@ -705,6 +846,15 @@ def _check_attention_args(
         f"query must be bf16/fp16/fp32, got {query.dtype}",
     )
     check(block_tables.dim() == 2, "block_tables must be [B, max_blocks]")
+    if cache.window:
+        check(
+            window_rows is not None
+            and window_rows.shape == (block_tables.shape[0],)
+            and window_rows.dtype == torch.int32,
+            "a cache with a window needs window_rows [B] int32",
+        )
+    else:
+        check(window_rows is None, "window_rows given but the cache has no window")
 
 
 def paged_decode_attention(
@@ -713,24 +863,28 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window_rows: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Decode attention: query [B, num_heads, D] -> [B, num_heads, D] (query dtype).
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache,
-    the new token's K/V already written). Triton on CUDA, torch reference elsewhere.
+    the new token's K/V already written); window_rows [B] int32, each sequence's
+    window row, when the cache has a window. Triton on CUDA, torch reference
+    elsewhere.
     """
-    _check_attention_args(query, cache, block_tables)
+    _check_attention_args(query, cache, block_tables, window_rows)
     check(
         block_tables.shape[0] == query.shape[0] == context_lens.shape[0],
         "query, block_tables and context_lens disagree on the batch size",
     )
-    if use_triton(impl, query, cache.key, block_tables, context_lens):
+    windowed = (window_rows, cache.window_key) if cache.window else ()
+    if use_triton(impl, query, cache.key, block_tables, context_lens, *windowed):
         return _paged_decode_triton(
-            query, cache, block_tables, context_lens, softmax_scale
+            query, cache, block_tables, context_lens, softmax_scale, window_rows
         )
     return paged_decode_attention_reference(
-        query, cache, block_tables, context_lens, softmax_scale
+        query, cache, block_tables, context_lens, softmax_scale, window_rows
     )
 
 
@@ -741,24 +895,33 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     softmax_scale: float,
+    window_rows: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Chunked-prefill attention: query [T, num_heads, D] -> [T, num_heads, D].
 
     Sequence b owns query[qsl[b]:qsl[b+1]]; context_lens[b] counts its cached tokens
     including the new ones (already written). New token i sits at position
-    context_lens[b] - n_new + i and attends causally to positions <= its own.
+    context_lens[b] - n_new + i and attends causally to positions <= its own. With a
+    window, positions >= context_lens[b] - window are read from the window.
     """
-    _check_attention_args(query, cache, block_tables)
+    _check_attention_args(query, cache, block_tables, window_rows)
     check(
         query_start_loc.shape[0]
         == block_tables.shape[0] + 1
         == context_lens.shape[0] + 1,
         "query_start_loc must be [B+1] and context_lens [B]",
     )
-    if not use_triton(impl, query, cache.key, block_tables, context_lens):
+    windowed = (window_rows, cache.window_key) if cache.window else ()
+    if not use_triton(impl, query, cache.key, block_tables, context_lens, *windowed):
         return paged_prefill_attention_reference(
-            query, cache, block_tables, query_start_loc, context_lens, softmax_scale
+            query,
+            cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            softmax_scale,
+            window_rows,
         )
     return _paged_prefill_triton(
         query.contiguous(),
@@ -767,4 +930,5 @@ def paged_prefill_attention(
         query_start_loc,
         context_lens,
         softmax_scale,
+        window_rows,
     )

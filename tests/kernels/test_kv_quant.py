@@ -148,7 +148,9 @@ def test_it_refuses_triton_on_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
 
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        kernels.write_kv(cache, key, key, torch.zeros(3, dtype=torch.int64), "triton")
+        kernels.write_kv(
+            cache, key, key, torch.zeros(3, dtype=torch.int64), impl="triton"
+        )
 
 
 @pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
@@ -306,6 +308,142 @@ def test_it_gathers_one_sequence_back_in_position_order(dtype):
             assert torch.equal(got[t], want)
 
 
+def ring_slots(num_tokens, window, num_windows, seed=0):
+    """window_slots [T]: distinct ring slots for some tokens, -1 for the others."""
+    g = torch.Generator().manual_seed(seed)
+    ring = torch.randperm(num_windows * window, generator=g)[:num_tokens]
+    ring[::3] = -1  # every third token stays out of the window
+    return ring
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+def test_it_counts_the_window_bytes(dtype):
+    cache = kernels.allocate_kv_cache(dtype, 3, 16, 2, 64, window=8, num_windows=5)
+
+    per_token = kernels.kv_bytes_per_token(dtype, 2, 64)
+    per_window = kernels.kv_window_bytes(2, 64, 8)
+
+    assert cache.nbytes == per_token * 3 * 16 + per_window * 5
+    assert cache.window_key.shape == (5, 8, 2, 64)
+    assert cache.window_key.dtype == torch.bfloat16
+    assert cache.num_windows == 5
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_it_refuses_a_window_on_an_unquantized_cache(dtype):
+    with pytest.raises(ValueError, match="quantized caches"):
+        kernels.allocate_kv_cache(dtype, 3, 16, 2, 64, window=8, num_windows=2)
+
+
+def test_it_refuses_a_window_without_rows_and_rows_without_a_window():
+    with pytest.raises(ValueError, match="both be 0"):
+        kernels.allocate_kv_cache("int8", 3, 16, 2, 64, window=8)
+    with pytest.raises(ValueError, match="both be 0"):
+        kernels.allocate_kv_cache("int8", 3, 16, 2, 64, num_windows=2)
+    with pytest.raises(ValueError, match=">= 0"):
+        kernels.allocate_kv_cache("int8", 3, 16, 2, 64, window=-8, num_windows=2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_it_rejects_missing_or_unexpected_window_slots(impl):
+    windowed = kernels.allocate_kv_cache("int4", 2, 16, 2, 64, window=8, num_windows=2)
+    plain = kernels.allocate_kv_cache("int4", 2, 16, 2, 64)
+    key = torch.zeros(3, 2, 64)
+    slots = torch.zeros(3, dtype=torch.int64)
+    ring = torch.tensor([0, 1, -1])
+
+    with pytest.raises(ValueError, match="needs window_slots"):
+        kernels.write_kv(windowed, key, key, slots, impl=impl)
+    with pytest.raises(ValueError, match="needs window_slots"):
+        kernels.write_kv(windowed, key, key, slots, ring.int(), impl=impl)
+    with pytest.raises(ValueError, match="needs window_slots"):
+        kernels.write_kv(windowed, key, key, slots, ring[:2], impl=impl)
+    with pytest.raises(ValueError, match="has no window"):
+        kernels.write_kv(plain, key, key, slots, ring, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float32])
+def test_it_writes_the_window_in_bf16_like_a_slow_loop(impl, input_dtype):
+    cache = kernels.allocate_kv_cache("int4", 3, 16, 2, 64, window=8, num_windows=3)
+    key, value = random_kv(10, 2, 64, dtype=input_dtype, seed=9)
+    slots = shuffled_slots(10, cache.num_slots, seed=10)
+    ring = ring_slots(10, 8, 3, seed=11)
+
+    kernels.write_kv(cache, key, value, slots, ring, impl=impl)
+
+    for which, src in (("window_key", key), ("window_value", value)):
+        store = getattr(cache, which)
+        written = set()
+        for t, r in enumerate(ring.tolist()):
+            if r < 0:
+                continue
+            row, offset = divmod(r, 8)
+            # torch's cast rounds to nearest even, as the GPU does.
+            assert torch.equal(store[row, offset], src[t].to(torch.bfloat16))
+            written.add(r)
+        untouched = [r for r in range(3 * 8) if r not in written]
+        assert not store.view(3 * 8, -1)[untouched].any()
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_it_leaves_the_window_untouched_when_no_token_enters_it(impl):
+    cache = kernels.allocate_kv_cache("int8", 3, 16, 2, 64, window=8, num_windows=2)
+    before = torch.randn(
+        cache.window_key.shape, generator=torch.Generator().manual_seed(18)
+    )
+    cache.window_key.copy_(before)
+    cache.window_value.copy_(-before)
+    key, value = random_kv(6, 2, 64, seed=12)
+    slots = shuffled_slots(6, cache.num_slots, seed=13)
+
+    kernels.write_kv(cache, key, value, slots, torch.full((6,), -1), impl=impl)
+
+    assert torch.equal(cache.window_key, before.to(torch.bfloat16))
+    assert torch.equal(cache.window_value, (-before).to(torch.bfloat16))
+    assert storage_bytes(cache.key).any()  # the blocks were written all the same
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+def test_it_writes_the_same_window_with_triton_as_the_reference(dtype):
+    ref = kernels.allocate_kv_cache(dtype, 3, 16, 2, 64, window=8, num_windows=3)
+    tri = kernels.allocate_kv_cache(dtype, 3, 16, 2, 64, window=8, num_windows=3)
+    key, value = random_kv(9, 2, 64, dtype=torch.float16, seed=14)
+    slots = shuffled_slots(9, ref.num_slots, seed=15)
+    ring = ring_slots(9, 8, 3, seed=16)
+    ring[4] = 5  # a token skipped by the blocks (slot -1) still enters the window
+
+    kernels.write_kv(ref, key, value, slots, ring, impl="reference")
+    kernels.write_kv(tri, key, value, slots, ring, impl="triton")
+
+    assert torch.equal(tri.window_key, ref.window_key)
+    assert torch.equal(tri.window_value, ref.window_value)
+    assert tri.window_key.view(-1, 2, 64)[5].any()
+    assert torch.equal(storage_bytes(tri.key), storage_bytes(ref.key))
+    assert torch.equal(tri.value_scale, ref.value_scale)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int4"])
+def test_it_gathers_the_newest_positions_from_the_window(dtype):
+    cache = kernels.allocate_kv_cache(dtype, 6, 16, 2, 64, window=8, num_windows=3)
+    key, value = random_kv(21, 2, 64, seed=17)
+    block_table = torch.tensor([5, 2], dtype=torch.int32)
+    pos = torch.arange(21)
+    slots = block_table.long()[pos // 16] * 16 + pos % 16
+    ring = torch.where(pos >= 21 - 8, 2 * 8 + pos % 8, -1)  # window row 2
+    kernels.write_kv(cache, key, value, slots, ring)
+
+    k, v = kernels.gather_kv(cache, block_table, 21, window_row=2)
+
+    for t in range(21):
+        for src, got in ((key, k), (value, v)):
+            if t >= 21 - 8:
+                want = src[t].to(torch.bfloat16).float()
+            else:
+                want = kernels.dequantize_kv(*kernels.quantize_kv(src[t], dtype), dtype)
+            assert torch.equal(got[t], want), t
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
@@ -327,6 +465,29 @@ def test_it_writes_like_the_reference_on_cuda(dtype):
     if ref.key_scale is not None:
         assert torch.equal(tri.key_scale, ref.key_scale)
         assert torch.equal(tri.value_scale, ref.value_scale)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+def test_it_writes_the_window_like_the_reference_on_cuda(dtype):
+    caches = [
+        kernels.allocate_kv_cache(
+            dtype, 128, 16, 8, 128, device="cuda", window=64, num_windows=40
+        )
+        for _ in range(2)
+    ]
+    key, value = random_kv(2000, 8, 128, dtype=torch.bfloat16, seed=19)
+    key, value = key.cuda(), value.cuda()
+    slots = shuffled_slots(2000, caches[0].num_slots).cuda()
+    ring = ring_slots(2000, 64, 40, seed=20).cuda()
+
+    for cache, impl in zip(caches, ("reference", "triton"), strict=True):
+        kernels.write_kv(cache, key, value, slots, ring, impl=impl)
+
+    ref, tri = caches
+    assert torch.equal(tri.window_key, ref.window_key)
+    assert torch.equal(tri.window_value, ref.window_value)
 
 
 def test_it_compiles_the_kernels_for_sm90_without_a_gpu():

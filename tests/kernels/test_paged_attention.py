@@ -71,6 +71,24 @@ def slow_attention_one(q, key, value, positions_allowed, scale):
     return out / sum(weights)
 
 
+def assert_chunk_matches_slow(out, query, first, new, context, key, value, scale):
+    """Prefill rows first..first+new-1 of `out` (a chunk ending at `context`) equal
+    the slow loop, head by head, over K/V [context, Hkv, D] as the kernel must see
+    them."""
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    for i in range(new):
+        token, position = first + i, context - new + i
+        for h in range(num_heads):
+            kvh = h // (num_heads // num_kv_heads)
+            want = slow_attention_one(
+                query[token, h].double(), key[:, kvh], value[:, kvh],
+                position + 1, scale,
+            )  # fmt: skip
+            torch.testing.assert_close(
+                out[token, h].double(), want, atol=1e-5, rtol=1e-5
+            )
+
+
 def slow_decode(query, written, dtype, scale):
     batch, num_heads, _ = query.shape
     out = torch.zeros(query.shape, dtype=torch.float64)
@@ -173,18 +191,9 @@ def test_it_prefills_causally_over_the_cached_prefix_like_a_slow_loop(dtype, sha
         key, value = written[b]
         key = kernels.dequantize_kv(*kernels.quantize_kv(key, dtype), dtype).double()
         value = kernels.dequantize_kv(*kernels.quantize_kv(value, dtype), dtype)
-        for i in range(new):
-            token = int(qsl[b]) + i
-            position = context - new + i
-            for h in range(num_heads):
-                kvh = h // (num_heads // num_kv_heads)
-                want = slow_attention_one(
-                    query[token, h].double(), key[:, kvh], value[:, kvh],
-                    position + 1, scale,
-                )  # fmt: skip
-                torch.testing.assert_close(
-                    out[token, h].double(), want, atol=1e-5, rtol=1e-5
-                )
+        assert_chunk_matches_slow(
+            out, query, int(qsl[b]), new, context, key, value, scale
+        )
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8", "int4", "fp32"])
@@ -236,6 +245,248 @@ def test_it_rejects_mismatched_shapes():
         kernels.paged_decode_attention(
             torch.randn(2, 4, 64), cache, tables.long(), ctx, 1.0, impl="triton"
         )
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, window): GQA 1 with a window
+# shorter than a block, GQA 4 with one that spans blocks.
+WINDOW_SHAPES = [(2, 2, 64, 16, 8), (8, 2, 64, 8, 12)]
+
+
+def windowed_cache(dtype, shape, chunks, seed=0, device="cpu"):
+    """A cache with a full-precision window, filled the way an engine does it:
+    sequence b writes chunks[b] tokens at a time (e.g. [25, 5]: a prefill, then
+    5 more), each write sending the tokens among the newest `window` positions
+    after it to the window too. Block tables are shuffled, every sequence has its
+    own window row (shuffled, with spare rows).
+
+    Returns (cache, block_tables, context_lens, window_rows, per-seq (key, value)).
+    """
+    _, num_kv_heads, head_dim, block_size, window = shape
+    g = torch.Generator().manual_seed(seed)
+    context_lens = [sum(c) for c in chunks]
+    blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    cache = kernels.allocate_kv_cache(
+        dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device,
+        window=window, num_windows=len(chunks) + 2,
+    )  # fmt: skip
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    rows = torch.randperm(len(chunks) + 2, generator=g)[: len(chunks)]
+    tables = torch.full((len(chunks), max(blocks_per_seq)), -1, dtype=torch.int32)
+    written = []
+    for b, ctx in enumerate(context_lens):
+        mine = [pool.pop() for _ in range(blocks_per_seq[b])]
+        tables[b, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+        key = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        value = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        start = 0
+        for n in chunks[b]:
+            pos = torch.arange(start, start + n)
+            slots = torch.tensor(mine)[pos // block_size] * block_size
+            slots += pos % block_size
+            ring = int(rows[b]) * window + pos % window
+            ring = torch.where(pos >= start + n - window, ring, -1)
+            kernels.write_kv(
+                cache, key[pos].to(device), value[pos].to(device),
+                slots.to(device), ring.to(device),
+            )  # fmt: skip
+            start += n
+        written.append((key, value))
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    rows = rows.to(torch.int32)
+    return cache, tables.to(device), lens.to(device), rows.to(device), written
+
+
+def slow_windowed_kv(src, dtype, window):
+    """What a reader must see of one sequence's K or V [L, Hkv, D], position by
+    position: the newest `window` in bf16, every older one round-tripped through
+    `dtype` (float64)."""
+    length = src.shape[0]
+    out = torch.empty(src.shape, dtype=torch.float64)
+    for p in range(length):
+        if p >= length - window:
+            out[p] = src[p].to(torch.bfloat16).double()
+        else:
+            stored, scale = kernels.quantize_kv(src[p], dtype)
+            out[p] = kernels.dequantize_kv(stored, scale, dtype).double()
+    return out
+
+
+def window_decode_chunks(block_size, window):
+    # Context 1, W-1, W, W+1, bs+1 and a longer one; each a prefill, then one token.
+    lens = [1, window - 1, window, window + 1, block_size + 1, 3 * block_size + 5]
+    return [[c] if c == 1 else [c - 1, 1] for c in lens]
+
+
+# (context incl. new, new tokens) per step: a chunk shorter than the window after a
+# prefill (part of the window from the earlier step), one prefill that fills the
+# window exactly, one longer than it, a one-token prompt, a window that crosses a
+# 32-token K/V tile.
+WINDOW_PREFILL_CHUNKS = [[25, 5], [12], [1], [20], [37, 3]]
+
+
+def window_prefill_inputs(dtype, shape, seed):
+    num_heads, _, head_dim, _, _ = shape
+    cache, tables, ctx, rows, written = windowed_cache(
+        dtype, shape, WINDOW_PREFILL_CHUNKS, seed=seed
+    )
+    qsl = torch.tensor([0] + [c[-1] for c in WINDOW_PREFILL_CHUNKS]).cumsum(0)
+    query = torch.randn(int(qsl[-1]), num_heads, head_dim)
+    return query, cache, tables, qsl.to(torch.int32), ctx, rows, written
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+def test_it_decodes_with_a_window_like_a_slow_loop(dtype):
+    shape = WINDOW_SHAPES[1]
+    num_heads, num_kv_heads, head_dim, block_size, window = shape
+    chunks = window_decode_chunks(block_size, window)
+    cache, tables, ctx, rows, written = windowed_cache(dtype, shape, chunks, seed=20)
+    query = torch.randn(len(chunks), num_heads, head_dim)
+    scale = head_dim**-0.5
+
+    out = kernels.paged_decode_attention(
+        query, cache, tables, ctx, scale, rows, impl="reference"
+    )
+
+    for b, (key, value) in enumerate(written):
+        key = slow_windowed_kv(key, dtype, window)
+        value = slow_windowed_kv(value, dtype, window)
+        for h in range(num_heads):
+            kvh = h // (num_heads // num_kv_heads)
+            want = slow_attention_one(
+                query[b, h].double(), key[:, kvh], value[:, kvh], key.shape[0], scale
+            )
+            torch.testing.assert_close(out[b, h].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+def test_it_prefills_with_a_window_like_a_slow_loop(dtype):
+    shape = WINDOW_SHAPES[1]
+    num_heads, num_kv_heads, head_dim, _, window = shape
+    query, cache, tables, qsl, ctx, rows, written = window_prefill_inputs(
+        dtype, shape, seed=21
+    )
+    scale = head_dim**-0.5
+
+    out = kernels.paged_prefill_attention(
+        query, cache, tables, qsl, ctx, scale, rows, impl="reference"
+    )
+
+    for b, (key, value) in enumerate(written):
+        # The window of the context after the step, for every query of the chunk.
+        key = slow_windowed_kv(key, dtype, window)
+        value = slow_windowed_kv(value, dtype, window)
+        new = WINDOW_PREFILL_CHUNKS[b][-1]
+        assert_chunk_matches_slow(
+            out, query, int(qsl[b]), new, key.shape[0], key, value, scale
+        )
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("shape", WINDOW_SHAPES)
+def test_it_decodes_with_a_window_with_triton_like_the_reference(dtype, shape):
+    num_heads, _, head_dim, block_size, window = shape
+    chunks = window_decode_chunks(block_size, window)
+    cache, tables, ctx, rows, _ = windowed_cache(dtype, shape, chunks, seed=22)
+    query = torch.randn(len(chunks), num_heads, head_dim)
+
+    got = kernels.paged_decode_attention(
+        query, cache, tables, ctx, head_dim**-0.5, rows, impl="triton"
+    )
+
+    want = paged_decode_attention_reference(
+        query, cache, tables, ctx, head_dim**-0.5, rows
+    )
+    atol, rtol = TOLERANCE["cpu"][dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("shape", WINDOW_SHAPES)
+def test_it_prefills_with_a_window_with_triton_like_the_reference(dtype, shape):
+    query, cache, tables, qsl, ctx, rows, _ = window_prefill_inputs(
+        dtype, shape, seed=23
+    )
+    scale = shape[2] ** -0.5
+
+    got = kernels.paged_prefill_attention(
+        query, cache, tables, qsl, ctx, scale, rows, impl="triton"
+    )
+
+    want = kernels.paged_prefill_attention(
+        query, cache, tables, qsl, ctx, scale, rows, impl="reference"
+    )
+    atol, rtol = TOLERANCE["cpu"][dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_it_matches_a_bf16_cache_exactly_when_the_window_covers_the_context(
+    dtype, impl
+):
+    shape = (8, 2, 64, 8, 16)
+    chunks = [[9], [12, 4], [1], [15, 1]]  # every context <= the window
+    window_cache, tables, ctx, rows, _ = windowed_cache(dtype, shape, chunks, seed=24)
+    # The same K/V (bf16 values) in bf16 blocks of the same block tables, no window.
+    bf16_cache, *_ = filled_cache("bf16", shape[:4], [16, 16, 16, 16])
+    bf16_cache.key.zero_()
+    bf16_cache.value.zero_()
+    for b, c in enumerate(ctx.tolist()):
+        k, v = kernels.gather_kv(window_cache, tables[b], c, int(rows[b]))
+        pos = torch.arange(c)
+        slots = tables[b].long()[pos // 8] * 8 + pos % 8
+        kernels.write_kv(bf16_cache, k, v, slots)
+    query = torch.randn(4, 8, 64)
+    qsl = torch.tensor([0, 9, 13, 14, 15], dtype=torch.int32)
+    prefill_query = torch.randn(15, 8, 64)
+
+    decode = [
+        kernels.paged_decode_attention(query, cache, tables, ctx, 0.125, r, impl=impl)
+        for cache, r in ((window_cache, rows), (bf16_cache, None))
+    ]
+    prefill = [
+        kernels.paged_prefill_attention(
+            prefill_query, cache, tables, qsl, ctx, 0.125, r, impl=impl
+        )
+        for cache, r in ((window_cache, rows), (bf16_cache, None))
+    ]
+
+    assert torch.equal(prefill[0], prefill[1])
+    if impl == "triton" and dtype == "int4":
+        # The int4 decode kernel sums q.k as even + odd halves: another order.
+        torch.testing.assert_close(decode[0], decode[1], atol=2e-5, rtol=2e-5)
+    else:
+        assert torch.equal(decode[0], decode[1])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_it_rejects_missing_or_unexpected_window_rows(impl):
+    shape = (4, 2, 64, 16, 8)
+    windowed, tables, ctx, rows, _ = windowed_cache("int8", shape, [[3], [5]])
+    plain, *_ = filled_cache("int8", shape[:4], [3, 5])
+    query = torch.randn(2, 4, 64)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+
+    def decode(cache, window_rows):
+        return kernels.paged_decode_attention(
+            query, cache, tables, ctx, 1.0, window_rows, impl=impl
+        )
+
+    def prefill(cache, window_rows):
+        return kernels.paged_prefill_attention(
+            query, cache, tables, qsl, ctx, 1.0, window_rows, impl=impl
+        )
+
+    for attend in (decode, prefill):
+        with pytest.raises(ValueError, match="needs window_rows"):
+            attend(windowed, None)
+        with pytest.raises(ValueError, match="needs window_rows"):
+            attend(windowed, rows.long())
+        with pytest.raises(ValueError, match="needs window_rows"):
+            attend(windowed, rows[:1])
+        with pytest.raises(ValueError, match="has no window"):
+            attend(plain, rows)
 
 
 def relative_error_vs_bf16(dtype, head_dim, offset_scale, seed=5):
@@ -315,6 +566,38 @@ def test_it_prefills_like_the_reference_on_cuda(dtype):
         query, cache, tables, qsl, ctx, 128**-0.5, impl="reference"
     )
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+def test_it_reads_the_window_like_the_reference_on_cuda(dtype):
+    shape = (32, 8, 128, 16, 64)
+    chunks = [[1], [63, 1], [64], [999, 1], [2000, 49], [300, 33]]
+    cache, tables, ctx, rows, _ = windowed_cache(
+        dtype, shape, chunks, seed=9, device="cuda"
+    )
+    query = torch.randn(len(chunks), 32, 128, device="cuda")
+    qsl = torch.tensor([0] + [c[-1] for c in chunks], device="cuda").cumsum(0)
+    qsl = qsl.to(torch.int32)
+    prefill_query = torch.randn(int(qsl[-1]), 32, 128, device="cuda")
+
+    decode = [
+        kernels.paged_decode_attention(
+            query, cache, tables, ctx, 128**-0.5, rows, impl=impl
+        )
+        for impl in ("triton", "reference")
+    ]
+    prefill = [
+        kernels.paged_prefill_attention(
+            prefill_query, cache, tables, qsl, ctx, 128**-0.5, rows, impl=impl
+        )
+        for impl in ("triton", "reference")
+    ]
+
+    atol, rtol = TOLERANCE["cuda"][dtype]
+    torch.testing.assert_close(decode[0], decode[1], atol=atol, rtol=rtol)
+    torch.testing.assert_close(prefill[0], prefill[1], atol=2e-2, rtol=2e-2)
 
 
 def test_it_compiles_the_kernels_for_sm90_without_a_gpu():
