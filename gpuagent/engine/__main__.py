@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=KV_CACHE_DTYPES,
         help="fp32 is a plain copy for float32 parity checks, not a serving format",
     )
+    serve.add_argument(
+        "--kv-window",
+        type=int,
+        default=None,
+        help="newest tokens per sequence also kept in bf16 beside a quantized cache "
+        "(default: 16 for int4, none for the others)",
+    )
     serve.add_argument("--kv-memory-gb", type=float, default=2.0)
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--host", default="127.0.0.1")
@@ -152,6 +159,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         model,
         tokenizer,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_window=args.kv_window,
         kv_memory_bytes=int(args.kv_memory_gb * 2**30),
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
@@ -175,14 +183,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(
             f"error: refused to load {args.model_dir}: [{e.code}] {e}"
         ) from None
+    except ValueError as e:  # an engine setting that can't work, e.g. no KV block
+        raise SystemExit(f"error: {e}") from None
     name = args.served_model_name or args.model_dir.resolve().name
     logging.getLogger(__name__).info(
-        "serving %s: kv %s, %d blocks x %d tokens, %d bytes/token",
+        "serving %s: kv %s, %d blocks x %d tokens, %d bytes/token, window %d",
         name,
         engine.kv.kv_dtype,
         engine.kv.num_blocks,
         engine.kv.block_size,
         engine.kv.bytes_per_token,
+        engine.kv.window,
     )
     app = build_app(AsyncLLMEngine(engine), name)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

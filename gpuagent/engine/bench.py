@@ -4,7 +4,8 @@ Prints ratios measured side by side in one run, each with its target and PASS/FA
 
 - memory: KV bytes/token of each dtype vs bf16, and how many concurrent 2k-token
   sequences the block pool admits in the same byte budget, counted by admitting
-  requests through the scheduler;
+  requests through the scheduler (int4's full-precision window rows, one per
+  `max_num_seqs` as the engine reserves them, come out of the same budget);
 - throughput: aggregate output tokens/s of 16 concurrent requests vs the same 16 one
   after another, and vs `transformers` `generate` on the same model, prompts and
   lengths (batched 16 with left padding; one-at-a-time shown for information);
@@ -15,6 +16,9 @@ Prints ratios measured side by side in one run, each with its target and PASS/FA
   into a cache of each dtype with `kernels.write_kv`, and the decode attention of
   sampled positions t (context 0..t) run with `kernels.paged_decode_attention`;
   relative error ||o_q - o_bf16|| / ||o_bf16||, mean over layers and worst layer.
+
+Every dtype runs as the engine serves it by default: int4 with its full-precision
+window of the newest tokens (`engine.DEFAULT_KV_WINDOW`), the others without.
 
 Runs on the demo model (gpuagent/engine/demo_model); without it, on a random model of
 the same shape, with a loud note (quality numbers then mean little). On a CPU the
@@ -34,8 +38,13 @@ from pathlib import Path
 
 import torch
 
-from gpuagent.engine.cache import KVCacheManager, kv_bytes_per_token
-from gpuagent.engine.engine import LLMEngine, prepare_inputs
+from gpuagent.engine.cache import KVCacheManager, kv_bytes_per_token, kv_window_bytes
+from gpuagent.engine.engine import (
+    DEFAULT_MAX_NUM_SEQS,
+    LLMEngine,
+    default_kv_window,
+    prepare_inputs,
+)
 from gpuagent.engine.sampling import SamplingParams
 from gpuagent.engine.scheduler import ScheduledChunk, Scheduler
 from gpuagent.engine.scheduler import Sequence as Seq
@@ -103,7 +112,7 @@ class Row:
 
     def render(self) -> str:
         result = "info" if self.ok is None else ("PASS" if self.ok else "FAIL")
-        return f"{self.name:<52} {self.value:>12}  {self.target:>10}  {result}"
+        return f"{self.name:<56} {self.value:>12}  {self.target:>10}  {result}"
 
 
 # -------------------------------------------------------------------------- model
@@ -138,6 +147,12 @@ def random_demo_shaped_dir(path: Path) -> Path:
 # ------------------------------------------------------------------------- memory
 
 
+def served(dtype: str) -> str:
+    """A KV dtype's label as served by default: int4+w16 has a 16-token window."""
+    window = default_kv_window(dtype)
+    return f"{dtype}+w{window}" if window else dtype
+
+
 def memory_rows(config) -> list[Row]:
     """KV bytes/token of each dtype vs bf16."""
     bf16 = kv_bytes_per_token(config, "bf16")
@@ -155,15 +170,37 @@ def memory_rows(config) -> list[Row]:
                 ratio <= target if target else None,
             )
         )
+        window = default_kv_window(dtype)
+        if window:
+            window_bytes = kv_window_bytes(config, window)
+            rows.append(
+                Row(
+                    f"  {dtype} full-precision window, bytes/seq ({window} tokens)",
+                    f"{window_bytes}",
+                    "",
+                    None,
+                )
+            )
     return rows
 
 
 def admitted_sequences(config, kv_dtype: str, budget_bytes: int) -> tuple[int, int]:
     """How many 2k-token requests the scheduler admits at once in `budget_bytes` of
-    KV cache (the cache is really allocated); returns (admitted, cache bytes)."""
-    kv = KVCacheManager.for_budget(config, kv_dtype, budget_bytes, block_size=16)
+    KV cache (the cache is really allocated, window rows included, as the engine
+    sizes it by default); returns (admitted, cache bytes)."""
+    window = default_kv_window(kv_dtype)
+    kv = KVCacheManager.for_budget(
+        config,
+        kv_dtype,
+        budget_bytes,
+        block_size=16,
+        window=window,
+        num_windows=DEFAULT_MAX_NUM_SEQS if window else 0,
+    )
     assert kv.nbytes <= budget_bytes
-    scheduler = Scheduler(kv.blocks, max_num_seqs=10_000, max_num_batched_tokens=10**9)
+    scheduler = Scheduler(
+        kv.blocks, max_num_seqs=DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=10**9
+    )
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     prompt = [i % 256 for i in range(CAPACITY_SEQ_TOKENS - 1)]  # + 1 generated
     capacity_guess = kv.blocks.capacity_tokens // CAPACITY_SEQ_TOKENS + 2
@@ -172,6 +209,7 @@ def admitted_sequences(config, kv_dtype: str, budget_bytes: int) -> tuple[int, i
     scheduler.schedule()
     admitted = len(scheduler.running)
     assert len(scheduler.waiting) > 0, "offered too few requests to find the limit"
+    assert admitted < DEFAULT_MAX_NUM_SEQS, "max_num_seqs, not memory, set the limit"
     return admitted, kv.nbytes
 
 
@@ -196,7 +234,7 @@ def capacity_rows(config) -> list[Row]:
         target = targets.get(dtype)
         rows.append(
             Row(
-                f"2k-token seqs admitted {dtype} / bf16  ({admitted})",
+                f"2k-token seqs admitted {served(dtype)} / bf16  ({admitted})",
                 f"{ratio:.3f}x",
                 f">= {target}x" if target else "",
                 ratio >= target if target else None,
@@ -405,12 +443,15 @@ def teacher_forced_logprobs(
     `kv_dtype`; the sequence is fed `chunk_tokens` at a time (chunked prefill), so
     later tokens attend to earlier ones through the quantized cache."""
     device = next(model.parameters()).device
+    window = default_kv_window(kv_dtype)
     kv = KVCacheManager(
         model.config,
         kv_dtype,
         num_blocks=-(-len(token_ids) // 16),
         block_size=16,
         device=device,
+        window=window,
+        num_windows=1 if window else 0,
     )
     seq = Seq("tf", token_ids, SamplingParams(max_tokens=1))
     kv.blocks.ensure_capacity("tf", len(token_ids))
@@ -455,7 +496,7 @@ def quality_rows(model, tokenizer, max_len: int) -> list[Row]:
         kld_target, top1_target = targets.get(dtype, (None, None))
         rows.append(
             Row(
-                f"KV {dtype} vs bf16: mean KLD ({positions} positions)",
+                f"KV {served(dtype)} vs bf16: mean KLD ({positions} positions)",
                 f"{mean_kld:.6f}",
                 f"<= {kld_target}" if kld_target else "",
                 mean_kld <= kld_target if kld_target else None,
@@ -463,7 +504,7 @@ def quality_rows(model, tokenizer, max_len: int) -> list[Row]:
         )
         rows.append(
             Row(
-                f"KV {dtype} vs bf16: same top-1",
+                f"KV {served(dtype)} vs bf16: same top-1",
                 f"{100 * top1:.2f}%",
                 f">= {100 * top1_target:.1f}%" if top1_target else "",
                 top1 >= top1_target if top1_target else None,
@@ -574,24 +615,54 @@ def decode_attention_outputs(
     kv_dtype: str,
     query_positions: torch.Tensor,
     block_size: int = 16,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention [P, H, D] float32 of the query at each of `query_positions`
     over context 0..t, with K/V stored through `kernels.write_kv` into a `kv_dtype`
-    cache and read by `kernels.paged_decode_attention` (the serving path)."""
+    cache and read by `kernels.paged_decode_attention` (the serving path). With a
+    full-precision window (default: as the engine serves `kv_dtype`) each query is
+    its own sequence, with its own window row holding its newest positions."""
     import kernels
 
     n, kv_heads, dim = acts.key.shape
     device = acts.key.device
     num_blocks = -(-n // block_size)
+    num_queries = len(query_positions)
+    if window is None:
+        window = default_kv_window(kv_dtype)
     cache = kernels.allocate_kv_cache(
-        kv_dtype, num_blocks, block_size, kv_heads, dim, device=device
+        kv_dtype,
+        num_blocks,
+        block_size,
+        kv_heads,
+        dim,
+        device=device,
+        window=window,
+        num_windows=num_queries if window else 0,
     )
     slots = torch.arange(n, dtype=torch.int64, device=device)
-    kernels.write_kv(cache, acts.key, acts.value, slots)
+    window_slots = torch.full_like(slots, -1) if window else None
+    kernels.write_kv(cache, acts.key, acts.value, slots, window_slots)
+    window_rows = None
+    if window:
+        # Query r's newest positions t+1-window..t go to its row r (blocks skipped).
+        offsets = torch.arange(window, device=device)
+        pos = query_positions[:, None] + 1 - window + offsets  # [P, window]
+        row = torch.arange(num_queries, device=device)[:, None].expand_as(pos)
+        keep = pos >= 0
+        pos, row = pos[keep], row[keep]
+        kernels.write_kv(
+            cache,
+            acts.key[pos],
+            acts.value[pos],
+            torch.full_like(pos, -1),
+            row * window + pos % window,
+        )
+        window_rows = torch.arange(num_queries, dtype=torch.int32, device=device)
     # Every query is a decode step of the same sequence: the same block table, and
     # a context that ends at (and includes) the query's own token.
     table = torch.arange(num_blocks, dtype=torch.int32, device=device)
-    tables = table[None].expand(len(query_positions), -1).contiguous()  # [P, blocks]
+    tables = table[None].expand(num_queries, -1).contiguous()  # [P, blocks]
     context_lens = (query_positions + 1).to(torch.int32)  # [P]
     out = kernels.paged_decode_attention(
         acts.query[query_positions].contiguous(),
@@ -599,6 +670,7 @@ def decode_attention_outputs(
         tables,
         context_lens,
         acts.softmax_scale,
+        window_rows,
     )
     return out.float()
 
@@ -614,6 +686,7 @@ def attention_relative_errors(
     kv_dtypes: Sequence[str],
     positions_per_prompt: int,
     reference_dtype: str = "bf16",
+    window: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Relative error ||o_q - o_ref|| / ||o_ref|| of decode attention output with
     each KV dtype vs `reference_dtype` KV, on the model's real activations.
@@ -621,7 +694,8 @@ def attention_relative_errors(
     Returns {dtype: [num_layers] float64}; per layer the norms are taken over every
     sampled query of every prompt (all heads), so a layer's error is its output
     error energy over its output energy. Query positions are spread evenly over
-    each prompt, first and last included.
+    each prompt, first and last included. `window` overrides each dtype's default
+    full-precision window.
     """
     num_layers = len(model.layers)
     err_sq = {
@@ -637,7 +711,7 @@ def attention_relative_errors(
             ref = decode_attention_outputs(acts, reference_dtype, picks)
             ref_sq[i] += ref.double().pow(2).sum().cpu()
             for dtype in kv_dtypes:
-                out = decode_attention_outputs(acts, dtype, picks)
+                out = decode_attention_outputs(acts, dtype, picks, window=window)
                 err_sq[dtype][i] += (out - ref).double().pow(2).sum().cpu()
     return {dtype: (err / ref_sq).sqrt() for dtype, err in err_sq.items()}
 
@@ -672,7 +746,7 @@ def attention_error_rows(
         ):
             rows.append(
                 Row(
-                    f"attn out {dtype} vs bf16 KV: rel. err, {label}",
+                    f"attn out {served(dtype)} vs bf16 KV: rel. err, {label}",
                     f"{100 * value:.3f}%",
                     f"<= {100 * target:g}%" if target else "",
                     value <= target if target else None,
@@ -751,7 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     ]
     rows: list[Row] = []
-    header = f"{'metric':<52} {'value':>12}  {'target':>10}  result"
+    header = f"{'metric':<56} {'value':>12}  {'target':>10}  result"
     for title, build in sections:
         print(f"\n== {title}")
         print(header)

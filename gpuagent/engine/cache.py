@@ -5,6 +5,11 @@ the kernels only ever see tensors (the per-layer `PagedKVCache`s, a slot mapping
 block tables). A sequence's token at position `p` lives in block
 `block_table[p // block_size]` at offset `p % block_size`, i.e. in cache slot
 `block_id * block_size + offset`.
+
+A cache with a full-precision window (`kernels.kv_quant`) also gives each live
+sequence one window row; its newest `window` tokens are copied to ring slot
+`row * window + p % window` as well. Rows come from a free list like blocks, and a
+sequence takes one with its first block.
 """
 
 from __future__ import annotations
@@ -100,14 +105,26 @@ def slot_mapping(
 
 
 class BlockManager:
-    """Block tables of live sequences over one `BlockPool` (no tensors)."""
+    """Block tables (and window rows) of live sequences over one `BlockPool`
+    (no tensors)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, window: int = 0, num_windows: int = 0
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if window < 0 or num_windows < 0 or (window == 0) != (num_windows == 0):
+            raise ValueError(
+                "window and num_windows must both be 0 or both be positive, got "
+                f"{window} and {num_windows}"
+            )
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.window = window
+        self.num_windows = num_windows
+        self._free_windows: deque[int] = deque(range(num_windows))
+        self.window_rows: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -138,26 +155,51 @@ class BlockManager:
         held = len(self.block_tables.get(seq_id, ()))
         return max(0, blocks_needed(num_tokens, self.block_size) - held)
 
+    def _needs_window_row(self, seq_id: str) -> bool:
+        return self.num_windows > 0 and seq_id not in self.window_rows
+
     def can_hold(self, seq_id: str, num_tokens: int) -> bool:
-        """Whether the free list covers growing `seq_id` to `num_tokens` tokens."""
+        """Whether the free lists cover growing `seq_id` to `num_tokens` tokens."""
+        if self._needs_window_row(seq_id) and not self._free_windows:
+            return False
         return self.extra_blocks_for(seq_id, num_tokens) <= self.pool.num_free_blocks
 
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> bool:
-        """Grow `seq_id`'s table to hold `num_tokens`; False (nothing taken) if the
-        pool can't."""
-        extra = self.extra_blocks_for(seq_id, num_tokens)
-        if extra > self.pool.num_free_blocks:
+        """Grow `seq_id`'s table to hold `num_tokens` (and give it a window row);
+        False (nothing taken) if the pool can't."""
+        if not self.can_hold(seq_id, num_tokens):
             return False
+        if self._needs_window_row(seq_id):
+            self.window_rows[seq_id] = self._free_windows.popleft()
+        extra = self.extra_blocks_for(seq_id, num_tokens)
         table = self.block_tables.setdefault(seq_id, [])
         if extra:
             table.extend(self.pool.allocate(extra))
         return True
 
     def free(self, seq_id: str) -> int:
-        """Return every block of `seq_id` to the pool; returns how many."""
+        """Return every block (and the window row) of `seq_id`; returns how many
+        blocks."""
         table = self.block_tables.pop(seq_id, [])
         self.pool.free(table)
+        row = self.window_rows.pop(seq_id, None)
+        if row is not None:
+            self._free_windows.append(row)
         return len(table)
+
+    def window_row(self, seq_id: str) -> int:
+        """The window row `seq_id` holds (a cache with a window only)."""
+        return self.window_rows[seq_id]
+
+    def window_slots(self, seq_id: str, start: int, end: int) -> list[int]:
+        """Window ring slot of each position `start..end-1` of `seq_id`: positions
+        that are among the newest `window` after this step get theirs, -1 the rest
+        (so no two new tokens share a slot)."""
+        row, window = self.window_rows[seq_id], self.window
+        first = max(start, end - window)
+        return [-1] * (first - start) + [
+            row * window + pos % window for pos in range(first, end)
+        ]
 
     def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
         """Cache slots of positions `start..end-1` of `seq_id`."""
@@ -184,12 +226,25 @@ def kv_bytes_per_token(config: Any, kv_dtype: str) -> int:
     return num_layers * per_layer
 
 
+def kv_window_bytes(config: Any, window: int) -> int:
+    """Bytes one sequence's full-precision window takes across all layers."""
+    num_layers, num_kv_heads, head_dim = _kv_shape(config)
+    return num_layers * kernels.kv_window_bytes(num_kv_heads, head_dim, window)
+
+
 def num_blocks_for_budget(
-    config: Any, kv_dtype: str, budget_bytes: int, block_size: int
+    config: Any,
+    kv_dtype: str,
+    budget_bytes: int,
+    block_size: int,
+    window: int = 0,
+    num_windows: int = 0,
 ) -> int:
-    """How many KV blocks (all layers) fit in `budget_bytes`."""
+    """How many KV blocks (all layers) fit in `budget_bytes`, after the window rows
+    (`num_windows` of `window` tokens) take theirs."""
     block_bytes = kv_bytes_per_token(config, kv_dtype) * block_size
-    return int(budget_bytes) // block_bytes
+    rest = int(budget_bytes) - num_windows * kv_window_bytes(config, window)
+    return max(0, rest) // block_bytes
 
 
 class KVCacheManager:
@@ -202,6 +257,8 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int = 16,
         device: str | torch.device = "cpu",
+        window: int = 0,
+        num_windows: int = 0,
     ) -> None:
         if kv_dtype not in kernels.KV_CACHE_DTYPES:
             raise ValueError(
@@ -212,10 +269,18 @@ class KVCacheManager:
         self.kv_dtype = kv_dtype
         self.block_size = block_size
         self.bytes_per_token = kv_bytes_per_token(config, kv_dtype)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.window = window
+        self.blocks = BlockManager(num_blocks, block_size, window, num_windows)
         self.kv_caches: list[kernels.PagedKVCache] = [
             kernels.allocate_kv_cache(
-                kv_dtype, num_blocks, block_size, num_kv_heads, head_dim, device
+                kv_dtype,
+                num_blocks,
+                block_size,
+                num_kv_heads,
+                head_dim,
+                device,
+                window=window,
+                num_windows=num_windows,
             )
             for _ in range(num_layers)
         ]
@@ -228,16 +293,22 @@ class KVCacheManager:
         budget_bytes: int,
         block_size: int = 16,
         device: str | torch.device = "cpu",
+        window: int = 0,
+        num_windows: int = 0,
     ) -> KVCacheManager:
-        """As many blocks as `budget_bytes` holds."""
-        num_blocks = num_blocks_for_budget(config, kv_dtype, budget_bytes, block_size)
+        """As many blocks as `budget_bytes` holds beside the window rows."""
+        num_blocks = num_blocks_for_budget(
+            config, kv_dtype, budget_bytes, block_size, window, num_windows
+        )
         if num_blocks == 0:
             raise ValueError(
                 f"a KV budget of {budget_bytes} bytes holds no block of "
                 f"{block_size} tokens at {kv_bytes_per_token(config, kv_dtype)} "
-                "bytes/token"
+                f"bytes/token (after {num_windows} window rows of {window} tokens)"
             )
-        return cls(config, kv_dtype, num_blocks, block_size, device)
+        return cls(
+            config, kv_dtype, num_blocks, block_size, device, window, num_windows
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -246,5 +317,5 @@ class KVCacheManager:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every cache tensor, scales included."""
+        """Bytes of every cache tensor, scales and windows included."""
         return sum(cache.nbytes for cache in self.kv_caches)

@@ -42,6 +42,10 @@ class AttentionMetadata:
     query_start_loc: Tensor  # [B+1] int32, seq b owns tokens qsl[b]:qsl[b+1]
     context_lens: Tensor  # [B] int32, tokens in cache per seq AFTER this step
     decode_only: bool  # every sequence has exactly one new token
+    # A cache with a full-precision window: [T] int64 ring slot per new token (-1:
+    # not among its sequence's newest) and [B] int32 window row per sequence.
+    window_slots: Tensor | None = None
+    window_rows: Tensor | None = None
 
 
 @dataclass
@@ -321,20 +325,17 @@ class Attention(nn.Module):
         out_rows: Tensor | None = None,  # [B] rows to compute; None: all T
     ) -> Tensor:
         q, k, v = self._qkv(x, cos, sin)  # [T, H, D], [T, KVH, D], [T, KVH, D]
-        write_kv(cache, k, v, attn.slot_mapping)
-        if out_rows is not None:
+        write_kv(cache, k, v, attn.slot_mapping, attn.window_slots)
+        if out_rows is not None or attn.decode_only:
             # Each kept row is its sequence's last new token, which sees the whole
             # context: that is decode attention. [B, H, D]
             out = paged_decode_attention(
-                q[out_rows],
+                q if out_rows is None else q[out_rows],
                 cache,
                 attn.block_tables,
                 attn.context_lens,
                 self.softmax_scale,
-            )
-        elif attn.decode_only:
-            out = paged_decode_attention(
-                q, cache, attn.block_tables, attn.context_lens, self.softmax_scale
+                attn.window_rows,
             )
         else:
             out = paged_prefill_attention(
@@ -344,6 +345,7 @@ class Attention(nn.Module):
                 attn.query_start_loc,
                 attn.context_lens,
                 self.softmax_scale,
+                attn.window_rows,
             )
         out = out.to(x.dtype).flatten(-2)  # [T or B, H, D] -> [T or B, H * D]
         return self.o_proj(out)

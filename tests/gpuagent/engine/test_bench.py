@@ -30,7 +30,7 @@ def test_it_measures_zero_error_for_the_reference_dtype_and_orders_int8_below_in
     model, ids = demo_model_and_ids
 
     errors = bench.attention_relative_errors(
-        model, [ids], ("bf16", "int8", "int4", "fp8"), POSITIONS
+        model, [ids], ("bf16", "int8", "int4", "fp8"), POSITIONS, window=0
     )
 
     num_layers = len(model.layers)
@@ -42,6 +42,24 @@ def test_it_measures_zero_error_for_the_reference_dtype_and_orders_int8_below_in
         assert (errors[dtype] > 0).all(), dtype
     # int4 has 16 levels per scale against int8's 255: coarser in every layer.
     assert (errors["int8"] < errors["int4"]).all()
+
+
+def test_int4s_window_lowers_the_error_in_every_layer_and_covers_it_exactly(
+    demo_model_and_ids,
+):
+    model, ids = demo_model_and_ids
+
+    def int4_errors(window):
+        errors = bench.attention_relative_errors(
+            model, [ids], ("int4",), POSITIONS, window=window
+        )
+        return errors["int4"]
+
+    bare, served, whole = int4_errors(0), int4_errors(None), int4_errors(len(ids))
+
+    assert (served < bare).all()
+    # Every position in the bf16 window: exactly the bf16 reference.
+    assert (whole == 0).all()
 
 
 def test_it_runs_the_production_write_and_decode_kernels(
@@ -64,10 +82,10 @@ def test_it_runs_the_production_write_and_decode_kernels(
     bench.attention_relative_errors(model, [ids], dtypes, POSITIONS)
 
     # per layer: one bf16 reference run and one run per dtype, each writing its own
-    # cache and decoding from it
+    # cache and decoding from it; int4's window rows take a second write
     expected = sorted(["bf16", *dtypes] * len(model.layers))
     assert sorted(calls["paged_decode_attention"]) == expected
-    assert sorted(calls["write_kv"]) == expected
+    assert sorted(calls["write_kv"]) == sorted(expected + ["int4"] * len(model.layers))
 
 
 def test_it_captures_the_queries_keys_and_values_the_model_attends_with(

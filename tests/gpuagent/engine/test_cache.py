@@ -7,6 +7,7 @@ from gpuagent.engine.cache import (
     NoFreeBlocksError,
     blocks_needed,
     kv_bytes_per_token,
+    kv_window_bytes,
     num_blocks_for_budget,
     slot_mapping,
 )
@@ -182,3 +183,69 @@ def test_it_rejects_an_unknown_kv_dtype():
 def test_it_refuses_a_budget_below_one_block():
     with pytest.raises(ValueError, match="holds no block"):
         KVCacheManager.for_budget(small_config(), "bf16", 100, 16)
+
+
+def test_it_gives_each_sequence_one_window_row_with_its_first_blocks():
+    blocks = BlockManager(num_blocks=8, block_size=4, window=6, num_windows=2)
+
+    assert blocks.ensure_capacity("a", 5)
+    assert blocks.ensure_capacity("a", 9)  # growing keeps the row
+    assert blocks.ensure_capacity("b", 1)
+
+    assert sorted(blocks.window_rows.values()) == [0, 1]
+    row_a = blocks.window_row("a")
+    blocks.free("a")
+    assert "a" not in blocks.window_rows
+    assert blocks.ensure_capacity("c", 1)
+    assert blocks.window_row("c") == row_a
+
+
+def test_it_takes_nothing_when_no_window_row_is_free():
+    blocks = BlockManager(num_blocks=8, block_size=4, window=6, num_windows=1)
+    assert blocks.ensure_capacity("a", 4)
+
+    assert not blocks.can_hold("b", 4)
+    assert not blocks.ensure_capacity("b", 4)
+    assert blocks.block_table("b") == [] and blocks.num_free_blocks == 7
+    assert blocks.can_hold("a", 8)  # a holds its row already
+
+
+def test_it_maps_only_the_newest_positions_to_window_slots():
+    blocks = BlockManager(num_blocks=16, block_size=4, window=4, num_windows=3)
+    for seq_id in ("x", "y"):
+        blocks.ensure_capacity(seq_id, 20)
+    row = blocks.window_row("y")
+
+    # A 10-token chunk: only positions 6..9 are among the newest 4 afterwards.
+    assert blocks.window_slots("y", 0, 10) == [-1] * 6 + [
+        row * 4 + p % 4 for p in range(6, 10)
+    ]
+    # A chunk shorter than the window: every token goes in, wrapping the ring.
+    assert blocks.window_slots("y", 10, 12) == [row * 4 + 2, row * 4 + 3]
+    assert blocks.window_slots("y", 12, 13) == [row * 4 + 0]
+
+
+def test_it_takes_window_rows_out_of_the_budget():
+    config = small_config()
+    budget_bytes = 1_000_000
+    row_bytes = kv_window_bytes(config, 16)
+
+    manager = KVCacheManager.for_budget(
+        config, "int4", budget_bytes, 16, window=16, num_windows=8
+    )
+
+    # bf16 K and V of 16 tokens in every layer
+    assert row_bytes == config.num_hidden_layers * 2 * 16 * 2 * 64 * 2
+    block_bytes = kv_bytes_per_token(config, "int4") * 16
+    assert manager.nbytes == manager.num_blocks * block_bytes + 8 * row_bytes
+    assert manager.nbytes <= budget_bytes < manager.nbytes + block_bytes
+    assert manager.num_blocks == num_blocks_for_budget(
+        config, "int4", budget_bytes, 16, 16, 8
+    )
+
+
+def test_it_refuses_a_window_on_an_unquantized_cache():
+    with pytest.raises(ValueError, match="quantized caches"):
+        KVCacheManager(small_config(), "bf16", 4, window=8, num_windows=2)
+    with pytest.raises(ValueError, match="both be 0 or both be positive"):
+        BlockManager(4, 4, window=8, num_windows=0)

@@ -219,3 +219,17 @@ def test_it_rejects_incomplete_trust_flags(signed_demo, drop, expected):
         del argv[i : i + 2]
 
     assert expected in refusal(argv)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--kv-cache-dtype", "bf16", "--kv-window", "8"], "quantized caches"),
+        (["--kv-memory-gb", "0"], "holds no KV block"),
+    ],
+)
+def test_it_rejects_engine_settings_that_cannot_work(signed_demo, flags, expected):
+    folder, digest, publisher, _ = signed_demo
+    argv = serve_argv(folder, digest, publisher.public, *RELEASE_FLAGS, *flags)
+
+    assert expected in refusal(argv)
