@@ -32,11 +32,11 @@ from gpuagent.engine.sampling import (
 )
 from gpuagent.engine.scheduler import ScheduledChunk, Scheduler
 from gpuagent.engine.scheduler import Sequence as Seq
+from gpuagent.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 2**20
-_REPLACEMENT_CHAR = "\ufffd"
 DEFAULT_MAX_NUM_SEQS = 64
 # Newest tokens per sequence kept in bf16 beside a quantized cache, by default. int4
 # alone loses ~12% of the attention output on the demo model; with the newest 16
@@ -426,11 +426,13 @@ class LLMEngine:
         elif seq.num_tokens >= self.max_model_len:
             finish_reason = "length"
 
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        text = seq.detokenizer.text(text_ids)
         if params.stop:
             # Matches ending inside the previous text's settled part were looked for
             # already; its trailing U+FFFD may have become a different character.
-            settled = len(seq.output_text.rstrip(_REPLACEMENT_CHAR))
+            settled = len(seq.output_text.rstrip(REPLACEMENT_CHAR))
             cut = find_stop_string(text, params.stop, settled)
             if cut is not None:
                 text, finish_reason = text[:cut], "stop"
@@ -439,7 +441,7 @@ class LLMEngine:
         releasable = len(text)
         if finish_reason is None:
             # Hold back a cut-off UTF-8 character and a possible stop-string start.
-            releasable = len(text.rstrip(_REPLACEMENT_CHAR))
+            releasable = len(text.rstrip(REPLACEMENT_CHAR))
             if params.stop:
                 releasable -= stop_holdback(text[:releasable], params.stop)
         releasable = max(releasable, seq.num_emitted_chars)

@@ -55,6 +55,7 @@ class Sequence:
     generator: torch.Generator | None = None
     # Engine-side output state (detokenization, timing).
     output_text: str = ""
+    detokenizer: Any = None  # tokenizer.IncrementalDetokenizer of output_token_ids
     num_emitted_chars: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None

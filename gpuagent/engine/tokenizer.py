@@ -26,6 +26,7 @@ SPECIAL_TOKENS = (
     "<|reserved_1|>",
 )
 BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # 264
+REPLACEMENT_CHAR = "\ufffd"  # what a cut-off UTF-8 character decodes to
 
 # One turn per message, each closed by eos; the generation prompt opens an assistant
 # turn so the model's eos ends its answer.
@@ -88,6 +89,38 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of token ids, decoding only its unsettled tail per call
+    (vLLM's prefix/read offsets), so streaming n tokens costs O(n), not O(n^2).
+
+    Text up to `read_offset` is settled: it decoded without a trailing U+FFFD (a
+    UTF-8 character cut off). Each call decodes ids[prefix_offset:], where the
+    tokens prefix_offset..read_offset-1 are context so that decoders which treat a
+    first token specially (SentencePiece's leading space) see the same first token
+    as a full decode would, and keeps what comes after their text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.settled = ""  # text of ids[:read_offset]
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def text(self, ids: list[int]) -> str:
+        """Text of all of `ids`, which extend the ids of every earlier call."""
+        prefix = self._decode(ids[self.prefix_offset : self.read_offset])
+        tail = self._decode(ids[self.prefix_offset :])[len(prefix) :]
+        if tail and not tail.endswith(REPLACEMENT_CHAR):
+            self.settled += tail
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return self.settled
+        return self.settled + tail
 
 
 def build_byte_tokenizer() -> HFTokenizer:

@@ -333,3 +333,25 @@ def test_it_fails_only_the_batch_when_a_step_raises(make_engine, monkeypatch):
     assert outs[-1].finished and len(outs[-1].token_ids) == GREEDY.max_tokens
     assert async_engine.step_errors == 1
     assert engine.kv.blocks.num_used_blocks == 0
+
+
+def test_it_detokenizes_each_streamed_token_a_bounded_number_of_times(
+    make_engine, monkeypatch
+):
+    engine = make_engine(num_blocks=64, block_size=4)
+    decoded = []
+    real_decode = engine.tokenizer.decode
+
+    def counting_decode(ids, skip_special_tokens=False):
+        decoded.append(len(ids))
+        return real_decode(ids, skip_special_tokens)
+
+    monkeypatch.setattr(engine.tokenizer, "decode", counting_decode)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    out = engine.generate(["x"], params)[0]
+
+    assert len(out.token_ids) == 200
+    assert out.text == real_decode(out.token_ids, skip_special_tokens=True)
+    # Decoding the whole output on every token would be ~20,000 ids.
+    assert sum(decoded) < 10 * 200

@@ -1,12 +1,17 @@
 """gpuagent.engine.tokenizer: the byte-level tokenizer and loading tokenizer.json."""
 
 import json
+import random
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 
 from gpuagent.engine.tokenizer import (
     BYTE_VOCAB_SIZE,
     SPECIAL_TOKENS,
+    IncrementalDetokenizer,
+    Tokenizer,
     load_tokenizer,
     save_byte_tokenizer,
 )
@@ -107,3 +112,71 @@ def test_it_loads_only_from_the_given_file_bytes(tmp_path):
     assert tokenizer.eos_token_id == 257
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "elsewhere", files={})
+
+
+def detokenize_step_by_step(tokenizer, ids):
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    return [detokenizer.text(ids[:k]) for k in range(1, len(ids) + 1)]
+
+
+def full_decodes(tokenizer, ids):
+    return [
+        tokenizer.decode(ids[:k], skip_special_tokens=True)
+        for k in range(1, len(ids) + 1)
+    ]
+
+
+@pytest.mark.parametrize("text", TEXTS[1:])
+def test_it_detokenizes_incrementally_exactly_as_a_full_decode(byte_tokenizer, text):
+    # Multi-byte characters arrive one byte per token: cut-off ones show as U+FFFD
+    # until complete, as in a full decode; special tokens are skipped.
+    ids = byte_tokenizer.encode(text)
+    ids = ids[:3] + [byte_tokenizer.eos_token_id] + ids[3:]
+
+    assert detokenize_step_by_step(byte_tokenizer, ids) == full_decodes(
+        byte_tokenizer, ids
+    )
+
+
+def test_it_detokenizes_invalid_utf8_incrementally_as_a_full_decode(byte_tokenizer):
+    rng = random.Random(0)
+    ids = [
+        rng.choice([0x41, 0xE3, 0x81, 0x82, 0xF0, 0x9F, 0xC3, 0xA9]) for _ in range(300)
+    ]
+
+    assert detokenize_step_by_step(byte_tokenizer, ids) == full_decodes(
+        byte_tokenizer, ids
+    )
+
+
+def test_it_detokenizes_sentencepiece_style_leading_spaces_like_a_full_decode():
+    # Metaspace decoders drop the first token's leading space: the context tokens
+    # kept before the unsettled tail make the increments match a full decode.
+    words = ["▁Hello", "▁world", ",", "▁again", "▁and", "!", "<unk>"]
+    inner = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Metaspace()
+    inner.decoder = decoders.Metaspace()
+    tokenizer = Tokenizer(inner)
+    ids = [0, 1, 2, 3, 4, 3, 5, 0, 1]
+
+    steps = detokenize_step_by_step(tokenizer, ids)
+
+    assert steps == full_decodes(tokenizer, ids)
+    assert steps[-1] == "Hello world, again and again! Hello world"
+
+
+def test_it_decodes_each_streamed_token_a_bounded_number_of_times(byte_tokenizer):
+    decoded = []
+    real_decode = byte_tokenizer.decode
+
+    def counting_decode(ids, skip_special_tokens=False):
+        decoded.append(len(ids))
+        return real_decode(ids, skip_special_tokens)
+
+    byte_tokenizer.decode = counting_decode
+    ids = byte_tokenizer.encode("가나다 abc " * 200)  # 2,400 tokens
+
+    detokenize_step_by_step(byte_tokenizer, ids)
+
+    # A full decode per token would be ~2.9M ids; the tail decodes stay O(n).
+    assert sum(decoded) < 10 * len(ids)
