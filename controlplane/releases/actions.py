@@ -638,6 +638,18 @@ def do_update_job_progress(job: Job, progress: float) -> Job:
     return job
 
 
+def do_renew_job_lease(job: Job) -> bool:
+    """Extend a running job's lease by RELEASEGATE_JOB_LEASE_S from now (the
+    heartbeat of a stage at work); False when the job is no longer running."""
+    lease_expires = _lease_until(timezone.now())
+    renewed = Job.objects.filter(pk=job.pk, state="running").update(
+        lease_expires=lease_expires
+    )
+    if renewed:
+        job.lease_expires = lease_expires
+    return bool(renewed)
+
+
 def do_finish_job(job: Job, *, result: dict | None = None, error: str = "") -> Job:
     """Close a job: succeeded without `error`, failed with it."""
     state = "failed" if error else "succeeded"

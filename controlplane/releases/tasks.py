@@ -4,15 +4,19 @@ state the release is in now, so a redelivered or repeated task does no harm.
 
 A repeated task that reaches a stage whose job another worker still runs (its lease
 is live: JobLeaseHeld) steps aside and returns BUSY, changing nothing; once that
-lease has expired (the worker died), the next run resumes the job."""
+lease has expired (the worker died), the next run resumes the job. While a stage
+works, a heartbeat thread renews its job's lease, so a stage longer than one lease
+(hashing a big model) keeps it."""
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 
 from celery import shared_task
-from django.db import transaction
+from django.conf import settings
+from django.db import connection, transaction
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import IllegalTransition, JobLeaseHeld
@@ -73,6 +77,32 @@ def _finishing(job: Job) -> Iterator[None]:
         raise
 
 
+@contextmanager
+def _heartbeat(job: Job) -> Iterator[None]:
+    """Renew `job`'s lease every third of a lease while the block runs, from a
+    thread with its own database connection (closed when it stops)."""
+    stop = threading.Event()
+    interval = settings.RELEASEGATE_JOB_LEASE_S / 3
+
+    def beat() -> None:
+        try:
+            while not stop.wait(interval):
+                if not actions.do_renew_job_lease(job):
+                    return  # finished or taken over: nothing left to hold
+        except Exception:  # a missed beat only shortens the lease; never the stage
+            log.exception("heartbeat of job %s stopped", job.pk)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-job-{job.pk}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _run_stage(release: Release) -> bool:
     """Run the jobs of the release's current state; True when it moved on. Raises
     JobLeaseHeld, without running it, when another worker runs the next job."""
@@ -89,7 +119,8 @@ def _run_stage(release: Release) -> bool:
             continue  # done in this pass before a redelivery
         job = actions.do_start_job(release, kind)
         try:
-            result, error = work(release)
+            with _heartbeat(job):
+                result, error = work(release)
         except Exception as exc:  # a bug or an unreachable source: keep the reason
             log.exception("stage %s failed for release %s", kind, release.pk)
             result, error = {}, f"{type(exc).__name__}: {exc}"
@@ -180,7 +211,8 @@ def run_deployment(release_id: int) -> str:
             )
         job = actions.do_start_job(release, "deploy")
         try:
-            result, error = stages.deploy(release, deployment)
+            with _heartbeat(job):
+                result, error = stages.deploy(release, deployment)
         except Exception as exc:
             # As in _run_stage: a crash must not strand the release in deploying
             # (promote retries a failed release; nothing moves a deploying one).
@@ -221,7 +253,8 @@ def run_reverification(deployment_id: int) -> str:
     except JobLeaseHeld as held:
         return _log_busy(held, release.pk)
     try:
-        result, error = stages.reverify(release)
+        with _heartbeat(job):
+            result, error = stages.reverify(release)
     except Exception as exc:
         # Close the job (no lease left holding it); the deployment stays as it is:
         # a re-hash that could not run says nothing about the files.

@@ -1,3 +1,4 @@
+import time
 from datetime import timedelta
 
 import pytest
@@ -315,3 +316,40 @@ def test_it_closes_its_job_when_another_run_moved_the_release_meanwhile(
     assert job.state == "failed"
     assert "superseded" in job.error
     assert job.lease_expires is None  # nothing holds the stage for a later pass
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stage_longer_than_its_lease_keeps_its_job_by_heartbeat(
+    release, settings, monkeypatch
+):
+    # The heartbeat thread writes through its own connection: committed rows only.
+    settings.RELEASEGATE_JOB_LEASE_S = 1
+    seen = []
+    jobs, next_state = tasks.PIPELINE["evaluating"]
+    ((_, evaluate),) = jobs
+
+    def slow_evaluate(release):
+        if seen:  # a second run got the job: the lease was lost (no recursion)
+            seen.append("evaluate ran twice")
+            return evaluate(release)
+        started = Job.objects.get(release=release, kind="evaluate")
+        time.sleep(2.5)  # 2.5 leases; beats come every third of one
+        job = Job.objects.get(pk=started.pk)
+        seen.append((started.lease_expires, job.lease_expires, timezone.now()))
+        # Another worker's promote (a CI retry) must still find the job taken.
+        seen.append(run_promotion(release.pk))
+        return evaluate(release)
+
+    monkeypatch.setitem(
+        tasks.PIPELINE, "evaluating", ((("evaluate", slow_evaluate),), next_state)
+    )
+
+    state = run_promotion(release.pk)
+
+    assert "evaluate ran twice" not in seen
+    (first_lease, lease_then, then), second_run = seen
+    assert state == "awaiting_approval"
+    assert first_lease < then < lease_then  # expired once, renewed since
+    assert second_run == tasks.BUSY
+    job = Job.objects.get(release=release, kind="evaluate")
+    assert (job.state, job.attempts, job.lease_expires) == ("succeeded", 1, None)
