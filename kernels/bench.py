@@ -21,6 +21,9 @@ from kernels._triton import HAS_TRITON, triton
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 KV_DTYPES = ("bf16", "fp8", "int8", "int4")
+# Attention rows: (label, cache dtype, full-precision window); int4+w16 is int4 as
+# the engine serves it, with each sequence's newest 16 tokens in bf16.
+ATTENTION_CACHES = tuple((d, d, 0) for d in KV_DTYPES) + (("int4+w16", "int4", 16),)
 
 
 def time_ms(fn: Callable[[], object], device: str, reps: int) -> float:
@@ -42,14 +45,14 @@ class Table:
 
     def __init__(self, device: str):
         self.device = device
-        cols = f"{'op':<14} {'dtype':<6} {'shape':<30} {'ms':>9} {'GB/s':>9}"
+        cols = f"{'op':<14} {'dtype':<9} {'shape':<30} {'ms':>9} {'GB/s':>9}"
         if device == "cuda":
             cols += f" {'%HBM':>6}"
         print(cols + f" {'x vs bf16':>9}")
 
     def row(self, op, dtype, shape, ms, nbytes, bf16_ms) -> None:
         gbps = nbytes / (ms * 1e-3) / 1e9
-        line = f"{op:<14} {dtype:<6} {shape:<30} {ms:>9.3f} {gbps:>9.1f}"
+        line = f"{op:<14} {dtype:<9} {shape:<30} {ms:>9.3f} {gbps:>9.1f}"
         if self.device == "cuda":
             line += f" {100 * gbps * 1e9 / HBM_BYTES_PER_S:>6.1f}"
         print(line + f" {bf16_ms / ms:>9.2f}", flush=True)
@@ -86,6 +89,28 @@ def shuffled_block_tables(
     return num_blocks, tables.view(batch, blocks_per_seq).to(torch.int32)
 
 
+def attention_cache(dtype, window, num_blocks, block_size, shape, batch, device):
+    """A randomly filled cache for an attention row, with one window row per
+    sequence when `window`, and the window_rows argument (or None)."""
+    _, num_kv_heads, head_dim, _ = shape
+    cache = kv_quant.allocate_kv_cache(
+        dtype,
+        num_blocks,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        device=device,
+        window=window,
+        num_windows=batch if window else 0,
+    )
+    fill_random(cache)
+    if not window:
+        return cache, None
+    cache.window_key.normal_()
+    cache.window_value.normal_()
+    return cache, torch.arange(batch, dtype=torch.int32, device=device)
+
+
 def bench_write_kv(table: Table, device: str, num_tokens: int, reps: int) -> None:
     num_kv_heads, head_dim, block_size = 8, 128, 16
     num_blocks = triton.cdiv(num_tokens, block_size)
@@ -115,15 +140,14 @@ def bench_decode(table, device, batch, context, shape, reps) -> None:
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, num_heads, head_dim, device=device).bfloat16()
     bf16_ms = None
-    for dtype in KV_DTYPES:
-        cache = kv_quant.allocate_kv_cache(
-            dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device
+    for label, dtype, window in ATTENTION_CACHES:
+        cache, rows = attention_cache(
+            dtype, window, num_blocks, block_size, shape, batch, device
         )
-        fill_random(cache)
 
-        def run(c=cache):
+        def run(c=cache, rows=rows):
             paged_attention.paged_decode_attention(
-                query, c, tables, lens, head_dim**-0.5
+                query, c, tables, lens, head_dim**-0.5, rows
             )
 
         ms = time_ms(run, device, reps)
@@ -131,9 +155,10 @@ def bench_decode(table, device, batch, context, shape, reps) -> None:
         kv = (
             batch * context * kv_quant.kv_bytes_per_token(dtype, num_kv_heads, head_dim)
         )
+        kv += batch * kv_quant.kv_window_bytes(num_kv_heads, head_dim, window)
         nbytes = kv + 2 * query.numel() * query.element_size()
         desc = f"B={batch} ctx={context} H={num_heads}/{num_kv_heads} D={head_dim}"
-        table.row("decode_attn", dtype, desc, ms, nbytes, bf16_ms)
+        table.row("decode_attn", label, desc, ms, nbytes, bf16_ms)
         del cache
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -147,15 +172,14 @@ def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
     query = torch.randn(batch * new_tokens, num_heads, head_dim, device=device)
     query = query.bfloat16()
     bf16_ms = None
-    for dtype in KV_DTYPES:
-        cache = kv_quant.allocate_kv_cache(
-            dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device
+    for label, dtype, window in ATTENTION_CACHES:
+        cache, rows = attention_cache(
+            dtype, window, num_blocks, block_size, shape, batch, device
         )
-        fill_random(cache)
 
-        def run(c=cache):
+        def run(c=cache, rows=rows):
             paged_attention.paged_prefill_attention(
-                query, c, tables, qsl, lens, head_dim**-0.5
+                query, c, tables, qsl, lens, head_dim**-0.5, rows
             )
 
         ms = time_ms(run, device, reps)
@@ -163,9 +187,10 @@ def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
         kv = lens.sum().item() * kv_quant.kv_bytes_per_token(
             dtype, num_kv_heads, head_dim
         )
+        kv += batch * kv_quant.kv_window_bytes(num_kv_heads, head_dim, window)
         nbytes = kv + 2 * query.numel() * query.element_size()
         desc = f"B={batch} new={new_tokens} H={num_heads}/{num_kv_heads} D={head_dim}"
-        table.row("prefill_attn", dtype, desc, ms, nbytes, bf16_ms)
+        table.row("prefill_attn", label, desc, ms, nbytes, bf16_ms)
 
 
 def bench_matmul(table, device, n, k, batches, reps) -> None:
