@@ -165,9 +165,9 @@ CELERY_BEAT_SCHEDULE = {
     }
 }
 
-# How long a running job's worker holds it without a progress heartbeat. While held,
-# a repeated task for the same stage steps aside; once expired (the worker died),
-# the next promote resumes the job. Longer than the slowest step between heartbeats.
+# How long a running job's worker holds it without a heartbeat (tasks.py renews it
+# every third of this while a stage works). While held, a repeated task for the same
+# stage steps aside; once expired (the worker died), the next promote resumes the job.
 RELEASEGATE_JOB_LEASE_S = envint("RELEASEGATE_JOB_LEASE_S", "900")
 if RELEASEGATE_JOB_LEASE_S < 1:
     raise ImproperlyConfigured("RELEASEGATE_JOB_LEASE_S must be at least 1")

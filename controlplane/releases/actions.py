@@ -627,12 +627,7 @@ def do_update_job_progress(job: Job, progress: float) -> Job:
     its lease, so a stage longer than one lease keeps its job."""
     if not 0.0 <= progress <= 1.0:
         raise ValidationFailed("progress must be within 0..1", field="progress")
-    lease_expires = _lease_until(timezone.now())
-    if Job.objects.filter(pk=job.pk, state="running").update(
-        progress=progress, lease_expires=lease_expires
-    ):
-        job.lease_expires = lease_expires
-    else:  # queued or finished: nothing to hold
+    if not _renew_lease(job, progress=progress):  # queued or finished: no lease
         Job.objects.filter(pk=job.pk).update(progress=progress)
     job.progress = progress
     return job
@@ -641,9 +636,14 @@ def do_update_job_progress(job: Job, progress: float) -> Job:
 def do_renew_job_lease(job: Job) -> bool:
     """Extend a running job's lease by RELEASEGATE_JOB_LEASE_S from now (the
     heartbeat of a stage at work); False when the job is no longer running."""
+    return _renew_lease(job)
+
+
+def _renew_lease(job: Job, **fields) -> bool:
+    """One UPDATE of a running job: its lease from now, plus `fields`."""
     lease_expires = _lease_until(timezone.now())
     renewed = Job.objects.filter(pk=job.pk, state="running").update(
-        lease_expires=lease_expires
+        lease_expires=lease_expires, **fields
     )
     if renewed:
         job.lease_expires = lease_expires

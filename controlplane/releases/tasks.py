@@ -103,6 +103,18 @@ def _heartbeat(job: Job) -> Iterator[None]:
         thread.join()
 
 
+def _work_of(job: Job, what: str, work, *args) -> tuple[dict, str]:
+    """`work(*args)` under `job`'s heartbeat. A crash (a bug, an unreachable source)
+    becomes its error, so the release moves to a failure state it can leave
+    instead of staying in the stage."""
+    try:
+        with _heartbeat(job):
+            return work(*args)
+    except Exception as exc:
+        log.exception("%s failed for release %s", what, job.release_id)
+        return {}, f"{type(exc).__name__}: {exc}"
+
+
 def _run_stage(release: Release) -> bool:
     """Run the jobs of the release's current state; True when it moved on. Raises
     JobLeaseHeld, without running it, when another worker runs the next job."""
@@ -118,12 +130,7 @@ def _run_stage(release: Release) -> bool:
         ):
             continue  # done in this pass before a redelivery
         job = actions.do_start_job(release, kind)
-        try:
-            with _heartbeat(job):
-                result, error = work(release)
-        except Exception as exc:  # a bug or an unreachable source: keep the reason
-            log.exception("stage %s failed for release %s", kind, release.pk)
-            result, error = {}, f"{type(exc).__name__}: {exc}"
+        result, error = _work_of(job, f"stage {kind}", work, release)
         # The last job's finish and the move on commit together: a release still in
         # this state never has all of this pass's jobs succeeded.
         with _finishing(job):
@@ -210,14 +217,9 @@ def run_deployment(release_id: int) -> str:
                 release, actor=WORKER, environment=release.target_environment
             )
         job = actions.do_start_job(release, "deploy")
-        try:
-            with _heartbeat(job):
-                result, error = stages.deploy(release, deployment)
-        except Exception as exc:
-            # As in _run_stage: a crash must not strand the release in deploying
-            # (promote retries a failed release; nothing moves a deploying one).
-            log.exception("deploy failed for release %s", release.pk)
-            result, error = {}, f"{type(exc).__name__}: {exc}"
+        # A crash fails the deployment: promote retries a failed release, while
+        # nothing would move a deploying one on.
+        result, error = _work_of(job, "deploy", stages.deploy, release, deployment)
         with _finishing(job):
             actions.do_finish_job(job, result=result, error=error)
             if error:
