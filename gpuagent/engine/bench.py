@@ -38,11 +38,12 @@ from pathlib import Path
 
 import torch
 
-from gpuagent.engine.cache import KVCacheManager, kv_bytes_per_token, kv_window_bytes
+from gpuagent.engine.cache import kv_bytes_per_token, kv_window_bytes
 from gpuagent.engine.engine import (
     DEFAULT_MAX_NUM_SEQS,
     LLMEngine,
     default_kv_window,
+    engine_kv_cache,
     prepare_inputs,
 )
 from gpuagent.engine.sampling import SamplingParams
@@ -188,15 +189,7 @@ def admitted_sequences(config, kv_dtype: str, budget_bytes: int) -> tuple[int, i
     """How many 2k-token requests the scheduler admits at once in `budget_bytes` of
     KV cache (the cache is really allocated, window rows included, as the engine
     sizes it by default); returns (admitted, cache bytes)."""
-    window = default_kv_window(kv_dtype)
-    kv = KVCacheManager.for_budget(
-        config,
-        kv_dtype,
-        budget_bytes,
-        block_size=16,
-        window=window,
-        num_windows=DEFAULT_MAX_NUM_SEQS if window else 0,
-    )
+    kv = engine_kv_cache(config, kv_dtype, kv_memory_bytes=budget_bytes)
     assert kv.nbytes <= budget_bytes
     scheduler = Scheduler(
         kv.blocks, max_num_seqs=DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=10**9
@@ -443,15 +436,12 @@ def teacher_forced_logprobs(
     `kv_dtype`; the sequence is fed `chunk_tokens` at a time (chunked prefill), so
     later tokens attend to earlier ones through the quantized cache."""
     device = next(model.parameters()).device
-    window = default_kv_window(kv_dtype)
-    kv = KVCacheManager(
+    kv = engine_kv_cache(
         model.config,
         kv_dtype,
         num_blocks=-(-len(token_ids) // 16),
-        block_size=16,
+        max_num_seqs=1,
         device=device,
-        window=window,
-        num_windows=1 if window else 0,
     )
     seq = Seq("tf", token_ids, SamplingParams(max_tokens=1))
     kv.blocks.ensure_capacity("tf", len(token_ids))

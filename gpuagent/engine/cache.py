@@ -269,7 +269,6 @@ class KVCacheManager:
         self.kv_dtype = kv_dtype
         self.block_size = block_size
         self.bytes_per_token = kv_bytes_per_token(config, kv_dtype)
-        self.window = window
         self.blocks = BlockManager(num_blocks, block_size, window, num_windows)
         self.kv_caches: list[kernels.PagedKVCache] = [
             kernels.allocate_kv_cache(
@@ -314,6 +313,11 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         """Blocks in the pool."""
         return self.blocks.num_blocks
+
+    @property
+    def window(self) -> int:
+        """Newest tokens per sequence also kept in bf16 (0: no window)."""
+        return self.blocks.window
 
     @property
     def nbytes(self) -> int:

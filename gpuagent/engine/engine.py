@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gpuagent.engine.cache import BlockManager, KVCacheManager, num_blocks_for_budget
+from gpuagent.engine.cache import BlockManager, KVCacheManager
 from gpuagent.engine.model import AttentionMetadata
 from gpuagent.engine.sampling import (
     SampledToken,
@@ -48,6 +48,40 @@ DEFAULT_KV_WINDOW = {"int4": 16}
 def default_kv_window(kv_cache_dtype: str) -> int:
     """Full-precision window tokens a `kv_cache_dtype` cache gets by default."""
     return DEFAULT_KV_WINDOW.get(kv_cache_dtype, 0)
+
+
+def engine_kv_cache(
+    config: Any,
+    kv_cache_dtype: str,
+    *,
+    kv_memory_bytes: int | None = None,
+    num_blocks: int | None = None,
+    block_size: int = 16,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    kv_window: int | None = None,
+    device: str | torch.device = "cpu",
+) -> KVCacheManager:
+    """The KV cache an engine with these settings allocates: `num_blocks` blocks, or
+    as many as `kv_memory_bytes` (DEFAULT_KV_MEMORY_BYTES) holds beside one window
+    row per `max_num_seqs` when the dtype keeps a window (`kv_window`, default
+    `default_kv_window`). Raises ValueError when the budget holds no block."""
+    if kv_window is None:
+        kv_window = default_kv_window(kv_cache_dtype)
+    num_windows = max_num_seqs if kv_window else 0
+    if num_blocks is not None:
+        return KVCacheManager(
+            config,
+            kv_cache_dtype,
+            num_blocks,
+            block_size,
+            device,
+            kv_window,
+            num_windows,
+        )
+    budget = DEFAULT_KV_MEMORY_BYTES if kv_memory_bytes is None else kv_memory_bytes
+    return KVCacheManager.for_budget(
+        config, kv_cache_dtype, budget, block_size, device, kv_window, num_windows
+    )
 
 
 @dataclass
@@ -238,30 +272,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = model.config
         self.device = next(model.parameters()).device
-        if kv_window is None:
-            kv_window = default_kv_window(kv_cache_dtype)
-        num_windows = max_num_seqs if kv_window else 0
-        if num_blocks is None:
-            budget = (
-                DEFAULT_KV_MEMORY_BYTES if kv_memory_bytes is None else kv_memory_bytes
-            )
-            num_blocks = num_blocks_for_budget(
-                self.config, kv_cache_dtype, budget, block_size, kv_window, num_windows
-            )
-            if num_blocks == 0:
-                raise ValueError(
-                    f"a KV memory budget of {budget} bytes holds no KV block of "
-                    f"{block_size} tokens ({kv_cache_dtype}, {num_windows} window "
-                    f"rows of {kv_window} tokens)"
-                )
-        self.kv = KVCacheManager(
+        self.kv = engine_kv_cache(
             self.config,
             kv_cache_dtype,
-            num_blocks,
-            block_size,
-            self.device,
-            kv_window,
-            num_windows,
+            kv_memory_bytes=kv_memory_bytes,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            kv_window=kv_window,
+            device=self.device,
         )
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.scheduler = Scheduler(

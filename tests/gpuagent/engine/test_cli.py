@@ -225,7 +225,7 @@ def test_it_rejects_incomplete_trust_flags(signed_demo, drop, expected):
     ("flags", "expected"),
     [
         (["--kv-cache-dtype", "bf16", "--kv-window", "8"], "quantized caches"),
-        (["--kv-memory-gb", "0"], "holds no KV block"),
+        (["--kv-memory-gb", "0"], "holds no block"),
     ],
 )
 def test_it_rejects_engine_settings_that_cannot_work(signed_demo, flags, expected):
