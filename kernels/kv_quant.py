@@ -416,6 +416,22 @@ def _write_kv_kernel(
             )
 
 
+def window_kernel_args(
+    cache: PagedKVCache, index: torch.Tensor | None, dummy: torch.Tensor, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index, window_key, window_value) kernel arguments, `index` (called `name`)
+    being the window slots (write) or rows (attention); without a window the kernel
+    never touches them, so `dummy` stands in for all three."""
+    if not cache.window:
+        return dummy, dummy, dummy
+    check(index.is_contiguous(), f"{name} must be contiguous")
+    check(
+        cache.window_key.is_contiguous() and cache.window_value.is_contiguous(),
+        "window storage must be contiguous",
+    )
+    return index, cache.window_key, cache.window_value
+
+
 def _write_kv_triton(
     cache: PagedKVCache,
     key: torch.Tensor,
@@ -435,12 +451,6 @@ def _write_kv_triton(
         cache.head_dim & (cache.head_dim - 1) == 0,
         "Triton write_kv needs a power-of-two head_dim",
     )
-    if cache.window:
-        check(
-            cache.window_key.is_contiguous() and cache.window_value.is_contiguous(),
-            "window storage must be contiguous",
-        )
-        check(window_slots.is_contiguous(), "window_slots must be contiguous")
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -453,11 +463,9 @@ def _write_kv_triton(
     # bf16/fp16/fp32 have no scales; the kernel never touches these pointers then.
     key_scale = cache.key_scale if cache.key_scale is not None else key_store
     value_scale = cache.value_scale if cache.value_scale is not None else value_store
-    # No window: the kernel never touches these pointers either.
-    if not cache.window:
-        window_slots, key_window, value_window = slots, key_store, value_store
-    else:
-        key_window, value_window = cache.window_key, cache.window_value
+    window_slots, key_window, value_window = window_kernel_args(
+        cache, window_slots, slots, "window_slots"
+    )
     _write_kv_kernel[(num_tokens, cache.num_kv_heads)](
         key,
         value,

@@ -37,6 +37,7 @@ from kernels.kv_quant import (
     PagedKVCache,
     dequantize_kv,
     overlay_window,
+    window_kernel_args,
 )
 
 # Tokens per decode program; 512 matches vLLM's paged-attention v2 partitions.
@@ -498,21 +499,6 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + bh * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def _window_args(
-    cache: PagedKVCache, window_rows: torch.Tensor | None, dummy: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(window_rows, window_key, window_value) kernel arguments; without a window
-    the kernel never touches them, so `dummy` stands in for all three."""
-    if not cache.window:
-        return dummy, dummy, dummy
-    check(window_rows.is_contiguous(), "window_rows must be contiguous")
-    check(
-        cache.window_key.is_contiguous() and cache.window_value.is_contiguous(),
-        "window storage must be contiguous",
-    )
-    return window_rows, cache.window_key, cache.window_value
-
-
 def _paged_decode_triton(
     query: torch.Tensor,
     cache: PagedKVCache,
@@ -563,7 +549,9 @@ def _paged_decode_triton(
     value_scale = cache.value_scale if cache.value_scale is not None else value
     int4 = cache.dtype == "int4"
     kernel = _paged_decode_int4_kernel if int4 else _paged_decode_kernel
-    rows, window_key, window_value = _window_args(cache, window_rows, context_lens)
+    rows, window_key, window_value = window_kernel_args(
+        cache, window_rows, context_lens, "window_rows"
+    )
     dtype_arg = {}
     if not int4:
         dtype_arg = {
@@ -787,7 +775,9 @@ def _paged_prefill_triton(
         key, value = key.view(torch.uint8), value.view(torch.uint8)
     key_scale = cache.key_scale if cache.key_scale is not None else key
     value_scale = cache.value_scale if cache.value_scale is not None else value
-    rows, window_key, window_value = _window_args(cache, window_rows, context_lens)
+    rows, window_key, window_value = window_kernel_args(
+        cache, window_rows, context_lens, "window_rows"
+    )
     _paged_prefill_kernel[(num_tiles, num_heads)](
         query,
         key,
