@@ -3,20 +3,23 @@
 - `team` ("Acme ML") with `owner` (admin) and `teammate` (approver);
 - `outsider`, a member of `other_team`, who must see nothing of `team`;
 - `environment` (team's "staging"), `model_family`, `release` (registered by owner);
-- factories `make_environment`, `make_model_family`, `make_release` for more.
+- factories `make_environment`, `make_model_family`, `make_release` for more;
+- `expire_lease(job)`: the job's worker "died" a second ago.
 
 Every user's password is PASSWORD.
 """
 
 import itertools
+from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
+from django.utils import timezone
 
 from controlplane.accounts.models import Membership, Team
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions import do_register_release
-from controlplane.releases.models import ModelFamily, Release
+from controlplane.releases.models import Job, ModelFamily, Release
 
 PASSWORD = "correct-horse-battery"
 RECIPE = {"weights": "int4-g128", "kv_cache_dtype": "int8"}
@@ -138,3 +141,15 @@ def make_release(model_family, environment, owner):
 @pytest.fixture
 def release(make_release) -> Release:
     return make_release("1.0.0")
+
+
+@pytest.fixture
+def expire_lease():
+    """expire_lease(job): let the job's lease run out, as when its worker dies."""
+
+    def expire(job: Job) -> None:
+        Job.objects.filter(pk=job.pk).update(
+            lease_expires=timezone.now() - timedelta(seconds=1)
+        )
+
+    return expire

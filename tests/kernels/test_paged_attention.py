@@ -36,15 +36,33 @@ def filled_cache(dtype, shape, context_lens, seed=0, device="cpu", offset=None):
     Returns (cache, block_tables, context_lens, per-sequence (key, value) written).
     """
     _, num_kv_heads, head_dim, block_size = shape
+    chunks = [[c] for c in context_lens]  # each sequence written at once
+    cache, tables, lens, _, written = _fill_cache(
+        dtype, (num_kv_heads, head_dim, block_size, 0), chunks, seed, device, offset
+    )
+    return cache, tables, lens, written
+
+
+def _fill_cache(dtype, layout, chunks, seed, device, offset=None):
+    """The cache behind filled_cache and windowed_cache. layout is (num_kv_heads,
+    head_dim, block_size, window); sequence b writes chunks[b] tokens at a time.
+    Returns (cache, block_tables, context_lens, window_rows or None, written)."""
+    num_kv_heads, head_dim, block_size, window = layout
     g = torch.Generator().manual_seed(seed)
+    context_lens = [sum(c) for c in chunks]
     blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
     num_blocks = sum(blocks_per_seq) + 3
+    num_windows = len(chunks) + 2 if window else 0
     cache = kernels.allocate_kv_cache(
-        dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device
-    )
+        dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device,
+        window=window, num_windows=num_windows,
+    )  # fmt: skip
     pool = torch.randperm(num_blocks, generator=g).tolist()
+    rows = None
+    if window:  # shuffled, with spare rows
+        rows = torch.randperm(num_windows, generator=g)[: len(chunks)]
     width = max(max(blocks_per_seq), 1)
-    tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
+    tables = torch.full((len(chunks), width), -1, dtype=torch.int32)
     written = []
     for b, ctx in enumerate(context_lens):
         mine = [pool.pop() for _ in range(blocks_per_seq[b])]
@@ -53,13 +71,24 @@ def filled_cache(dtype, shape, context_lens, seed=0, device="cpu", offset=None):
         value = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
         if offset is not None:
             key, value = key + offset[0], value + offset[1]
-        pos = torch.arange(ctx)
-        slots = torch.tensor(mine, dtype=torch.int64)[pos // block_size] * block_size
-        slots += pos % block_size
-        kernels.write_kv(cache, key.to(device), value.to(device), slots.to(device))
+        start = 0
+        for n in chunks[b]:
+            pos = torch.arange(start, start + n)
+            slots = torch.tensor(mine, dtype=torch.int64)[pos // block_size]
+            slots = slots * block_size + pos % block_size
+            ring = None
+            if window:
+                ring = int(rows[b]) * window + pos % window
+                ring = torch.where(pos >= start + n - window, ring, -1).to(device)
+            kernels.write_kv(
+                cache, key[pos].to(device), value[pos].to(device),
+                slots.to(device), ring,
+            )  # fmt: skip
+            start += n
         written.append((key, value))
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    return cache, tables.to(device), lens.to(device), written
+    lens = torch.tensor(context_lens, dtype=torch.int32).to(device)
+    rows = None if rows is None else rows.to(torch.int32).to(device)
+    return cache, tables.to(device), lens, rows, written
 
 
 def slow_attention_one(q, key, value, positions_allowed, scale):
@@ -262,39 +291,9 @@ def windowed_cache(dtype, shape, chunks, seed=0, device="cpu"):
     Returns (cache, block_tables, context_lens, window_rows, per-seq (key, value)).
     """
     _, num_kv_heads, head_dim, block_size, window = shape
-    g = torch.Generator().manual_seed(seed)
-    context_lens = [sum(c) for c in chunks]
-    blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    cache = kernels.allocate_kv_cache(
-        dtype, num_blocks, block_size, num_kv_heads, head_dim, device=device,
-        window=window, num_windows=len(chunks) + 2,
-    )  # fmt: skip
-    pool = torch.randperm(num_blocks, generator=g).tolist()
-    rows = torch.randperm(len(chunks) + 2, generator=g)[: len(chunks)]
-    tables = torch.full((len(chunks), max(blocks_per_seq)), -1, dtype=torch.int32)
-    written = []
-    for b, ctx in enumerate(context_lens):
-        mine = [pool.pop() for _ in range(blocks_per_seq[b])]
-        tables[b, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
-        key = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
-        value = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
-        start = 0
-        for n in chunks[b]:
-            pos = torch.arange(start, start + n)
-            slots = torch.tensor(mine)[pos // block_size] * block_size
-            slots += pos % block_size
-            ring = int(rows[b]) * window + pos % window
-            ring = torch.where(pos >= start + n - window, ring, -1)
-            kernels.write_kv(
-                cache, key[pos].to(device), value[pos].to(device),
-                slots.to(device), ring.to(device),
-            )  # fmt: skip
-            start += n
-        written.append((key, value))
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    rows = rows.to(torch.int32)
-    return cache, tables.to(device), lens.to(device), rows.to(device), written
+    return _fill_cache(
+        dtype, (num_kv_heads, head_dim, block_size, window), chunks, seed, device
+    )
 
 
 def slow_windowed_kv(src, dtype, window):

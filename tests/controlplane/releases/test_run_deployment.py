@@ -1,7 +1,3 @@
-from datetime import timedelta
-
-from django.utils import timezone
-
 from controlplane.fleet.models import Deployment
 from controlplane.releases import stages, tasks
 from controlplane.releases.actions import (
@@ -78,7 +74,7 @@ def test_it_fails_a_crashed_deploy_so_it_can_be_retried(
 
 
 def test_it_leaves_a_deploy_to_the_worker_holding_it_until_its_lease_expires(
-    make_release, monkeypatch
+    make_release, monkeypatch, expire_lease
 ):
     release = make_release(state="approved")
     deployment = do_start_deployment(release, actor="system:worker")
@@ -99,9 +95,7 @@ def test_it_leaves_a_deploy_to_the_worker_holding_it_until_its_lease_expires(
     assert Deployment.objects.get(pk=deployment.pk).state == "deploying"
     assert Job.objects.get(pk=job.pk).attempts == 1
 
-    Job.objects.filter(pk=job.pk).update(
-        lease_expires=timezone.now() - timedelta(seconds=1)
-    )  # its worker died
+    expire_lease(job)  # its worker died
 
     assert run_deployment(release.pk) == "live"
 

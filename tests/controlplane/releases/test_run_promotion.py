@@ -1,5 +1,4 @@
 import time
-from datetime import timedelta
 
 import pytest
 from django.utils import timezone
@@ -267,16 +266,19 @@ def test_it_does_not_run_a_stage_twice_when_promoted_again_during_it(
 
 
 def test_it_resumes_a_stage_whose_worker_died_once_its_lease_expires(
-    make_release, owner, work_calls, promoted, django_capture_on_commit_callbacks
+    make_release,
+    owner,
+    work_calls,
+    promoted,
+    django_capture_on_commit_callbacks,
+    expire_lease,
 ):
     release = make_release(state="compressing")
     job = do_start_job(release, "compress")  # and then its worker died
     with django_capture_on_commit_callbacks(execute=True):
         do_request_promotion(release, owner)
     assert promoted == [tasks.BUSY]  # too early: the lease still holds
-    Job.objects.filter(pk=job.pk).update(
-        lease_expires=timezone.now() - timedelta(seconds=1)
-    )
+    expire_lease(job)  # its worker died
 
     with django_capture_on_commit_callbacks(execute=True):
         do_request_promotion(release, owner)

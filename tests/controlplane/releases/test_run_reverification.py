@@ -1,7 +1,4 @@
-from datetime import timedelta
-
 import pytest
-from django.utils import timezone
 
 from controlplane.fleet.models import Deployment
 from controlplane.releases import stages, tasks
@@ -76,7 +73,7 @@ def test_it_queues_one_reverification_per_live_deployment(live, monkeypatch):
 
 
 def test_it_leaves_a_rehash_to_the_worker_holding_it_until_its_lease_expires(
-    live, monkeypatch
+    live, monkeypatch, expire_lease
 ):
     _, release, deployment = live
     job = do_start_job(release, "reverify")  # the previous beat's re-hash
@@ -94,9 +91,7 @@ def test_it_leaves_a_rehash_to_the_worker_holding_it_until_its_lease_expires(
     assert rehashes == []
     assert Job.objects.get(pk=job.pk).attempts == 1
 
-    Job.objects.filter(pk=job.pk).update(
-        lease_expires=timezone.now() - timedelta(seconds=1)
-    )  # its worker died
+    expire_lease(job)  # its worker died
 
     assert run_reverification(deployment.pk) == "live"
 

@@ -80,6 +80,25 @@ def wait_until_idle(base_url: str, timeout_s: float = 10.0) -> None:
     raise AssertionError("engine still holds blocks")
 
 
+def aborted_requests(engine) -> float:
+    """Requests the engine finished as aborted so far."""
+    count = engine.metrics.registry.get_sample_value(
+        "engine_requests_finished_total", {"finish_reason": "abort"}
+    )
+    return count or 0.0
+
+
+def slow_down_steps(engine, monkeypatch) -> None:
+    """Make each engine step take 20 ms longer: 100 tokens then take ~2 s."""
+    real_forward = engine._forward
+
+    def slow_forward(chunks):
+        time.sleep(0.02)
+        return real_forward(chunks)
+
+    monkeypatch.setattr(engine, "_forward", slow_forward)
+
+
 def sse_events(lines):
     for line in lines:
         if line.startswith("data: "):
@@ -190,12 +209,7 @@ async def _aiter_events(resp):
 def test_it_frees_the_blocks_of_a_client_that_disconnects_mid_stream(served):
     base_url, engine = served
     wait_until_idle(base_url)
-    aborted_before = (
-        engine.metrics.registry.get_sample_value(
-            "engine_requests_finished_total", {"finish_reason": "abort"}
-        )
-        or 0.0
-    )
+    aborted_before = aborted_requests(engine)
     payload = {
         "model": MODEL,
         "prompt": "long story",
@@ -214,28 +228,15 @@ def test_it_frees_the_blocks_of_a_client_that_disconnects_mid_stream(served):
                 break  # leaving the block closes the connection
 
     wait_until_idle(base_url)
-    aborted = engine.metrics.registry.get_sample_value(
-        "engine_requests_finished_total", {"finish_reason": "abort"}
-    )
+    aborted = aborted_requests(engine)
     assert aborted == aborted_before + 1
 
 
 def test_it_aborts_a_non_streamed_request_whose_client_gave_up(served, monkeypatch):
     base_url, engine = served
     wait_until_idle(base_url)
-    real_forward = engine._forward
-
-    def slow_forward(chunks):
-        time.sleep(0.02)  # 100 tokens now take ~2 s
-        return real_forward(chunks)
-
-    monkeypatch.setattr(engine, "_forward", slow_forward)
-    before = (
-        engine.metrics.registry.get_sample_value(
-            "engine_requests_finished_total", {"finish_reason": "abort"}
-        )
-        or 0.0
-    )
+    slow_down_steps(engine, monkeypatch)
+    before = aborted_requests(engine)
     payload = {
         "model": MODEL,
         "prompt": "go",
@@ -248,9 +249,7 @@ def test_it_aborts_a_non_streamed_request_whose_client_gave_up(served, monkeypat
         httpx.post(f"{base_url}/v1/completions", json=payload, timeout=0.3)
 
     wait_until_idle(base_url)
-    after = engine.metrics.registry.get_sample_value(
-        "engine_requests_finished_total", {"finish_reason": "abort"}
-    )
+    after = aborted_requests(engine)
     assert after == before + 1
 
 
@@ -441,19 +440,8 @@ def test_it_aborts_a_stream_whose_client_left_before_the_response_started(
 ):
     base_url, engine, async_engine = served_async
     wait_until_idle(base_url)
-    real_forward = engine._forward
-
-    def slow_forward(chunks):
-        time.sleep(0.02)  # 100 tokens now take ~2 s
-        return real_forward(chunks)
-
-    monkeypatch.setattr(engine, "_forward", slow_forward)
-    aborted_before = (
-        engine.metrics.registry.get_sample_value(
-            "engine_requests_finished_total", {"finish_reason": "abort"}
-        )
-        or 0.0
-    )
+    slow_down_steps(engine, monkeypatch)
+    aborted_before = aborted_requests(engine)
     body = json.dumps(
         {
             "model": MODEL,
@@ -474,9 +462,7 @@ def test_it_aborts_a_stream_whose_client_left_before_the_response_started(
         sock.sendall(request)  # and hang up at once, before any response byte
 
     wait_until_idle(base_url)
-    aborted = engine.metrics.registry.get_sample_value(
-        "engine_requests_finished_total", {"finish_reason": "abort"}
-    )
+    aborted = aborted_requests(engine)
     assert aborted == aborted_before + 1
     assert async_engine.num_live_streams == 0
 
