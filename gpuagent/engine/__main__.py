@@ -131,16 +131,13 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
     Raises `gpuagent.integrity.IntegrityError` when the folder fails verification.
     """
-    from gpuagent.engine.loader import load_model
-    from gpuagent.engine.tokenizer import load_tokenizer
-
     if args.signature is not None and args.manifest_digest is None:
         raise SystemExit("error: --signature needs --manifest-digest")
     policy = signature_policy(args)
     dtype_name = args.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if str(args.device).startswith("cuda") else "float32"
-    dtype = getattr(torch, dtype_name)
+    files = None
     if args.manifest_digest is not None:
         from gpuagent.integrity import read_verified_files
 
@@ -150,14 +147,11 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
             signature_path=args.signature,
             policy=policy,
         )
-        model = load_model(args.model_dir, dtype=dtype, device=args.device, files=files)
-        tokenizer = load_tokenizer(args.model_dir, files=files)
-    else:
-        model = load_model(args.model_dir, dtype=dtype, device=args.device)
-        tokenizer = load_tokenizer(args.model_dir)
-    return LLMEngine(
-        model,
-        tokenizer,
+    return LLMEngine.from_model_dir(
+        args.model_dir,
+        files=files,
+        dtype=getattr(torch, dtype_name),
+        device=args.device,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_window=args.kv_window,
         kv_memory_bytes=int(args.kv_memory_gb * 2**30),

@@ -304,12 +304,13 @@ class LLMEngine:
         device: str = "cpu",
         **kwargs: Any,
     ) -> LLMEngine:
-        """Load model (optionally from verified `files`) + tokenizer from a folder."""
+        """Load model + tokenizer from a folder; with `files` (what verify-on-load
+        returns) both are built from those bytes only, nothing read from disk."""
         from gpuagent.engine.loader import load_model
         from gpuagent.engine.tokenizer import load_tokenizer
 
         model = load_model(model_dir, dtype=dtype, device=device, files=files)
-        return cls(model, load_tokenizer(model_dir), **kwargs)
+        return cls(model, load_tokenizer(model_dir, files=files), **kwargs)
 
     # -- requests --------------------------------------------------------------------
 

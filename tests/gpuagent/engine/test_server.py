@@ -632,3 +632,24 @@ def test_it_serves_only_verified_bytes_when_given_a_manifest_digest(
     assert len(out.token_ids) >= 1
     with pytest.raises(IntegrityError):
         build_engine(build_parser().parse_args(argv))
+
+
+def test_it_builds_model_and_tokenizer_from_the_verified_bytes_only(
+    tiny_model_dir, tmp_path
+):
+    import shutil
+
+    from gpuagent.engine.engine import LLMEngine
+    from gpuagent.integrity import hash_model, read_verified_files
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    files = read_verified_files(model_dir, hash_model(model_dir).digest)
+    expected = LLMEngine.from_model_dir(model_dir, num_blocks=4).encode_prompt("hi")
+    # Swapped on disk after verification: nothing may be read from there again.
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (model_dir / name).write_text("{not json")
+
+    engine = LLMEngine.from_model_dir(model_dir, files=files, num_blocks=4)
+
+    assert engine.encode_prompt("hi") == expected
