@@ -281,7 +281,11 @@ def _verify_signature(path: Path, policy: Policy, tmp: Path) -> tuple[str, bytes
             oidc_issuer=policy.certificate_issuer,
             trust_config=Path(policy.sigstore_trust_config),
         )
-        payload_type, payload = verifier._verify_signed_content(signature)
+        try:
+            payload_type, payload = verifier._verify_signed_content(signature)
+        except Exception:
+            _check_sigstore_identity(signature.bundle.signing_certificate, policy)
+            raise
         return (
             payload_type,
             payload,
@@ -349,6 +353,24 @@ def _verify_signature(path: Path, policy: Policy, tmp: Path) -> tuple[str, bytes
             f"certificate {policy.certificate_identity} by {policy.certificate_issuer}",
         )
     raise PolicyError(f"unknown signature mode {mode!r}")
+
+
+def _check_sigstore_identity(cert: Any, policy: Policy) -> None:
+    """After a failed Sigstore verify: SignerNotTrustedError, naming who signed,
+    when the certificate is not the policy's identity and OIDC issuer (sigstore
+    reports that as a bare VerificationError, like any other failure)."""
+    from sigstore.verify.policy import Identity
+
+    try:
+        Identity(
+            identity=policy.certificate_identity, issuer=policy.certificate_issuer
+        ).verify(cert)
+    except Exception as e:  # noqa: BLE001 - sigstore's VerificationError
+        raise SignerNotTrustedError(
+            f"signed by a certificate the policy does not trust "
+            f"(wants {policy.certificate_identity!r} "
+            f"from {policy.certificate_issuer!r}): {e}"
+        ) from e
 
 
 def _check_certificate_identity(leaf_der: bytes, policy: Policy) -> None:

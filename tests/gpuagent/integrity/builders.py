@@ -2,7 +2,9 @@
 safetensors bytes and throwaway signing keys (never committed)."""
 
 import json
+import random
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,16 @@ def raw_safetensors(header, data: bytes = b"", *, length: int | None = None) -> 
         header = header.encode()
     n = len(header) if length is None else length
     return struct.pack("<Q", n) + header + data
+
+
+def mutations(original: bytes, seed: int, count: int) -> Iterator[bytes]:
+    """`count` copies of `original`, each with 1-3 bytes set to printable ASCII."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        data = bytearray(original)
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(32, 127)
+        yield bytes(data)
 
 
 def tensors(seed: int, names: list[str]) -> dict[str, np.ndarray]:

@@ -5,7 +5,6 @@ typed errors."""
 import base64
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 
@@ -25,7 +24,12 @@ from gpuagent.integrity import (
     sign_model,
     verify_model,
 )
-from tests.gpuagent.integrity.builders import RELEASE, CertificateAuthority, write_model
+from tests.gpuagent.integrity.builders import (
+    RELEASE,
+    CertificateAuthority,
+    mutations,
+    write_model,
+)
 
 SHARD1 = "model-00001-of-00002.safetensors"
 SHARD2 = "model-00002-of-00002.safetensors"
@@ -491,13 +495,8 @@ def test_it_lets_the_signature_being_checked_be_ignored_under_any_name(tmp_path,
 
 def test_it_never_raises_anything_but_its_own_error_on_mutated_signatures(signed, keys):
     sig = signed / "model.sig"
-    original = sig.read_bytes()
-    rng = random.Random(99)
-    for _ in range(60):
-        data = bytearray(original)
-        for _ in range(rng.randint(1, 3)):
-            data[rng.randrange(len(data))] = rng.randrange(32, 127)
-        sig.write_bytes(bytes(data))
+    for data in mutations(sig.read_bytes(), seed=99, count=60):
+        sig.write_bytes(data)
         try:
             verify_model(signed, sig, keys.policy())
         except IntegrityError:
