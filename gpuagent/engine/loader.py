@@ -46,11 +46,13 @@ def load_model(
     architectures) and for missing, unexpected or misshapen tensors.
     """
     reader = _FileReader(Path(model_dir), files)
-    hf_config = json.loads(reader.read(CONFIG_FILE))
+    hf_config = _read_json_object(reader, CONFIG_FILE)
     check_supported_config(hf_config)
     try:
         config = LlamaConfig.from_hf_config(hf_config)
-    except (KeyError, ValueError) as exc:
+    except KeyError as exc:
+        raise ModelLoadError(f"{CONFIG_FILE} lacks {exc}") from exc
+    except (TypeError, ValueError) as exc:  # a field of the wrong type or value
         raise ModelLoadError(f"{CONFIG_FILE}: {exc}") from exc
 
     checkpoint = read_checkpoint(reader)
@@ -89,8 +91,22 @@ def read_checkpoint(reader: _FileReader) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
 
 
+def _read_json_object(reader: _FileReader, name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(reader.read(name))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelLoadError(f"{name} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{name} is not a JSON object")
+    return value
+
+
 def _read_sharded(reader: _FileReader) -> dict[str, torch.Tensor]:
-    weight_map: dict[str, str] = json.loads(reader.read(INDEX_FILE))["weight_map"]
+    weight_map = _read_json_object(reader, INDEX_FILE).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(s, str) for s in weight_map.values()
+    ):
+        raise ModelLoadError(f"{INDEX_FILE} has no weight_map of tensor -> file")
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         _check_relative_name(shard)
@@ -179,6 +195,12 @@ def _check_relative_name(name: str) -> None:
     path = PurePosixPath(name)
     if path.is_absolute() or ".." in path.parts or "\\" in name or not path.parts:
         raise ModelLoadError(f"{INDEX_FILE} names a file outside the folder: {name!r}")
+    if path.suffix != ".safetensors":
+        # What the integrity gate inspects as a checkpoint is *.safetensors; a shard
+        # by another name would be parsed without its strict header checks.
+        raise ModelLoadError(
+            f"{INDEX_FILE} names a shard that is not .safetensors: {name!r}"
+        )
 
 
 class _FileReader:

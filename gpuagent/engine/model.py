@@ -31,6 +31,22 @@ if TYPE_CHECKING:
     from kernels.kv_quant import PagedKVCache
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 
 @dataclass
@@ -71,6 +87,10 @@ class LlamaConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        for name in POSITIVE_INT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -87,6 +107,9 @@ class LlamaConfig:
                     f"unsupported rope_scaling type {rope_type!r}; "
                     f"supported: {SUPPORTED_ROPE_TYPES}"
                 )
+            missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
+            if rope_type == "llama3" and missing:
+                raise ValueError(f"rope_scaling {rope_type!r} lacks {missing}")
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaConfig:

@@ -26,6 +26,13 @@ SPECIAL_TOKENS = (
     "<|reserved_1|>",
 )
 BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # 264
+
+
+class TokenizerLoadError(ValueError):
+    """Tokenizer files missing or unreadable; the message says which and why."""
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 REPLACEMENT_CHAR = "\ufffd"  # what a cut-off UTF-8 character decodes to
 
 # One turn per message, each closed by eos; the generation prompt opens an assistant
@@ -182,20 +189,35 @@ def save_byte_tokenizer(model_dir: str | Path) -> None:
 def load_tokenizer(
     model_dir: str | Path, files: Mapping[str, bytes] | None = None
 ) -> Tokenizer:
-    """Load `tokenizer.json` (+ `tokenizer_config.json` when present) from a folder.
+    """Load `tokenizer.json` (+ `tokenizer_config.json` and `chat_template.jinja` when
+    present) from a folder.
 
     With `files` (names relative to model_dir -> bytes, as verify-on-load returns
     them) only those bytes are used, as in `loader.load_model`.
     """
     if files is None:
         model_dir = Path(model_dir)
-        names = ("tokenizer.json", "tokenizer_config.json")
+        names = ("tokenizer.json", "tokenizer_config.json", CHAT_TEMPLATE_FILE)
         files = {
             n: (model_dir / n).read_bytes() for n in names if (model_dir / n).exists()
         }
     if "tokenizer.json" not in files:
-        raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
-    inner = HFTokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        raise TokenizerLoadError(f"no tokenizer.json in {model_dir}")
+    try:
+        inner = HFTokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise TokenizerLoadError(f"tokenizer.json is not a valid tokenizer: {e}") from e
     config_bytes = files.get("tokenizer_config.json")
-    config = json.loads(config_bytes) if config_bytes is not None else {}
+    try:
+        config = json.loads(config_bytes) if config_bytes is not None else {}
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise TokenizerLoadError(f"tokenizer_config.json is not JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise TokenizerLoadError("tokenizer_config.json is not a JSON object")
+    if CHAT_TEMPLATE_FILE in files:
+        # transformers 5 saves the template beside the config; as there, it wins.
+        try:
+            config["chat_template"] = files[CHAT_TEMPLATE_FILE].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerLoadError(f"{CHAT_TEMPLATE_FILE} is not UTF-8: {e}") from e
     return Tokenizer(inner, config)

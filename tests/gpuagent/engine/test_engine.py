@@ -116,7 +116,8 @@ def test_it_gives_the_same_greedy_tokens_batched_as_alone(make_engine):
 
 def test_it_gives_the_same_greedy_output_when_preempting(make_engine):
     alone = greedy_alone(make_engine(), PROMPTS)
-    # 12 blocks of 4 tokens: the longest request (~100 tokens + 10) barely fits alone.
+    # 30 blocks of 4 tokens: the longest request (91 prompt + 10 tokens, 26 blocks)
+    # fits alone, not beside the others.
     tight = make_engine(num_blocks=30, block_size=4, max_num_batched_tokens=32)
 
     outs = tight.generate(PROMPTS, GREEDY)

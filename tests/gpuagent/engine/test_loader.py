@@ -134,7 +134,13 @@ def test_it_names_tensors_whose_shape_does_not_match_the_config(tmp_path):
         ({"model_type": "mistral"}, "model_type"),
         ({"architectures": ["MyLlamaForCausalLM"]}, "architectures"),
         ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_size": None}, "config.json"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+            r"lacks \['low_freq_factor', 'high_freq_factor', 'original_max",
+        ),
     ],
+    ids=["auto_map", "model_type", "architectures", "bias", "type", "llama3-keys"],
 )
 def test_it_refuses_configs_it_must_not_or_cannot_run(tmp_path, change, message):
     _hf_folder(tmp_path)
@@ -185,4 +191,29 @@ def test_it_refuses_a_file_that_is_not_safetensors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x80\x04\x95" + b"\x00" * 64)
 
     with pytest.raises(ModelLoadError, match="not a valid safetensors file"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("config.json", "[1, 2]", "config.json is not a JSON object"),
+        ("config.json", "{oops", "config.json is not JSON"),
+        ("model.safetensors.index.json", "{}", "has no weight_map"),
+        ("model.safetensors.index.json", '{"weight_map": [1]}', "has no weight_map"),
+        (
+            "model.safetensors.index.json",
+            '{"weight_map": {"model.norm.weight": "weights.dat"}}',
+            "shard that is not .safetensors: 'weights.dat'",
+        ),
+    ],
+    ids=["config-array", "config-text", "index-empty", "index-list", "index-dat"],
+)
+def test_it_names_what_is_wrong_with_a_config_or_index_file(
+    tmp_path, name, content, message
+):
+    _hf_folder(tmp_path)
+    (tmp_path / name).write_text(content)
+
+    with pytest.raises(ModelLoadError, match=message):
         load_model(tmp_path)

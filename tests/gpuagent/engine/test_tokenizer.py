@@ -12,6 +12,7 @@ from gpuagent.engine.tokenizer import (
     SPECIAL_TOKENS,
     IncrementalDetokenizer,
     Tokenizer,
+    TokenizerLoadError,
     load_tokenizer,
     save_byte_tokenizer,
 )
@@ -110,8 +111,27 @@ def test_it_loads_only_from_the_given_file_bytes(tmp_path):
 
     assert tokenizer.encode("가") == list("가".encode())
     assert tokenizer.eos_token_id == 257
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(TokenizerLoadError, match="no tokenizer.json"):
         load_tokenizer(tmp_path / "elsewhere", files={})
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        ("tokenizer.json", b'{"version": "1.0", "model": {', "not a valid tokenizer"),
+        ("tokenizer.json", b"\xff\xfe", "not a valid tokenizer"),
+        ("tokenizer_config.json", b"{not json", "not JSON"),
+        ("tokenizer_config.json", b"[1, 2]", "not a JSON object"),
+    ],
+    ids=["truncated-tokenizer", "not-utf8", "config-not-json", "config-array"],
+)
+def test_it_names_a_broken_tokenizer_file(tmp_path, name, content, reason):
+    save_byte_tokenizer(tmp_path / "real")
+    files = {p.name: p.read_bytes() for p in (tmp_path / "real").iterdir()}
+    files[name] = content
+
+    with pytest.raises(TokenizerLoadError, match=reason):
+        load_tokenizer(tmp_path / "real", files=files)
 
 
 def detokenize_step_by_step(tokenizer, ids):
@@ -180,3 +200,24 @@ def test_it_decodes_each_streamed_token_a_bounded_number_of_times(byte_tokenizer
 
     # A full decode per token would be ~2.9M ids; the tail decodes stay O(n).
     assert sum(decoded) < 10 * len(ids)
+
+
+def test_it_reads_a_chat_template_saved_beside_the_config(tmp_path):
+    # transformers 5's save_pretrained writes the template to chat_template.jinja.
+    from transformers import PreTrainedTokenizerFast
+
+    save_byte_tokenizer(tmp_path / "byte")
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "byte/tokenizer.json"))
+    hf.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    hf.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "chat_template.jinja").is_file()
+
+    tokenizer = load_tokenizer(tmp_path / "saved")
+
+    assert tokenizer.chat_template == hf.chat_template
+    assert (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], add_generation_prompt=False
+        )
+        == "[hi]"
+    )
