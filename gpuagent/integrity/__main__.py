@@ -1,12 +1,25 @@
 """`python -m gpuagent.integrity inspect|hash|sign|verify ...`
 
+    sign FOLDER --signature S --private-key K --model M --version V --recipe R
+    verify FOLDER --signature S --public-key P --model M --version V --recipe R
+
+`verify` checks that the signature is bound to the release named by `--model`,
+`--version` and `--recipe` (and `--parent-digest`), so a signature made for one
+release (e.g. a revoked one) cannot be replayed for another. Those flags are
+required; `--any-release` skips that check explicitly (for signatures made by
+other tools, which carry no binding), and the report then says the binding was
+not checked.
+
 Exit codes: 0 accepted, 1 rejected (any integrity failure), 2 bad usage
-(argparse, or a key/file argument that cannot be read).
+(argparse, missing release flags, or a key/file argument that cannot be read).
+Reports go to stdout (one JSON object with `--json`); anything the underlying
+libraries print while signing or verifying goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -85,6 +98,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="verify a folder against its signature")
     common(p)
     release(p, False)
+    p.add_argument(
+        "--any-release",
+        action="store_true",
+        help="do not check which release the signature is bound to (instead of "
+        "--model/--version/--recipe). This SKIPS the replay protection: a "
+        "signature made for any other release of these files, e.g. a revoked "
+        "one, verifies too",
+    )
     p.add_argument("--signature", type=Path, required=True)
     p.add_argument(
         "--public-key",
@@ -109,6 +130,33 @@ def _parser() -> argparse.ArgumentParser:
         help="extra path the signature may leave out",
     )
     return parser
+
+
+_RELEASE_FLAGS = (
+    ("--model", "model"),
+    ("--version", "version"),
+    ("--recipe", "recipe"),
+)
+
+
+def _verify_release(args: argparse.Namespace) -> ReleaseBinding | None:
+    """The release `verify` must check; None only with an explicit --any-release."""
+    given = [flag for flag, attr in _RELEASE_FLAGS if getattr(args, attr) is not None]
+    if args.any_release:
+        if given or args.parent_digest:
+            raise UsageError(
+                "--any-release skips the release check: do not combine it with "
+                + ", ".join(given or ["--parent-digest"])
+            )
+        return None
+    missing = [flag for flag, attr in _RELEASE_FLAGS if getattr(args, attr) is None]
+    if missing:
+        raise UsageError(
+            f"verify needs the release the signature must be bound to: missing "
+            f"{', '.join(missing)} (or pass --any-release to skip the replay "
+            "protection)"
+        )
+    return _release(args)
 
 
 def _release(args: argparse.Namespace) -> ReleaseBinding | None:
@@ -168,7 +216,7 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             f"  manifest digest: {result.manifest.digest}",
         )
     # verify
-    release = _release(args)
+    release = _verify_release(args)
     try:
         policy = policy_from_trust_args(
             args, release=release, extra_ignorable_paths=args.allow_ignore
@@ -182,7 +230,10 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         raise ManifestDigestMismatchError(args.manifest_digest, report.manifest_digest)
     text = report.to_text()
     if policy.release is None:
-        text += "\n  note: binding not checked (give --model, --version and --recipe)"
+        text += (
+            "\n  WARNING: release binding NOT checked (--any-release): a signature "
+            "made for another release of these files would verify too"
+        )
     return report.to_dict(), text
 
 
@@ -190,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
-        data, text = _run(args)
+        # model-signing prints warnings to stdout; keep stdout for our report
+        # (a --json report must parse).
+        with contextlib.redirect_stdout(sys.stderr):
+            data, text = _run(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -17,10 +17,12 @@ library exception becomes one of our `IntegrityError` subclasses.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import tempfile
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +71,19 @@ class SignedStatement:
     signer: str  # "key sha256:<fingerprint>" or "certificate <identity> by <issuer>"
     binding: dict[str, str] | None
     serialization: dict[str, Any] = field(default_factory=dict)
+    # Certificate and Sigstore modes: the signing (leaf) certificate's validity
+    # window, see `certificate_validity`. None for key signatures.
+    certificate_validity: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class VerificationReport:
+    """`release` is the release the signature is bound to (None: unbound).
+    `binding_checked` is False when the policy named no release, so that binding
+    was not compared with anything (`Policy.release=None`). `certificate_validity`
+    is the signing certificate's validity window (certificate and Sigstore modes;
+    see `certificate_validity`), reported, not enforced."""
+
     ok: bool
     folder: str
     signer: str
@@ -80,6 +91,8 @@ class VerificationReport:
     root_digest: str
     release: dict[str, str] | None
     files: list[str]
+    binding_checked: bool = True
+    certificate_validity: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -91,15 +104,39 @@ class VerificationReport:
             if release
             else "not bound to a release"
         )
-        return "\n".join(
-            [
-                f"verify {self.folder}: OK",
-                f"  signer:          {self.signer}",
-                f"  release:         {bound}",
-                f"  manifest digest: {self.manifest_digest}",
-                f"  files verified:  {len(self.files)}",
-            ]
-        )
+        if not self.binding_checked:
+            bound += " [NOT CHECKED: no release required, replay not prevented]"
+        lines = [
+            f"verify {self.folder}: OK",
+            f"  signer:          {self.signer}",
+        ]
+        validity = self.certificate_validity
+        if validity:
+            lines.append(
+                f"  certificate:     valid {validity['not_before']} to "
+                f"{validity['not_after']}"
+                + (" (expired now)" if validity["expired"] else "")
+            )
+        lines += [
+            f"  release:         {bound}",
+            f"  manifest digest: {self.manifest_digest}",
+            f"  files verified:  {len(self.files)}",
+        ]
+        return "\n".join(lines)
+
+
+def certificate_validity(cert: Any, now: datetime | None = None) -> dict[str, Any]:
+    """A signing certificate's validity window (ISO 8601, UTC) and whether it has
+    expired by `now`. For the report only: model-signing checks the chain at the
+    leaf's not-before time and Sigstore at the logged signing time, so a
+    signature outlives its (often short-lived) certificate, as it should."""
+    now = now or datetime.now(UTC)
+    not_after = cert.not_valid_after_utc
+    return {
+        "not_before": cert.not_valid_before_utc.isoformat(),
+        "not_after": not_after.isoformat(),
+        "expired": now > not_after,
+    }
 
 
 def key_fingerprint(public_key_pem: bytes) -> str:
@@ -163,6 +200,8 @@ def _signer(
     sigstore_identity_token: str | None,
     sigstore_trust_config: str | Path | None,
 ):
+    if private_key and not sigstore_identity_token:
+        _check_private_key(Path(private_key), password, with_certificate=certificate)
     try:
         from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore
 
@@ -180,10 +219,56 @@ def _signer(
                 [Path(c) for c in certificate_chain],
             )
         if private_key:
-            return sign_ec_key.Signer(Path(private_key), password)
+            # model-signing annotates the password as str, but hands it to
+            # cryptography, which takes bytes only.
+            encoded = password.encode("utf-8") if password is not None else None
+            return sign_ec_key.Signer(Path(private_key), encoded)
     except Exception as e:  # noqa: BLE001 - bad key, password, certificate...
         raise SigningError(f"cannot set up the signer: {type(e).__name__}: {e}") from e
     raise SigningError("no signing key, certificate or identity token given")
+
+
+def _check_private_key(
+    path: Path, password: str | None, *, with_certificate: object
+) -> None:
+    """Clear errors for an encrypted key without its password, a wrong password,
+    or a password for a key that is not encrypted (model-signing would raise a
+    bare TypeError or ValueError)."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise SigningError(f"cannot read the private key {path}: {e}") from e
+    try:
+        serialization.load_pem_private_key(data, None)
+        encrypted = False
+    except TypeError:  # documented: encrypted, and no password given
+        encrypted = True
+    except Exception as e:  # noqa: BLE001 - not PEM, unsupported algorithm...
+        raise SigningError(
+            f"{path} is not a PEM private key: {type(e).__name__}: {e}"
+        ) from e
+    if encrypted and with_certificate:
+        # model-signing 1.1.1's certificate signer takes no password.
+        raise SigningError(
+            f"private key {path} is encrypted: certificate signing needs an "
+            "unencrypted key"
+        )
+    if not encrypted:
+        if password is not None:
+            raise SigningError(
+                f"a password was given but the private key {path} is not encrypted"
+            )
+        return
+    if password is None:
+        raise SigningError(
+            f"private key {path} is encrypted: give its password (--password)"
+        )
+    try:
+        serialization.load_pem_private_key(data, password.encode("utf-8"))
+    except ValueError as e:  # documented: the data could not be decrypted
+        raise SigningError(f"bad password for the private key {path}") from e
 
 
 def sign_model(
@@ -205,8 +290,10 @@ def sign_model(
 
     Modes: `private_key` (ECDSA PEM) alone = key signature; with `certificate`
     (+ chain) = certificate signature; `sigstore_identity_token` = Sigstore
-    keyless (needs the network at signing time). A signature written inside the
-    folder is added to the ignore list explicitly.
+    keyless (needs the network at signing time). `password` decrypts an
+    encrypted `private_key` (key mode only; certificate signing takes an
+    unencrypted key). A signature written inside the folder is added to the
+    ignore list explicitly.
     """
     folder, signature_path = Path(folder), Path(signature_path)
     signer = _signer(
@@ -245,7 +332,9 @@ def read_signed_statement(
         raise SignatureError(f"signature file {path} does not exist")
     try:
         with tempfile.TemporaryDirectory(prefix="rg-trust-") as tmp:
-            payload_type, payload, signer = _verify_signature(path, policy, Path(tmp))
+            payload_type, payload, signer, validity = _verify_signature(
+                path, policy, Path(tmp)
+            )
     except IntegrityError:
         raise
     except Exception as e:  # noqa: BLE001 - ValueError, InvalidSignature, OpenSSL, sigstore...
@@ -254,10 +343,15 @@ def read_signed_statement(
         ) from e
     if payload_type != _IN_TOTO_PAYLOAD_TYPE:
         raise SignatureError(f"unexpected payload type {payload_type!r}")
-    return _parse_statement(payload, signer)
+    return dataclasses.replace(
+        _parse_statement(payload, signer), certificate_validity=validity
+    )
 
 
-def _verify_signature(path: Path, policy: Policy, tmp: Path) -> tuple[str, bytes, str]:
+def _verify_signature(
+    path: Path, policy: Policy, tmp: Path
+) -> tuple[str, bytes, str, dict[str, Any] | None]:
+    """(payload type, payload, signer, signing certificate validity or None)."""
     from model_signing._signing import (
         sign_certificate,
         sign_ec_key,
@@ -290,6 +384,7 @@ def _verify_signature(path: Path, policy: Policy, tmp: Path) -> tuple[str, bytes
             payload_type,
             payload,
             f"sigstore {policy.certificate_identity} by {policy.certificate_issuer}",
+            certificate_validity(signature.bundle.signing_certificate),
         )
 
     try:
@@ -324,7 +419,7 @@ def _verify_signature(path: Path, policy: Policy, tmp: Path) -> tuple[str, bytes
             except Exception as e:  # noqa: BLE001
                 last = e
                 continue
-            return payload_type, payload, f"key sha256:{fingerprint}"
+            return payload_type, payload, f"key sha256:{fingerprint}", None
         raise SignatureError(
             f"signature does not verify: {type(last).__name__}: {last}"
         )
@@ -346,11 +441,12 @@ def _verify_signature(path: Path, policy: Policy, tmp: Path) -> tuple[str, bytes
         verifier = sign_certificate.Verifier([chain_path])
         payload_type, payload = verifier._verify_signed_content(signature)
         leaf = material.x509_certificate_chain.certificates[0].raw_bytes
-        _check_certificate_identity(leaf, policy)
+        cert = _check_certificate_identity(leaf, policy)
         return (
             payload_type,
             payload,
             f"certificate {policy.certificate_identity} by {policy.certificate_issuer}",
+            certificate_validity(cert),
         )
     raise PolicyError(f"unknown signature mode {mode!r}")
 
@@ -373,7 +469,12 @@ def _check_sigstore_identity(cert: Any, policy: Policy) -> None:
         ) from e
 
 
-def _check_certificate_identity(leaf_der: bytes, policy: Policy) -> None:
+def _check_certificate_identity(leaf_der: bytes, policy: Policy) -> Any:
+    """The leaf certificate, once its identity and issuer are the policy's.
+
+    Validity is not enforced here: model-signing verified the chain at the leaf's
+    not-before time, so an expired leaf still verifies (a signature legitimately
+    outlives a short-lived certificate); the window goes into the report."""
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
@@ -403,6 +504,7 @@ def _check_certificate_identity(leaf_der: bytes, policy: Policy) -> None:
         raise SignerNotTrustedError(
             f"certificate issuer {sorted(issuers)} is not {policy.certificate_issuer!r}"
         )
+    return cert
 
 
 def _parse_statement(payload: bytes, signer: str) -> SignedStatement:
@@ -518,7 +620,16 @@ def verify_model(
 ) -> VerificationReport:
     """Verifies `folder` against the signature: signature, signer, binding,
     ignore list, and every file digest (our fd-based parallel hasher, with the
-    signed hash settings). Raises an `IntegrityError` subclass on any failure."""
+    signed hash settings). Raises an `IntegrityError` subclass on any failure.
+
+    The release binding is checked against `policy.release`. With
+    `policy.release=None` it is NOT checked (the report says
+    `binding_checked=False`): a valid signature made for any other release of
+    the same files, e.g. a revoked one, is then accepted. That is a deliberate
+    programmatic choice, for signatures made by other tools (a publisher's
+    `model_signing` signature carries no binding); callers that gate a release
+    must pass it. The CLI requires `--model/--version/--recipe` unless told
+    `--any-release`."""
     folder = Path(folder)
     statement = read_signed_statement(signature_path, policy)
     check_statement(statement, policy, _relative_inside(folder, Path(signature_path)))
@@ -542,4 +653,6 @@ def verify_model(
         root_digest=actual.root_digest,
         release=statement.binding,
         files=sorted(actual.files()),
+        binding_checked=policy.release is not None,
+        certificate_validity=statement.certificate_validity,
     )

@@ -93,7 +93,14 @@ class Keys:
 class CertificateAuthority:
     """A throwaway CA and a code-signing leaf certificate for one identity."""
 
-    def __init__(self, root: Path, name: str, identity: str):
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        identity: str,
+        leaf_days: tuple[int, int] = (-1, 10),
+    ):
+        """`leaf_days`: the leaf's not-before and not-after, in days from now."""
         import datetime
 
         from cryptography import x509
@@ -109,7 +116,7 @@ class CertificateAuthority:
             .issuer_name(ca_name)
             .public_key(ca_key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=2))
+            .not_valid_before(now + datetime.timedelta(days=min(leaf_days[0], 0) - 2))
             .not_valid_after(now + datetime.timedelta(days=30))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
             .add_extension(
@@ -129,8 +136,8 @@ class CertificateAuthority:
             .issuer_name(ca_name)
             .public_key(leaf_key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=10))
+            .not_valid_before(now + datetime.timedelta(days=leaf_days[0]))
+            .not_valid_after(now + datetime.timedelta(days=leaf_days[1]))
             .add_extension(
                 x509.SubjectAlternativeName([x509.RFC822Name(identity)]), False
             )
@@ -155,6 +162,19 @@ class CertificateAuthority:
             leaf_key.private_bytes(
                 pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
             )
+        )
+
+    def sign(self, folder: Path, **kwargs):
+        """`sign_model` into folder/model.sig with this CA's leaf."""
+        from gpuagent.integrity import sign_model
+
+        return sign_model(
+            folder,
+            folder / "model.sig",
+            **{"release": RELEASE, **kwargs},
+            private_key=self.private,
+            certificate=self.certificate,
+            certificate_chain=(self.chain,),
         )
 
     def policy(self, **changes) -> Policy:

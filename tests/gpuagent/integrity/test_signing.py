@@ -309,14 +309,7 @@ def test_it_refuses_hash_settings_outside_the_policy(tmp_path, keys):
 def test_it_verifies_certificate_signatures_and_checks_the_identity(tmp_path):
     ca = CertificateAuthority(tmp_path, "releases", "ci@releasegate.example")
     folder = write_model(tmp_path / "model")
-    sign_model(
-        folder,
-        folder / "model.sig",
-        release=RELEASE,
-        private_key=ca.private,
-        certificate=ca.certificate,
-        certificate_chain=(ca.chain,),
-    )
+    ca.sign(folder)
 
     report = verify_model(folder, folder / "model.sig", ca.policy())
 
@@ -501,3 +494,134 @@ def test_it_never_raises_anything_but_its_own_error_on_mutated_signatures(signed
             verify_model(signed, sig, keys.policy())
         except IntegrityError:
             pass
+
+
+# --- release binding not required by the policy ------------------------------
+
+
+def test_it_reports_when_the_policy_did_not_check_the_binding(signed, keys):
+    checked = verify_model(signed, signed / "model.sig", keys.policy())
+    unchecked = verify_model(signed, signed / "model.sig", keys.policy(release=None))
+
+    assert checked.binding_checked is True
+    assert "NOT CHECKED" not in checked.to_text()
+    # Programmatic opt-out: accepted, but the report says the binding was not
+    # compared with any release.
+    assert unchecked.ok and unchecked.binding_checked is False
+    assert unchecked.to_dict()["binding_checked"] is False
+    assert "NOT CHECKED" in unchecked.to_text()
+
+
+# --- password-protected keys -------------------------------------------------
+
+
+def encrypted_key(tmp_path: Path, password: bytes) -> tuple[Path, bytes]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    path = tmp_path / "encrypted.pem"
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(password),
+        )
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return path, public
+
+
+def test_it_signs_with_a_password_protected_key(tmp_path, keys):
+    private, public = encrypted_key(tmp_path, "pässword".encode())
+    folder = write_model(tmp_path / "model")
+
+    sign_model(
+        folder,
+        folder / "model.sig",
+        release=RELEASE,
+        private_key=private,
+        password="pässword",
+    )
+
+    report = verify_model(
+        folder, folder / "model.sig", keys.policy(public_keys_pem=(public,))
+    )
+    assert report.ok and report.release["version"] == RELEASE.version
+
+
+def test_it_names_a_bad_or_missing_password(tmp_path, keys):
+    private, _ = encrypted_key(tmp_path, b"right")
+    folder = write_model(tmp_path / "model")
+
+    def sign(key, password, **extra):
+        sign_model(
+            folder,
+            tmp_path / "m.sig",
+            release=RELEASE,
+            private_key=key,
+            password=password,
+            **extra,
+        )
+
+    with pytest.raises(SigningError, match="bad password"):
+        sign(private, "wrong")
+    with pytest.raises(SigningError, match="encrypted: give its password"):
+        sign(private, None)
+    with pytest.raises(SigningError, match="not encrypted"):
+        sign(keys.private, "right")
+    ca = CertificateAuthority(tmp_path, "releases", "ci@releasegate.example")
+    with pytest.raises(SigningError, match="certificate signing needs"):
+        sign(private, "right", certificate=ca.certificate)
+    assert not (tmp_path / "m.sig").exists()
+
+
+# --- certificate validity ----------------------------------------------------
+
+
+def test_it_reports_the_signing_certificate_validity_window(tmp_path):
+    from cryptography import x509
+
+    ca = CertificateAuthority(tmp_path, "releases", "ci@releasegate.example")
+    folder = write_model(tmp_path / "model")
+    ca.sign(folder)
+
+    report = verify_model(folder, folder / "model.sig", ca.policy())
+
+    leaf = x509.load_pem_x509_certificate(ca.certificate.read_bytes())
+    assert report.certificate_validity == {
+        "not_before": leaf.not_valid_before_utc.isoformat(),
+        "not_after": leaf.not_valid_after_utc.isoformat(),
+        "expired": False,
+    }
+    assert f"valid {leaf.not_valid_before_utc.isoformat()} to" in report.to_text()
+    assert "expired" not in report.to_text()
+
+
+def test_it_reports_no_certificate_validity_for_key_signatures(signed, keys):
+    report = verify_model(signed, signed / "model.sig", keys.policy())
+
+    assert report.certificate_validity is None
+    assert "certificate:" not in report.to_text()
+
+
+def test_it_accepts_but_reports_a_signature_whose_certificate_has_expired(tmp_path):
+    # model-signing checks the chain at the leaf's not-before time: a signature
+    # outlives its certificate. Behaviour kept; the report shows the expiry.
+    from cryptography import x509
+
+    ca = CertificateAuthority(tmp_path, "old", "ci@x.example", leaf_days=(-10, -1))
+    folder = write_model(tmp_path / "model")
+    ca.sign(folder)
+    leaf = x509.load_pem_x509_certificate(ca.certificate.read_bytes())
+
+    report = verify_model(folder, folder / "model.sig", ca.policy())
+
+    assert report.ok
+    assert report.certificate_validity["expired"] is True
+    assert report.certificate_validity["not_after"] == (
+        leaf.not_valid_after_utc.isoformat()
+    )
+    assert "(expired now)" in report.to_text()
