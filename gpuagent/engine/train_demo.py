@@ -2,8 +2,8 @@
 
     python -m gpuagent.engine.train_demo --out gpuagent/engine/demo_model --seed 0
 
-A small byte-level Llama (head_dim 64, GQA 4 query / 2 KV heads) trained on text that
-is on every machine the project runs on, offline:
+A small byte-level Llama (head_dim 64, GQA 4 query / 2 KV heads) trained on text the
+machine already has, offline:
 
 - code: the Python standard library's own `.py` files;
 - english: the Python reference docs that ship in `pydoc_data.topics`;
@@ -16,6 +16,22 @@ of its name, not by chance, so the split is the same on any machine that has the
 Held-out bits per byte per domain are printed and stored in `training_report.json`.
 Deterministic from --seed: sorted sources, seeded generator, deterministic algorithms,
 a fixed number of steps (not a time budget).
+
+That text, though, is not the same on every machine: the code and English parts come
+from the running Python (its standard library and `pydoc_data`), the Korean part from
+whichever catalogs Django and the OS packages installed (80 of the shipped model's 93
+are the OS's; its corpus is reproduced by Python 3.11.7 with 13 Django and 80 OS
+catalogs, `SHIPPED_CORPUS_SOURCES`). So before training the script hashes each part
+of the corpus it built and compares it with `corpus_sha256` in the committed
+`demo_model/training_report.json`.
+On a mismatch it says which parts differ and what each depends on (Python version,
+catalogs found here vs recorded), then
+
+- stops with exit status 2 when --out is the committed `demo_model` folder (it would
+  replace the shipped model with a different one), unless --allow-different-corpus;
+- otherwise warns loudly and trains: the result is not the shipped model.
+
+New reports also record the corpus's sources (`corpus_sources`) for that message.
 """
 
 from __future__ import annotations
@@ -23,14 +39,21 @@ from __future__ import annotations
 import argparse
 import gettext
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import math
+import platform
+import re
+import sys
 import sysconfig
+import textwrap
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -39,7 +62,6 @@ from gpuagent.engine.model import LlamaConfig, Transformer
 from gpuagent.engine.tokenizer import (
     BYTE_VOCAB_SIZE,
     SPECIAL_TOKENS,
-    build_byte_tokenizer,
     save_byte_tokenizer,
 )
 
@@ -57,6 +79,9 @@ CODE_SKIP_PARTS |= {"encodings", "__pycache__"}  # codec tables are not code to 
 
 BOS_ID = 256 + SPECIAL_TOKENS.index("<|bos|>")
 EOS_ID = 256 + SPECIAL_TOKENS.index("<|eos|>")
+# The shipped model folder, whose training_report.json the corpus is checked against.
+COMMITTED_DIR = Path(__file__).resolve().parent / "demo_model"
+CORPUS_MISMATCH_EXIT = 2
 
 
 def demo_config() -> LlamaConfig:
@@ -213,18 +238,193 @@ def heldout_texts(korean_catalogs: Iterable[Path] | None = None) -> dict[str, st
     }
 
 
+_SPECIAL_BYTES = re.compile(b"|".join(re.escape(t.encode()) for t in SPECIAL_TOKENS))
+_SPECIAL_IDS = {t.encode(): 256 + i for i, t in enumerate(SPECIAL_TOKENS)}
+
+
+def encode_bytes(text: str) -> torch.Tensor:
+    """Token ids [N] int64 of `text` under the byte tokenizer: one id per UTF-8 byte
+    (id == byte), each special-token string as its special id.
+
+    The ids `build_byte_tokenizer().encode(text, add_special_tokens=False)` gives (the
+    tests check both on edge cases and the whole corpus against its recorded digest),
+    at a small fraction of its time on the 9 MB code corpus. The special tokens are
+    ASCII, so matching them in the UTF-8 bytes matches them in the text.
+    """
+    data = text.encode("utf-8")
+    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    matches = list(_SPECIAL_BYTES.finditer(data))
+    if matches:
+        starts = np.array([m.start() for m in matches], dtype=np.int64)
+        ends = np.array([m.end() for m in matches], dtype=np.int64)
+        ids[starts] = [_SPECIAL_IDS[m.group()] for m in matches]
+        # drop every byte of a match but its first: +1 after its start, -1 at its end
+        inside = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.add.at(inside, starts + 1, 1)
+        np.add.at(inside, ends, -1)
+        ids = ids[np.cumsum(inside[:-1]) == 0]
+    return torch.from_numpy(ids)
+
+
 def training_ids(korean_catalogs: list[Path]) -> dict[str, torch.Tensor]:
     """Token ids [N] int64 per domain of the training split."""
-    tok = build_byte_tokenizer()
     texts = {
         "code": "\n".join(code_docs(heldout=False)),
         "english": "\n\n".join(english_docs(heldout=False)),
         "korean": korean_training_text(korean_pairs(korean_catalogs, heldout=False)),
     }
-    return {
-        name: torch.tensor(tok.encode(text, add_special_tokens=False).ids)
-        for name, text in texts.items()
+    return {name: encode_bytes(text) for name, text in texts.items()}
+
+
+# ------------------------------------------------------------------ corpus check
+
+
+@dataclass
+class Corpus:
+    """The training split as token ids per domain, and what it was read from."""
+
+    ids: dict[str, torch.Tensor]  # domain -> [N] int64
+    korean_catalogs: list[Path]
+    sources: dict  # recorded in the report as `corpus_sources`
+    stdlib: Path
+
+
+def build_corpus() -> Corpus:
+    """The training corpus of this machine (this Python, these catalogs)."""
+    from pydoc_data.topics import topics
+
+    django = django_korean_catalogs()
+    system = system_korean_catalogs()
+    try:
+        django_version = importlib.metadata.version("django")
+    except importlib.metadata.PackageNotFoundError:
+        django_version = None
+    sources = {
+        "python": platform.python_version(),
+        "code_files": len(code_files()),
+        "english_topics": len(topics),
+        "django": django_version,
+        "korean_catalogs": {"django": len(django), "system": len(system)},
     }
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return Corpus(training_ids(django + system), django + system, sources, stdlib)
+
+
+def corpus_digests(ids: dict[str, torch.Tensor]) -> dict[str, str]:
+    """sha256 of each domain's token ids as little-endian int64 bytes."""
+    return {
+        d: hashlib.sha256(ids[d].numpy().astype("<i8").tobytes()).hexdigest()
+        for d in DOMAINS
+    }
+
+
+def read_committed_report(folder: Path = COMMITTED_DIR) -> dict | None:
+    """The committed model folder's training report (None if it has none)."""
+    path = folder / "training_report.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def corpus_differences(corpus: Corpus, committed: dict) -> list[str]:
+    """Domains whose digest differs from the one `committed` records."""
+    recorded = committed.get("corpus_sha256") or {}
+    here = corpus_digests(corpus.ids)
+    return [d for d in DOMAINS if d in recorded and recorded[d] != here[d]]
+
+
+# What each domain is read from, i.e. what makes it differ between machines.
+CORPUS_DEPENDS_ON = {
+    "code": "the Python version (its standard library's .py files)",
+    "english": "the Python version (its pydoc_data.topics)",
+    "korean": "which Korean catalogs are installed: Django's and the OS packages' ("
+    + ", ".join(SYSTEM_KOREAN_GLOBS)
+    + ")",
+}
+# The shipped report predates `corpus_sources`; these sources reproduced its digests.
+SHIPPED_CORPUS_SOURCES = {
+    "python": "3.11.7",
+    "code_files": 610,
+    "english_topics": 79,
+    "django": "5.2.19",
+    "korean_catalogs": {"django": 13, "system": 80},
+}
+
+
+def describe_sources(domain: str, sources: dict) -> str:
+    """One domain's sources in words, from a `corpus_sources` record."""
+    if domain == "code":
+        return f"Python {sources['python']}, {sources['code_files']} stdlib .py files"
+    if domain == "english":
+        return f"Python {sources['python']}, {sources['english_topics']} doc topics"
+    found = sources["korean_catalogs"]
+    return (
+        f"{found['django'] + found['system']} catalogs, {found['django']} from "
+        f"Django {sources['django']} and {found['system']} from the OS"
+    )
+
+
+def check_corpus(
+    corpus: Corpus,
+    committed: dict | None,
+    out: Path,
+    allow_different: bool = False,
+    committed_dir: Path = COMMITTED_DIR,
+) -> list[str]:
+    """Compare the corpus with the committed report's digests, before training.
+
+    Returns the differing domains (after printing why). On a difference, raises
+    SystemExit(CORPUS_MISMATCH_EXIT) when `out` is `committed_dir` and not
+    `allow_different`: that run would overwrite the shipped model with another.
+    """
+    if committed is None or not committed.get("corpus_sha256"):
+        print(
+            f"note: {committed_dir} records no corpus digests; nothing to check the "
+            "corpus against",
+            file=sys.stderr,
+        )
+        return []
+    differing = corpus_differences(corpus, committed)
+    if not differing:
+        print(f"corpus matches {committed_dir.name}'s ({', '.join(DOMAINS)})")
+        return []
+    here = corpus_digests(corpus.ids)
+    recorded_tokens = committed.get("train_tokens_per_domain") or {}
+    was = committed.get("corpus_sources")
+    # the shipped report predates corpus_sources: say what reproduces its digests
+    was_label = "committed" if was else "committed (reproduced with)"
+    lines = [
+        f"The corpus on this machine differs from the one the committed model in "
+        f"{committed_dir} was trained on, in: {', '.join(differing)}.",
+    ]
+    for d in differing:
+        lines += [
+            f"- {d} depends on {CORPUS_DEPENDS_ON[d]}.",
+            f"  here: {describe_sources(d, corpus.sources)}; {len(corpus.ids[d])} "
+            f"tokens, sha256 {here[d][:16]}...",
+            f"  {was_label}: {describe_sources(d, was or SHIPPED_CORPUS_SOURCES)}; "
+            f"{recorded_tokens.get(d, '?')} tokens, sha256 "
+            f"{committed['corpus_sha256'][d][:16]}...",
+        ]
+    lines.append("Training on it gives a different model from the shipped one.")
+    overwrites = out.resolve() == committed_dir.resolve()
+    if overwrites and not allow_different:
+        lines.append(
+            f"Refusing to overwrite {committed_dir} with it: pass --out elsewhere, "
+            "or --allow-different-corpus to replace the shipped model anyway."
+        )
+    else:
+        lines.append(f"Training anyway, into {out}.")
+    bar = "!" * 78
+    wrapped = [
+        "!! " + part
+        for line in lines
+        for part in textwrap.wrap(
+            line, 75, subsequent_indent="    " if line[0] in "- " else ""
+        )
+    ]
+    print("\n".join([bar, *wrapped, bar]), file=sys.stderr)
+    if overwrites and not allow_different:
+        raise SystemExit(CORPUS_MISMATCH_EXIT)
+    return differing
 
 
 # ------------------------------------------------------------------------- training
@@ -285,15 +485,27 @@ def bits_per_byte(
 
 
 def train(
-    seed: int, steps: int, batch: int, seq_len: int, peak_lr: float, log_every: int
+    seed: int,
+    steps: int,
+    batch: int,
+    seq_len: int,
+    peak_lr: float,
+    log_every: int,
+    corpus: Corpus | None = None,
+    config: LlamaConfig | None = None,
 ) -> tuple[Transformer, dict]:
-    """Train the demo model from scratch; returns it and the corpus/training stats."""
+    """Train the demo model from scratch; returns it and the corpus/training stats.
+
+    `corpus` defaults to this machine's (`build_corpus`), `config` to the demo's.
+    """
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
-    korean = django_korean_catalogs() + system_korean_catalogs()
-    data = training_ids(korean)
+    if corpus is None:
+        corpus = build_corpus()
+    data = corpus.ids
 
-    config = demo_config()
+    if config is None:
+        config = demo_config()
     model = Transformer(config)
     init_weights(model, config.num_hidden_layers)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -336,10 +548,9 @@ def train(
         "train_seconds": round(time.monotonic() - started, 1),
         "torch_threads": torch.get_num_threads(),
         "train_tokens_per_domain": {d: len(data[d]) for d in DOMAINS},
-        "corpus_sha256": {
-            d: hashlib.sha256(data[d].numpy().tobytes()).hexdigest() for d in DOMAINS
-        },
-        "korean_catalogs": len(korean),
+        "corpus_sha256": corpus_digests(data),
+        "korean_catalogs": len(corpus.korean_catalogs),
+        "corpus_sources": corpus.sources,
         "final_train_loss_bits": sum(losses[-50:]) / len(losses[-50:]) / math.log(2),
     }
     return model, stats
@@ -394,10 +605,26 @@ def main(argv: list[str] | None = None) -> None:
     # bit-identical weights with 1 and 2 threads; the count is recorded anyway.)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eval-bytes", type=int, default=65536)
+    parser.add_argument(
+        "--allow-different-corpus",
+        action="store_true",
+        help="overwrite the committed demo model even when this machine's corpus "
+        "differs from the one it was trained on",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    model, stats = train(args.seed, args.steps, args.batch, args.seq_len, args.lr, 20)
+    corpus = build_corpus()
+    check_corpus(
+        corpus,
+        read_committed_report(COMMITTED_DIR),
+        args.out,
+        args.allow_different_corpus,
+        COMMITTED_DIR,
+    )
+    model, stats = train(
+        args.seed, args.steps, args.batch, args.seq_len, args.lr, 20, corpus
+    )
     model.eval()
     heldout = heldout_texts()
     bpb = {
