@@ -1,12 +1,12 @@
 """OpenAI-compatible HTTP server over `AsyncLLMEngine` (FastAPI on uvicorn).
 
 Routes: /v1/completions, /v1/chat/completions (SSE streaming or not, usage in the
-stream with `stream_options.include_usage`, logprobs), /v1/models (and /v1/models/ID),
-/tokenize, /health, /metrics (Prometheus). Errors have OpenAI's body
-`{"error": {"message", "type", "param", "code"}}`; bad input (wrong JSON types
-included: fields are strict) is a 400, a body past MAX_BODY_BYTES a 413, and the
-server keeps serving. A client that disconnects mid-stream has its request aborted,
-which frees its KV blocks before the next engine step.
+stream with `stream_options.include_usage`, logprobs with each token's exact bytes),
+/v1/models (and /v1/models/ID), /tokenize, /health, /metrics (Prometheus). Errors
+have OpenAI's body `{"error": {"message", "type", "param", "code"}}`; bad input
+(wrong JSON types included: fields are strict) is a 400, a body past MAX_BODY_BYTES
+a 413, and the server keeps serving. A client that disconnects mid-stream has its
+request aborted, which frees its KV blocks before the next engine step.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -187,6 +188,132 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
         ) from None
 
 
+# ------------------------------------------------------------------- token bytes
+
+CUT_OFF_CHAR = "\ufffd"  # what a cut-off (or invalid) UTF-8 sequence decodes to
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's printable stand-in char -> byte, as tokenizers' ByteLevel uses it."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if chr(b) not in table]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+BYTE_LEVEL_CHARS = _byte_level_table()
+
+
+def _decoder_types(tokenizer: Any) -> set[str]:
+    """The component types of a `tokenizers` decoder (Sequence members included)."""
+    decoder = getattr(getattr(tokenizer, "inner", None), "decoder", None)
+    try:
+        tree = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    except Exception:  # noqa: BLE001 - not a tokenizers decoder: no special handling
+        return set()
+    types, todo = set(), [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            types.add(node.get("type"))
+            todo.extend(node.get("decoders") or [])
+    return types
+
+
+class TokenBytes:
+    """The exact bytes of each token id (cached), as OpenAI's logprobs report them:
+    an added token's content; a byte-fallback token `<0xNN>` is byte NN; a ByteLevel
+    (GPT-2 style) token's chars map back through the bytes-to-unicode table (so the
+    byte-level tokenizer's id < 256 is that byte); else the token decoded alone."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        inner = getattr(tokenizer, "inner", None)
+        types = _decoder_types(tokenizer)
+        self.byte_level = "ByteLevel" in types
+        self.byte_fallback = "ByteFallback" in types
+        self.id_to_token = getattr(inner, "id_to_token", None)
+        added = getattr(inner, "get_added_tokens_decoder", None)
+        self.added = {i: t.content for i, t in added().items()} if added else {}
+        self.cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        raw = self.cache.get(token_id)
+        if raw is None:
+            raw = self.cache[token_id] = self._bytes(token_id)
+        return raw
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self.added:
+            return self.added[token_id].encode("utf-8")
+        piece = self.id_to_token(token_id) if self.id_to_token else None
+        if piece is not None:
+            byte = _BYTE_FALLBACK.fullmatch(piece)
+            if self.byte_fallback and byte:
+                return bytes([int(byte.group(1), 16)])
+            if self.byte_level and all(c in BYTE_LEVEL_CHARS for c in piece):
+                return bytes(BYTE_LEVEL_CHARS[c] for c in piece)
+        return self.tokenizer.decode([token_id]).encode("utf-8")
+
+
+def _bytes_text(raw: bytes) -> str:
+    """A token's text: `raw` decoded, or `bytes:\\xNN...` (as OpenAI writes it) when
+    `raw` is not valid UTF-8 on its own (part of a character)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class TextOffsets:
+    """The `text_offset` of each generated token: where, in the request's text, the
+    character its first byte belongs to starts, so a byte that completes a character
+    later points at that character (the text's U+FFFD until then).
+
+    Fed each `RequestOutput` in order; the offsets come from the engine's text
+    before and after each token, so they agree with the `text` returned. Tokens of
+    a matched stop string point where they would have been, past the cut text.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""  # the text before the next token
+        self.offsets: list[int] = []  # every token's so far
+
+    def feed(self, out: RequestOutput) -> list[int]:
+        """The offsets of `out.new_logprobs`' tokens."""
+        n = len(out.new_logprobs)
+        # The engine yields one token per output; the text after each token but the
+        # last of a bigger step is decoded as the engine's detokenizer would.
+        start = len(out.token_ids) - n
+        texts = [
+            self.tokenizer.decode(out.token_ids[: start + j], skip_special_tokens=True)
+            for j in range(1, n)
+        ]
+        offsets = []
+        for text in [*texts, out.text]:
+            offsets.append(len(self.text) - _continues_cut_char(self.text, text))
+            self.text = text
+        del offsets[n:]  # an output without logprobs still moves the text on
+        self.offsets += offsets
+        return offsets
+
+
+def _continues_cut_char(before: str, after: str) -> bool:
+    """Whether the token that turned `before` into `after` is part of `before`'s last
+    character, a cut-off one (U+FFFD): it completed it, or it is still cut off."""
+    if not before.endswith(CUT_OFF_CHAR) or len(after) < len(before):
+        return False  # not cut off, or a stop string cut the text
+    last = len(before) - 1
+    return after[last] != CUT_OFF_CHAR or len(after) == len(before)
+
+
 # --------------------------------------------------------------------------- app
 
 
@@ -198,6 +325,7 @@ class OpenAIServer:
         self.llm = engine.engine
         self.model_name = model_name
         self.created = int(time.time())
+        self._token_bytes: TokenBytes | None = None
 
     # -- validation ------------------------------------------------------------------
 
@@ -295,35 +423,44 @@ class OpenAIServer:
 
     # -- formatting ------------------------------------------------------------------
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (see `TokenBytes`)."""
+        tokenizer = self.llm.tokenizer
+        if self._token_bytes is None or self._token_bytes.tokenizer is not tokenizer:
+            self._token_bytes = TokenBytes(tokenizer)
+        return self._token_bytes(token_id)
+
     def token_text(self, token_id: int) -> str:
-        return self.llm.tokenizer.decode([token_id])
+        """A token's text as OpenAI reports it: its bytes decoded when they are valid
+        UTF-8 on their own, else `bytes:\\xNN...` (so distinct tokens stay apart)."""
+        return _bytes_text(self.token_bytes(token_id))
+
+    def text_offsets(self) -> TextOffsets:
+        """A tracker of the text offsets of one request's tokens."""
+        return TextOffsets(self.llm.tokenizer)
 
     def completion_logprobs(
-        self, out: RequestOutput, text_offset: int
+        self, logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
     ) -> dict[str, Any]:
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for lp in out.new_logprobs:
-            token = self.token_text(lp.token_id)
-            tokens.append(token)
+        tokens, token_logprobs, top = [], [], []
+        for lp in logprobs:
+            tokens.append(self.token_text(lp.token_id))
             token_logprobs.append(lp.logprob)
-            top.append({self.token_text(t): v for t, v in lp.top_logprobs})
-            offsets.append(text_offset)
-            text_offset += len(token)
+            alternatives: dict[str, float] = {}
+            for token_id, logprob in lp.top_logprobs:  # best first: keep the best
+                alternatives.setdefault(self.token_text(token_id), logprob)
+            top.append(alternatives)
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
             "top_logprobs": top,
-            "text_offset": offsets,
+            "text_offset": list(offsets),
         }
 
     def chat_logprobs(self, out: RequestOutput) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            token = self.token_text(token_id)
-            return {
-                "token": token,
-                "logprob": logprob,
-                "bytes": list(token.encode("utf-8")),
-            }
+            raw = self.token_bytes(token_id)
+            return {"token": _bytes_text(raw), "logprob": logprob, "bytes": list(raw)}
 
         content = []
         for lp in out.new_logprobs:
@@ -399,15 +536,20 @@ async def unless_disconnected(request: Request, work: Awaitable[None]) -> None:
 
 
 async def collect_finals(
-    request: Request, streams: Sequence[RequestStream]
+    request: Request,
+    streams: Sequence[RequestStream],
+    text_offsets: Sequence[TextOffsets] = (),
 ) -> list[RequestOutput]:
     """The final output of each stream, in order, its `new_logprobs` holding all of
-    the request's; all are aborted if the client goes away first."""
+    the request's (and `text_offsets[i]`, when given, fed stream i's outputs); all
+    are aborted if the client goes away first."""
     finals: dict[int, RequestOutput] = {}
     logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(len(streams))}
 
     async def collect() -> None:
         async for index, out in merge_streams(streams):
+            if text_offsets:
+                text_offsets[index].feed(out)
             logprobs[index] += out.new_logprobs
             if out.finished:
                 finals[index] = out
@@ -599,15 +741,19 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
                 ),
                 media_type="text/event-stream",
             )
-        finals = await collect_finals(request, streams)
+        with_logprobs = body.logprobs is not None
+        offsets = [server.text_offsets() for _ in streams] if with_logprobs else []
+        finals = await collect_finals(request, streams, offsets)
         choices = []
         for index, out in enumerate(finals):
             choices.append(
                 {
                     "index": index,
                     "text": out.text,
-                    "logprobs": server.completion_logprobs(out, 0)
-                    if body.logprobs is not None
+                    "logprobs": server.completion_logprobs(
+                        out.new_logprobs, offsets[index].offsets
+                    )
+                    if with_logprobs
                     else None,
                     "finish_reason": out.finish_reason,
                 }
@@ -692,7 +838,7 @@ async def stream_completion(
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/completions request."""
     chunk = chunk_writer(server, request_id, "text_completion", include_usage)
-    offsets = [0] * len(streams)
+    offsets = [server.text_offsets() for _ in streams]
     completion_tokens = 0
 
     try:
@@ -703,8 +849,9 @@ async def stream_completion(
                 continue
             logprobs = None
             if with_logprobs:
-                logprobs = server.completion_logprobs(out, offsets[index])
-            offsets[index] += len(out.new_text)
+                logprobs = server.completion_logprobs(
+                    out.new_logprobs, offsets[index].feed(out)
+                )
             yield chunk(
                 [
                     {

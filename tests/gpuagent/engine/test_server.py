@@ -1,20 +1,29 @@
 """The OpenAI-compatible server, run for real: uvicorn on 127.0.0.1 in a thread."""
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import uvicorn
 
-from gpuagent.engine.engine import AsyncLLMEngine
-from gpuagent.engine.server import build_app
+import gpuagent.engine
+from gpuagent.engine.engine import (
+    AsyncLLMEngine,
+    LLMEngine,
+    RequestOutput,
+    TokenLogprob,
+)
+from gpuagent.engine.server import TextOffsets, TokenBytes, build_app
 
 MODEL = "tiny"
+DEMO_MODEL_DIR = Path(gpuagent.engine.__file__).parent / "demo_model"
 
 
 def free_port() -> int:
@@ -23,22 +32,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served_async(tiny_model_and_tokenizer):
-    """(base URL, LLMEngine, AsyncLLMEngine) of a live server."""
-    from gpuagent.engine.engine import LLMEngine
-
-    model, tokenizer = tiny_model_and_tokenizer
-    engine = LLMEngine(
-        model,
-        tokenizer,
-        num_blocks=256,
-        block_size=8,
-        max_num_seqs=64,
-        max_model_len=128,
-    )
+@contextlib.contextmanager
+def serve(engine: LLMEngine, model_name: str = MODEL):
+    """Serve `engine` on 127.0.0.1 in a thread: yields (base URL, AsyncLLMEngine)."""
     async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, MODEL)
+    app = build_app(async_engine, model_name)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -49,9 +47,61 @@ def served_async(tiny_model_and_tokenizer):
     while not server.started:
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, async_engine
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}", async_engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served_async(tiny_model_and_tokenizer):
+    """(base URL, LLMEngine, AsyncLLMEngine) of a live server."""
+    model, tokenizer = tiny_model_and_tokenizer
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        num_blocks=256,
+        block_size=8,
+        max_num_seqs=64,
+        max_model_len=128,
+    )
+    with serve(engine) as (base_url, async_engine):
+        yield base_url, engine, async_engine
+
+
+@pytest.fixture(scope="module")
+def served_tight(tiny_model_and_tokenizer):
+    """(base URL, LLMEngine, AsyncLLMEngine) of a live server whose KV pool holds
+    only 24 blocks of 8 tokens: a few 54-token requests fill it."""
+    model, tokenizer = tiny_model_and_tokenizer
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        num_blocks=24,
+        block_size=8,
+        max_num_seqs=64,
+        max_model_len=128,
+    )
+    with serve(engine) as (base_url, async_engine):
+        yield base_url, engine, async_engine
+
+
+@pytest.fixture(scope="module")
+def served_demo():
+    """(base URL, LLMEngine) of a live server over the byte-level demo model, which
+    answers Korean in Korean."""
+    from gpuagent.engine.loader import load_model
+    from gpuagent.engine.tokenizer import load_tokenizer
+
+    engine = LLMEngine(
+        load_model(DEMO_MODEL_DIR),
+        load_tokenizer(DEMO_MODEL_DIR),
+        num_blocks=64,
+        block_size=16,
+    )
+    with serve(engine, "demo") as (base_url, _):
+        yield base_url, engine
 
 
 @pytest.fixture
@@ -129,7 +179,219 @@ def test_it_answers_a_completion(served):
     assert body["usage"]["prompt_tokens"] == 6  # BOS + 5 bytes
     logprobs = body["choices"][0]["logprobs"]
     assert len(logprobs["token_logprobs"]) == 5
-    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    # One entry per distinct token: byte tokens >= 0x80 used to share the key U+FFFD.
+    assert [len(top) for top in logprobs["top_logprobs"]] == [2] * 5
+
+
+def token_bytes(token: str) -> bytes:
+    """The bytes a logprobs `token` stands for (`bytes:\\xNN...` or its text)."""
+    if token.startswith("bytes:"):
+        return bytes.fromhex(token.removeprefix("bytes:").replace("\\x", ""))
+    return token.encode()
+
+
+def expected_offsets(text: str, pieces: list[bytes]) -> list[int]:
+    """Where in `text` the character holding each piece's first byte starts, found
+    from the bytes alone: `text` has no U+FFFD but maybe a last one (cut off)."""
+    data = b"".join(pieces)
+    assert data.decode("utf-8", "replace") == text
+    assert "\ufffd" not in text[:-1]
+    char_of_byte = []
+    for index, char in enumerate(text.removesuffix("\ufffd")):
+        char_of_byte += [index] * len(char.encode())
+    char_of_byte += [len(text) - 1] * (len(data) - len(char_of_byte))
+    offsets, pos = [], 0
+    for piece in pieces:
+        offsets.append(char_of_byte[pos] if pos < len(data) else len(text))
+        pos += len(piece)
+    return offsets
+
+
+def test_it_keeps_each_byte_tokens_identity_in_completion_logprobs(served_demo):
+    base_url, _ = served_demo
+    payload = {
+        "model": "demo",
+        "prompt": "안녕하세요",
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 3,
+    }
+
+    plain = httpx.post(f"{base_url}/v1/completions", json=payload, timeout=60)
+    with httpx.stream(
+        "POST",
+        f"{base_url}/v1/completions",
+        json={**payload, "stream": True},
+        timeout=60,
+    ) as resp:
+        chunks = [e["choices"][0] for e in sse_events(resp.iter_lines()) if e]
+
+    assert plain.status_code == 200, plain.text
+    choice = plain.json()["choices"][0]
+    text, logprobs = choice["text"], choice["logprobs"]
+    tokens, top = logprobs["tokens"], logprobs["top_logprobs"]
+    assert len(tokens) == 12
+    assert any(len(c.encode()) > 1 for c in text), f"no Korean in {text!r}"
+    assert any(t.startswith("bytes:\\x") for t in tokens)
+    # Three distinct alternatives per position, the greedy choice the best of them.
+    assert [len(alternatives) for alternatives in top] == [3] * 12
+    for token, logprob, alternatives in zip(
+        tokens, logprobs["token_logprobs"], top, strict=True
+    ):
+        assert alternatives[token] == logprob == max(alternatives.values())
+        assert len({token_bytes(t) for t in alternatives}) == 3
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets)
+    assert offsets == expected_offsets(text, [token_bytes(t) for t in tokens])
+    # Streamed: the same tokens, alternatives and offsets, chunk by chunk.
+    assert "".join(c["text"] for c in chunks) == text
+    streamed = [c["logprobs"] for c in chunks]
+    for key in ("tokens", "top_logprobs", "text_offset"):
+        assert sum((lp[key] for lp in streamed), []) == logprobs[key]
+
+
+def test_it_reports_the_real_bytes_of_each_chat_token(served_demo):
+    base_url, _ = served_demo
+
+    resp = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={
+            "model": "demo",
+            "messages": [{"role": "user", "content": "안녕하세요"}],
+            "max_tokens": 9,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+        timeout=60,
+    )
+
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    content, entries = choice["message"]["content"], choice["logprobs"]["content"]
+    assert any(len(c.encode()) > 1 for c in content), f"no Korean in {content!r}"
+    if choice["finish_reason"] == "stop":  # the eos token isn't part of the text
+        assert entries.pop()["token"] == "<|eos|>"
+    assert b"".join(bytes(e["bytes"]) for e in entries) == content.encode()
+    for entry in entries:
+        alternatives = entry["top_logprobs"]
+        assert len({a["token"] for a in alternatives}) == 3
+        assert len({bytes(a["bytes"]) for a in alternatives}) == 3
+        assert entry["token"] in {a["token"] for a in alternatives}
+        for item in [entry, *alternatives]:
+            assert token_bytes(item["token"]) == bytes(item["bytes"])
+
+
+def fake_output(tokenizer, ids: list[int], new: int) -> RequestOutput:
+    """The engine's output after `ids`, the last `new` of them from this step."""
+    return RequestOutput(
+        request_id="r",
+        prompt_token_ids=[1],
+        token_ids=list(ids),
+        text=tokenizer.decode(ids, skip_special_tokens=True),
+        new_token_ids=ids[-new:],
+        new_text="",
+        new_logprobs=[TokenLogprob(i, 0.0) for i in ids[-new:]],
+        finished=False,
+        finish_reason=None,
+    )
+
+
+# 0xff is never UTF-8; 0xe3 before 0xe3 is a cut-off character; <|eos|> has no text.
+OFFSET_IDS = [0xFF, *b"a", *"한".encode(), *b"b", 0xE3, *"あ".encode(), 257]
+OFFSET_TEXT = "\ufffda한b\ufffdあ"
+OFFSETS = [0, 1, 2, 2, 2, 3, 4, 5, 5, 5, 6]
+
+
+def test_text_offsets_point_each_byte_at_the_character_it_belongs_to(
+    tiny_model_and_tokenizer,
+):
+    _, tokenizer = tiny_model_and_tokenizer
+    one_by_one, all_at_once = TextOffsets(tokenizer), TextOffsets(tokenizer)
+
+    streamed = [
+        one_by_one.feed(fake_output(tokenizer, OFFSET_IDS[:n], 1))
+        for n in range(1, len(OFFSET_IDS) + 1)
+    ]
+    at_once = all_at_once.feed(fake_output(tokenizer, OFFSET_IDS, len(OFFSET_IDS)))
+
+    assert tokenizer.decode(OFFSET_IDS, skip_special_tokens=True) == OFFSET_TEXT
+    assert streamed == [[offset] for offset in OFFSETS]
+    assert one_by_one.offsets == at_once == all_at_once.offsets == OFFSETS
+
+
+def _tokenizer(inner, **config):
+    from gpuagent.engine.tokenizer import Tokenizer
+
+    return Tokenizer(inner, config)
+
+
+def test_token_bytes_are_exact_for_the_byte_level_tokenizer(
+    tiny_model_and_tokenizer,
+):
+    _, tokenizer = tiny_model_and_tokenizer
+    token_bytes_of = TokenBytes(tokenizer)
+
+    assert [token_bytes_of(i) for i in range(256)] == [bytes([i]) for i in range(256)]
+    assert token_bytes_of(257) == b"<|eos|>"
+
+
+def test_token_bytes_are_exact_for_a_gpt2_style_byte_level_bpe():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    inner = HFTokenizer(models.BPE())
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>"],
+    )
+    inner.train_from_iterator(
+        ["안녕하세요 한국어 텍스트입니다", "hello 안녕"] * 10, trainer
+    )
+    text = "안녕하세요 hello 한국어!"
+    ids = inner.encode(text).ids
+    token_bytes_of = TokenBytes(_tokenizer(inner))
+
+    pieces = [token_bytes_of(i) for i in ids]
+
+    assert b"".join(pieces) == text.encode()
+    assert any(len(p) > 1 and b"\xef\xbf\xbd" not in p for p in pieces)
+    assert token_bytes_of(inner.token_to_id("<s>")) == b"<s>"
+
+
+def test_token_bytes_are_exact_for_byte_fallback_tokens():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"a": 0, "b": 1, "ab": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    inner = HFTokenizer(models.BPE(vocab, [("a", "b")], byte_fallback=True))
+    inner.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    ids = inner.encode("ab한a").ids
+    token_bytes_of = TokenBytes(_tokenizer(inner))
+
+    pieces = [token_bytes_of(i) for i in ids]
+
+    assert pieces == [b"ab", *(bytes([b]) for b in "한".encode()), b"a"]
+
+
+def test_token_bytes_of_other_tokenizers_are_their_decoded_text():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    inner = HFTokenizer(models.WordLevel({"hello": 0, "한국": 1, "<0x41>": 2}, "hello"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    token_bytes_of = TokenBytes(_tokenizer(inner))
+
+    # No byte-fallback decoder: "<0x41>" is just text.
+    assert [token_bytes_of(i) for i in (0, 1, 2)] == [
+        b"hello",
+        "한국".encode(),
+        b"<0x41>",
+    ]
 
 
 def test_it_streams_a_completion_with_usage_last(served):
@@ -161,42 +423,80 @@ def test_it_streams_a_completion_with_usage_last(served):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
 
 
-def test_it_serves_64_concurrent_streaming_clients_without_losing_one(served):
-    base_url, engine = served
+def stream_concurrently(base_url: str, payloads: list[dict]) -> list[tuple]:
+    """Stream each completion payload from its own client, all at once: per request
+    (last finish_reason, usage's completion_tokens, the [DONE] marker, text)."""
 
-    async def one(client, i):
-        payload = {
-            "model": MODEL,
-            "prompt": f"request {i}: ",
-            "max_tokens": 8,
-            "temperature": 0.8,
-            "seed": i,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+    async def one(client, payload):
         async with client.stream("POST", "/v1/completions", json=payload) as resp:
             assert resp.status_code == 200
             events = [e async for e in _aiter_events(resp)]
         finish = [e["choices"][0]["finish_reason"] for e in events[:-2]]
-        return finish[-1], events[-2]["usage"]["completion_tokens"], events[-1]
+        text = "".join(e["choices"][0]["text"] for e in events[:-2])
+        return finish[-1], events[-2]["usage"]["completion_tokens"], events[-1], text
 
     async def main():
-        limits = httpx.Limits(max_connections=64)
+        limits = httpx.Limits(max_connections=len(payloads))
         async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as c:
             return await asyncio.wait_for(
-                asyncio.gather(*(one(c, i) for i in range(64))), timeout=120
+                asyncio.gather(*(one(c, p) for p in payloads)), timeout=120
             )
 
-    results = asyncio.run(main())
+    return asyncio.run(main())
 
-    assert results == [("length", 8, None)] * 64
+
+def streamed_payload(i: int, max_tokens: int, **sampling) -> dict:
+    return {
+        "model": MODEL,
+        "prompt": f"request {i}: ",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **sampling,
+    }
+
+
+def test_it_serves_64_concurrent_streaming_clients_without_losing_one(served):
+    base_url, engine = served
+    payloads = [streamed_payload(i, 8, temperature=0.8, seed=i) for i in range(64)]
+
+    results = stream_concurrently(base_url, payloads)
+
+    assert [r[:3] for r in results] == [("length", 8, None)] * 64
     wait_until_idle(base_url)
     finished = engine.metrics.registry.get_sample_value(
         "engine_requests_finished_total", {"finish_reason": "length"}
     )
     assert finished >= 64
     assert engine.kv.blocks.num_used_blocks == 0
+
+
+def test_it_serves_64_streams_through_a_kv_pool_that_holds_three(served_tight):
+    # Each request needs 14 prompt + 40 generated tokens = 7 blocks of the 24, so
+    # most wait and running ones are preempted (recomputed) when the pool runs out.
+    base_url, engine, async_engine = served_tight
+    preemptions_before = metric(base_url, "engine_preemptions_total")
+    payloads = [streamed_payload(i, 40, temperature=0) for i in range(64)]
+
+    results = stream_concurrently(base_url, payloads)
+    preemptions = metric(base_url, "engine_preemptions_total") - preemptions_before
+    wait_until_idle(base_url)
+    alone = [  # one at a time, nothing preempted
+        httpx.post(
+            f"{base_url}/v1/completions",
+            json={**payloads[i], "stream": False},
+            timeout=60,
+        ).json()["choices"][0]["text"]
+        for i in range(8)
+    ]
+
+    assert [r[:3] for r in results] == [("length", 40, None)] * 64
+    assert preemptions > 0
+    assert async_engine.step_errors == 0
+    assert engine.kv.blocks.num_used_blocks == 0
+    assert metric(base_url, "engine_kv_blocks_free") == 24
+    assert [r[3] for r in results[:8]] == alone
 
 
 async def _aiter_events(resp):
@@ -312,6 +612,55 @@ def test_it_answers_bad_completions_with_openai_400s(served, body, param, code):
     assert error["type"] == "invalid_request_error"
     assert (error["param"], error["code"]) == (param, code)
     assert error["message"]
+
+
+def chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"model": "gpt-9", "messages": chat("hi")}, "model", "model_not_found"),
+        (
+            {"model": MODEL, "messages": chat("x" * 500)},
+            "messages",
+            "context_length_exceeded",
+        ),
+        # 107 prompt tokens fit the 128-token context, 107 + 50 don't.
+        (
+            {"model": MODEL, "messages": chat("x" * 100), "max_tokens": 50},
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            {"model": MODEL, "messages": chat("x" * 100), "max_completion_tokens": 50},
+            "messages",
+            "context_length_exceeded",
+        ),
+    ],
+)
+def test_it_answers_bad_chats_with_openai_400s_and_keeps_serving(
+    served, body, param, code
+):
+    base_url, _ = served
+
+    resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    after = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": chat("hi"), "max_tokens": 3},
+        timeout=30,
+    )
+
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (param, code)
+    assert error["message"]
+    assert after.status_code == 200, after.text
+    assert after.json()["usage"]["completion_tokens"] >= 1
+    wait_until_idle(base_url)
 
 
 def test_it_answers_bodies_json_allows_but_python_chokes_on_with_400s(served):
