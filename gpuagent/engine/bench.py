@@ -174,14 +174,24 @@ def memory_rows(config) -> list[Row]:
         window = default_kv_window(dtype)
         if window:
             window_bytes = kv_window_bytes(config, window)
-            rows.append(
+            # Served with the window, a sequence also holds a row of it: per
+            # token of a 2k-token sequence that adds window_bytes / 2048.
+            amortized = per_token + window_bytes / CAPACITY_SEQ_TOKENS
+            rows += [
                 Row(
                     f"  {dtype} full-precision window, bytes/seq ({window} tokens)",
                     f"{window_bytes}",
                     "",
                     None,
-                )
-            )
+                ),
+                Row(
+                    f"  {served(dtype)} / bf16, window spread over "
+                    f"{CAPACITY_SEQ_TOKENS} tokens",
+                    f"{amortized / bf16:.4f}",
+                    "",
+                    None,
+                ),
+            ]
     return rows
 
 
