@@ -62,8 +62,20 @@ def _reject_constant(name: str) -> Any:
     raise HeaderRejected("nonfinite-literal", f"JSON literal {name} is not allowed")
 
 
+def _finite_float(text: str) -> float:
+    # "1e999" is no NaN/Infinity literal, but float() makes it inf all the same.
+    value = float(text)
+    if not math.isfinite(value):
+        raise HeaderRejected(
+            "nonfinite-number", f"number {text[:40]} overflows to {value}"
+        )
+    return value
+
+
 _DECODER = json.JSONDecoder(
-    object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
+    object_pairs_hook=_reject_duplicates,
+    parse_constant=_reject_constant,
+    parse_float=_finite_float,
 )
 
 
@@ -99,8 +111,9 @@ _JSON_WHITESPACE = " \t\n\r"
 
 
 def strict_json_loads(text: str, max_depth: int, *, safetensors_header: bool = False):
-    """json.loads that rejects duplicate keys at any depth, NaN/Infinity, and
-    nesting deeper than `max_depth`. Raises HeaderRejected.
+    """json.loads that rejects duplicate keys at any depth, NaN/Infinity (as
+    literals or as numbers too large for a float, "1e999"), and nesting deeper
+    than `max_depth`. Raises HeaderRejected.
 
     A JSON document may have whitespace around it; a safetensors header must
     start with `{` (checked by the caller) and may only be padded with spaces.

@@ -1,9 +1,12 @@
 """Attacks found in review: folders and files the gate used to let through (or
 choke on), each refused now for its own reason."""
 
+import io
 import json
 import os
 import pickle
+import pickletools
+import random
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ from gpuagent.integrity import (
     UnsafePathError,
     hash_model,
     inspect_model,
+    inspection,
     read_verified_files,
     sign_model,
     verified_load,
@@ -121,19 +125,143 @@ def test_it_rejects_protocol_0_and_1_pickles_under_any_name(
     assert rejected_codes(folder) == {"pickle-protocol"}
 
 
+DEBIAN_COPYRIGHT = (  # FLOAT, then SHORT_BINSTRING: only a checked float stops it
+    b"Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n"
+    b"Upstream-Name: sodium\nUpstream-Contact: Frank Denis <j at pureftpd dot org>\n"
+    b"Source: https://github.com/jedisct1/libsodium\n\nFiles: *\n"
+    b"Copyright: 2013-2017 Frank Denis <j at pureftpd dot org>\nLicense: ISC\n"
+    b" Permission to use, copy, modify, and/or distribute this software for any\n"
+)
+PNG_START = (  # NEWFALSE, then PERSID "NG\r": an import-like opcode, then invalid
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10\x00\x00\x00\x10"
+    b"\x08\x06\x00\x00\x00\x1f\xf3\xffa"
+)
+
+
 @pytest.mark.parametrize(
     "text",
     [
         b".. -*- rest -*-\n\nAPI changes\n" * 10,  # "." alone is a pickle STOP
         b"1.5e-01 8.9e-01 1.4e-02\n" * 200,
         b"cat\ndog\nsome more words here\n" * 200,  # "c" reads like GLOBAL
+        b"cat\ndog\n",  # GLOBAL of at.dog, then the end: it imports, calls nothing
+        DEBIAN_COPYRIGHT,
+        PNG_START,
+        random.Random(7).randbytes(1 << 20),
     ],
+    ids=["rest", "floats", "words", "two-words", "copyright", "png", "random"],
 )
 def test_it_lets_text_through_that_merely_starts_like_pickle_opcodes(tmp_path, text):
     folder = write_model(tmp_path / "model")
     (folder / "notes.txt").write_bytes(text)
 
     assert inspect_model(folder).ok
+
+
+def test_its_opcode_table_covers_every_pickle_opcode():
+    known = {op.code: op.name for op in pickletools.opcodes}
+
+    assert {chr(c): spec[0] for c, spec in inspection._PICKLE_OPS.items()} == known
+
+
+class RecordingUnpickler(pickle.Unpickler):
+    """Imports resolve to a recorder: loading shows what would be called."""
+
+    def find_class(self, module, name):
+        return self.record
+
+    def persistent_load(self, pid):
+        return self.record
+
+    def record(self, *args, **kwargs):
+        raise CallMade
+
+
+class PyRecordingUnpickler(pickle._Unpickler):  # the pure-Python unpickler
+    find_class = RecordingUnpickler.find_class
+    persistent_load = RecordingUnpickler.persistent_load
+    record = RecordingUnpickler.record
+
+
+class CallMade(Exception):
+    pass
+
+
+# Tails that call os.getcwd by every route; a prefix decides if they run.
+CALL_TAILS = [
+    b"cos\ngetcwd\n)R.",
+    b"\x8c\x02os\x8c\x06getcwd\x93)R.",
+    b"(cos\ngetcwd\no.",
+    b"(ios\ngetcwd\n.",
+    b"Pid\n)R.",
+]
+LINES = [b"1", b"0x10", b"010", b"5\x00z", b"\x00a", b"1_000", b"0o7", b" 7 ", b"+ 5"]
+LINES += [b"inf", b"1e5", b"1.5\x00z", b"5L", b"'a'", b'"b"', b"'\\x4'", b"\\u12"]
+LINES += [b"abc", b"", b"00", b"\xff", b"\xc3\xa9"]
+
+
+def random_opcode(rng: random.Random) -> bytes:
+    """One opcode with a plausible or broken argument; no imports or calls."""
+    code = rng.choice(list(inspection._PICKLE_OPS))
+    name, arg, _, kind = inspection._PICKLE_OPS[code]
+    if kind is not None or name == "STOP":
+        return b""
+    out = bytes([code])
+    if isinstance(arg, int):
+        small = name in ("BINGET", "BINPUT", "LONG_BINGET", "LONG_BINPUT", "PROTO")
+        small = small or (name == "FRAME" and rng.random() < 0.5)
+        out += bytes([rng.randrange(6)]) + b"\0" * (arg - 1) if small else b""
+        out += rng.randbytes(arg) if not small else b""
+    elif arg in ("line", "line2"):
+        lines = 2 if arg == "line2" else 1
+        out += b"".join(rng.choice(LINES) + b"\n" for _ in range(lines))
+    else:
+        _, width, signed = arg
+        n = -1 if signed and rng.random() < 0.1 else rng.randrange(6)
+        out += n.to_bytes(width, "little", signed=signed)
+        payload = [b"x" * 6, b"\xed\xa0\x80\xff\xc3\xa9", rng.randbytes(6)]
+        out += rng.choice(payload)[: max(n, 0)]
+    return out
+
+
+def data_pickle_prefix(rng: random.Random) -> bytes:
+    """A real data pickle (protocol 0-3, no framing) without its STOP."""
+    value = [rng.choice([None, True, 1, -5, 2**70, 1.5, "s", "\u00fc", (1, 2)])]
+    value.append({"k": value[:], "t": (value[0],)})
+    return pickle.dumps(value, protocol=rng.randrange(4))[:-1]
+
+
+def test_it_rejects_every_stream_that_an_unpickler_would_call_code_from(tmp_path):
+    # The scan must never call a stream invalid that CPython's unpicklers (C
+    # and pure Python) still execute: random prefixes, then a call.
+    rng = random.Random(2024)
+    path = tmp_path / "stream"
+    called = 0
+    for i in range(3000):
+        if i % 3:
+            prefix = b"".join(random_opcode(rng) for _ in range(rng.randrange(8)))
+        else:
+            prefix = data_pickle_prefix(rng)
+        data = prefix + rng.choice(CALL_TAILS)
+        made = False
+        for unpickler in (RecordingUnpickler, PyRecordingUnpickler):
+            try:
+                unpickler(io.BytesIO(data)).load()
+            except CallMade:
+                made = True
+            except Exception:  # noqa: BLE001 - a stream that fails first is fine
+                pass
+        if not made:
+            continue
+        called += 1
+        path.write_bytes(data)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found = inspection._scan_pickle(fd, len(data))
+        finally:
+            os.close(fd)
+        assert found is not None, data
+    assert called > 500  # the prefixes were often valid, and tested
 
 
 # --- symlinks ------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """inspect_model on a generated corpus of malformed safetensors files and
 folders: every case is named and must be rejected for its own reason."""
 
+import bz2
 import gzip
 import io
 import json
+import lzma
 import os
 import pickle
+import struct
 import tarfile
 import zipfile
 from collections.abc import Callable
@@ -63,6 +66,56 @@ def zip_bytes() -> bytes:
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("archive/data.pkl", pickle.dumps({"w": 1}))
     return buf.getvalue()
+
+
+def empty_zip_bytes() -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w"):
+        pass
+    return buf.getvalue()
+
+
+def sparse(path: Path, size: int) -> None:
+    """A file of `size` zero bytes that takes no disk space."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+# Pickles that call os.getcwd() when loaded but carry no protocol header, each
+# hiding the call behind something a short or strict look at the start misses.
+LONG_TEXT_ARGUMENT = ("S'" + "a" * 3000 + "'\n0cos\ngetcwd\n)R.").encode()
+LONG_BINARY_ARGUMENT = (
+    b"X" + struct.pack("<I", 3000) + b"a" * 3000 + b"0\x8c\x02os\x8c\x06getcwd\x93)R."
+)
+HEX_INT_FIRST = b"I0x10\n0cos\ngetcwd\n)R."  # the C unpickler takes 0x10
+# FRAME of 2 bytes, then BINFLOAT: read from a file, the C unpickler drops the
+# frame's last byte and takes the float from the 8 bytes after the frame.
+FRAME_SPLIT = (
+    b"\x95"
+    + struct.pack("<Q", 2)
+    + b"G\xef"
+    + b"\x9c\x11zC\x83b\xdde"
+    + b"\x8c\x02os\x8c\x06getcwd\x93)R."
+)
+
+
+class RecordingUnpickler(pickle.Unpickler):
+    """CPython's own unpickler, reading a file, with every import resolved to a
+    recorder: loading shows what a pickle would call, and runs nothing."""
+
+    def find_class(self, module, name):
+        def record(*args, **kwargs):
+            self.calls.append(f"{module}.{name}")
+
+        return record
+
+    def calls_made(self) -> list[str]:
+        self.calls: list[str] = []
+        try:
+            self.load()
+        except Exception:  # noqa: BLE001 - what it called before failing counts
+            pass
+        return self.calls
 
 
 def tar_bytes() -> bytes:
@@ -173,6 +226,11 @@ CASES = [
         "infinity-literal",
         lambda f: weights(f, raw_safetensors('{"__metadata__": {"k": Infinity}}')),
         "nonfinite-literal",
+    ),
+    Case(
+        "number-overflows-to-infinity",
+        lambda f: weights(f, raw_safetensors('{"__metadata__": {"k": 1e999}}')),
+        "nonfinite-number",
     ),
     Case(
         "nesting-too-deep",
@@ -350,6 +408,12 @@ CASES = [
         "model-9.safetensors",
     ),
     Case(
+        "index-shard-not-safetensors",
+        lambda f: sharded(f, {"a": "model-1.bin"}, {"model-1.safetensors": ["a"]}),
+        "index-shard-not-safetensors",
+        "model.safetensors.index.json",
+    ),
+    Case(
         "index-duplicate-key",
         lambda f: index(
             f, {}, '{"weight_map": {"a": "model.safetensors"}, "weight_map": {}}'
@@ -363,6 +427,53 @@ CASES = [
         lambda f: (f / "weights.dat").write_bytes(zip_bytes()),
         "pickle-zip",
         "weights.dat",
+    ),
+    Case(
+        "zip-behind-a-text-prefix",
+        lambda f: (f / "weights.dat").write_bytes(b"nothing to see\n" + zip_bytes()),
+        "pickle-zip",
+        "weights.dat",
+    ),
+    Case(
+        "empty-zip",
+        lambda f: (f / "weights.dat").write_bytes(empty_zip_bytes()),
+        "pickle-zip",
+        "weights.dat",
+    ),
+    Case(
+        "pickle-named-safetensors",
+        lambda f: weights(f, pickle.dumps({"a": 1}, protocol=2)),
+        "pickle-protocol",
+    ),
+    Case(
+        "pickle-long-text-argument-first",
+        lambda f: (f / "optimizer.state").write_bytes(LONG_TEXT_ARGUMENT),
+        "pickle-protocol",
+        "optimizer.state",
+    ),
+    Case(
+        "pickle-long-binary-argument-first",
+        lambda f: (f / "optimizer.state").write_bytes(LONG_BINARY_ARGUMENT),
+        "pickle-protocol",
+        "optimizer.state",
+    ),
+    Case(
+        "pickle-hex-int-first",
+        lambda f: (f / "optimizer.state").write_bytes(HEX_INT_FIRST),
+        "pickle-protocol",
+        "optimizer.state",
+    ),
+    Case(
+        "pickle-frame-without-protocol-header",
+        lambda f: (f / "optimizer.state").write_bytes(FRAME_SPLIT),
+        "pickle-protocol",
+        "optimizer.state",
+    ),
+    Case(
+        "pickle-stream-past-the-scan-limit",
+        lambda f: (f / "optimizer.state").write_bytes(b"N0" * 600_000 + b"N."),
+        "pickle-undecidable",
+        "optimizer.state",
     ),
     Case(
         "pickle-protocol-4",
@@ -391,6 +502,24 @@ CASES = [
         "vocab.txt",
     ),
     Case(
+        "bzip2-stream",
+        lambda f: (f / "vocab.txt").write_bytes(bz2.compress(b"hello")),
+        "archive-other",
+        "vocab.txt",
+    ),
+    Case(
+        "xz-stream",
+        lambda f: (f / "vocab.txt").write_bytes(lzma.compress(b"hello")),
+        "archive-other",
+        "vocab.txt",
+    ),
+    Case(
+        "zstd-stream",
+        lambda f: (f / "vocab.txt").write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 16),
+        "archive-other",
+        "vocab.txt",
+    ),
+    Case(
         "tar-archive",
         lambda f: (f / "data").write_bytes(tar_bytes()),
         "archive-other",
@@ -410,6 +539,14 @@ CASES = [
             npy_bytes(np.array([{"x": 1}], dtype=object))
         ),
         "numpy-object-array",
+        "emb.npy",
+    ),
+    Case(
+        "numpy-invalid-header",
+        lambda f: (f / "emb.npy").write_bytes(
+            b"\x93NUMPY\x01\x00" + struct.pack("<H", 10) + b"{'descr':\n"
+        ),
+        "numpy-invalid",
         "emb.npy",
     ),
     Case(
@@ -444,6 +581,20 @@ CASES = [
         "config-nan",
         lambda f: (f / "config.json").write_text('{"rope_theta": NaN}'),
         "json-nonfinite-literal",
+        "config.json",
+    ),
+    Case(
+        "config-number-overflows-to-infinity",
+        lambda f: (f / "config.json").write_text(
+            '{"model_type": "llama", "rope_theta": 1e999}'
+        ),
+        "json-nonfinite-number",
+        "config.json",
+    ),
+    Case(
+        "config-too-large",
+        lambda f: sparse(f / "config.json", DEFAULT_POLICY.max_header_bytes + 1),
+        "json-too-large",
         "config.json",
     ),
     Case(
@@ -642,3 +793,107 @@ def test_it_never_raises_anything_but_its_own_error_on_mutated_headers(tmp_path)
             outcomes.update(e.report.codes())
 
     assert len(outcomes) >= 5  # the mutations hit many different checks
+
+
+def library_file_with_header_length(length: int) -> bytes:
+    """A file safetensors itself writes, its metadata padded so that the header
+    is exactly `length` bytes (the library pads headers to a multiple of 8)."""
+    arrays = {"w": np.arange(4, dtype=np.float32)}
+    bare = save(arrays, metadata={"pad": ""})
+    text = bare[8 : 8 + int.from_bytes(bare[:8], "little")].rstrip(b" ")
+    for pad in range(max(length - len(text) - 8, 0), length - len(text) + 1):
+        data = save(arrays, metadata={"pad": "x" * pad})
+        if int.from_bytes(data[:8], "little") == length:
+            return data
+    raise AssertionError(f"no padding gives a {length}-byte header")
+
+
+def spaced_header_file(length: int, metadata: dict | None = None) -> bytes:
+    """A hand-made valid file whose header is `length` bytes, space-padded."""
+    header = {"w": entry(0, 16)}
+    if metadata is not None:
+        header = {"__metadata__": metadata, **header}
+    text = json.dumps(header)
+    return raw_safetensors(text + " " * (length - len(text)), b"\0" * 16)
+
+
+USTAR_PAD = 257 - 8 - len('{"__metadata__": {"k": "')
+
+
+@pytest.mark.parametrize(
+    ("name", "build", "looks_like"),
+    [
+        ("length-640", lambda: library_file_with_header_length(640), b"\x80\x02"),
+        ("length-66176", lambda: library_file_with_header_length(66176), b"\x80\x02"),
+        ("length-35615", lambda: spaced_header_file(35615), b"\x1f\x8b"),
+        (
+            "ustar-at-257",
+            lambda: spaced_header_file(400, {"k": "u" * USTAR_PAD + "ustar"}),
+            None,
+        ),
+    ],
+    ids=["length-640", "length-66176", "length-35615", "ustar-at-257"],
+)
+def test_it_does_not_sniff_magic_in_a_valid_safetensors_file(
+    tmp_path, name, build, looks_like
+):
+    # The 8-byte header length reads as a pickle protocol 2 header (640 =
+    # b"\x80\x02...") or a gzip magic (0x8b1f); header text can put "ustar" at
+    # 257, where tar has its magic.
+    content = build()
+    if looks_like is not None:
+        assert content.startswith(looks_like)
+    else:
+        assert content[257:262] == b"ustar"
+    folder = write_model(tmp_path / "model")
+    (folder / "model.safetensors").write_bytes(content)
+
+    assert set(safetensors.numpy.load(content)) == {"w"}  # the library takes it
+    assert inspect_model(folder).ok
+
+
+def test_it_does_not_take_tensor_bytes_for_a_zip_end_record(tmp_path):
+    # The data buffer is numbers; a ZIP end record in it is no archive.
+    data = np.frombuffer(b"PK\x05\x06" + b"\0" * 28, dtype=np.uint8)
+    content = save({"w": data.copy()})
+    folder = write_model(tmp_path / "model")
+    (folder / "model.safetensors").write_bytes(content)
+
+    assert b"PK\x05\x06" in content[-64:]
+    assert inspect_model(folder).ok
+
+
+def test_it_reads_only_the_ends_of_a_large_file_that_is_no_pickle(
+    tmp_path, monkeypatch
+):
+    folder = write_model(tmp_path / "model")
+    big = folder / "notes.txt"
+    big.write_bytes(b"Format: https://example.org/spec\nFiles: *\n" * 100)
+    with open(big, "r+b") as f:
+        f.truncate(64 << 20)
+    read = []
+    real_pread = os.pread
+
+    def spy(fd, size, offset):
+        data = real_pread(fd, size, offset)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(os, "pread", spy)
+
+    assert inspect_model(folder).ok
+    assert sum(read) < 256 << 10  # head, a little of the opcode scan, ZIP tail
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [LONG_TEXT_ARGUMENT, LONG_BINARY_ARGUMENT, HEX_INT_FIRST, FRAME_SPLIT],
+    ids=["long-text", "long-binary", "hex-int", "frame-split"],
+)
+def test_the_hidden_pickles_of_the_corpus_really_call_code(payload):
+    # Reading from a file object, as torch.load does; the stream is not valid
+    # read straight through for FRAME_SPLIT, only the way the C unpickler
+    # reads a file.
+    calls = RecordingUnpickler(io.BytesIO(payload)).calls_made()
+
+    assert calls == ["os.getcwd"]
