@@ -9,8 +9,11 @@ the model and tokenizer are built from those bytes only: verify-on-load. With
 `--signature`, the signature must verify against a trust anchor (`--public-key`,
 repeatable; or `--certificate-chain` / `--sigstore-trust-config` with `--identity` and
 `--issuer`), sign exactly that manifest and be bound to the release named by
-`--release-*` (required with `--signature`). A folder that fails any check is refused:
-exit status 1, the reason on stderr.
+`--release-*` (required with `--signature`). Without `--manifest-digest` there is
+nothing approved to compare with, so the folder is only inspected
+(`gpuagent.integrity.read_inspected_files`: `inspect_model`, then the strict checks on
+the bytes loaded) and a warning names its digest for pinning. A folder that fails any
+check is refused: exit status 1, the reason on stderr.
 """
 
 from __future__ import annotations
@@ -137,15 +140,24 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     dtype_name = args.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if str(args.device).startswith("cuda") else "float32"
-    files = None
-    if args.manifest_digest is not None:
-        from gpuagent.integrity import read_verified_files
+    from gpuagent.integrity import read_inspected_files, read_verified_files
 
+    if args.manifest_digest is not None:
         files = read_verified_files(
             args.model_dir,
             args.manifest_digest,
             signature_path=args.signature,
             policy=policy,
+        )
+    else:
+        # Nothing approved to compare with, but still nothing uninspected loaded.
+        files, digest = read_inspected_files(args.model_dir, policy=policy)
+        logging.getLogger(__name__).warning(
+            "%s is not checked against an approved manifest (no --manifest-digest); "
+            "inspected and loaded as %s: pass --manifest-digest %s to pin it",
+            args.model_dir,
+            digest,
+            digest,
         )
     return LLMEngine.from_model_dir(
         args.model_dir,

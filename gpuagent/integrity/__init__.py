@@ -8,6 +8,8 @@ Torch-free (the control plane imports it). Public API:
   signatures bound to a release.
 - `read_verified_files(dir, manifest_digest, ...)`: verify-on-load; feed the
   result to `gpuagent.engine.loader.load_model(dir, files=...)`.
+- `read_inspected_files(dir)`: the same without an approved digest (inspected
+  only); returns the bytes and their digest.
 """
 
 from gpuagent.integrity.errors import (
@@ -39,7 +41,7 @@ from gpuagent.integrity.signing import (
     sign_model,
     verify_model,
 )
-from gpuagent.integrity.verified_load import read_verified_files
+from gpuagent.integrity.verified_load import read_inspected_files, read_verified_files
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -68,6 +70,7 @@ __all__ = [
     "hash_model",
     "inspect_model",
     "key_fingerprint",
+    "read_inspected_files",
     "read_verified_files",
     "sign_model",
     "verify_model",

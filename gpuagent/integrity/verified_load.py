@@ -22,7 +22,12 @@ from gpuagent.integrity.errors import (
     ManifestMismatchError,
     ModelRejectedError,
 )
-from gpuagent.integrity.inspection import FileVerdict, InspectionReport
+from gpuagent.integrity.inspection import (
+    FileVerdict,
+    InspectionReport,
+    check_json_bytes,
+    inspect_model,
+)
 from gpuagent.integrity.manifest import (
     HashSpec,
     Manifest,
@@ -84,6 +89,49 @@ def read_verified_files(
     else:
         ignore = default_ignore_paths(policy.signature_names, policy.ignore_git_paths)
 
+    files, actual = _read_and_hash(model_dir, spec, ignore, signed)
+    # An empty file has no shard: it would be loaded without being covered.
+    uncovered = sorted(p for p in files if p not in actual.files())
+    if signed is not None:
+        missing, extra, changed = signed.diff(actual)
+        extra = sorted(set(extra) | set(uncovered))
+        if missing or extra or changed:
+            raise ManifestMismatchError(missing, extra, changed)
+    elif uncovered:
+        raise ManifestMismatchError([], uncovered, [])
+    if actual.digest != expected_manifest_digest:
+        raise ManifestDigestMismatchError(expected_manifest_digest, actual.digest)
+    # The approved files, under today's policy (it may have been tightened since,
+    # or the digest approved without an inspection).
+    inspect_model(model_dir, policy)
+    _check_loadable(model_dir, files, policy)
+    return files
+
+
+def read_inspected_files(
+    model_dir: str | Path, *, policy: Policy | None = None
+) -> tuple[dict[str, bytes], str]:
+    """For a folder with no approved digest to compare against: what
+    `read_verified_files` does but the comparison. `inspect_model` checks the
+    folder, every file is read once, the strict checks run on the bytes
+    returned, and the sha256 manifest digest of those bytes comes back with
+    them (pin it next time). Raises an `IntegrityError` subclass."""
+    policy = policy or DEFAULT_POLICY
+    model_dir = Path(model_dir)
+    inspect_model(model_dir, policy)
+    ignore = default_ignore_paths(policy.signature_names, policy.ignore_git_paths)
+    files, actual = _read_and_hash(model_dir, HashSpec("files", "sha256"), ignore)
+    _check_loadable(model_dir, files, policy)
+    return files, actual.digest
+
+
+def _read_and_hash(
+    model_dir: Path,
+    spec: HashSpec,
+    ignore: list[str],
+    signed: Manifest | None = None,
+) -> tuple[dict[str, bytes], Manifest]:
+    """Every file of the folder, read once, and the manifest of those bytes."""
     root_fd = _fs.open_root(model_dir)
     try:
         listed = _fs.list_files(root_fd, _fs.normalize_ignore(ignore))
@@ -109,31 +157,26 @@ def read_verified_files(
             results = list(readers.map(load, [p for p, _ in listed]))
     finally:
         os.close(root_fd)
-
     files = {path: data for path, data, _ in results}
     resources = [r for _, _, rs in results for r in rs]
-    actual = Manifest(_model_name(model_dir), spec, tuple(resources), tuple(ignore))
-    # An empty file has no shard: it would be loaded without being covered.
-    uncovered = sorted(p for p in files if p not in actual.files())
-    if signed is not None:
-        missing, extra, changed = signed.diff(actual)
-        extra = sorted(set(extra) | set(uncovered))
-        if missing or extra or changed:
-            raise ManifestMismatchError(missing, extra, changed)
-    elif uncovered:
-        raise ManifestMismatchError([], uncovered, [])
-    if actual.digest != expected_manifest_digest:
-        raise ManifestDigestMismatchError(expected_manifest_digest, actual.digest)
-    _check_headers(model_dir, files, policy)
-    return files
+    return files, Manifest(
+        _model_name(model_dir), spec, tuple(resources), tuple(ignore)
+    )
 
 
-def _check_headers(model_dir: Path, files: dict[str, bytes], policy: Policy) -> None:
-    """The strict safetensors checks of `inspect_model`, on the very bytes the
-    engine gets: the approved digest may have been taken of bytes swapped in
-    after inspection, and the engine's parser takes what ours refuses
-    (duplicate names, unknown fields)."""
+def _check_loadable(model_dir: Path, files: dict[str, bytes], policy: Policy) -> None:
+    """The strict checks of `inspect_model`, on the very bytes the engine gets,
+    for every file the engine parses: the approved digest may have been taken of
+    bytes swapped in after inspection, and the engine's parsers take what ours
+    refuse (duplicate names or keys, unknown fields, a shard by another name).
+    JSON files get the strict JSON checks (an index its schema too: shards are
+    `.safetensors` files), every `.safetensors` file the strict header checks."""
     verdicts = []
+    for path in sorted(p for p in files if p.endswith(".json")):
+        kind = "index" if path.endswith(".index.json") else "json"
+        verdict = FileVerdict(path, kind)
+        check_json_bytes(files[path], verdict, policy)
+        verdicts.append(verdict)
     for path in sorted(p for p in files if p.endswith(".safetensors")):
         verdict = FileVerdict(path, "safetensors")
         try:

@@ -233,3 +233,23 @@ def test_it_rejects_engine_settings_that_cannot_work(signed_demo, flags, expecte
     argv = serve_argv(folder, digest, publisher.public, *RELEASE_FLAGS, *flags)
 
     assert expected in refusal(argv)
+
+
+def test_it_inspects_a_folder_served_without_a_manifest_digest(tmp_path, caplog):
+    from gpuagent.engine.__main__ import build_engine
+    from gpuagent.integrity import hash_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL, folder)
+    argv = ["serve", str(folder), "--device", "cpu", "--kv-memory-gb", "0.005"]
+
+    with caplog.at_level("WARNING", logger="gpuagent.engine.__main__"):
+        build_engine(build_parser().parse_args(argv))
+    # Nothing pinned, so it says so, and names the digest to pin.
+    assert "not checked against an approved manifest" in caplog.text
+    assert hash_model(folder).digest in caplog.text
+
+    (folder / "modeling_llama.py").write_text("import os\n")
+    message = refusal(argv)
+    assert "refused to load" in message and "[model-rejected]" in message
+    assert "modeling_llama.py" in message

@@ -12,13 +12,15 @@ import pytest
 from gpuagent.integrity import (
     ManifestDigestMismatchError,
     ManifestMismatchError,
+    ModelRejectedError,
     UnsafePathError,
     hash_model,
+    read_inspected_files,
     read_verified_files,
     sign_model,
     verify_model,
 )
-from tests.gpuagent.integrity.builders import RELEASE, write_model
+from tests.gpuagent.integrity.builders import RELEASE, raw_safetensors, write_model
 
 SHARD1 = "model-00001-of-00002.safetensors"
 
@@ -168,3 +170,76 @@ def test_it_lets_the_engine_refuse_files_that_were_not_verified(tmp_path):
 
     with pytest.raises(ModelLoadError):
         load_model(folder, files=files)
+
+
+# --- strict checks at load, on the loaded bytes ------------------------------
+
+
+def test_it_refuses_an_approved_shard_that_is_not_safetensors_by_name(tmp_path):
+    # safetensors itself takes this duplicate-name file, and the engine would load
+    # any shard name the index gives: the digest alone would let it through.
+    entry = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+    entry_json = json.dumps(entry)
+    header = f'{{"w": {entry_json}, "w": {entry_json}}}'
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "weights.dat").write_bytes(raw_safetensors(header, b"\0" * 4))
+    index = {"weight_map": {"w": "weights.dat"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+
+    with pytest.raises(ModelRejectedError) as refused:
+        read_verified_files(folder, hash_model(folder).digest)
+
+    assert "index-shard-not-safetensors" in refused.value.report.codes()
+
+
+def test_it_inspects_the_approved_folder_on_every_load(tmp_path):
+    # A digest approved without an inspection (or under an older policy).
+    folder = write_model(tmp_path / "model")
+    (folder / "modeling_llama.py").write_text("import os\n")
+
+    with pytest.raises(ModelRejectedError) as refused:
+        read_verified_files(folder, hash_model(folder).digest)
+
+    assert refused.value.report.codes() == {"python-file"}
+
+
+def test_it_checks_the_bytes_it_returns_not_the_folder_inspected(tmp_path, monkeypatch):
+    # config.json with a duplicate key is read; then, before the folder is
+    # inspected, a clean one is put back. What would reach the engine is the
+    # duplicate-key file (json.loads: last one wins), so it must be refused.
+    import gpuagent.integrity.verified_load as verified_load
+
+    folder = write_model(tmp_path / "model")
+    clean = (folder / "config.json").read_bytes()
+    (folder / "config.json").write_text('{"model_type": "llama", "model_type": "x"}')
+    digest = hash_model(folder).digest
+    real_inspect = verified_load.inspect_model
+
+    def swap_back_then_inspect(*args, **kwargs):
+        (folder / "config.json").write_bytes(clean)
+        return real_inspect(*args, **kwargs)
+
+    monkeypatch.setattr(verified_load, "inspect_model", swap_back_then_inspect)
+
+    with pytest.raises(ModelRejectedError) as refused:
+        read_verified_files(folder, digest)
+
+    assert refused.value.report.codes() == {"json-duplicate-key"}
+    rejected = [f.path for f in refused.value.report.files if f.verdict != "ok"]
+    assert rejected == ["config.json"]
+
+
+def test_it_reads_an_unpinned_folder_only_after_inspecting_it(tmp_path):
+    folder = write_model(tmp_path / "model", sharded=True)
+
+    files, digest = read_inspected_files(folder)
+
+    assert digest == hash_model(folder).digest
+    assert all(files[p] == (folder / p).read_bytes() for p in files)
+    assert sorted(files) == sorted(hash_model(folder).files())
+    os.symlink("/etc/passwd", folder / "special_tokens_map.json")
+    with pytest.raises(ModelRejectedError) as refused:
+        read_inspected_files(folder)
+    assert "symlink-escapes" in refused.value.report.codes()
