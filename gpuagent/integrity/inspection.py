@@ -40,6 +40,9 @@ PICKLE_EXTENSIONS = (
     ".joblib",
     ".npz",
 )
+# Code a loader with remote code enabled (or an extension import) would run.
+PYTHON_EXTENSIONS = (".py", ".pyw", ".pyc", ".pyo")
+NATIVE_EXTENSIONS = (".so", ".pyd", ".dll", ".dylib")
 # (magic, offset, code, what): content that can carry a pickle or hide one.
 MAGIC = [
     (b"PK\x03\x04", 0, "pickle-zip", "ZIP archive (torch .bin/.pt format)"),
@@ -222,8 +225,10 @@ def _resolves_inside(folder: Path, path: str) -> bool:
 
 def _check_file(root_fd: int, entry: _fs.Entry, verdict: FileVerdict, policy: Policy):
     name = entry.path.rsplit("/", 1)[-1]
-    if name.endswith(".py"):
-        verdict.reject("python-file", "Python source (remote code) is not allowed")
+    if name.lower().endswith(PYTHON_EXTENSIONS):
+        verdict.reject("python-file", "Python code (remote code) is not allowed")
+    if name.lower().endswith(NATIVE_EXTENSIONS):
+        verdict.reject("native-code", f"{name}: a native library is not allowed")
     if name.lower().endswith(PICKLE_EXTENSIONS):
         verdict.reject("pickle-extension", f"{name}: pickle-capable file type")
     try:
@@ -697,14 +702,35 @@ def check_json_bytes(data: bytes, verdict: FileVerdict, policy: Policy) -> Any:
         code = "json-invalid" if e.code == "invalid-json" else "json-" + e.code
         verdict.reject(code, e.detail)
         return None
-    if isinstance(value, dict) and "auto_map" in value:
+    where = _auto_map_path(value)
+    if where is not None:
+        # Also nested: composite configs (text_config, vision_config...) carry one.
         verdict.reject(
-            "remote-code-auto_map", "auto_map asks loaders to run code from the repo"
+            "remote-code-auto_map",
+            f"auto_map at {where} asks loaders to run code from the repo",
         )
     if verdict.kind == "index":
         _check_index_schema(value, verdict)
     verdict.parsed = value
     return value
+
+
+def _auto_map_path(value: Any, path: str = "$") -> str | None:
+    """Where the first `auto_map` key is in a parsed JSON value, or None (the
+    strict parser bounds the depth)."""
+    if isinstance(value, dict):
+        if "auto_map" in value:
+            return f"{path}.auto_map"
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, child in items:
+        found = _auto_map_path(child, f"{path}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 def _check_index_schema(value: Any, verdict: FileVerdict) -> None:

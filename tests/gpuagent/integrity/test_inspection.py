@@ -570,6 +570,26 @@ CASES = [
         "config.json",
     ),
     Case(
+        "compiled-python-file",
+        lambda f: (f / "modeling_llama.cpython-311.pyc").write_bytes(b"\xa7\r\r\n"),
+        "python-file",
+        "modeling_llama.cpython-311.pyc",
+    ),
+    Case(
+        "native-library",
+        lambda f: (f / "kernels.so").write_bytes(b"\x7fELF" + b"\0" * 60),
+        "native-code",
+        "kernels.so",
+    ),
+    Case(
+        "auto-map-nested-in-a-sub-config",
+        lambda f: (f / "config.json").write_text(
+            json.dumps({"text_config": {"auto_map": {"AutoModel": "m.Model"}}})
+        ),
+        "remote-code-auto_map",
+        "config.json",
+    ),
+    Case(
         "auto-map-in-tokenizer-config",
         lambda f: (f / "tokenizer_config.json").write_text(
             json.dumps({"auto_map": {"AutoTokenizer": ["tok.T", None]}})
