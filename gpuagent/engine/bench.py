@@ -211,8 +211,12 @@ def admitted_sequences(config, kv_dtype: str, budget_bytes: int) -> tuple[int, i
         scheduler.add(Seq(f"cap-{i}", list(prompt), params))
     scheduler.schedule()
     admitted = len(scheduler.running)
-    assert len(scheduler.waiting) > 0, "offered too few requests to find the limit"
-    assert admitted < DEFAULT_MAX_NUM_SEQS, "max_num_seqs, not memory, set the limit"
+    # A count that memory did not set would be no measurement: refuse it (not an
+    # assert, which python -O drops).
+    if not scheduler.waiting:
+        raise RuntimeError(f"{kv_dtype}: offered too few requests to find the limit")
+    if admitted >= DEFAULT_MAX_NUM_SEQS:
+        raise RuntimeError(f"{kv_dtype}: max_num_seqs, not memory, set the limit")
     return admitted, kv.nbytes
 
 
@@ -498,16 +502,16 @@ def quality_rows(model, tokenizer, max_len: int) -> list[Row]:
             Row(
                 f"KV {served(dtype)} vs bf16: mean KLD ({positions} positions)",
                 f"{mean_kld:.6f}",
-                f"<= {kld_target}" if kld_target else "",
-                mean_kld <= kld_target if kld_target else None,
+                f"<= {kld_target}" if kld_target is not None else "",
+                mean_kld <= kld_target if kld_target is not None else None,
             )
         )
         rows.append(
             Row(
                 f"KV {served(dtype)} vs bf16: same top-1",
                 f"{100 * top1:.2f}%",
-                f">= {100 * top1_target:.1f}%" if top1_target else "",
-                top1 >= top1_target if top1_target else None,
+                f">= {100 * top1_target:.1f}%" if top1_target is not None else "",
+                top1 >= top1_target if top1_target is not None else None,
             )
         )
     bits = -sum(
