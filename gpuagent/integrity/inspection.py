@@ -40,6 +40,7 @@ PICKLE_EXTENSIONS = (
     ".joblib",
     ".npz",
 )
+INDEX_SUFFIX = ".safetensors.index.json"
 # Code a loader with remote code enabled (or an extension import) would run.
 PYTHON_EXTENSIONS = (".py", ".pyw", ".pyc", ".pyo")
 NATIVE_EXTENSIONS = (".so", ".pyd", ".dll", ".dylib")
@@ -188,7 +189,7 @@ def _kind(entry: _fs.Entry) -> str:
         return entry.kind
     if entry.path.endswith(".safetensors"):
         return "safetensors"
-    if entry.path.endswith(".safetensors.index.json"):
+    if entry.path.endswith(INDEX_SUFFIX):
         return "index"
     if entry.path.endswith(".json"):
         return "json"
@@ -223,14 +224,19 @@ def _resolves_inside(folder: Path, path: str) -> bool:
     return real == root or real.startswith(root.rstrip("/") + "/")
 
 
-def _check_file(root_fd: int, entry: _fs.Entry, verdict: FileVerdict, policy: Policy):
-    name = entry.path.rsplit("/", 1)[-1]
+def check_file_name(path: str, verdict: FileVerdict) -> None:
+    """Refusals by name alone: code files, pickle-capable file types."""
+    name = path.rsplit("/", 1)[-1]
     if name.lower().endswith(PYTHON_EXTENSIONS):
         verdict.reject("python-file", "Python code (remote code) is not allowed")
     if name.lower().endswith(NATIVE_EXTENSIONS):
         verdict.reject("native-code", f"{name}: a native library is not allowed")
     if name.lower().endswith(PICKLE_EXTENSIONS):
         verdict.reject("pickle-extension", f"{name}: pickle-capable file type")
+
+
+def _check_file(root_fd: int, entry: _fs.Entry, verdict: FileVerdict, policy: Policy):
+    check_file_name(entry.path, verdict)
     try:
         fd, size = _fs.open_file(root_fd, entry.path)
     except Exception as e:  # noqa: BLE001 - any failure is a rejection reason
@@ -313,7 +319,7 @@ def _check_magic(fd: int, size: int, verdict: FileVerdict) -> None:
 # are skipped without reading, so a long first argument costs nothing; text and
 # binary formats fail within a few bytes.
 
-_CALL, _IMPORT, _FRAME = "call", "import", "frame"
+_CALL, _IMPORT, _PERSID, _FRAME = "call", "import", "persid", "frame"
 # Argument layouts: int n = n fixed bytes; ("len", width, signed) = a length of
 # `width` bytes, then that many bytes; "line" / "line2" = one or two "\n"-ended
 # lines. _ARG_CHECKS says how an opcode's argument must decode.
@@ -393,8 +399,8 @@ _PICKLE_OPS: dict[int, tuple[str, Any, Any, str | None]] = {
         ("\x82", "EXT1", 1, _PUSH, _IMPORT),
         ("\x83", "EXT2", 2, _PUSH, _IMPORT),
         ("\x84", "EXT4", 4, _PUSH, _IMPORT),
-        ("P", "PERSID", "line", _PUSH, _IMPORT),
-        ("Q", "BINPERSID", 0, _TOP, _IMPORT),
+        ("P", "PERSID", "line", _PUSH, _PERSID),
+        ("Q", "BINPERSID", 0, _TOP, _PERSID),
         # Calls: what runs code.
         ("R", "REDUCE", 0, (2, -1), _CALL),
         ("b", "BUILD", 0, (2, -1), _CALL),
@@ -546,13 +552,16 @@ def _scan_pickle(fd: int, size: int) -> tuple[str, str] | None:
     budget; None when it stops being a valid stream first.
 
     The stream is rejected at the first call opcode (REDUCE, BUILD, INST, OBJ,
-    NEWOBJ, NEWOBJ_EX) reached validly. An import opcode alone (GLOBAL,
-    STACK_GLOBAL, EXT*, PERSID, BINPERSID) rejects only if its pickle then
-    completes (STOP): by itself it names an existing module and calls nothing,
-    and text such as "cat\\ndog\\n..." (a GLOBAL of at.dog, then invalid) or a PNG
-    ("\\x89" NEWFALSE, a PERSID of "NG\\r", then invalid) must pass. A data-only
-    pickle runs no code; the scan goes on past its STOP, as a loader calling
-    load() again would (torch's legacy format is several pickles in a row)."""
+    NEWOBJ, NEWOBJ_EX) or import opcode (GLOBAL, STACK_GLOBAL, EXT*) reached
+    validly: an import runs the module's top-level code, and the opcodes after it
+    (SETITEM, APPEND...) act on the imported object before the stream turns out
+    invalid. So text whose first two lines read as a GLOBAL ("cat\\ndog\\n" is
+    at.dog) is refused too, a false positive taken for safety. PERSID/BINPERSID
+    only hand a value to the loader's own hook (plain pickle refuses them) and
+    reject only if their pickle then completes (STOP), so a PNG ("\\x89" NEWFALSE,
+    a PERSID of "NG\\r", then invalid) passes. A data-only pickle runs no code; the
+    scan goes on past its STOP, as a loader calling load() again would (torch's
+    legacy format is several pickles in a row)."""
     reader = _OpReader(fd, size)
     depth, marks = 0, []  # stack depth; depth at each open MARK
     imported: tuple[str, int] | None = None
@@ -617,10 +626,11 @@ def _scan_pickle(fd: int, size: int) -> tuple[str, str] | None:
                 if depth - fence < need:
                     return None
                 depth += delta
-            if kind == _CALL:
+            if kind in (_CALL, _IMPORT):
+                does = "calls code" if kind == _CALL else "imports a module"
                 return (
                     "pickle-protocol",
-                    f"pickle opcode stream that calls code ({name} at offset {at}) "
+                    f"pickle opcode stream that {does} ({name} at offset {at}) "
                     "detected by content",
                 )
             if kind == _FRAME and int.from_bytes(values[0], "little") <= (
@@ -631,7 +641,7 @@ def _scan_pickle(fd: int, size: int) -> tuple[str, str] | None:
                     f"framed (protocol 4+) pickle opcode stream (FRAME at offset "
                     f"{at}) detected by content",
                 )
-            if kind == _IMPORT and imported is None:
+            if kind == _PERSID and imported is None:
                 imported = (name, at)
     except _StreamEnd:
         return None
@@ -702,9 +712,15 @@ def check_json_bytes(data: bytes, verdict: FileVerdict, policy: Policy) -> Any:
         code = "json-invalid" if e.code == "invalid-json" else "json-" + e.code
         verdict.reject(code, e.detail)
         return None
-    where = _auto_map_path(value)
+    # Composite configs nest it (text_config...): search a config at any depth,
+    # other JSON (a tokenizer's vocabulary is data) at the top only.
+    is_config = verdict.path.rsplit("/", 1)[-1].endswith("config.json")
+    where = (
+        _auto_map_path(value)
+        if is_config
+        else ("$.auto_map" if isinstance(value, dict) and "auto_map" in value else None)
+    )
     if where is not None:
-        # Also nested: composite configs (text_config, vision_config...) carry one.
         verdict.reject(
             "remote-code-auto_map",
             f"auto_map at {where} asks loaders to run code from the repo",

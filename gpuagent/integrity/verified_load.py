@@ -23,8 +23,10 @@ from gpuagent.integrity.errors import (
     ModelRejectedError,
 )
 from gpuagent.integrity.inspection import (
+    INDEX_SUFFIX,
     FileVerdict,
     InspectionReport,
+    check_file_name,
     check_json_bytes,
     inspect_model,
 )
@@ -68,9 +70,10 @@ def read_verified_files(
     With `signature_path`, the signature, signer, ignore list and release
     binding are verified first (see `verify_model`) and the signed manifest
     must be the expected one; a mismatch then names the missing, extra and
-    changed files. Every returned safetensors header then passes the strict
-    checks of `inspect_model` (else `ModelRejectedError`). Raises an
-    `IntegrityError` subclass on any failure.
+    changed files. The returned bytes then pass `inspect_model`'s checks for
+    what the engine parses (`_check_loadable`: no code files, strict JSON and
+    safetensors headers; else `ModelRejectedError`). Raises an `IntegrityError`
+    subclass on any failure.
     """
     policy = policy or DEFAULT_POLICY
     model_dir = Path(model_dir)
@@ -101,9 +104,6 @@ def read_verified_files(
         raise ManifestMismatchError([], uncovered, [])
     if actual.digest != expected_manifest_digest:
         raise ManifestDigestMismatchError(expected_manifest_digest, actual.digest)
-    # The approved files, under today's policy (it may have been tightened since,
-    # or the digest approved without an inspection).
-    inspect_model(model_dir, policy)
     _check_loadable(model_dir, files, policy)
     return files
 
@@ -169,11 +169,18 @@ def _check_loadable(model_dir: Path, files: dict[str, bytes], policy: Policy) ->
     for every file the engine parses: the approved digest may have been taken of
     bytes swapped in after inspection, and the engine's parsers take what ours
     refuse (duplicate names or keys, unknown fields, a shard by another name).
-    JSON files get the strict JSON checks (an index its schema too: shards are
-    `.safetensors` files), every `.safetensors` file the strict header checks."""
+    No code files (by name); JSON files get the strict JSON checks (an index its
+    schema too: shards are `.safetensors` files), every `.safetensors` file the
+    strict header checks. Files the manifest ignores are not read, so not checked."""
     verdicts = []
+    for path in sorted(files):
+        # Code files, as `inspect_model` refuses them (a digest may have been
+        # approved without an inspection, or under an older policy).
+        verdict = FileVerdict(path, "file")
+        check_file_name(path, verdict)
+        verdicts.append(verdict)
     for path in sorted(p for p in files if p.endswith(".json")):
-        kind = "index" if path.endswith(".index.json") else "json"
+        kind = "index" if path.endswith(INDEX_SUFFIX) else "json"
         verdict = FileVerdict(path, kind)
         check_json_bytes(files[path], verdict, policy)
         verdicts.append(verdict)

@@ -917,3 +917,12 @@ def test_the_hidden_pickles_of_the_corpus_really_call_code(payload):
     calls = RecordingUnpickler(io.BytesIO(payload)).calls_made()
 
     assert calls == ["os.getcwd"]
+
+
+def test_it_looks_for_auto_map_below_the_top_only_in_configs(tmp_path):
+    # A vocabulary is data: a token spelled "auto_map" is no remote code.
+    folder = write_model(tmp_path / "model")
+    tokenizer = {"model": {"type": "WordLevel", "vocab": {"auto_map": 0}}}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+    assert inspect_model(folder).ok

@@ -194,7 +194,7 @@ def test_it_refuses_an_approved_shard_that_is_not_safetensors_by_name(tmp_path):
     assert "index-shard-not-safetensors" in refused.value.report.codes()
 
 
-def test_it_inspects_the_approved_folder_on_every_load(tmp_path):
+def test_it_refuses_code_files_among_the_approved_files(tmp_path):
     # A digest approved without an inspection (or under an older policy).
     folder = write_model(tmp_path / "model")
     (folder / "modeling_llama.py").write_text("import os\n")
@@ -243,3 +243,19 @@ def test_it_reads_an_unpinned_folder_only_after_inspecting_it(tmp_path):
     with pytest.raises(ModelRejectedError) as refused:
         read_inspected_files(folder)
     assert "symlink-escapes" in refused.value.report.codes()
+
+
+def test_it_does_not_inspect_what_the_manifest_ignores(tmp_path):
+    # git-lfs keeps its objects (zips, for a .bin in the history) under .git; a
+    # stale pytorch_model.bin.index.json is JSON the engine never reads as an index.
+    folder = write_model(tmp_path / "model")
+    lfs = folder / ".git" / "lfs" / "objects"
+    lfs.mkdir(parents=True)
+    (lfs / "abcd").write_bytes(b"PK\x05\x06" + b"\0" * 18)
+    stale = {"weight_map": {"w": "pytorch_model.bin"}}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(stale))
+
+    files = read_verified_files(folder, hash_model(folder).digest)
+
+    assert ".git/lfs/objects/abcd" not in files
+    assert "pytorch_model.bin.index.json" in files
