@@ -92,6 +92,10 @@ class Policy:
     certificate_identity: str | None = None
     certificate_issuer: str | None = None
     sigstore_trust_config: str | None = None
+    # Certificate mode has no trusted signing time (model-signing checks the chain
+    # at the leaf's not-before), so an expired leaf could still sign today: refused
+    # unless this is set. Sigstore's time comes from its log and is checked there.
+    allow_expired_certificates: bool = False
     # The release the signature must be bound to; None: binding not enforced
     # (only for signatures made by other tools, e.g. a publisher's).
     release: ReleaseBinding | None = None

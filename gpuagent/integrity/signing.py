@@ -127,9 +127,11 @@ class VerificationReport:
 
 def certificate_validity(cert: Any, now: datetime | None = None) -> dict[str, Any]:
     """A signing certificate's validity window (ISO 8601, UTC) and whether it has
-    expired by `now`. For the report only: model-signing checks the chain at the
-    leaf's not-before time and Sigstore at the logged signing time, so a
-    signature outlives its (often short-lived) certificate, as it should."""
+    expired by `now`. Sigstore checks the chain at the logged signing time, so
+    its signatures rightly outlive their short-lived certificates; model-signing's
+    certificate mode checks it at the leaf's not-before time, with no trusted time
+    at all, so there an expired leaf is refused
+    (`Policy.allow_expired_certificates`)."""
     now = now or datetime.now(UTC)
     not_after = cert.not_valid_after_utc
     return {
@@ -442,11 +444,18 @@ def _verify_signature(
         payload_type, payload = verifier._verify_signed_content(signature)
         leaf = material.x509_certificate_chain.certificates[0].raw_bytes
         cert = _check_certificate_identity(leaf, policy)
+        validity = certificate_validity(cert)
+        if validity["expired"] and not policy.allow_expired_certificates:
+            raise SignerNotTrustedError(
+                f"the signing certificate expired at {validity['not_after']}; a "
+                "certificate signature carries no trusted signing time, so it may "
+                "have been made after that (re-sign with a valid certificate)"
+            )
         return (
             payload_type,
             payload,
             f"certificate {policy.certificate_identity} by {policy.certificate_issuer}",
-            certificate_validity(cert),
+            validity,
         )
     raise PolicyError(f"unknown signature mode {mode!r}")
 
@@ -472,9 +481,8 @@ def _check_sigstore_identity(cert: Any, policy: Policy) -> None:
 def _check_certificate_identity(leaf_der: bytes, policy: Policy) -> Any:
     """The leaf certificate, once its identity and issuer are the policy's.
 
-    Validity is not enforced here: model-signing verified the chain at the leaf's
-    not-before time, so an expired leaf still verifies (a signature legitimately
-    outlives a short-lived certificate); the window goes into the report."""
+    Validity is checked by the caller (model-signing verified the chain at the
+    leaf's not-before time only)."""
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 

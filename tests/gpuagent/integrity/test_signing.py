@@ -607,9 +607,8 @@ def test_it_reports_no_certificate_validity_for_key_signatures(signed, keys):
     assert "certificate:" not in report.to_text()
 
 
-def test_it_accepts_but_reports_a_signature_whose_certificate_has_expired(tmp_path):
-    # model-signing checks the chain at the leaf's not-before time: a signature
-    # outlives its certificate. Behaviour kept; the report shows the expiry.
+def test_it_refuses_a_certificate_signature_whose_certificate_has_expired(tmp_path):
+    # No trusted signing time in certificate mode: an expired leaf could sign today.
     from cryptography import x509
 
     ca = CertificateAuthority(tmp_path, "old", "ci@x.example", leaf_days=(-10, -1))
@@ -617,7 +616,11 @@ def test_it_accepts_but_reports_a_signature_whose_certificate_has_expired(tmp_pa
     ca.sign(folder)
     leaf = x509.load_pem_x509_certificate(ca.certificate.read_bytes())
 
-    report = verify_model(folder, folder / "model.sig", ca.policy())
+    with pytest.raises(SignerNotTrustedError, match="expired"):
+        verify_model(folder, folder / "model.sig", ca.policy())
+    report = verify_model(
+        folder, folder / "model.sig", ca.policy(allow_expired_certificates=True)
+    )
 
     assert report.ok
     assert report.certificate_validity["expired"] is True
