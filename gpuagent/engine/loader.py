@@ -52,7 +52,7 @@ def load_model(
         config = LlamaConfig.from_hf_config(hf_config)
     except KeyError as exc:
         raise ModelLoadError(f"{CONFIG_FILE} lacks {exc}") from exc
-    except (TypeError, ValueError) as exc:  # a field of the wrong type or value
+    except (ArithmeticError, TypeError, ValueError) as exc:  # e.g. 0 heads
         raise ModelLoadError(f"{CONFIG_FILE}: {exc}") from exc
 
     checkpoint = read_checkpoint(reader)

@@ -230,7 +230,9 @@ class TokenBytes:
     """The exact bytes of each token id (cached), as OpenAI's logprobs report them:
     an added token's content; a byte-fallback token `<0xNN>` is byte NN; a ByteLevel
     (GPT-2 style) token's chars map back through the bytes-to-unicode table (so the
-    byte-level tokenizer's id < 256 is that byte); else the token decoded alone."""
+    byte-level tokenizer's id < 256 is that byte); else the token decoded alone,
+    which is not exact where the decoder strips (SentencePiece's `Strip` drops a
+    `▁word` token's leading space)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
