@@ -135,12 +135,21 @@ def test_it_names_tensors_whose_shape_does_not_match_the_config(tmp_path):
         ({"architectures": ["MyLlamaForCausalLM"]}, "architectures"),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_size": None}, "config.json"),
+        ({"num_attention_heads": 0, "head_dim": None}, "config.json"),
         (
             {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
             r"lacks \['low_freq_factor', 'high_freq_factor', 'original_max",
         ),
     ],
-    ids=["auto_map", "model_type", "architectures", "bias", "type", "llama3-keys"],
+    ids=[
+        "auto_map",
+        "model_type",
+        "architectures",
+        "bias",
+        "type",
+        "zero-heads",
+        "llama3-keys",
+    ],
 )
 def test_it_refuses_configs_it_must_not_or_cannot_run(tmp_path, change, message):
     _hf_folder(tmp_path)
