@@ -205,30 +205,38 @@ def test_it_refuses_code_files_among_the_approved_files(tmp_path):
     assert refused.value.report.codes() == {"python-file"}
 
 
-def test_it_checks_the_bytes_it_returns_not_the_folder_inspected(tmp_path, monkeypatch):
-    # config.json with a duplicate key is read; then, before the folder is
-    # inspected, a clean one is put back. What would reach the engine is the
-    # duplicate-key file (json.loads: last one wins), so it must be refused.
-    import gpuagent.integrity.verified_load as verified_load
-
+def test_it_checks_the_bytes_it_returns_under_an_approved_digest(tmp_path):
+    # A digest taken of a duplicate-key config.json (json.loads: last one wins).
     folder = write_model(tmp_path / "model")
-    clean = (folder / "config.json").read_bytes()
     (folder / "config.json").write_text('{"model_type": "llama", "model_type": "x"}')
-    digest = hash_model(folder).digest
-    real_inspect = verified_load.inspect_model
-
-    def swap_back_then_inspect(*args, **kwargs):
-        (folder / "config.json").write_bytes(clean)
-        return real_inspect(*args, **kwargs)
-
-    monkeypatch.setattr(verified_load, "inspect_model", swap_back_then_inspect)
 
     with pytest.raises(ModelRejectedError) as refused:
-        read_verified_files(folder, digest)
+        read_verified_files(folder, hash_model(folder).digest)
 
     assert refused.value.report.codes() == {"json-duplicate-key"}
     rejected = [f.path for f in refused.value.report.files if f.verdict != "ok"]
     assert rejected == ["config.json"]
+
+
+def test_it_checks_the_bytes_it_returns_not_the_folder_inspected(tmp_path, monkeypatch):
+    # Unpinned: the folder passes inspection, then a duplicate-key config.json is
+    # swapped in before the read. The bytes that would reach the engine are refused.
+    import gpuagent.integrity.verified_load as verified_load
+
+    folder = write_model(tmp_path / "model")
+    real_inspect = verified_load.inspect_model
+
+    def inspect_then_swap(*args, **kwargs):
+        report = real_inspect(*args, **kwargs)
+        (folder / "config.json").write_text('{"model_type": "llama", "model_type": 1}')
+        return report
+
+    monkeypatch.setattr(verified_load, "inspect_model", inspect_then_swap)
+
+    with pytest.raises(ModelRejectedError) as refused:
+        read_inspected_files(folder)
+
+    assert refused.value.report.codes() == {"json-duplicate-key"}
 
 
 def test_it_reads_an_unpinned_folder_only_after_inspecting_it(tmp_path):
