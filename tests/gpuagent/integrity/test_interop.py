@@ -9,10 +9,11 @@ import pytest
 from gpuagent.integrity import (
     BindingMismatchError,
     ManifestMismatchError,
+    SignatureError,
     sign_model,
     verify_model,
 )
-from tests.gpuagent.integrity.builders import RELEASE, write_model
+from tests.gpuagent.integrity.builders import RELEASE, CertificateAuthority, write_model
 
 MODEL_SIGNING = Path(sys.executable).parent / "model_signing"
 
@@ -78,3 +79,56 @@ def test_it_verifies_signatures_made_by_the_upstream_tool(tmp_path, keys):
     with pytest.raises(ManifestMismatchError) as info:
         verify_model(folder, sig, keys.policy(release=None))
     assert info.value.extra == ["extra.txt"]
+
+
+def test_certificate_signatures_verify_both_ways(tmp_path):
+    ca = CertificateAuthority(tmp_path, "releases", "ci@releasegate.example")
+    ours = write_model(tmp_path / "ours", sharded=True)
+    ca.sign(ours)
+    theirs = write_model(tmp_path / "theirs", sharded=True)
+    made = upstream(
+        "sign",
+        "certificate",
+        str(theirs),
+        "--signature",
+        str(theirs / "model.sig"),
+        "--private_key",
+        str(ca.private),
+        "--signing_certificate",
+        str(ca.certificate),
+        "--certificate_chain",
+        str(ca.chain),
+    )
+    assert made.returncode == 0, made.stderr
+
+    checked = upstream(
+        "verify",
+        "certificate",
+        str(ours),
+        "--signature",
+        str(ours / "model.sig"),
+        "--certificate_chain",
+        str(ca.chain),
+    )
+    report = verify_model(theirs, theirs / "model.sig", ca.policy(release=None))
+
+    assert checked.returncode == 0, checked.stderr
+    assert "Verification succeeded" in checked.stdout
+    assert (
+        report.ok
+        and report.signer == "certificate ci@releasegate.example by releases CA"
+    )
+    # Each side still refuses the other's chain of trust.
+    rogue = CertificateAuthority(tmp_path, "rogue", "ci@releasegate.example")
+    refused = upstream(
+        "verify",
+        "certificate",
+        str(ours),
+        "--signature",
+        str(ours / "model.sig"),
+        "--certificate_chain",
+        str(rogue.chain),
+    )
+    assert refused.returncode != 0
+    with pytest.raises(SignatureError):
+        verify_model(theirs, theirs / "model.sig", rogue.policy(release=None))
