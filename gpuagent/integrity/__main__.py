@@ -141,12 +141,13 @@ _RELEASE_FLAGS = (
 
 def _verify_release(args: argparse.Namespace) -> ReleaseBinding | None:
     """The release `verify` must check; None only with an explicit --any-release."""
-    given = [flag for flag, attr in _RELEASE_FLAGS if getattr(args, attr) is not None]
     if args.any_release:
-        if given or args.parent_digest:
+        given = [f for f, attr in _RELEASE_FLAGS if getattr(args, attr) is not None]
+        given += ["--parent-digest"] if args.parent_digest else []
+        if given:
             raise UsageError(
                 "--any-release skips the release check: do not combine it with "
-                + ", ".join(given or ["--parent-digest"])
+                + ", ".join(given)
             )
         return None
     missing = [flag for flag, attr in _RELEASE_FLAGS if getattr(args, attr) is None]

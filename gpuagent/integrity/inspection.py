@@ -185,13 +185,16 @@ def _inspect(folder: Path, policy: Policy) -> InspectionReport:
 
 
 def _kind(entry: _fs.Entry) -> str:
-    if entry.kind != "file":
-        return entry.kind
-    if entry.path.endswith(".safetensors"):
+    return path_kind(entry.path) if entry.kind == "file" else entry.kind
+
+
+def path_kind(path: str) -> str:
+    """How a regular file is checked, by its name: safetensors, index, json, file."""
+    if path.endswith(".safetensors"):
         return "safetensors"
-    if entry.path.endswith(INDEX_SUFFIX):
+    if path.endswith(INDEX_SUFFIX):
         return "index"
-    if entry.path.endswith(".json"):
+    if path.endswith(".json"):
         return "json"
     return "file"
 
@@ -715,11 +718,7 @@ def check_json_bytes(data: bytes, verdict: FileVerdict, policy: Policy) -> Any:
     # Composite configs nest it (text_config...): search a config at any depth,
     # other JSON (a tokenizer's vocabulary is data) at the top only.
     is_config = verdict.path.rsplit("/", 1)[-1].endswith("config.json")
-    where = (
-        _auto_map_path(value)
-        if is_config
-        else ("$.auto_map" if isinstance(value, dict) and "auto_map" in value else None)
-    )
+    where = _auto_map_path(value, nested=is_config)
     if where is not None:
         verdict.reject(
             "remote-code-auto_map",
@@ -731,19 +730,21 @@ def check_json_bytes(data: bytes, verdict: FileVerdict, policy: Policy) -> Any:
     return value
 
 
-def _auto_map_path(value: Any, path: str = "$") -> str | None:
-    """Where the first `auto_map` key is in a parsed JSON value, or None (the
-    strict parser bounds the depth)."""
+def _auto_map_path(value: Any, path: str = "$", *, nested: bool) -> str | None:
+    """Where the first `auto_map` key is in a parsed JSON value (below the top
+    only when `nested`), or None (the strict parser bounds the depth)."""
+    if isinstance(value, dict) and "auto_map" in value:
+        return f"{path}.auto_map"
+    if not nested:
+        return None
     if isinstance(value, dict):
-        if "auto_map" in value:
-            return f"{path}.auto_map"
         items = value.items()
     elif isinstance(value, list):
         items = ((str(i), v) for i, v in enumerate(value))
     else:
         return None
     for key, child in items:
-        found = _auto_map_path(child, f"{path}.{key}")
+        found = _auto_map_path(child, f"{path}.{key}", nested=True)
         if found is not None:
             return found
     return None

@@ -82,7 +82,7 @@ class VerificationReport:
     `binding_checked` is False when the policy named no release, so that binding
     was not compared with anything (`Policy.release=None`). `certificate_validity`
     is the signing certificate's validity window (certificate and Sigstore modes;
-    see `certificate_validity`), reported, not enforced."""
+    see `certificate_validity` for where expiry is refused)."""
 
     ok: bool
     folder: str
@@ -202,8 +202,11 @@ def _signer(
     sigstore_identity_token: str | None,
     sigstore_trust_config: str | Path | None,
 ):
+    key_password = None
     if private_key and not sigstore_identity_token:
-        _check_private_key(Path(private_key), password, with_certificate=certificate)
+        key_password = _check_private_key(
+            Path(private_key), password, with_certificate=certificate
+        )
     try:
         from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore
 
@@ -221,10 +224,7 @@ def _signer(
                 [Path(c) for c in certificate_chain],
             )
         if private_key:
-            # model-signing annotates the password as str, but hands it to
-            # cryptography, which takes bytes only.
-            encoded = password.encode("utf-8") if password is not None else None
-            return sign_ec_key.Signer(Path(private_key), encoded)
+            return sign_ec_key.Signer(Path(private_key), key_password)
     except Exception as e:  # noqa: BLE001 - bad key, password, certificate...
         raise SigningError(f"cannot set up the signer: {type(e).__name__}: {e}") from e
     raise SigningError("no signing key, certificate or identity token given")
@@ -232,10 +232,12 @@ def _signer(
 
 def _check_private_key(
     path: Path, password: str | None, *, with_certificate: object
-) -> None:
-    """Clear errors for an encrypted key without its password, a wrong password,
-    or a password for a key that is not encrypted (model-signing would raise a
-    bare TypeError or ValueError)."""
+) -> bytes | None:
+    """The password as model-signing must get it (it annotates a str but hands
+    it to cryptography, which takes bytes only), after clear errors for an
+    encrypted key without its password, a wrong password, or a password for a
+    key that is not encrypted (model-signing would raise a bare TypeError or
+    ValueError)."""
     from cryptography.hazmat.primitives import serialization
 
     try:
@@ -262,15 +264,17 @@ def _check_private_key(
             raise SigningError(
                 f"a password was given but the private key {path} is not encrypted"
             )
-        return
+        return None
     if password is None:
         raise SigningError(
             f"private key {path} is encrypted: give its password (--password)"
         )
+    encoded = password.encode("utf-8")
     try:
-        serialization.load_pem_private_key(data, password.encode("utf-8"))
+        serialization.load_pem_private_key(data, encoded)
     except ValueError as e:  # documented: the data could not be decrypted
         raise SigningError(f"bad password for the private key {path}") from e
+    return encoded
 
 
 def sign_model(

@@ -23,12 +23,12 @@ from gpuagent.integrity.errors import (
     ModelRejectedError,
 )
 from gpuagent.integrity.inspection import (
-    INDEX_SUFFIX,
     FileVerdict,
     InspectionReport,
     check_file_name,
     check_json_bytes,
     inspect_model,
+    path_kind,
 )
 from gpuagent.integrity.manifest import (
     HashSpec,
@@ -174,22 +174,17 @@ def _check_loadable(model_dir: Path, files: dict[str, bytes], policy: Policy) ->
     strict header checks. Files the manifest ignores are not read, so not checked."""
     verdicts = []
     for path in sorted(files):
+        verdict = FileVerdict(path, path_kind(path))
         # Code files, as `inspect_model` refuses them (a digest may have been
         # approved without an inspection, or under an older policy).
-        verdict = FileVerdict(path, "file")
         check_file_name(path, verdict)
-        verdicts.append(verdict)
-    for path in sorted(p for p in files if p.endswith(".json")):
-        kind = "index" if path.endswith(INDEX_SUFFIX) else "json"
-        verdict = FileVerdict(path, kind)
-        check_json_bytes(files[path], verdict, policy)
-        verdicts.append(verdict)
-    for path in sorted(p for p in files if p.endswith(".safetensors")):
-        verdict = FileVerdict(path, "safetensors")
-        try:
-            parse_header_bytes(files[path], policy)
-        except HeaderRejected as e:
-            verdict.reject(e.code, e.detail)
+        if verdict.kind in ("json", "index"):
+            check_json_bytes(files[path], verdict, policy)
+        elif verdict.kind == "safetensors":
+            try:
+                parse_header_bytes(files[path], policy)
+            except HeaderRejected as e:
+                verdict.reject(e.code, e.detail)
         verdicts.append(verdict)
     report = InspectionReport(str(model_dir), verdicts)
     if not report.ok:
