@@ -324,13 +324,6 @@ def read_committed_report(folder: Path = COMMITTED_DIR) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def corpus_differences(corpus: Corpus, committed: dict) -> list[str]:
-    """Domains whose digest differs from the one `committed` records."""
-    recorded = committed.get("corpus_sha256") or {}
-    here = corpus_digests(corpus.ids)
-    return [d for d in DOMAINS if d in recorded and recorded[d] != here[d]]
-
-
 # What each domain is read from, i.e. what makes it differ between machines.
 CORPUS_DEPENDS_ON = {
     "code": "the Python version (its standard library's .py files)",
@@ -382,11 +375,11 @@ def check_corpus(
             file=sys.stderr,
         )
         return []
-    differing = corpus_differences(corpus, committed)
+    recorded, here = committed["corpus_sha256"], corpus_digests(corpus.ids)
+    differing = [d for d in DOMAINS if d in recorded and recorded[d] != here[d]]
     if not differing:
         print(f"corpus matches {committed_dir.name}'s ({', '.join(DOMAINS)})")
         return []
-    here = corpus_digests(corpus.ids)
     recorded_tokens = committed.get("train_tokens_per_domain") or {}
     was = committed.get("corpus_sources")
     # the shipped report predates corpus_sources: say what reproduces its digests
@@ -402,7 +395,7 @@ def check_corpus(
             f"tokens, sha256 {here[d][:16]}...",
             f"  {was_label}: {describe_sources(d, was or SHIPPED_CORPUS_SOURCES)}; "
             f"{recorded_tokens.get(d, '?')} tokens, sha256 "
-            f"{committed['corpus_sha256'][d][:16]}...",
+            f"{recorded[d][:16]}...",
         ]
     lines.append("Training on it gives a different model from the shipped one.")
     overwrites = out.resolve() == committed_dir.resolve()
