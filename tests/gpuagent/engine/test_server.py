@@ -54,37 +54,36 @@ def serve(engine: LLMEngine, model_name: str = MODEL):
         thread.join(10)
 
 
-@pytest.fixture(scope="module")
-def served_async(tiny_model_and_tokenizer):
-    """(base URL, LLMEngine, AsyncLLMEngine) of a live server."""
+@contextlib.contextmanager
+def serve_tiny(tiny_model_and_tokenizer, num_blocks: int):
+    """(base URL, LLMEngine, AsyncLLMEngine) of a live server over the tiny model,
+    with `num_blocks` KV blocks of 8 tokens."""
     model, tokenizer = tiny_model_and_tokenizer
     engine = LLMEngine(
         model,
         tokenizer,
-        num_blocks=256,
+        num_blocks=num_blocks,
         block_size=8,
         max_num_seqs=64,
         max_model_len=128,
     )
     with serve(engine) as (base_url, async_engine):
         yield base_url, engine, async_engine
+
+
+@pytest.fixture(scope="module")
+def served_async(tiny_model_and_tokenizer):
+    """(base URL, LLMEngine, AsyncLLMEngine) of a live server."""
+    with serve_tiny(tiny_model_and_tokenizer, num_blocks=256) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
 def served_tight(tiny_model_and_tokenizer):
-    """(base URL, LLMEngine, AsyncLLMEngine) of a live server whose KV pool holds
-    only 24 blocks of 8 tokens: a few 54-token requests fill it."""
-    model, tokenizer = tiny_model_and_tokenizer
-    engine = LLMEngine(
-        model,
-        tokenizer,
-        num_blocks=24,
-        block_size=8,
-        max_num_seqs=64,
-        max_model_len=128,
-    )
-    with serve(engine) as (base_url, async_engine):
-        yield base_url, engine, async_engine
+    """A live server (as `served_async`) whose KV pool holds only 24 blocks of 8
+    tokens: a few 54-token requests fill it."""
+    with serve_tiny(tiny_model_and_tokenizer, num_blocks=24) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,18 @@ def test_it_verifies_signatures_made_by_the_upstream_tool(tmp_path, keys):
     assert info.value.extra == ["extra.txt"]
 
 
+def upstream_verify_certificate(folder: Path, chain: Path):
+    return upstream(
+        "verify",
+        "certificate",
+        str(folder),
+        "--signature",
+        str(folder / "model.sig"),
+        "--certificate_chain",
+        str(chain),
+    )
+
+
 def test_certificate_signatures_verify_both_ways(tmp_path):
     ca = CertificateAuthority(tmp_path, "releases", "ci@releasegate.example")
     ours = write_model(tmp_path / "ours", sharded=True)
@@ -101,15 +113,7 @@ def test_certificate_signatures_verify_both_ways(tmp_path):
     )
     assert made.returncode == 0, made.stderr
 
-    checked = upstream(
-        "verify",
-        "certificate",
-        str(ours),
-        "--signature",
-        str(ours / "model.sig"),
-        "--certificate_chain",
-        str(ca.chain),
-    )
+    checked = upstream_verify_certificate(ours, ca.chain)
     report = verify_model(theirs, theirs / "model.sig", ca.policy(release=None))
 
     assert checked.returncode == 0, checked.stderr
@@ -120,15 +124,7 @@ def test_certificate_signatures_verify_both_ways(tmp_path):
     )
     # Each side still refuses the other's chain of trust.
     rogue = CertificateAuthority(tmp_path, "rogue", "ci@releasegate.example")
-    refused = upstream(
-        "verify",
-        "certificate",
-        str(ours),
-        "--signature",
-        str(ours / "model.sig"),
-        "--certificate_chain",
-        str(rogue.chain),
-    )
+    refused = upstream_verify_certificate(ours, rogue.chain)
     assert refused.returncode != 0
     with pytest.raises(SignatureError):
         verify_model(theirs, theirs / "model.sig", rogue.policy(release=None))
