@@ -138,3 +138,123 @@ class JobResult(_Message):
     finished: datetime | None = None
     error: str = ""
     payload: dict = {}
+
+
+# --- Evidence the gates judge -------------------------------------------------------
+# The evaluate job returns a QualityReport, the load-test job a LoadTestReport (as the
+# JobResult payload). Gates in the control plane read exactly these fields; the
+# dashboard charts them. Fractions are in [0, 1]; times in milliseconds.
+
+QUALITY_SLICES = ("english", "code", "korean", "long_context")
+LOAD_PROFILES = ("chat", "rag", "code", "chat-ko", "rag-ko", "code-ko")
+
+
+class Interval(_Message):
+    """A 95% confidence interval."""
+
+    low: float
+    high: float
+
+
+class SliceQuality(_Message):
+    """Candidate vs reference on the same token positions of one eval slice
+    (`name` is one of QUALITY_SLICES, or "overall")."""
+
+    name: str
+    num_tokens: int = Field(ge=0)
+    mean_kld: float = Field(ge=0)
+    mean_kld_ci95: Interval | None = None
+    p99_kld: float = Field(ge=0)
+    max_kld: float = Field(ge=0)
+    same_top1: float = Field(ge=0, le=1)
+    same_top1_ci95: Interval | None = None
+    ppl_candidate: float = Field(gt=0)
+    ppl_reference: float = Field(gt=0)
+    ppl_ratio: float = Field(gt=0)
+    num_continuations: int = Field(ge=0, description="greedy continuations compared")
+    exact_match: float = Field(ge=0, le=1, description="continuations identical")
+    flips: int = Field(ge=0, description="continuations whose greedy answer changed")
+    retrieval_ok: bool | None = Field(
+        None, description="long_context only: the fact was retrieved"
+    )
+
+
+class QualityReport(_Message):
+    """Quality regression of a candidate against its reference (the uncompressed parent
+    with bf16 KV). `method` says how the KL divergence was measured: over the full
+    distributions in-process, or over the top-N logprobs of an HTTP endpoint plus the
+    remaining mass."""
+
+    candidate: str
+    reference: str
+    method: Literal["in_process", "http_top_n"]
+    top_n: int | None = None
+    seed: int
+    slices: list[SliceQuality]
+
+
+class Percentiles(_Message):
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+
+
+class LoadRun(_Message):
+    """One load level of one workload: closed loop at `concurrency`, or open loop at
+    `request_rate` (requests/s)."""
+
+    concurrency: int | None = None
+    request_rate: float | None = None
+    num_requests: int = Field(ge=0)
+    num_errors: int = Field(ge=0)
+    duration_s: float = Field(ge=0)
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    itl_ms: Percentiles
+    e2e_ms: Percentiles
+    request_throughput: float = Field(ge=0, description="completed requests/s")
+    output_tokens_per_s: float = Field(ge=0)
+    goodput: float = Field(ge=0, description="requests/s meeting the SLO")
+    meets_slo: bool
+    valid: bool = Field(description="False when the client fell behind its schedule")
+    preemptions: int = Field(0, ge=0)
+    peak_concurrent_sequences: int = Field(0, ge=0)
+
+
+class WorkloadReport(_Message):
+    """One named workload profile (one of LOAD_PROFILES or a user's own) swept over
+    load. The headline numbers are taken at the highest load that meets the SLO (None
+    where no load met it)."""
+
+    profile: str
+    prompt_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0)
+    context_tokens: int = Field(ge=0, description="prompt + output per request")
+    slo_ttft_p99_ms: float
+    slo_tpot_p99_ms: float
+    runs: list[LoadRun]
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    max_concurrency_at_slo: int | None = None
+    output_tokens_per_s_at_slo: float | None = None
+    max_sessions_at_context: int = Field(
+        ge=0, description="sessions of context_tokens the KV budget holds"
+    )
+    cost_per_1m_output_tokens: float | None = None
+    cost_per_request: float | None = None
+    requests_per_gpu_hour: float | None = None
+
+
+class LoadTestReport(_Message):
+    """Load test of one endpoint under the same load for every workload, with the
+    server-side memory numbers read from its /metrics."""
+
+    endpoint: str
+    gpu_hourly_usd: float = Field(ge=0)
+    gpu_count: int = Field(ge=1)
+    weights_bytes: int = Field(ge=0)
+    kv_budget_bytes: int = Field(ge=0)
+    kv_bytes_per_token: int = Field(ge=0)
+    kv_cache_dtype: str
+    workloads: list[WorkloadReport]

@@ -36,3 +36,39 @@ def test_it_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 
     assert out.stdout.strip() == "False", out.stderr
+
+
+def _slice(**overrides):
+    values = dict(
+        name="english",
+        num_tokens=10,
+        mean_kld=0.001,
+        p99_kld=0.01,
+        max_kld=0.02,
+        same_top1=0.99,
+        ppl_candidate=10.1,
+        ppl_reference=10.0,
+        ppl_ratio=1.01,
+        num_continuations=4,
+        exact_match=0.75,
+        flips=1,
+    )
+    return {**values, **overrides}
+
+
+def test_it_refuses_a_same_top1_rate_above_one():
+    from gpuagent.protocol import SliceQuality
+
+    assert SliceQuality(**_slice()).same_top1 == 0.99
+    with pytest.raises(ValidationError):
+        SliceQuality(**_slice(same_top1=1.5))
+
+
+def test_it_round_trips_a_quality_report_through_json():
+    from gpuagent.protocol import QualityReport
+
+    report = QualityReport(
+        candidate="c", reference="r", method="in_process", seed=0, slices=[_slice()]
+    )
+
+    assert QualityReport.model_validate_json(report.model_dump_json()) == report
