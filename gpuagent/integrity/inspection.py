@@ -119,13 +119,14 @@ class InspectionReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "folder": self.folder,
+            "folder": _fs.printable(self.folder),
             "ok": self.ok,
             "files": [f.to_dict() for f in self.files],
         }
 
     def to_text(self) -> str:
-        lines = [f"inspect {self.folder}: {'OK' if self.ok else 'REJECTED'}"]
+        folder = _fs.printable(self.folder)
+        lines = [f"inspect {folder}: {'OK' if self.ok else 'REJECTED'}"]
         for f in self.files:
             lines.append(f"  {f.verdict:8} {f.kind:11} {f.path}")
             lines.extend(f"           [{x.code}] {x.detail}" for x in f.findings)

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gpuagent.integrity._text import printable
 from gpuagent.integrity.errors import (
     BindingMismatchError,
     IgnoreListError,
@@ -95,10 +96,20 @@ class VerificationReport:
     certificate_validity: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The report, every name and signed string in it kept printable (a
+        signed release may spell a newline or U+202E)."""
+        out = dict(self.__dict__)
+        out["folder"] = printable(self.folder)
+        out["files"] = [printable(f) for f in self.files]
+        if self.release is not None:
+            out["release"] = {
+                printable(k): printable(v) for k, v in self.release.items()
+            }
+        return out
 
     def to_text(self) -> str:
-        release = self.release or {}
+        shown = self.to_dict()
+        release = shown["release"] or {}
         bound = (
             f"{release.get('model')} {release.get('version')} ({release.get('recipe')})"
             if release
@@ -107,8 +118,8 @@ class VerificationReport:
         if not self.binding_checked:
             bound += " [NOT CHECKED: no release required, replay not prevented]"
         lines = [
-            f"verify {self.folder}: OK",
-            f"  signer:          {self.signer}",
+            f"verify {shown['folder']}: OK",
+            f"  signer:          {printable(self.signer)}",
         ]
         validity = self.certificate_validity
         if validity:
