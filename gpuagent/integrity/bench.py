@@ -79,6 +79,20 @@ def generate_folder(folder: Path, total_bytes: int, shards: int) -> int:
     return written
 
 
+def wide_json(size_bytes: int) -> bytes:
+    """A JSON object of about `size_bytes` holding one list of empty lists
+    (`{"a": [[],[],...]}`): a third of a million elements per MB, gigabytes once
+    a parser builds them as objects."""
+    count = max((size_bytes - 10) // 3, 1)
+    return b'{"a": [' + b"[]," * (count - 1) + b"[]]}"
+
+
+def hostile_safetensors(size_bytes: int) -> bytes:
+    """A safetensors file whose header is `wide_json(size_bytes)`."""
+    header = wide_json(size_bytes)
+    return struct.pack("<Q", len(header)) + header
+
+
 def files_of(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 

@@ -708,7 +708,9 @@ def check_json_bytes(data: bytes, verdict: FileVerdict, policy: Policy) -> Any:
         verdict.reject("json-too-large", f"{len(data)} bytes")
         return None
     try:
-        value = strict_json_loads(data.decode("utf-8"), 64)
+        value = strict_json_loads(
+            data.decode("utf-8"), 64, max_elements=policy.max_json_elements
+        )
     except UnicodeDecodeError as e:
         verdict.reject("json-invalid", f"not UTF-8: {e}")
         return None

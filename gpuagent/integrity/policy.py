@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuagent.integrity.strict_json import DEFAULT_MAX_ELEMENTS
+
 # Files model-signing ignores by default; they never change model behaviour.
 GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
 
@@ -70,8 +72,11 @@ class Policy:
     `certificate_issuer` (the OIDC issuer) for Sigstore keyless signatures.
     """
 
+    # Safetensors headers and JSON files: bytes, nesting (headers; JSON files
+    # allow 64), and elements (see strict_json.DEFAULT_MAX_ELEMENTS).
     max_header_bytes: int = 100 * 1024 * 1024
     max_json_depth: int = 16
+    max_json_elements: int = DEFAULT_MAX_ELEMENTS
     max_tensor_rank: int = 8
     allowed_dtypes: frozenset[str] = frozenset(SAFETENSORS_DTYPE_SIZES)
     scan_nonfinite: bool = False
