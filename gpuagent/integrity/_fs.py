@@ -181,6 +181,26 @@ def open_file(root_fd: int, path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes [start, start + size) of an open file: a whole file, a member of an
+    archive inside one, or a decompressed stream spilled to a temporary file."""
+
+    fd: int
+    size: int
+    start: int = 0
+
+    def read_at(self, n: int, pos: int) -> bytes:
+        """Up to `n` bytes at `pos` (relative to the range), never past its end."""
+        n = min(n, self.size - pos)
+        return os.pread(self.fd, n, self.start + pos) if n > 0 else b""
+
+    def sub(self, pos: int, size: int) -> FileRange:
+        """The range [pos, pos + size) of this one, cut at its end."""
+        pos = min(max(pos, 0), self.size)
+        return FileRange(self.fd, min(size, self.size - pos), self.start + pos)
+
+
 def read_exact_at(fd: int, size: int, offset: int = 0) -> bytes:
     """Reads exactly `size` bytes at `offset` without moving the file position."""
     chunks = []
