@@ -273,10 +273,12 @@ class _StreamKind:
     offset: int  # where the stream starts (joblib's "ZF" files have a prefix)
     new_decoder: Callable[[], Any] | None  # None: zstd (see _ZstdReader)
     strong: bool  # a magic no text or data has by chance
-    # Whether readers go on to a next stream after one ends, and what they
-    # skip between streams.
+    # Whether readers go on to a next stream after one ends, and the runs of
+    # NUL bytes they pass between streams, in units of this many bytes (0:
+    # none). gzip skips NULs; 18 NULs are an empty LZMA-alone stream, so a run
+    # of zeros is passed in bulk rather than one decoder per 18 bytes.
     concatenated: bool = True
-    padding: bytes = b""
+    nul_unit: int = 0
 
     def open(self, source: FileRange, scan: _Scan) -> Any:
         """A reader of the decompressed bytes: `read(n)` and `ended`. Each
@@ -322,7 +324,7 @@ def _stream_kinds(head: bytes) -> list[_StreamKind]:
             0,
             lambda: _ZlibDecoder(31),
             True,
-            padding=b"\0",
+            nul_unit=1,
         )
         kinds.append(gzip)
     if _is_zlib_header(head):
@@ -351,7 +353,10 @@ def _stream_kinds(head: bytes) -> list[_StreamKind]:
     # dictionary (up to 4 GiB) is allocated lazily: memory follows the output.
     if len(head) > 13 and head[0] < 225 and head[13] == 0:
         alone = lambda: lzma.LZMADecompressor(lzma.FORMAT_ALONE)  # noqa: E731
-        kinds.append(_StreamKind("LZMA-alone stream", other, 0, alone, False))
+        lzma_alone = _StreamKind(
+            "LZMA-alone stream", other, 0, alone, False, nul_unit=18
+        )
+        kinds.append(lzma_alone)
     # lz4 and zstd frames may follow a skippable frame (magic 0x184D2A5?).
     skippable = len(head) >= 4 and head[1:4] == b"\x2a\x4d\x18" and head[0] >> 4 == 5
     if head.startswith(b"\x04\x22\x4d\x18") or skippable:
@@ -430,17 +435,21 @@ class _DecodedReader:
         if not self._kind.concatenated:
             return False
         rest = self._decoder.unused_data + self._feed
+        unit, zeros = self._kind.nul_unit, 0
         while True:
-            if self._kind.padding:
-                rest = rest.lstrip(self._kind.padding)
+            if unit:
+                stripped = rest.lstrip(b"\0")
+                zeros += len(rest) - len(stripped)
+                rest = stripped
             if rest:
                 break
             rest = self._source.read_at(_INPUT_BYTES, self._pos)
             self._pos += len(rest)
             if not rest:
                 return False
-        # Hundreds of thousands of empty LZMA-alone streams fit in a file of
-        # zeros, and a reader goes through each: they count as members.
+        if unit:
+            rest = b"\0" * (zeros % unit) + rest
+        # Other streams count as members: a reader decodes each in turn.
         self._count_stream()
         self._decoder = self._kind.new_decoder()
         self._feed = rest
