@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gpuagent.integrity import _fs
 from gpuagent.integrity._text import printable
 from gpuagent.integrity.errors import (
     BindingMismatchError,
@@ -180,7 +182,12 @@ def _relative_inside(folder: Path, path: Path) -> str | None:
         return None
 
 
-def _payload(manifest: Manifest, release: ReleaseBinding):
+def file_sizes(folder: Path, manifest: Manifest) -> dict[str, int]:
+    """Size of every file the manifest covers, as signed in the binding."""
+    return {path: (folder / path).stat().st_size for path in manifest.files()}
+
+
+def _payload(manifest: Manifest, release: ReleaseBinding, sizes: dict[str, int]):
     from in_toto_attestation.v1 import statement as intoto
     from model_signing._signing import signing as ms_signing
 
@@ -195,6 +202,9 @@ def _payload(manifest: Manifest, release: ReleaseBinding):
             "format": BINDING_FORMAT,
             **release.to_dict(),
             "manifest_digest": manifest.digest,
+            # Binding values are strings: the sizes as canonical JSON. Signed,
+            # they let verify name a changed size before hashing anything.
+            "file_sizes": json.dumps(sizes, sort_keys=True, separators=(",", ":")),
         },
     }
     base.statement = intoto.Statement(
@@ -329,7 +339,9 @@ def sign_model(
         folder, algorithm, shard_size=shard_size, ignore_paths=tuple(ignore)
     )
     try:
-        signature = signer.sign(_payload(manifest, release))
+        signature = signer.sign(
+            _payload(manifest, release, file_sizes(folder, manifest))
+        )
         signature.write(signature_path)
     except Exception as e:  # noqa: BLE001 - library failures become ours
         raise SigningError(f"signing failed: {type(e).__name__}: {e}") from e
@@ -634,6 +646,53 @@ def check_binding(statement: SignedStatement, release: ReleaseBinding) -> None:
         )
 
 
+def signed_sizes(statement: SignedStatement) -> dict[str, int]:
+    """File sizes the signature vouches for: the binding's `file_sizes`
+    (our signatures), else what shard ranges tell (a sharded manifest covers
+    every byte of every non-empty file). Paths not in it: size unknown."""
+    sizes: dict[str, int] = {}
+    if statement.manifest.spec.method == "shards":
+        for path, resources in statement.manifest.files().items():
+            sizes[path] = max(r.end or 0 for r in resources)
+    raw = (statement.binding or {}).get("file_sizes")
+    if raw is not None:
+        try:
+            bound = strict_json_loads(raw, 2)
+        except HeaderRejected as e:
+            raise SignatureError(f"signed file sizes are not strict JSON: {e}") from e
+        if not isinstance(bound, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for v in bound.values()
+        ):
+            raise SignatureError("signed file sizes are malformed")
+        sizes.update(bound)
+    return sizes
+
+
+def _check_listing(folder: Path, statement: SignedStatement) -> None:
+    """Names, and sizes where signed, against the manifest before any file is
+    read: a planted or swapped file (a sparse 128 GiB one) is named at once."""
+    manifest = statement.manifest
+    root_fd = _fs.open_root(folder)
+    try:
+        listed = dict(_fs.list_files(root_fd, list(manifest.ignore_paths)))
+    finally:
+        os.close(root_fd)
+    expected = manifest.files()
+    missing = sorted(set(expected) - set(listed))
+    # An empty file has no shard, so it is absent from a sharded manifest;
+    # count it as extra rather than let it in unsigned.
+    extra = sorted(set(listed) - set(expected))
+    sizes = signed_sizes(statement)
+    changed = sorted(
+        path
+        for path, size in listed.items()
+        if path in expected and path in sizes and sizes[path] != size
+    )
+    if missing or extra or changed:
+        raise ManifestMismatchError(missing, extra, changed)
+
+
 def verify_model(
     folder: str | Path,
     signature_path: str | Path,
@@ -657,6 +716,7 @@ def verify_model(
     statement = read_signed_statement(signature_path, policy)
     check_statement(statement, policy, _relative_inside(folder, Path(signature_path)))
     expected = statement.manifest
+    _check_listing(folder, statement)
     actual, listed = hash_folder_listing(
         folder, expected.spec, expected.ignore_paths, max_workers=max_workers
     )

@@ -628,3 +628,53 @@ def test_it_refuses_a_certificate_signature_whose_certificate_has_expired(tmp_pa
         leaf.not_valid_after_utc.isoformat()
     )
     assert "(expired now)" in report.to_text()
+
+
+# --- the listing before any hashing ---------------------------------------------
+
+
+@pytest.fixture
+def no_hashing(monkeypatch):
+    """Fails the test if verify reads any file to hash it."""
+    from gpuagent.integrity import manifest
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("verify hashed a file")
+
+    monkeypatch.setattr(manifest, "_hash_range", refuse)
+
+
+def test_it_names_a_sparse_128_gib_planted_file_without_reading_it(
+    signed, keys, no_hashing
+):
+    with open(signed / "planted.safetensors", "wb") as f:
+        f.truncate(128 << 30)
+
+    with pytest.raises(ManifestMismatchError) as caught:
+        verify_model(signed, signed / "model.sig", keys.policy())
+
+    assert caught.value.extra == ["planted.safetensors"]
+
+
+@pytest.mark.parametrize("shard_size", [None, 1 << 20], ids=["files", "shards"])
+def test_it_names_a_signed_file_grown_to_128_gib_without_reading_it(
+    tmp_path, keys, shard_size, monkeypatch
+):
+    folder = write_model(tmp_path / "model")
+    sign_model(
+        folder,
+        folder / "model.sig",
+        release=RELEASE,
+        private_key=keys.private,
+        shard_size=shard_size,
+    )
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.truncate(128 << 30)
+    from gpuagent.integrity import manifest
+
+    monkeypatch.setattr(manifest, "_hash_range", pytest.fail)
+
+    with pytest.raises(ManifestMismatchError) as caught:
+        verify_model(folder, folder / "model.sig", keys.policy())
+
+    assert caught.value.changed == ["model.safetensors"]
