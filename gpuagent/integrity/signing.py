@@ -31,6 +31,7 @@ from gpuagent.integrity import _fs
 from gpuagent.integrity._text import printable
 from gpuagent.integrity.errors import (
     BindingMismatchError,
+    HashingError,
     IgnoreListError,
     IntegrityError,
     ManifestMismatchError,
@@ -39,7 +40,12 @@ from gpuagent.integrity.errors import (
     SignerNotTrustedError,
     SigningError,
 )
-from gpuagent.integrity.manifest import Manifest, hash_folder_listing, hash_model
+from gpuagent.integrity.manifest import (
+    HashSpec,
+    Manifest,
+    hash_folder_listing,
+    hash_model,
+)
 from gpuagent.integrity.policy import DEFAULT_POLICY, Policy, ReleaseBinding
 from gpuagent.integrity.safetensors_header import HeaderRejected, strict_json_loads
 
@@ -182,6 +188,21 @@ def _relative_inside(folder: Path, path: Path) -> str | None:
         return None
 
 
+def _check_no_empty_files(folder: Path, manifest: Manifest) -> None:
+    root_fd = _fs.open_root(folder)
+    try:
+        listed = _fs.list_files(root_fd, list(manifest.ignore_paths))
+    finally:
+        os.close(root_fd)
+    empty = sorted(path for path, size in listed if size == 0)
+    if empty:
+        raise PolicyError(
+            "empty files have no shard, so a sharded signature cannot cover them "
+            f"and verify would refuse them as unsigned: {', '.join(empty)} (sign "
+            "without --shard-size, or remove them)"
+        )
+
+
 def file_sizes(folder: Path, manifest: Manifest) -> dict[str, int]:
     """Size of every file the manifest covers, as signed in the binding."""
     return {path: (folder / path).stat().st_size for path in manifest.files()}
@@ -312,6 +333,7 @@ def sign_model(
     algorithm: str = "sha256",
     shard_size: int | None = None,
     ignore_paths: tuple[str, ...] = (),
+    policy: Policy = DEFAULT_POLICY,
 ) -> SignResult:
     """Hashes `folder` and signs its manifest bound to `release`.
 
@@ -321,8 +343,20 @@ def sign_model(
     encrypted `private_key` (key mode only; certificate signing takes an
     unencrypted key). A signature written inside the folder is added to the
     ignore list explicitly.
+
+    What `verify_model` under `policy` would refuse is refused here first
+    (PolicyError): hash settings it does not allow (a shard size below its
+    minimum), and, with shards, an empty file (it has no shard, so verify
+    would call it unsigned).
     """
     folder, signature_path = Path(folder), Path(signature_path)
+    if shard_size is not None and algorithm == "sha256":
+        try:
+            check_hash_spec(HashSpec("shards", algorithm, shard_size), policy)
+        except HashingError as e:
+            raise PolicyError(str(e)) from e
+    elif algorithm not in policy.allowed_hash_types:
+        raise PolicyError(f"hash type {algorithm!r} not allowed by policy")
     signer = _signer(
         private_key,
         password,
@@ -338,6 +372,8 @@ def sign_model(
     manifest = hash_model(
         folder, algorithm, shard_size=shard_size, ignore_paths=tuple(ignore)
     )
+    if manifest.spec.method == "shards":
+        _check_no_empty_files(folder, manifest)
     try:
         signature = signer.sign(
             _payload(manifest, release, file_sizes(folder, manifest))
@@ -587,13 +623,7 @@ def check_statement(
         raise PolicyError(
             "signature was made with allow_symlinks; symlinks are refused"
         )
-    spec = statement.manifest.spec
-    if spec.hash_type not in policy.allowed_hash_types:
-        raise PolicyError(f"hash type {spec.hash_type!r} not allowed by policy")
-    if spec.method == "shards" and spec.shard_size < policy.min_shard_size:
-        raise PolicyError(
-            f"shard size {spec.shard_size} below policy minimum {policy.min_shard_size}"
-        )
+    check_hash_spec(statement.manifest.spec, policy)
     ignored = list(statement.manifest.ignore_paths)
     allowed = policy.ignorable_paths()
     if signature_inside is not None:  # the signature being checked may be left out
@@ -613,6 +643,16 @@ def check_statement(
         )
     if policy.release is not None:
         check_binding(statement, policy.release)
+
+
+def check_hash_spec(spec: HashSpec, policy: Policy) -> None:
+    """Hash settings against the policy: what verify refuses, sign refuses."""
+    if spec.hash_type not in policy.allowed_hash_types:
+        raise PolicyError(f"hash type {spec.hash_type!r} not allowed by policy")
+    if spec.method == "shards" and spec.shard_size < policy.min_shard_size:
+        raise PolicyError(
+            f"shard size {spec.shard_size} below policy minimum {policy.min_shard_size}"
+        )
 
 
 def check_binding(statement: SignedStatement, release: ReleaseBinding) -> None:
