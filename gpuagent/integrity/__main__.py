@@ -133,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--issuer", help="certificate issuer / OIDC issuer")
     p.add_argument("--manifest-digest", help="also require this manifest digest")
     p.add_argument(
+        "--digest-cache",
+        type=Path,
+        help="quick check: reuse the digests of files unchanged since they were "
+        "hashed (by device, inode, size, mtime, ctime), kept in this file (outside "
+        "the model folder). Without it every file is re-hashed, as gates do",
+    )
+    p.add_argument(
         "--allow-ignore",
         action="append",
         default=[],
@@ -233,7 +240,9 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    report = verify_model(args.folder, args.signature, policy)
+    report = verify_model(
+        args.folder, args.signature, policy, digest_cache=args.digest_cache
+    )
     if args.manifest_digest and args.manifest_digest != report.manifest_digest:
         from gpuagent.integrity.errors import ManifestDigestMismatchError
 

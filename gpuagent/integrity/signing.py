@@ -29,6 +29,7 @@ from typing import Any
 
 from gpuagent.integrity import _fs
 from gpuagent.integrity._text import printable
+from gpuagent.integrity.digest_cache import DigestCache
 from gpuagent.integrity.errors import (
     BindingMismatchError,
     HashingError,
@@ -102,6 +103,8 @@ class VerificationReport:
     files: list[str]
     binding_checked: bool = True
     certificate_validity: dict[str, Any] | None = None
+    # Files whose digests came from a digest cache (a quick check), not re-hashed.
+    reused_digests: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The report, every name and signed string in it kept printable (a
@@ -139,7 +142,12 @@ class VerificationReport:
         lines += [
             f"  release:         {bound}",
             f"  manifest digest: {self.manifest_digest}",
-            f"  files verified:  {len(self.files)}",
+            f"  files verified:  {len(self.files)}"
+            + (
+                f" ({self.reused_digests} by digest cache: a quick check)"
+                if self.reused_digests
+                else ""
+            ),
         ]
         return "\n".join(lines)
 
@@ -739,6 +747,7 @@ def verify_model(
     policy: Policy = DEFAULT_POLICY,
     *,
     max_workers: int | None = None,
+    digest_cache: str | Path | None = None,
 ) -> VerificationReport:
     """Verifies `folder` against the signature: signature, signer, binding,
     ignore list, and every file digest (our fd-based parallel hasher, with the
@@ -751,15 +760,27 @@ def verify_model(
     programmatic choice, for signatures made by other tools (a publisher's
     `model_signing` signature carries no binding); callers that gate a release
     must pass it. The CLI requires `--model/--version/--recipe` unless told
-    `--any-release`."""
+    `--any-release`.
+
+    Every file is re-hashed (the default, for gates). With `digest_cache` (a
+    file path), a quick check instead: files whose stat key (device, inode,
+    size, mtime, ctime) the cache holds are not read (see `digest_cache`); the
+    report says how many were reused."""
     folder = Path(folder)
     statement = read_signed_statement(signature_path, policy)
     check_statement(statement, policy, _relative_inside(folder, Path(signature_path)))
     expected = statement.manifest
     _check_listing(folder, statement)
+    cache = DigestCache.load(digest_cache) if digest_cache is not None else None
     actual, listed = hash_folder_listing(
-        folder, expected.spec, expected.ignore_paths, max_workers=max_workers
+        folder,
+        expected.spec,
+        expected.ignore_paths,
+        max_workers=max_workers,
+        cache=cache,
     )
+    if cache is not None:
+        cache.save()
     missing, extra, changed = expected.diff(actual)
     # An empty file has no shard, so it is absent from a sharded manifest;
     # count it as extra rather than let it in unsigned.
@@ -778,4 +799,5 @@ def verify_model(
         files=sorted(actual.files()),
         binding_checked=policy.release is not None,
         certificate_validity=statement.certificate_validity,
+        reused_digests=cache.reused if cache is not None else 0,
     )
