@@ -8,7 +8,13 @@ signs it, and in one run measures side by side:
 - plain reading of the files vs our verify with blake3 (target: <= 1.2x the
   read time), warm page cache and cold (pages dropped with posix_fadvise);
 - `read_verified_files` (verify-on-load) vs reading the files into memory;
-- the % that verify-on-load adds to an engine load of the demo model.
+- the % that verify-on-load adds to an engine load of the demo model;
+- a re-verify in full (every file re-hashed, what gates do) vs a quick one with
+  a digest cache (files unchanged by stat key not read);
+- hostile inputs, each in a child process (wall time and peak memory): a
+  `--hostile-mb` safetensors header of empty lists, gate vs the safetensors
+  library; a config.json of the same; a gzip bomb; verify of a folder with a
+  sparse 128 GiB file planted after signing.
 
 Each timing is the median of `--repeats` runs. Torch is imported only for the
 engine measurement.
@@ -25,6 +31,8 @@ import os
 import shutil
 import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +41,7 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from gpuagent.integrity.errors import IntegrityError
 from gpuagent.integrity.manifest import hash_model
 from gpuagent.integrity.policy import Policy, ReleaseBinding
 from gpuagent.integrity.signing import sign_model, verify_model
@@ -202,6 +211,83 @@ def engine_overhead(repeats: int) -> str:
     return "; ".join(parts)
 
 
+def measure_child(code: str) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of `python -c code` in a child process."""
+    start = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _, _, usage = os.wait4(child.pid, 0)
+    return time.perf_counter() - start, usage.ru_maxrss * 1024
+
+
+_INSPECT = (
+    "from gpuagent.integrity import inspect_model, IntegrityError\n"
+    "try:\n    inspect_model({folder!r})\nexcept IntegrityError:\n    pass\n"
+)
+_SAFETENSORS = (
+    "from safetensors import safe_open\n"
+    "try:\n    safe_open({path!r}, 'np')\nexcept Exception:\n    pass\n"
+)
+
+
+def hostile_rows(root: Path, size_mb: float, signed: tuple[Path, Path, Policy]):
+    """(name, seconds, peak bytes) of the gate on hostile inputs, each in a
+    child process; the safetensors library on the same header beside it."""
+    import gzip
+
+    size = int(size_mb * 1e6)
+    rows = []
+    header = root / "hostile-header"
+    header.mkdir()
+    (header / "model.safetensors").write_bytes(hostile_safetensors(size))
+    rows.append(
+        (
+            f"safetensors library, {size_mb:g} MB header",
+            *measure_child(_SAFETENSORS.format(path=str(header / "model.safetensors"))),
+        )
+    )
+    rows.append(
+        (
+            f"gate, {size_mb:g} MB header",
+            *measure_child(_INSPECT.format(folder=str(header))),
+        )
+    )
+    config = root / "hostile-config"
+    config.mkdir()
+    (config / "config.json").write_bytes(wide_json(size))
+    rows.append(
+        (
+            f"gate, {size_mb:g} MB config.json",
+            *measure_child(_INSPECT.format(folder=str(config))),
+        )
+    )
+    bomb = root / "hostile-bomb"
+    bomb.mkdir()
+    zeros = 10 * size  # 990 MB at 99: past the default 256 MiB budget
+    (bomb / "weights.blob").write_bytes(gzip.compress(b"\0" * zeros, 1))
+    rows.append(
+        (
+            f"gate, gzip bomb ({zeros / 1e6:g} MB of zeros)",
+            *measure_child(_INSPECT.format(folder=str(bomb))),
+        )
+    )
+    folder, signature, policy = signed
+    planted = folder / "planted.safetensors"
+    with open(planted, "wb") as f:
+        f.truncate(128 << 30)
+    start = time.perf_counter()
+    try:
+        verify_model(folder, signature, policy)
+    except IntegrityError:
+        pass
+    rows.append(("verify, sparse 128 GiB planted", time.perf_counter() - start, 0))
+    planted.unlink()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and prints the table."""
     parser = argparse.ArgumentParser(prog="python -m gpuagent.integrity.bench")
@@ -211,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", help="where to create the temp folder")
     parser.add_argument("--no-cold", action="store_true", help="skip cold-cache rows")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine row")
+    parser.add_argument(
+        "--hostile-mb", type=float, default=99.0, help="size of the hostile headers"
+    )
     args = parser.parse_args(argv)
 
     from cryptography.hazmat.primitives import serialization
@@ -282,6 +371,20 @@ def main(argv: list[str] | None = None) -> int:
                     timed(lambda: verify_model(folder, sig_b3, policy), r, drop),
                 )
             )
+        # Re-verify: full (gates) vs quick with a digest cache. The cache keeps
+        # no file changed in the last 2 s (racy timestamps): wait that out.
+        cache = root / "digests.json"
+        time.sleep(
+            max(0.0, 2.1 - (time.time() - (folder / "config.json").stat().st_ctime))
+        )
+        verify_model(folder, sig_sha, policy, digest_cache=cache)  # fills it
+        t_full = timed(lambda: verify_model(folder, sig_sha, policy), r)
+        t_quick = timed(
+            lambda: verify_model(folder, sig_sha, policy, digest_cache=cache), r
+        )
+        rows.append(("re-verify full sha256 (gates)", t_full))
+        rows.append(("re-verify quick (digest cache)", t_quick))
+        hostile = hostile_rows(root, args.hostile_mb, (folder, sig_sha, policy))
         del signed
 
         gb = size / 1e9
@@ -305,6 +408,14 @@ def main(argv: list[str] | None = None) -> int:
             ratio = cold[1][1] / cold[0][1]
             print(line("blake3 verify / plain read, cold:", ratio, " (target <= 1.2)"))
         print(line("read_verified_files / read to mem:", t_load / t_bytes, ""))
+        print(line("re-verify full / quick:", t_full / t_quick, ""))
+        print()
+        print(f"{'hostile input (child process)':38} {'time s':>8} {'peak MB':>8}")
+        for name, t, peak in hostile:
+            shown = f"{peak / 1e6:8.0f}" if peak else f"{'-':>8}"
+            print(f"{name:38} {t:8.2f} {shown}")
+        library, gate = hostile[0][1], hostile[1][1]
+        print(line("gate / safetensors library, header:", gate / library, ""))
         engine = (
             "skipped (--no-engine)" if args.no_engine else engine_overhead(max(r, 11))
         )
