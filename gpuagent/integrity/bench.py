@@ -211,16 +211,29 @@ def engine_overhead(repeats: int) -> str:
     return "; ".join(parts)
 
 
-def measure_child(code: str) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of `python -c code` in a child process."""
-    start = time.perf_counter()
-    child = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+def measure_child(code: str) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes, stdout) of `python -c code` in a child.
+
+    The peak is the child's VmHWM, read by the child itself at exit: its
+    rusage ru_maxrss would count the parent's memory at the fork (Linux keeps
+    the high-water mark across exec)."""
+    wrapped = (
+        "try:\n" + "".join(f"    {line}\n" for line in code.splitlines()) + "finally:\n"
+        "    import sys\n"
+        "    status = open('/proc/self/status').read().split('VmHWM:')[1]\n"
+        "    print('VmHWM', status.split()[0], file=sys.stderr)\n"
     )
-    _, _, usage = os.wait4(child.pid, 0)
-    return time.perf_counter() - start, usage.ru_maxrss * 1024
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", wrapped], capture_output=True, text=True, timeout=600
+    )
+    elapsed = time.perf_counter() - start
+    peak_kb = [
+        line.split()[1]
+        for line in done.stderr.splitlines()
+        if line.startswith("VmHWM ")
+    ]
+    return elapsed, int(peak_kb[-1]) * 1024, done.stdout
 
 
 _INSPECT = (
@@ -242,17 +255,18 @@ def hostile_rows(root: Path, size_mb: float, signed: tuple[Path, Path, Policy]):
     rows = []
     header = root / "hostile-header"
     header.mkdir()
-    (header / "model.safetensors").write_bytes(hostile_safetensors(size))
+    weights = header / "model.safetensors"
+    weights.write_bytes(hostile_safetensors(size))
     rows.append(
         (
             f"safetensors library, {size_mb:g} MB header",
-            *measure_child(_SAFETENSORS.format(path=str(header / "model.safetensors"))),
+            *measure_child(_SAFETENSORS.format(path=str(weights)))[:2],
         )
     )
     rows.append(
         (
             f"gate, {size_mb:g} MB header",
-            *measure_child(_INSPECT.format(folder=str(header))),
+            *measure_child(_INSPECT.format(folder=str(header)))[:2],
         )
     )
     config = root / "hostile-config"
@@ -261,7 +275,7 @@ def hostile_rows(root: Path, size_mb: float, signed: tuple[Path, Path, Policy]):
     rows.append(
         (
             f"gate, {size_mb:g} MB config.json",
-            *measure_child(_INSPECT.format(folder=str(config))),
+            *measure_child(_INSPECT.format(folder=str(config)))[:2],
         )
     )
     bomb = root / "hostile-bomb"
@@ -271,7 +285,7 @@ def hostile_rows(root: Path, size_mb: float, signed: tuple[Path, Path, Policy]):
     rows.append(
         (
             f"gate, gzip bomb ({zeros / 1e6:g} MB of zeros)",
-            *measure_child(_INSPECT.format(folder=str(bomb))),
+            *measure_child(_INSPECT.format(folder=str(bomb)))[:2],
         )
     )
     folder, signature, policy = signed

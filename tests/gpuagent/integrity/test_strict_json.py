@@ -2,14 +2,10 @@
 (the cost measured in a child process, as the CLI runs)."""
 
 import json
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-from gpuagent.integrity.bench import hostile_safetensors, wide_json
+from gpuagent.integrity.bench import hostile_safetensors, measure_child, wide_json
 from gpuagent.integrity.strict_json import Rejected, strict_json_loads
 from tests.gpuagent.integrity.builders import write_model
 
@@ -68,18 +64,11 @@ def test_it_refuses_a_lone_surrogate_escape_but_takes_a_pair():
 
 
 def run_cli_measured(*args: str) -> tuple[float, int, str]:
-    """Runs the integrity CLI in a child; (wall seconds, peak RSS bytes, stdout)."""
-    start = time.perf_counter()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "gpuagent.integrity", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+    """Runs the integrity CLI in a child; (wall seconds, peak RSS bytes of the
+    child alone, stdout)."""
+    return measure_child(
+        f"from gpuagent.integrity.__main__ import main\nmain({list(args)!r})"
     )
-    stdout = child.stdout.read().decode()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    elapsed = time.perf_counter() - start
-    return elapsed, usage.ru_maxrss * 1024, stdout  # Linux reports kilobytes
 
 
 @pytest.mark.parametrize(
