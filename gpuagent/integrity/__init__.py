@@ -2,7 +2,9 @@
 
 Torch-free (the control plane imports it). Public API:
 
-- `inspect_model(folder, policy)`: structural checks, report per file.
+- `inspect_model(folder, policy)`: what the folder may hold (an allow-list the
+  policy extends with `AllowedFile` patterns) and structural and content checks,
+  report per file.
 - `hash_model(folder, algorithm)`: manifest of digests, manifest digest.
 - `sign_model(...)` / `verify_model(folder, signature, policy)`: model-signing
   signatures bound to a release.
@@ -33,7 +35,12 @@ from gpuagent.integrity.inspection import (
     inspect_model,
 )
 from gpuagent.integrity.manifest import HashSpec, Manifest, Resource, hash_model
-from gpuagent.integrity.policy import DEFAULT_POLICY, Policy, ReleaseBinding
+from gpuagent.integrity.policy import (
+    DEFAULT_POLICY,
+    AllowedFile,
+    Policy,
+    ReleaseBinding,
+)
 from gpuagent.integrity.signing import (
     SignResult,
     VerificationReport,
@@ -45,6 +52,7 @@ from gpuagent.integrity.verified_load import read_inspected_files, read_verified
 
 __all__ = [
     "DEFAULT_POLICY",
+    "AllowedFile",
     "BindingMismatchError",
     "FileVerdict",
     "Finding",

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpuagent.integrity._text import printable_lines
 from gpuagent.integrity.errors import IntegrityError, ModelRejectedError, PolicyError
 from gpuagent.integrity.inspection import inspect_model
 from gpuagent.integrity.manifest import hash_model
@@ -43,8 +44,16 @@ class UsageError(Exception):
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad usage raised as UsageError (so `--json` still gets a
+    JSON result) instead of printed and exited."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gpuagent.integrity")
+    parser = _Parser(prog="python -m gpuagent.integrity")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -123,6 +132,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--identity", help="certificate / sigstore identity")
     p.add_argument("--issuer", help="certificate issuer / OIDC issuer")
     p.add_argument("--manifest-digest", help="also require this manifest digest")
+    p.add_argument(
+        "--digest-cache",
+        type=Path,
+        help="quick check: reuse the digests of files unchanged since they were "
+        "hashed (by device, inode, size, mtime, ctime), kept in this file (outside "
+        "the model folder). Without it every file is re-hashed, as gates do",
+    )
     p.add_argument(
         "--allow-ignore",
         action="append",
@@ -224,7 +240,9 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    report = verify_model(args.folder, args.signature, policy)
+    report = verify_model(
+        args.folder, args.signature, policy, digest_cache=args.digest_cache
+    )
     if args.manifest_digest and args.manifest_digest != report.manifest_digest:
         from gpuagent.integrity.errors import ManifestDigestMismatchError
 
@@ -239,16 +257,20 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code."""
-    args = _parser().parse_args(argv)
+    """CLI entry point; returns the exit code. Every outcome, a crash included,
+    ends in a report: one JSON object on stdout with `--json`."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as e:
+        return _usage(argparse.Namespace(json="--json" in argv), e)
     try:
         # model-signing prints warnings to stdout; keep stdout for our report
         # (a --json report must parse).
         with contextlib.redirect_stdout(sys.stderr):
             data, text = _run(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(args, e)
     except ModelRejectedError as e:
         if args.json:
             print(json.dumps({"ok": False, **e.to_dict()}, indent=2))
@@ -261,11 +283,33 @@ def main(argv: list[str] | None = None) -> int:
     except IntegrityError as e:
         _print_error(args, e)
         return EXIT_REJECTED
+    except MemoryError:
+        # Fail closed with a report, never a traceback: the gate's parsers are
+        # bounded, so this is a bug or a machine short of memory.
+        _print_error(args, InternalError("out of memory while checking the folder"))
+        return EXIT_REJECTED
+    except Exception as e:  # noqa: BLE001 - a crash is a rejection, with a report
+        _print_error(args, InternalError(f"internal error: {type(e).__name__}: {e}"))
+        return EXIT_REJECTED
     if args.json:
         print(json.dumps({"ok": True, **data}, indent=2))
     else:
         print(text)
     return EXIT_OK
+
+
+class InternalError(IntegrityError):
+    """The gate itself failed: the folder is refused (fail closed)."""
+
+    code = "internal-error"
+
+
+def _usage(args: argparse.Namespace, error: UsageError) -> int:
+    if args.json:
+        message = printable_lines(str(error))
+        print(json.dumps({"ok": False, "error": "usage", "message": message}))
+    print(f"error: {printable_lines(str(error))}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _print_error(args: argparse.Namespace, error: IntegrityError) -> None:

@@ -13,6 +13,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from gpuagent.integrity._text import printable, unsafe_char
 from gpuagent.integrity.errors import HashingError, UnsafePathError
 
 # O_NONBLOCK: opening a FIFO swapped in for a file must not hang the agent.
@@ -46,24 +47,19 @@ def bad_name_reason(path: str) -> str | None:
     """Why `path` is not an acceptable file name, or None.
 
     A name that is not UTF-8 (decoded with surrogate escapes) cannot be put in
-    a JSON report, a protocol message or the database; a control character
-    (newline, escape) can forge lines of a text report.
+    a JSON report, a protocol message or the database; a control, separator or
+    bidirectional character (newline, U+2028, U+202E) can forge or reorder lines
+    of a report.
     """
     try:
         path.encode("utf-8")
     except UnicodeEncodeError:
         return "file name is not valid UTF-8"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        return "file name contains a control character"
+    bad = sorted({c for c in path if unsafe_char(c)})
+    if bad:
+        shown = ", ".join(f"U+{ord(c):04X}" for c in bad[:8])
+        return f"file name contains a control or bidirectional character ({shown})"
     return None
-
-
-def printable(text: str) -> str:
-    """`text` (a path, or a message naming one) safe to print and serialize:
-    escaped as by `ascii()` when `bad_name_reason` would refuse it."""
-    if bad_name_reason(text) is None:
-        return text
-    return ascii(text)[1:-1]
 
 
 def is_ignored(path: str, ignore: list[str]) -> bool:
@@ -183,6 +179,26 @@ def open_file(root_fd: int, path: str) -> tuple[int, int]:
         raise UnsafePathError(f"{path} is not a regular file")
     os.set_blocking(fd, True)
     return fd, st.st_size
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes [start, start + size) of an open file: a whole file, a member of an
+    archive inside one, or a decompressed stream spilled to a temporary file."""
+
+    fd: int
+    size: int
+    start: int = 0
+
+    def read_at(self, n: int, pos: int) -> bytes:
+        """Up to `n` bytes at `pos` (relative to the range), never past its end."""
+        n = min(n, self.size - pos)
+        return os.pread(self.fd, n, self.start + pos) if n > 0 else b""
+
+    def sub(self, pos: int, size: int) -> FileRange:
+        """The range [pos, pos + size) of this one, cut at its end."""
+        pos = min(max(pos, 0), self.size)
+        return FileRange(self.fd, min(size, self.size - pos), self.start + pos)
 
 
 def read_exact_at(fd: int, size: int, offset: int = 0) -> bytes:

@@ -8,7 +8,13 @@ signs it, and in one run measures side by side:
 - plain reading of the files vs our verify with blake3 (target: <= 1.2x the
   read time), warm page cache and cold (pages dropped with posix_fadvise);
 - `read_verified_files` (verify-on-load) vs reading the files into memory;
-- the % that verify-on-load adds to an engine load of the demo model.
+- the % that verify-on-load adds to an engine load of the demo model;
+- a re-verify in full (every file re-hashed, what gates do) vs a quick one with
+  a digest cache (files unchanged by stat key not read);
+- hostile inputs, each in a child process (wall time and peak memory): a
+  `--hostile-mb` safetensors header of empty lists, gate vs the safetensors
+  library; a config.json of the same; a gzip bomb; verify of a folder with a
+  sparse 128 GiB file planted after signing.
 
 Each timing is the median of `--repeats` runs. Torch is imported only for the
 engine measurement.
@@ -25,6 +31,8 @@ import os
 import shutil
 import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +41,7 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from gpuagent.integrity.errors import IntegrityError
 from gpuagent.integrity.manifest import hash_model
 from gpuagent.integrity.policy import Policy, ReleaseBinding
 from gpuagent.integrity.signing import sign_model, verify_model
@@ -77,6 +86,20 @@ def generate_folder(folder: Path, total_bytes: int, shards: int) -> int:
     )
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return written
+
+
+def wide_json(size_bytes: int) -> bytes:
+    """A JSON object of about `size_bytes` holding one list of empty lists
+    (`{"a": [[],[],...]}`): a third of a million elements per MB, gigabytes once
+    a parser builds them as objects."""
+    count = max((size_bytes - 10) // 3, 1)
+    return b'{"a": [' + b"[]," * (count - 1) + b"[]]}"
+
+
+def hostile_safetensors(size_bytes: int) -> bytes:
+    """A safetensors file whose header is `wide_json(size_bytes)`."""
+    header = wide_json(size_bytes)
+    return struct.pack("<Q", len(header)) + header
 
 
 def files_of(folder: Path) -> list[Path]:
@@ -188,6 +211,97 @@ def engine_overhead(repeats: int) -> str:
     return "; ".join(parts)
 
 
+def measure_child(code: str) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes, stdout) of `python -c code` in a child.
+
+    The peak is the child's VmHWM, read by the child itself at exit: its
+    rusage ru_maxrss would count the parent's memory at the fork (Linux keeps
+    the high-water mark across exec)."""
+    wrapped = (
+        "try:\n" + "".join(f"    {line}\n" for line in code.splitlines()) + "finally:\n"
+        "    import sys\n"
+        "    status = open('/proc/self/status').read().split('VmHWM:')[1]\n"
+        "    print('VmHWM', status.split()[0], file=sys.stderr)\n"
+    )
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", wrapped], capture_output=True, text=True, timeout=600
+    )
+    elapsed = time.perf_counter() - start
+    peak_kb = [
+        line.split()[1]
+        for line in done.stderr.splitlines()
+        if line.startswith("VmHWM ")
+    ]
+    return elapsed, int(peak_kb[-1]) * 1024, done.stdout
+
+
+_INSPECT = (
+    "from gpuagent.integrity import inspect_model, IntegrityError\n"
+    "try:\n    inspect_model({folder!r})\nexcept IntegrityError:\n    pass\n"
+)
+_SAFETENSORS = (
+    "from safetensors import safe_open\n"
+    "try:\n    safe_open({path!r}, 'np')\nexcept Exception:\n    pass\n"
+)
+
+
+def hostile_rows(root: Path, size_mb: float, signed: tuple[Path, Path, Policy]):
+    """(name, seconds, peak bytes) of the gate on hostile inputs, each in a
+    child process; the safetensors library on the same header beside it."""
+    import gzip
+
+    size = int(size_mb * 1e6)
+    rows = []
+    header = root / "hostile-header"
+    header.mkdir()
+    weights = header / "model.safetensors"
+    weights.write_bytes(hostile_safetensors(size))
+    rows.append(
+        (
+            f"safetensors library, {size_mb:g} MB header",
+            *measure_child(_SAFETENSORS.format(path=str(weights)))[:2],
+        )
+    )
+    rows.append(
+        (
+            f"gate, {size_mb:g} MB header",
+            *measure_child(_INSPECT.format(folder=str(header)))[:2],
+        )
+    )
+    config = root / "hostile-config"
+    config.mkdir()
+    (config / "config.json").write_bytes(wide_json(size))
+    rows.append(
+        (
+            f"gate, {size_mb:g} MB config.json",
+            *measure_child(_INSPECT.format(folder=str(config)))[:2],
+        )
+    )
+    bomb = root / "hostile-bomb"
+    bomb.mkdir()
+    zeros = 10 * size  # 990 MB at 99: past the default 256 MiB budget
+    (bomb / "weights.blob").write_bytes(gzip.compress(b"\0" * zeros, 1))
+    rows.append(
+        (
+            f"gate, gzip bomb ({zeros / 1e6:g} MB of zeros)",
+            *measure_child(_INSPECT.format(folder=str(bomb)))[:2],
+        )
+    )
+    folder, signature, policy = signed
+    planted = folder / "planted.safetensors"
+    with open(planted, "wb") as f:
+        f.truncate(128 << 30)
+    start = time.perf_counter()
+    try:
+        verify_model(folder, signature, policy)
+    except IntegrityError:
+        pass
+    rows.append(("verify, sparse 128 GiB planted", time.perf_counter() - start, 0))
+    planted.unlink()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and prints the table."""
     parser = argparse.ArgumentParser(prog="python -m gpuagent.integrity.bench")
@@ -197,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", help="where to create the temp folder")
     parser.add_argument("--no-cold", action="store_true", help="skip cold-cache rows")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine row")
+    parser.add_argument(
+        "--hostile-mb", type=float, default=99.0, help="size of the hostile headers"
+    )
     args = parser.parse_args(argv)
 
     from cryptography.hazmat.primitives import serialization
@@ -268,6 +385,20 @@ def main(argv: list[str] | None = None) -> int:
                     timed(lambda: verify_model(folder, sig_b3, policy), r, drop),
                 )
             )
+        # Re-verify: full (gates) vs quick with a digest cache. The cache keeps
+        # no file changed in the last 2 s (racy timestamps): wait that out.
+        cache = root / "digests.json"
+        time.sleep(
+            max(0.0, 2.1 - (time.time() - (folder / "config.json").stat().st_ctime))
+        )
+        verify_model(folder, sig_sha, policy, digest_cache=cache)  # fills it
+        t_full = timed(lambda: verify_model(folder, sig_sha, policy), r)
+        t_quick = timed(
+            lambda: verify_model(folder, sig_sha, policy, digest_cache=cache), r
+        )
+        rows.append(("re-verify full sha256 (gates)", t_full))
+        rows.append(("re-verify quick (digest cache)", t_quick))
+        hostile = hostile_rows(root, args.hostile_mb, (folder, sig_sha, policy))
         del signed
 
         gb = size / 1e9
@@ -291,6 +422,14 @@ def main(argv: list[str] | None = None) -> int:
             ratio = cold[1][1] / cold[0][1]
             print(line("blake3 verify / plain read, cold:", ratio, " (target <= 1.2)"))
         print(line("read_verified_files / read to mem:", t_load / t_bytes, ""))
+        print(line("re-verify full / quick:", t_full / t_quick, ""))
+        print()
+        print(f"{'hostile input (child process)':38} {'time s':>8} {'peak MB':>8}")
+        for name, t, peak in hostile:
+            shown = f"{peak / 1e6:8.0f}" if peak else f"{'-':>8}"
+            print(f"{name:38} {t:8.2f} {shown}")
+        library, gate = hostile[0][1], hostile[1][1]
+        print(line("gate / safetensors library, header:", gate / library, ""))
         engine = (
             "skipped (--no-engine)" if args.no_engine else engine_overhead(max(r, 11))
         )

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuagent.integrity._text import printable, printable_lines
+
 
 class IntegrityError(Exception):
-    """Base class: the folder, manifest or signature is not what was approved."""
+    """Base class: the folder, manifest or signature is not what was approved.
+
+    Messages quote names from model folders and signatures: `str(error)` and
+    `to_dict()` escape every control and bidirectional character in them (our
+    own line breaks kept), so no report line can be forged."""
 
     code = "integrity-error"
+
+    def __str__(self) -> str:
+        return printable_lines(super().__str__())
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": self.code, "message": str(self)}
@@ -61,7 +70,7 @@ class IgnoreListError(PolicyError):
     code = "ignore-list-rejected"
 
     def __init__(self, message: str, paths: list[str]):
-        self.paths = paths
+        self.paths = [printable(p) for p in paths]
         super().__init__(message)
 
 
@@ -103,7 +112,11 @@ class ManifestMismatchError(IntegrityError):
     code = "manifest-mismatch"
 
     def __init__(self, missing: list[str], extra: list[str], changed: list[str]):
-        self.missing, self.extra, self.changed = missing, extra, changed
+        # Signed names can hold anything: kept printable (see IntegrityError).
+        self.missing = [printable(p) for p in missing]
+        self.extra = [printable(p) for p in extra]
+        self.changed = [printable(p) for p in changed]
+        missing, extra, changed = self.missing, self.extra, self.changed
         parts = []
         if missing:
             parts.append(f"missing files: {', '.join(missing)}")

@@ -9,11 +9,8 @@ as the unpickler would), not only by extension; remote code by `*.py` files and
 
 from __future__ import annotations
 
-import codecs
 import os
 import posixpath
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +18,15 @@ from typing import Any
 import numpy as np
 
 from gpuagent.integrity import _fs
+from gpuagent.integrity.allowlist import (
+    file_kind,
+    not_allowed_detail,
+    text_problem,
+    tokenizer_model_problem,
+)
+from gpuagent.integrity.content import scan_content
 from gpuagent.integrity.errors import HashingError, ModelRejectedError
-from gpuagent.integrity.policy import DEFAULT_POLICY, Policy
+from gpuagent.integrity.policy import DEFAULT_POLICY, AllowedFile, Policy
 from gpuagent.integrity.safetensors_header import (
     HeaderRejected,
     SafetensorsHeader,
@@ -40,26 +44,9 @@ PICKLE_EXTENSIONS = (
     ".joblib",
     ".npz",
 )
-INDEX_SUFFIX = ".safetensors.index.json"
 # Code a loader with remote code enabled (or an extension import) would run.
 PYTHON_EXTENSIONS = (".py", ".pyw", ".pyc", ".pyo")
 NATIVE_EXTENSIONS = (".so", ".pyd", ".dll", ".dylib")
-# (magic, offset, code, what): content that can carry a pickle or hide one.
-MAGIC = [
-    (b"PK\x03\x04", 0, "pickle-zip", "ZIP archive (torch .bin/.pt format)"),
-    (b"PK\x05\x06", 0, "pickle-zip", "empty ZIP archive"),
-    (b"7z\xbc\xaf\x27\x1c", 0, "archive-7z", "7z archive"),
-    (b"\x1f\x8b", 0, "archive-gzip", "gzip stream"),
-    (b"BZh", 0, "archive-other", "bzip2 stream"),
-    (b"\xfd7zXZ\x00", 0, "archive-other", "xz stream"),
-    (b"\x28\xb5\x2f\xfd", 0, "archive-other", "zstd stream"),
-    (b"ustar", 257, "archive-other", "tar archive"),
-] + [
-    (b"\x89HDF\r\n\x1a\n", off, "hdf5", "HDF5 file (Keras .h5)")
-    for off in (0, 512, 1024, 2048)
-]
-NPY_MAGIC = b"\x93NUMPY"
-_HEAD_BYTES = 2048 + 8
 # Bit masks of an all-ones exponent (Inf/NaN) for each float dtype, on its
 # unsigned view; F8_E4M3 (fn) has no Inf and NaN is 0x7f/0xff.
 _NONFINITE = {
@@ -84,7 +71,10 @@ class Finding:
 @dataclass
 class FileVerdict:
     path: str
-    kind: str  # safetensors | index | json | file | dir | symlink | special | too-deep
+    # A file's kind from allowlist.file_kind (safetensors, index, json, text,
+    # tokenizer-model, signature, git, allowed; "file": not allowed), or dir,
+    # symlink, special, too-deep.
+    kind: str
     findings: list[Finding] = field(default_factory=list)
     parsed: Any = field(default=None, repr=False, compare=False)  # JSON content
 
@@ -119,13 +109,14 @@ class InspectionReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "folder": self.folder,
+            "folder": _fs.printable(self.folder),
             "ok": self.ok,
             "files": [f.to_dict() for f in self.files],
         }
 
     def to_text(self) -> str:
-        lines = [f"inspect {self.folder}: {'OK' if self.ok else 'REJECTED'}"]
+        folder = _fs.printable(self.folder)
+        lines = [f"inspect {folder}: {'OK' if self.ok else 'REJECTED'}"]
         for f in self.files:
             lines.append(f"  {f.verdict:8} {f.kind:11} {f.path}")
             lines.extend(f"           [{x.code}] {x.detail}" for x in f.findings)
@@ -156,7 +147,12 @@ def _inspect(folder: Path, policy: Policy) -> InspectionReport:
         verdicts: list[FileVerdict] = []
         headers: dict[str, SafetensorsHeader] = {}
         for entry in entries:
-            verdict = FileVerdict(_fs.printable(entry.path), _kind(entry))
+            kind, rule = (
+                file_kind(entry.path, policy)
+                if entry.kind == "file"
+                else (entry.kind, None)
+            )
+            verdict = FileVerdict(_fs.printable(entry.path), kind)
             verdicts.append(verdict)
             bad_name = _fs.bad_name_reason(entry.path)
             if bad_name is not None:
@@ -174,7 +170,7 @@ def _inspect(folder: Path, policy: Policy) -> InspectionReport:
                     "not a regular file or folder (FIFO, socket, device)",
                 )
             elif entry.kind == "file":
-                header = _check_file(root_fd, entry, verdict, policy)
+                header = _check_file(root_fd, entry, verdict, policy, rule)
                 if header is not None:
                     headers[entry.path] = header
         indexes = [v for v in verdicts if v.kind == "index"]
@@ -184,19 +180,9 @@ def _inspect(folder: Path, policy: Policy) -> InspectionReport:
     return InspectionReport(str(folder), verdicts)
 
 
-def _kind(entry: _fs.Entry) -> str:
-    return path_kind(entry.path) if entry.kind == "file" else entry.kind
-
-
-def path_kind(path: str) -> str:
-    """How a regular file is checked, by its name: safetensors, index, json, file."""
-    if path.endswith(".safetensors"):
-        return "safetensors"
-    if path.endswith(INDEX_SUFFIX):
-        return "index"
-    if path.endswith(".json"):
-        return "json"
-    return "file"
+def path_kind(path: str, policy: Policy = DEFAULT_POLICY) -> str:
+    """How a regular file is checked, by its name (see `allowlist.file_kind`)."""
+    return file_kind(path, policy)[0]
 
 
 def _check_symlink(
@@ -238,8 +224,20 @@ def check_file_name(path: str, verdict: FileVerdict) -> None:
         verdict.reject("pickle-extension", f"{name}: pickle-capable file type")
 
 
-def _check_file(root_fd: int, entry: _fs.Entry, verdict: FileVerdict, policy: Policy):
+def _check_file(
+    root_fd: int,
+    entry: _fs.Entry,
+    verdict: FileVerdict,
+    policy: Policy,
+    rule: AllowedFile | None,
+):
+    if verdict.kind == "git":
+        # Git's own files: never loaded, hashed or signed (the manifest leaves
+        # them out), and packed history holds any old file; not read.
+        return None
     check_file_name(entry.path, verdict)
+    if verdict.kind == "file" and not verdict.findings:  # else refused by name
+        verdict.reject("file-not-allowed", not_allowed_detail(entry.path))
     try:
         fd, size = _fs.open_file(root_fd, entry.path)
     except Exception as e:  # noqa: BLE001 - any failure is a rejection reason
@@ -251,7 +249,7 @@ def _check_file(root_fd: int, entry: _fs.Entry, verdict: FileVerdict, policy: Po
                 header = parse_header(fd, size, policy)
             except HeaderRejected as e:
                 verdict.reject(e.code, e.detail)
-                _check_magic(fd, size, verdict)  # what it is instead, if known
+                _check_content(fd, size, verdict, policy, False)  # what it is
                 return None
             # A file that passes the strict parse is a safetensors file, and no
             # content sniffing applies to it: its first 8 bytes are the header
@@ -268,429 +266,47 @@ def _check_file(root_fd: int, entry: _fs.Entry, verdict: FileVerdict, policy: Po
             if policy.scan_nonfinite:
                 _scan_nonfinite(fd, header, verdict)
             return header
-        _check_magic(fd, size, verdict)
-        if verdict.kind in ("json", "index"):
+        _check_content(fd, size, verdict, policy, rule is not None and rule.containers)
+        if verdict.kind in ("json", "index", "signature"):
             _check_json(fd, size, verdict, policy)
+        elif verdict.kind in ("text", "tokenizer-model"):
+            if size > policy.max_text_bytes:
+                verdict.reject(
+                    f"{verdict.kind}-too-large",
+                    f"{size} bytes, more than the limit of {policy.max_text_bytes}",
+                )
+            else:
+                check_format_bytes(_fs.read_exact_at(fd, size), verdict)
         return None
     finally:
         os.close(fd)
 
 
-def _check_magic(fd: int, size: int, verdict: FileVerdict) -> None:
-    """Content sniffing, whatever the file's name says: archives, pickles (by
-    protocol header or by parsing the opcode stream), .npy object arrays, and
-    ZIP archives located from their end as ZIP readers do."""
-    head = os.pread(fd, _HEAD_BYTES, 0)
-    for magic, offset, code, what in MAGIC:
-        if head[offset : offset + len(magic)] == magic:
-            verdict.reject(code, f"{what} detected by content")
-            return
-    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        verdict.reject(
-            "pickle-protocol", f"pickle protocol {head[1]} stream detected by content"
-        )
-        return
-    if head.startswith(NPY_MAGIC):
-        _check_npy(fd, verdict)
+def check_format_bytes(data: bytes, verdict: FileVerdict) -> None:
+    """The format check of a text file or tokenizer model, on its bytes."""
+    if verdict.kind == "text":
+        problem = text_problem(data)
+    elif verdict.kind == "tokenizer-model":
+        problem = tokenizer_model_problem(data)
     else:
-        found = _scan_pickle(fd, size)
-        if found is not None:
-            verdict.reject(*found)
-            return
-    zip_end = _zip_end_record(fd, size)
-    if zip_end is not None:
-        verdict.reject(
-            "pickle-zip",
-            f"ZIP archive (end-of-central-directory record at offset {zip_end}) "
-            "detected by content",
-        )
+        return
+    if problem is not None:
+        verdict.reject(f"{verdict.kind}-invalid", problem)
 
 
-# --- pickle opcode streams without a protocol header ---------------------------
-#
-# Protocol 0/1 pickles (and binary opcodes without a PROTO header) have no
-# magic. The unpickler executes opcodes one by one as it reads them, so what
-# counts is how far the stream is valid *for the unpickler*, from byte 0 of the
-# file: the table below models CPython's unpickler (_pickle.c and pickle.py),
-# and is never stricter than it. It treats as invalid only what both surely
-# refuse: an unknown opcode, a stack underflow or missing MARK (with the C
-# unpickler's mark fence), a negative BINSTRING/LONG4 length, and an argument
-# neither can decode (a number that is none, text that is not UTF-8 or ASCII
-# where they require it, an unquoted STRING). Each argument check accepts what
-# either accepts: the C unpickler takes "I0x10" and "I5\0junk", which
-# pickletools refuses, so pickletools cannot be the parser here. Long arguments
-# are skipped without reading, so a long first argument costs nothing; text and
-# binary formats fail within a few bytes.
-
-_CALL, _IMPORT, _PERSID, _FRAME = "call", "import", "persid", "frame"
-# Argument layouts: int n = n fixed bytes; ("len", width, signed) = a length of
-# `width` bytes, then that many bytes; "line" / "line2" = one or two "\n"-ended
-# lines. _ARG_CHECKS says how an opcode's argument must decode.
-# Stack effects: (need, delta) = needs `need` items above the current mark,
-# changes the depth by `delta`; the names are the mark-handling ops.
-_U1, _U4, _U8 = ("len", 1, False), ("len", 4, False), ("len", 8, False)
-_I4 = ("len", 4, True)
-_PUSH, _TOP = (0, 1), (1, 0)
-_PICKLE_OPS: dict[int, tuple[str, Any, Any, str | None]] = {
-    ord(code): (name, arg, effect, kind)
-    for code, name, arg, effect, kind in [
-        ("I", "INT", "line", _PUSH, None),
-        ("J", "BININT", 4, _PUSH, None),
-        ("K", "BININT1", 1, _PUSH, None),
-        ("M", "BININT2", 2, _PUSH, None),
-        ("L", "LONG", "line", _PUSH, None),
-        ("\x8a", "LONG1", _U1, _PUSH, None),
-        ("\x8b", "LONG4", _I4, _PUSH, None),
-        ("S", "STRING", "line", _PUSH, None),
-        ("T", "BINSTRING", _I4, _PUSH, None),
-        ("U", "SHORT_BINSTRING", _U1, _PUSH, None),
-        ("B", "BINBYTES", _U4, _PUSH, None),
-        ("C", "SHORT_BINBYTES", _U1, _PUSH, None),
-        ("\x8e", "BINBYTES8", _U8, _PUSH, None),
-        ("\x96", "BYTEARRAY8", _U8, _PUSH, None),
-        ("\x97", "NEXT_BUFFER", 0, _PUSH, None),
-        ("\x98", "READONLY_BUFFER", 0, _TOP, None),
-        ("N", "NONE", 0, _PUSH, None),
-        ("\x88", "NEWTRUE", 0, _PUSH, None),
-        ("\x89", "NEWFALSE", 0, _PUSH, None),
-        ("V", "UNICODE", "line", _PUSH, None),
-        ("\x8c", "SHORT_BINUNICODE", _U1, _PUSH, None),
-        ("X", "BINUNICODE", _U4, _PUSH, None),
-        ("\x8d", "BINUNICODE8", _U8, _PUSH, None),
-        ("F", "FLOAT", "line", _PUSH, None),
-        ("G", "BINFLOAT", 8, _PUSH, None),
-        ("]", "EMPTY_LIST", 0, _PUSH, None),
-        ("a", "APPEND", 0, (2, -1), None),
-        ("e", "APPENDS", 0, "extend", None),
-        ("l", "LIST", 0, "collect", None),
-        (")", "EMPTY_TUPLE", 0, _PUSH, None),
-        ("t", "TUPLE", 0, "collect", None),
-        ("\x85", "TUPLE1", 0, _TOP, None),
-        ("\x86", "TUPLE2", 0, (2, -1), None),
-        ("\x87", "TUPLE3", 0, (3, -2), None),
-        ("}", "EMPTY_DICT", 0, _PUSH, None),
-        ("d", "DICT", 0, "collect", None),
-        ("s", "SETITEM", 0, (3, -2), None),
-        ("u", "SETITEMS", 0, "extend", None),
-        ("\x8f", "EMPTY_SET", 0, _PUSH, None),
-        ("\x90", "ADDITEMS", 0, "extend", None),
-        ("\x91", "FROZENSET", 0, "collect", None),
-        ("0", "POP", 0, "pop", None),
-        ("2", "DUP", 0, (1, 1), None),
-        ("(", "MARK", 0, "mark", None),
-        ("1", "POP_MARK", 0, "pop_mark", None),
-        ("g", "GET", "line", _PUSH, None),
-        ("h", "BINGET", 1, _PUSH, None),
-        ("j", "LONG_BINGET", 4, _PUSH, None),
-        ("p", "PUT", "line", _TOP, None),
-        ("q", "BINPUT", 1, _TOP, None),
-        ("r", "LONG_BINPUT", 4, _TOP, None),
-        ("\x94", "MEMOIZE", 0, _TOP, None),
-        ("\x80", "PROTO", 1, (0, 0), None),
-        # Protocol 4+ framing: the C unpickler reading a file drops the rest
-        # of a frame when an argument runs past its end and reads on from the
-        # file, so the stream it executes is not the bytes in order. Only
-        # protocol 4+ pickles have frames: one that fits in the file rejects.
-        # (A longer one is an error to the C unpickler; the Python one reads
-        # on in order, as this scan does.)
-        ("\x95", "FRAME", 8, (0, 0), _FRAME),
-        (".", "STOP", 0, "stop", None),
-        # Imports: they bring a callable onto the stack (or hand a value to the
-        # loader's persistent_load hook, torch's storage loader).
-        ("c", "GLOBAL", "line2", _PUSH, _IMPORT),
-        ("\x93", "STACK_GLOBAL", 0, (2, -1), _IMPORT),
-        ("\x82", "EXT1", 1, _PUSH, _IMPORT),
-        ("\x83", "EXT2", 2, _PUSH, _IMPORT),
-        ("\x84", "EXT4", 4, _PUSH, _IMPORT),
-        ("P", "PERSID", "line", _PUSH, _PERSID),
-        ("Q", "BINPERSID", 0, _TOP, _PERSID),
-        # Calls: what runs code.
-        ("R", "REDUCE", 0, (2, -1), _CALL),
-        ("b", "BUILD", 0, (2, -1), _CALL),
-        ("i", "INST", "line2", "collect", _CALL),
-        ("o", "OBJ", 0, "obj", _CALL),
-        ("\x81", "NEWOBJ", 0, (2, -1), _CALL),
-        ("\x92", "NEWOBJ_EX", 0, (3, -2), _CALL),
-    ]
-}
-# Numbers as C's strtol/PyLong_FromString and Python's int()/float() read them
-# (a superset of both: whitespace, sign, base prefixes, underscores, inf/nan).
-_INT_TEXT = re.compile(rb"\s*[+-]?\s*(?:0[xXoObB][0-9a-fA-F_]*|[0-9][0-9_]*)\s*")
-_DECIMAL_TEXT = re.compile(rb"\s*[+-]?\s*[0-9][0-9_]*\s*")
-_FLOAT_TEXT = re.compile(
-    rb"\s*[+-]?(?:(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9][0-9_]*)(?:e[+-]?[0-9_]*)?"
-    rb"|inf(?:inity)?|nan)\s*",
-    re.IGNORECASE,
-)
-
-
-def _decodes(data: bytes, encoding: str, errors: str = "strict") -> bool:
-    try:
-        data.decode(encoding, errors)
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def _escape_decodes(data: bytes) -> bool:
-    try:
-        codecs.escape_decode(data)
-    except ValueError:
-        return False
-    return True
-
-
-def _number_text(pattern: re.Pattern[bytes], line: bytes) -> bool:
-    # The C unpickler reads the line as a C string: it ends at a NUL byte.
-    return pattern.fullmatch(line.split(b"\0", 1)[0]) is not None
-
-
-def _string_text(line: bytes) -> bool:
-    quoted = len(line) >= 2 and line[0] == line[-1] and line[:1] in (b"'", b'"')
-    return quoted and _escape_decodes(line[1:-1])
-
-
-# How an argument must decode for the unpickler to go on (a line without its
-# newline, or a length-prefixed payload); opcodes not named take any argument.
-_ARG_CHECKS: dict[str, Callable[[bytes], bool]] = {
-    # strtol stops at a leading NUL and reports success: "I\0..." is 0 to C.
-    "INT": lambda v: v[:1] == b"\0" or _number_text(_INT_TEXT, v),
-    "LONG": lambda v: _number_text(_INT_TEXT, v[:-1] if v.endswith(b"L") else v),
-    "FLOAT": lambda v: _number_text(_FLOAT_TEXT, v),
-    "GET": lambda v: _number_text(_DECIMAL_TEXT, v),
-    "PUT": lambda v: _number_text(_DECIMAL_TEXT, v),
-    "STRING": _string_text,
-    "UNICODE": lambda v: _decodes(v, "raw-unicode-escape"),
-    "SHORT_BINUNICODE": lambda v: _decodes(v, "utf-8", "surrogatepass"),
-    "BINUNICODE": lambda v: _decodes(v, "utf-8", "surrogatepass"),
-    "BINUNICODE8": lambda v: _decodes(v, "utf-8", "surrogatepass"),
-    "GLOBAL": lambda v: _decodes(v, "utf-8"),
-    "INST": lambda v: _decodes(v, "utf-8"),
-    "PERSID": lambda v: _decodes(v, "ascii"),
-}
-# Arguments longer than this are taken on trust (a longer one costs nothing).
-_ARG_CHECK_BYTES = 1 << 16
-
-# A stream still valid after this much is a pickle as far as the gate can tell.
-# No other format gets anywhere near: text and binary fail within a few bytes.
-_PICKLE_SCAN_BYTES = 64 << 20  # bytes parsed (skipped arguments not counted)
-_PICKLE_SCAN_OPS = 1 << 20
-
-
-class _StreamEnd(Exception):
-    """End of file inside the opcode stream: the unpickler stops there."""
-
-
-class _Undecidable(Exception):
-    """Still a valid opcode stream after the scan's budget."""
-
-
-class _OpReader:
-    """Reads forward from offset 0 of `fd` in growing chunks."""
-
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size = fd, size
-        self.pos = 0
-        self.parsed = 0
-        self._buf, self._buf_at, self._chunk = b"", 0, 4096
-
-    def _buffer_at(self, pos: int) -> int:
-        """Index of `pos` in the buffer, refilling it from `pos` if needed."""
-        i = pos - self._buf_at
-        if 0 <= i < len(self._buf):
-            return i
-        if pos >= self.size:
-            raise _StreamEnd
-        self._buf, self._buf_at = os.pread(self.fd, self._chunk, pos), pos
-        self._chunk = min(self._chunk * 2, 1 << 20)
-        if not self._buf:
-            raise _StreamEnd
-        return 0
-
-    def take(self, n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            i = self._buffer_at(self.pos)
-            piece = self._buf[i : i + n - len(out)]
-            out += piece
-            self.pos += len(piece)
-        self.parsed += n
-        return out
-
-    def skip(self, n: int, *, check: bool) -> bytes | None:
-        """Passes `n` bytes; returns them when `check` asks for them and they
-        are short enough to check, without reading them otherwise."""
-        if self.pos + n > self.size:
-            raise _StreamEnd
-        if check and n <= _ARG_CHECK_BYTES:
-            return self.take(n)
-        self.pos += n
-        return None
-
-    def line(self) -> bytes | None:
-        """Passes one "\\n"-ended line (no newline before EOF: the unpickler
-        refuses the line). Returns it without the newline, or None when it is
-        too long to check."""
-        start = self.pos
-        while True:
-            if self.pos - start > _PICKLE_SCAN_BYTES - self.parsed:
-                raise _Undecidable
-            i = self._buffer_at(self.pos)
-            newline = self._buf.find(b"\n", i)
-            if newline >= 0:
-                self.pos = self._buf_at + newline + 1
-                self.parsed += self.pos - start
-                length = self.pos - 1 - start
-                if length > _ARG_CHECK_BYTES:
-                    return None
-                if start >= self._buf_at:
-                    return self._buf[start - self._buf_at : newline]
-                return os.pread(self.fd, length, start)
-            self.pos = self._buf_at + len(self._buf)
-
-
-def _scan_pickle(fd: int, size: int) -> tuple[str, str] | None:
-    """(code, detail) when the file parses as a pickle opcode stream that calls
-    code, a complete pickle that imports, or one still valid after the scan's
-    budget; None when it stops being a valid stream first.
-
-    The stream is rejected at the first call opcode (REDUCE, BUILD, INST, OBJ,
-    NEWOBJ, NEWOBJ_EX) or import opcode (GLOBAL, STACK_GLOBAL, EXT*) reached
-    validly: an import runs the module's top-level code, and the opcodes after it
-    (SETITEM, APPEND...) act on the imported object before the stream turns out
-    invalid. So text whose first two lines read as a GLOBAL ("cat\\ndog\\n" is
-    at.dog) is refused too, a false positive taken for safety. PERSID/BINPERSID
-    only hand a value to the loader's own hook (plain pickle refuses them) and
-    reject only if their pickle then completes (STOP), so a PNG ("\\x89" NEWFALSE,
-    a PERSID of "NG\\r", then invalid) passes. A data-only pickle runs no code; the
-    scan goes on past its STOP, as a loader calling load() again would (torch's
-    legacy format is several pickles in a row)."""
-    reader = _OpReader(fd, size)
-    depth, marks = 0, []  # stack depth; depth at each open MARK
-    imported: tuple[str, int] | None = None
-    ops = 0
-    try:
-        while True:
-            ops += 1
-            if ops > _PICKLE_SCAN_OPS or reader.parsed > _PICKLE_SCAN_BYTES:
-                raise _Undecidable
-            at = reader.pos
-            spec = _PICKLE_OPS.get(reader.take(1)[0])
-            if spec is None:
-                return None
-            name, arg, effect, kind = spec
-            check = _ARG_CHECKS.get(name)
-            if isinstance(arg, int):
-                values = [reader.take(arg)]
-            elif arg == "line":
-                values = [reader.line()]
-            elif arg == "line2":
-                values = [reader.line(), reader.line()]
-            else:
-                _, width, signed = arg
-                length = int.from_bytes(reader.take(width), "little", signed=signed)
-                if length < 0:
-                    return None
-                values = [reader.skip(length, check=check is not None)]
-            if check is not None and not all(v is None or check(v) for v in values):
-                return None
-            fence = marks[-1] if marks else 0
-            if effect == "mark":
-                marks.append(depth)
-            elif effect == "pop":
-                if marks and marks[-1] == depth:
-                    marks.pop()
-                elif depth > fence:
-                    depth -= 1
-                else:
-                    return None
-            elif effect in ("collect", "extend", "obj", "pop_mark"):
-                if not marks:
-                    return None
-                mark = marks.pop()
-                fence = marks[-1] if marks else 0
-                if (effect == "extend" and mark <= fence) or (
-                    effect == "obj" and depth - mark < 1
-                ):
-                    return None
-                depth = mark + (effect in ("collect", "obj"))
-            elif effect == "stop":
-                if depth <= fence:
-                    return None
-                if imported is not None:
-                    return (
-                        "pickle-protocol",
-                        f"complete pickle stream (STOP at offset {at}) that "
-                        f"imports ({imported[0]} at offset {imported[1]})",
-                    )
-                depth, marks = 0, []
-            else:
-                need, delta = effect
-                if depth - fence < need:
-                    return None
-                depth += delta
-            if kind in (_CALL, _IMPORT):
-                does = "calls code" if kind == _CALL else "imports a module"
-                return (
-                    "pickle-protocol",
-                    f"pickle opcode stream that {does} ({name} at offset {at}) "
-                    "detected by content",
-                )
-            if kind == _FRAME and int.from_bytes(values[0], "little") <= (
-                size - reader.pos
-            ):
-                return (
-                    "pickle-protocol",
-                    f"framed (protocol 4+) pickle opcode stream (FRAME at offset "
-                    f"{at}) detected by content",
-                )
-            if kind == _PERSID and imported is None:
-                imported = (name, at)
-    except _StreamEnd:
-        return None
-    except _Undecidable:
-        return (
-            "pickle-undecidable",
-            f"still a valid pickle opcode stream after {reader.pos} bytes "
-            f"({ops} opcodes); a file that may be a pickle is not allowed",
-        )
-
-
-# ZIP readers find an archive from its end: the end-of-central-directory
-# record lies within the last 64 KiB + 22 bytes (a comment of up to 65535
-# bytes may follow it), so bytes in front of the archive do not hide it.
-_ZIP_END = b"PK\x05\x06"
-_ZIP_END_SIZE = 22
-
-
-def _zip_end_record(fd: int, size: int) -> int | None:
-    """Offset of a ZIP end-of-central-directory record, as zipfile finds one:
-    the signature with a whole 22-byte record after it, in the file's tail.
-    zipfile does not check the comment length against the file's end, so
-    neither does this (any record a lenient reader could take counts)."""
-    start = max(size - (1 << 16) - _ZIP_END_SIZE, 0)
-    tail = os.pread(fd, size - start, start)
-    found = tail.rfind(_ZIP_END, 0, max(len(tail) - _ZIP_END_SIZE + len(_ZIP_END), 0))
-    return None if found < 0 else start + found
-
-
-def _check_npy(fd: int, verdict: FileVerdict) -> None:
-    # numpy's own header reader uses a safe literal parser, never pickle.
-    with os.fdopen(os.dup(fd), "rb") as f:
-        f.seek(0)
-        try:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                _, _, dtype = np.lib.format.read_array_header_1_0(f)
-            else:
-                _, _, dtype = np.lib.format.read_array_header_2_0(f)
-        except Exception as e:  # noqa: BLE001
-            verdict.reject("numpy-invalid", f"unreadable .npy header: {e}")
-            return
-    if dtype.hasobject:
-        verdict.reject(
-            "numpy-object-array", f"numpy array of dtype {dtype} holds pickles"
-        )
+def _check_content(
+    fd: int, size: int, verdict: FileVerdict, policy: Policy, allow_containers: bool
+) -> None:
+    """Content sniffing, whatever the file's name says (see `content`)."""
+    findings = scan_content(
+        _fs.FileRange(fd, size),
+        max_decompressed_bytes=policy.max_decompressed_bytes,
+        max_depth=policy.max_container_depth,
+        max_members=policy.max_archive_members,
+        allow_containers=allow_containers,
+    )
+    for code, detail in findings:
+        verdict.reject(code, f"{detail} detected by content")
 
 
 def _check_json(fd: int, size: int, verdict: FileVerdict, policy: Policy) -> Any:
@@ -707,7 +323,9 @@ def check_json_bytes(data: bytes, verdict: FileVerdict, policy: Policy) -> Any:
         verdict.reject("json-too-large", f"{len(data)} bytes")
         return None
     try:
-        value = strict_json_loads(data.decode("utf-8"), 64)
+        value = strict_json_loads(
+            data.decode("utf-8"), 64, max_elements=policy.max_json_elements
+        )
     except UnicodeDecodeError as e:
         verdict.reject("json-invalid", f"not UTF-8: {e}")
         return None

@@ -347,15 +347,28 @@ def hash_folder_listing(
     ignore_paths: list[str] | tuple[str, ...],
     *,
     max_workers: int | None = None,
+    cache: Any = None,
 ) -> tuple[Manifest, list[str]]:
     """`hash_folder`, plus the paths of every file found (a sharded manifest
-    has no entry for an empty file)."""
+    has no entry for an empty file). With a `digest_cache.DigestCache`, a file
+    whose stat key it holds is not read: its digests are the cache's."""
     ignore = _fs.normalize_ignore(ignore_paths)
     root_fd = _fs.open_root(folder)
     try:
         files = _fs.list_files(root_fd, ignore)
-        items: list[tuple[str, int, int | None, int | None]] = []
+        reused: list[Resource] = []
+        keys: dict[str, tuple[int, ...]] = {}
+        to_hash = []
         for path, size in files:
+            if cache is not None:
+                keys[path] = _stat_key(root_fd, path)
+                found = cache.lookup(spec.digest_name, path, keys[path])
+                if found is not None:
+                    reused.extend(found)
+                    continue
+            to_hash.append((path, size))
+        items: list[tuple[str, int, int | None, int | None]] = []
+        for path, size in to_hash:
             if spec.method == "shards":
                 items.extend(
                     (path, size, s, e) for s, e in _shards(size, spec.shard_size)
@@ -372,12 +385,43 @@ def hash_folder_listing(
             resources = list(
                 pool.map(lambda it: _hash_item(root_fd, spec, *it, threads), items)
             )
+        if cache is not None:
+            _remember(cache, root_fd, spec, [p for p, _ in to_hash], keys, resources)
     except OSError as e:
         raise HashingError(f"cannot hash {folder}: {e}") from e
     finally:
         os.close(root_fd)
+    resources = reused + resources
     manifest = Manifest(_model_name(folder), spec, tuple(resources), tuple(ignore))
     return manifest, [path for path, _ in files]
+
+
+def _stat_key(root_fd: int, path: str) -> tuple[int, ...]:
+    fd, _ = _fs.open_file(root_fd, path)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _remember(
+    cache: Any,
+    root_fd: int,
+    spec: HashSpec,
+    hashed: list[str],
+    keys: dict[str, tuple[int, ...]],
+    resources: list[Resource],
+) -> None:
+    """Stores the digests of each hashed file whose stat key did not change
+    while it was hashed."""
+    by_path: dict[str, list[Resource]] = {path: [] for path in hashed}
+    for r in resources:
+        by_path[r.path].append(r)
+    for path, found in by_path.items():
+        cache.hashed += 1
+        if _stat_key(root_fd, path) == keys[path]:
+            cache.store(spec.digest_name, path, keys[path], found)
 
 
 def hash_bytes(

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuagent.integrity.strict_json import DEFAULT_MAX_ELEMENTS
+
 # Files model-signing ignores by default; they never change model behaviour.
 GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
 
@@ -60,6 +62,20 @@ class ReleaseBinding:
 
 
 @dataclass(frozen=True)
+class AllowedFile:
+    """A file the policy lets a model folder hold beyond the built-in kinds
+    (see `allowlist`): `pattern` is matched with fnmatch against the path inside
+    the folder ("*.npy", "extras/*.bin"; "*" matches "/" too), `name` says what
+    and why, for reports. `containers`: the file may be a compressed stream or
+    an archive (what is inside is still checked). The content checks for
+    pickles and their containers apply to it all the same."""
+
+    pattern: str
+    name: str
+    containers: bool = False
+
+
+@dataclass(frozen=True)
 class Policy:
     """Limits and trust anchors. The defaults are the strict production ones.
 
@@ -70,8 +86,20 @@ class Policy:
     `certificate_issuer` (the OIDC issuer) for Sigstore keyless signatures.
     """
 
+    # Safetensors headers and JSON files: bytes, nesting (headers; JSON files
+    # allow 64), and elements (see strict_json.DEFAULT_MAX_ELEMENTS).
     max_header_bytes: int = 100 * 1024 * 1024
     max_json_depth: int = 16
+    max_json_elements: int = DEFAULT_MAX_ELEMENTS
+    # Containers (compressed streams, tar, ZIP) are looked into, within these
+    # limits per file; past one, the file is refused (its rest is unchecked).
+    max_decompressed_bytes: int = 256 << 20
+    max_container_depth: int = 4
+    max_archive_members: int = 4096
+    # Text files and tokenizer models are read whole to check their format.
+    max_text_bytes: int = 64 << 20
+    # Files beyond the built-in allow-list (see AllowedFile).
+    extra_allowed_files: tuple[AllowedFile, ...] = ()
     max_tensor_rank: int = 8
     allowed_dtypes: frozenset[str] = frozenset(SAFETENSORS_DTYPE_SIZES)
     scan_nonfinite: bool = False

@@ -9,7 +9,6 @@ tensors must tile exactly.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -18,17 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuagent.integrity.policy import DEFAULT_POLICY, SAFETENSORS_DTYPE_SIZES, Policy
+from gpuagent.integrity.strict_json import Rejected as HeaderRejected
+from gpuagent.integrity.strict_json import strict_json_loads
 
 ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 _MAX_INT64 = 2**63 - 1
-
-
-class HeaderRejected(Exception):
-    """A structural defect; `code` names it (tests and reports key on it)."""
-
-    def __init__(self, code: str, detail: str):
-        self.code, self.detail = code, detail
-        super().__init__(f"[{code}] {detail}")
 
 
 @dataclass(frozen=True)
@@ -47,94 +40,6 @@ class SafetensorsHeader:
     data_bytes: int
     metadata: dict[str, str]
     tensors: dict[str, TensorEntry]
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise HeaderRejected("duplicate-key", f"key {key!r} appears twice")
-        out[key] = value
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise HeaderRejected("nonfinite-literal", f"JSON literal {name} is not allowed")
-
-
-def _finite_float(text: str) -> float:
-    # "1e999" is no NaN/Infinity literal, but float() makes it inf all the same.
-    value = float(text)
-    if not math.isfinite(value):
-        raise HeaderRejected(
-            "nonfinite-number", f"number {text[:40]} overflows to {value}"
-        )
-    return value
-
-
-_DECODER = json.JSONDecoder(
-    object_pairs_hook=_reject_duplicates,
-    parse_constant=_reject_constant,
-    parse_float=_finite_float,
-)
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of `value`; raises HeaderRejected on a string holding a
-    lone surrogate escape ("\\ud800"), which is no Unicode text: the Rust
-    safetensors parser refuses it, and no JSON report or database can hold it."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, level)
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, level + 1) for child in children)
-            if isinstance(item, dict):
-                stack.extend((key, level) for key in item)
-        elif isinstance(item, str) and not _is_unicode(item):
-            raise HeaderRejected(
-                "string-not-unicode", f"string {item!r} holds a lone surrogate"
-            )
-    return deepest
-
-
-_JSON_WHITESPACE = " \t\n\r"
-
-
-def strict_json_loads(text: str, max_depth: int, *, safetensors_header: bool = False):
-    """json.loads that rejects duplicate keys at any depth, NaN/Infinity (as
-    literals or as numbers too large for a float, "1e999"), and nesting deeper
-    than `max_depth`. Raises HeaderRejected.
-
-    A JSON document may have whitespace around it; a safetensors header must
-    start with `{` (checked by the caller) and may only be padded with spaces.
-    """
-    start = 0 if safetensors_header else len(text) - len(text.lstrip(_JSON_WHITESPACE))
-    try:
-        value, end = _DECODER.raw_decode(text, start)
-    except HeaderRejected:
-        raise
-    except RecursionError as e:
-        raise HeaderRejected("nesting-too-deep", "JSON nesting is too deep") from e
-    except ValueError as e:
-        raise HeaderRejected("invalid-json", str(e)) from e
-    rest = text[end:]
-    padding = " " if safetensors_header else _JSON_WHITESPACE
-    if rest.strip(padding):
-        code = "header-bad-padding" if safetensors_header else "invalid-json"
-        raise HeaderRejected(code, f"{len(rest)} unexpected character(s) after JSON")
-    if _depth(value) > max_depth:
-        raise HeaderRejected("nesting-too-deep", f"JSON nesting exceeds {max_depth}")
-    return value
 
 
 def _is_int(value: Any) -> bool:
@@ -189,7 +94,12 @@ def _parse(
         raise HeaderRejected(
             "header-not-object", f"header starts with {text[:1]!r}, not '{{'"
         )
-    header = strict_json_loads(text, policy.max_json_depth, safetensors_header=True)
+    header = strict_json_loads(
+        text,
+        policy.max_json_depth,
+        safetensors_header=True,
+        max_elements=policy.max_json_elements,
+    )
     if not isinstance(header, dict):
         raise HeaderRejected("header-not-object", "header is not a JSON object")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -26,8 +27,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gpuagent.integrity import _fs
+from gpuagent.integrity._text import printable
+from gpuagent.integrity.digest_cache import DigestCache
 from gpuagent.integrity.errors import (
     BindingMismatchError,
+    HashingError,
     IgnoreListError,
     IntegrityError,
     ManifestMismatchError,
@@ -36,7 +41,12 @@ from gpuagent.integrity.errors import (
     SignerNotTrustedError,
     SigningError,
 )
-from gpuagent.integrity.manifest import Manifest, hash_folder_listing, hash_model
+from gpuagent.integrity.manifest import (
+    HashSpec,
+    Manifest,
+    hash_folder_listing,
+    hash_model,
+)
 from gpuagent.integrity.policy import DEFAULT_POLICY, Policy, ReleaseBinding
 from gpuagent.integrity.safetensors_header import HeaderRejected, strict_json_loads
 
@@ -93,12 +103,24 @@ class VerificationReport:
     files: list[str]
     binding_checked: bool = True
     certificate_validity: dict[str, Any] | None = None
+    # Files whose digests came from a digest cache (a quick check), not re-hashed.
+    reused_digests: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The report, every name and signed string in it kept printable (a
+        signed release may spell a newline or U+202E)."""
+        out = dict(self.__dict__)
+        out["folder"] = printable(self.folder)
+        out["files"] = [printable(f) for f in self.files]
+        if self.release is not None:
+            out["release"] = {
+                printable(k): printable(v) for k, v in self.release.items()
+            }
+        return out
 
     def to_text(self) -> str:
-        release = self.release or {}
+        shown = self.to_dict()
+        release = shown["release"] or {}
         bound = (
             f"{release.get('model')} {release.get('version')} ({release.get('recipe')})"
             if release
@@ -107,8 +129,8 @@ class VerificationReport:
         if not self.binding_checked:
             bound += " [NOT CHECKED: no release required, replay not prevented]"
         lines = [
-            f"verify {self.folder}: OK",
-            f"  signer:          {self.signer}",
+            f"verify {shown['folder']}: OK",
+            f"  signer:          {printable(self.signer)}",
         ]
         validity = self.certificate_validity
         if validity:
@@ -120,7 +142,12 @@ class VerificationReport:
         lines += [
             f"  release:         {bound}",
             f"  manifest digest: {self.manifest_digest}",
-            f"  files verified:  {len(self.files)}",
+            f"  files verified:  {len(self.files)}"
+            + (
+                f" ({self.reused_digests} by digest cache: a quick check)"
+                if self.reused_digests
+                else ""
+            ),
         ]
         return "\n".join(lines)
 
@@ -169,7 +196,27 @@ def _relative_inside(folder: Path, path: Path) -> str | None:
         return None
 
 
-def _payload(manifest: Manifest, release: ReleaseBinding):
+def _check_no_empty_files(folder: Path, manifest: Manifest) -> None:
+    root_fd = _fs.open_root(folder)
+    try:
+        listed = _fs.list_files(root_fd, list(manifest.ignore_paths))
+    finally:
+        os.close(root_fd)
+    empty = sorted(path for path, size in listed if size == 0)
+    if empty:
+        raise PolicyError(
+            "empty files have no shard, so a sharded signature cannot cover them "
+            f"and verify would refuse them as unsigned: {', '.join(empty)} (sign "
+            "without --shard-size, or remove them)"
+        )
+
+
+def file_sizes(folder: Path, manifest: Manifest) -> dict[str, int]:
+    """Size of every file the manifest covers, as signed in the binding."""
+    return {path: (folder / path).stat().st_size for path in manifest.files()}
+
+
+def _payload(manifest: Manifest, release: ReleaseBinding, sizes: dict[str, int]):
     from in_toto_attestation.v1 import statement as intoto
     from model_signing._signing import signing as ms_signing
 
@@ -184,6 +231,9 @@ def _payload(manifest: Manifest, release: ReleaseBinding):
             "format": BINDING_FORMAT,
             **release.to_dict(),
             "manifest_digest": manifest.digest,
+            # Binding values are strings: the sizes as canonical JSON. Signed,
+            # they let verify name a changed size before hashing anything.
+            "file_sizes": json.dumps(sizes, sort_keys=True, separators=(",", ":")),
         },
     }
     base.statement = intoto.Statement(
@@ -291,6 +341,7 @@ def sign_model(
     algorithm: str = "sha256",
     shard_size: int | None = None,
     ignore_paths: tuple[str, ...] = (),
+    policy: Policy = DEFAULT_POLICY,
 ) -> SignResult:
     """Hashes `folder` and signs its manifest bound to `release`.
 
@@ -300,8 +351,20 @@ def sign_model(
     encrypted `private_key` (key mode only; certificate signing takes an
     unencrypted key). A signature written inside the folder is added to the
     ignore list explicitly.
+
+    What `verify_model` under `policy` would refuse is refused here first
+    (PolicyError): hash settings it does not allow (a shard size below its
+    minimum), and, with shards, an empty file (it has no shard, so verify
+    would call it unsigned).
     """
     folder, signature_path = Path(folder), Path(signature_path)
+    if shard_size is not None and algorithm == "sha256":
+        try:
+            check_hash_spec(HashSpec("shards", algorithm, shard_size), policy)
+        except HashingError as e:
+            raise PolicyError(str(e)) from e
+    elif algorithm not in policy.allowed_hash_types:
+        raise PolicyError(f"hash type {algorithm!r} not allowed by policy")
     signer = _signer(
         private_key,
         password,
@@ -317,8 +380,12 @@ def sign_model(
     manifest = hash_model(
         folder, algorithm, shard_size=shard_size, ignore_paths=tuple(ignore)
     )
+    if manifest.spec.method == "shards":
+        _check_no_empty_files(folder, manifest)
     try:
-        signature = signer.sign(_payload(manifest, release))
+        signature = signer.sign(
+            _payload(manifest, release, file_sizes(folder, manifest))
+        )
         signature.write(signature_path)
     except Exception as e:  # noqa: BLE001 - library failures become ours
         raise SigningError(f"signing failed: {type(e).__name__}: {e}") from e
@@ -564,13 +631,7 @@ def check_statement(
         raise PolicyError(
             "signature was made with allow_symlinks; symlinks are refused"
         )
-    spec = statement.manifest.spec
-    if spec.hash_type not in policy.allowed_hash_types:
-        raise PolicyError(f"hash type {spec.hash_type!r} not allowed by policy")
-    if spec.method == "shards" and spec.shard_size < policy.min_shard_size:
-        raise PolicyError(
-            f"shard size {spec.shard_size} below policy minimum {policy.min_shard_size}"
-        )
+    check_hash_spec(statement.manifest.spec, policy)
     ignored = list(statement.manifest.ignore_paths)
     allowed = policy.ignorable_paths()
     if signature_inside is not None:  # the signature being checked may be left out
@@ -590,6 +651,16 @@ def check_statement(
         )
     if policy.release is not None:
         check_binding(statement, policy.release)
+
+
+def check_hash_spec(spec: HashSpec, policy: Policy) -> None:
+    """Hash settings against the policy: what verify refuses, sign refuses."""
+    if spec.hash_type not in policy.allowed_hash_types:
+        raise PolicyError(f"hash type {spec.hash_type!r} not allowed by policy")
+    if spec.method == "shards" and spec.shard_size < policy.min_shard_size:
+        raise PolicyError(
+            f"shard size {spec.shard_size} below policy minimum {policy.min_shard_size}"
+        )
 
 
 def check_binding(statement: SignedStatement, release: ReleaseBinding) -> None:
@@ -623,12 +694,60 @@ def check_binding(statement: SignedStatement, release: ReleaseBinding) -> None:
         )
 
 
+def signed_sizes(statement: SignedStatement) -> dict[str, int]:
+    """File sizes the signature vouches for: the binding's `file_sizes`
+    (our signatures), else what shard ranges tell (a sharded manifest covers
+    every byte of every non-empty file). Paths not in it: size unknown."""
+    sizes: dict[str, int] = {}
+    if statement.manifest.spec.method == "shards":
+        for path, resources in statement.manifest.files().items():
+            sizes[path] = max(r.end or 0 for r in resources)
+    raw = (statement.binding or {}).get("file_sizes")
+    if raw is not None:
+        try:
+            bound = strict_json_loads(raw, 2)
+        except HeaderRejected as e:
+            raise SignatureError(f"signed file sizes are not strict JSON: {e}") from e
+        if not isinstance(bound, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for v in bound.values()
+        ):
+            raise SignatureError("signed file sizes are malformed")
+        sizes.update(bound)
+    return sizes
+
+
+def _check_listing(folder: Path, statement: SignedStatement) -> None:
+    """Names, and sizes where signed, against the manifest before any file is
+    read: a planted or swapped file (a sparse 128 GiB one) is named at once."""
+    manifest = statement.manifest
+    root_fd = _fs.open_root(folder)
+    try:
+        listed = dict(_fs.list_files(root_fd, list(manifest.ignore_paths)))
+    finally:
+        os.close(root_fd)
+    expected = manifest.files()
+    missing = sorted(set(expected) - set(listed))
+    # An empty file has no shard, so it is absent from a sharded manifest;
+    # count it as extra rather than let it in unsigned.
+    extra = sorted(set(listed) - set(expected))
+    sizes = signed_sizes(statement)
+    changed = sorted(
+        path
+        for path, size in listed.items()
+        if path in expected and path in sizes and sizes[path] != size
+    )
+    if missing or extra or changed:
+        raise ManifestMismatchError(missing, extra, changed)
+
+
 def verify_model(
     folder: str | Path,
     signature_path: str | Path,
     policy: Policy = DEFAULT_POLICY,
     *,
     max_workers: int | None = None,
+    digest_cache: str | Path | None = None,
 ) -> VerificationReport:
     """Verifies `folder` against the signature: signature, signer, binding,
     ignore list, and every file digest (our fd-based parallel hasher, with the
@@ -641,14 +760,27 @@ def verify_model(
     programmatic choice, for signatures made by other tools (a publisher's
     `model_signing` signature carries no binding); callers that gate a release
     must pass it. The CLI requires `--model/--version/--recipe` unless told
-    `--any-release`."""
+    `--any-release`.
+
+    Every file is re-hashed (the default, for gates). With `digest_cache` (a
+    file path), a quick check instead: files whose stat key (device, inode,
+    size, mtime, ctime) the cache holds are not read (see `digest_cache`); the
+    report says how many were reused."""
     folder = Path(folder)
     statement = read_signed_statement(signature_path, policy)
     check_statement(statement, policy, _relative_inside(folder, Path(signature_path)))
     expected = statement.manifest
+    _check_listing(folder, statement)
+    cache = DigestCache.load(digest_cache) if digest_cache is not None else None
     actual, listed = hash_folder_listing(
-        folder, expected.spec, expected.ignore_paths, max_workers=max_workers
+        folder,
+        expected.spec,
+        expected.ignore_paths,
+        max_workers=max_workers,
+        cache=cache,
     )
+    if cache is not None:
+        cache.save()
     missing, extra, changed = expected.diff(actual)
     # An empty file has no shard, so it is absent from a sharded manifest;
     # count it as extra rather than let it in unsigned.
@@ -667,4 +799,5 @@ def verify_model(
         files=sorted(actual.files()),
         binding_checked=policy.release is not None,
         certificate_validity=statement.certificate_validity,
+        reused_digests=cache.reused if cache is not None else 0,
     )

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from gpuagent.integrity import _fs
+from gpuagent.integrity.allowlist import not_allowed_detail
 from gpuagent.integrity.errors import (
     HashingError,
     ManifestDigestMismatchError,
@@ -26,6 +27,7 @@ from gpuagent.integrity.inspection import (
     FileVerdict,
     InspectionReport,
     check_file_name,
+    check_format_bytes,
     check_json_bytes,
     inspect_model,
     path_kind,
@@ -169,16 +171,22 @@ def _check_loadable(model_dir: Path, files: dict[str, bytes], policy: Policy) ->
     for every file the engine parses: the approved digest may have been taken of
     bytes swapped in after inspection, and the engine's parsers take what ours
     refuse (duplicate names or keys, unknown fields, a shard by another name).
-    No code files (by name); JSON files get the strict JSON checks (an index its
-    schema too: shards are `.safetensors` files), every `.safetensors` file the
-    strict header checks. Files the manifest ignores are not read, so not checked."""
+    No code files and only files the allow-list admits (by name); JSON files get
+    the strict JSON checks (an index its schema too: shards are `.safetensors`
+    files), every `.safetensors` file the strict header checks, text and
+    tokenizer models their format checks. Files the manifest ignores are not
+    read, so not checked."""
     verdicts = []
     for path in sorted(files):
-        verdict = FileVerdict(path, path_kind(path))
-        # Code files, as `inspect_model` refuses them (a digest may have been
-        # approved without an inspection, or under an older policy).
+        verdict = FileVerdict(path, path_kind(path, policy))
+        # As `inspect_model` refuses them (a digest may have been approved
+        # without an inspection, or under an older policy).
         check_file_name(path, verdict)
-        if verdict.kind in ("json", "index"):
+        if verdict.kind == "file" and not verdict.findings:  # else refused by name
+            verdict.reject("file-not-allowed", not_allowed_detail(path))
+        elif verdict.kind in ("text", "tokenizer-model"):
+            check_format_bytes(files[path], verdict)
+        elif verdict.kind in ("json", "index", "signature"):
             check_json_bytes(files[path], verdict, policy)
         elif verdict.kind == "safetensors":
             try:

@@ -12,9 +12,18 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from safetensors.numpy import save
 
-from gpuagent.integrity import Policy, ReleaseBinding
+from gpuagent.integrity import DEFAULT_POLICY, AllowedFile, Policy, ReleaseBinding
 
 RELEASE = ReleaseBinding("demo-llama", "1.0.0", "weights=int4-g128,kv=int8", "")
+# A policy that names the data files the content tests plant, so that a refusal
+# is the content checks' alone (defence in depth), not the allow-list's.
+DATA_FILES = DEFAULT_POLICY.replace(
+    extra_allowed_files=(
+        AllowedFile("*.dat", "test data"),
+        AllowedFile("*.state", "optimizer state"),
+        AllowedFile("*.npy", "numpy arrays"),
+    )
+)
 
 
 def raw_safetensors(header, data: bytes = b"", *, length: int | None = None) -> bytes:

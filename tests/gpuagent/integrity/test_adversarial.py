@@ -21,12 +21,18 @@ from gpuagent.integrity import (
     UnsafePathError,
     hash_model,
     inspect_model,
-    inspection,
+    pickle_scan,
     read_verified_files,
     sign_model,
     verified_load,
 )
-from tests.gpuagent.integrity.builders import RELEASE, raw_safetensors, write_model
+from gpuagent.integrity._fs import FileRange
+from tests.gpuagent.integrity.builders import (
+    DATA_FILES,
+    RELEASE,
+    raw_safetensors,
+    write_model,
+)
 
 F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 
@@ -122,7 +128,8 @@ def test_it_rejects_protocol_0_and_1_pickles_under_any_name(
     folder = write_model(tmp_path / "model")
     (folder / "optimizer.dat").write_bytes(pickle.dumps(payload, protocol=protocol))
 
-    assert rejected_codes(folder) == {"pickle-protocol"}
+    assert rejected_codes(folder, DATA_FILES) == {"pickle-protocol"}
+    assert rejected_codes(folder) == {"pickle-protocol", "file-not-allowed"}
 
 
 DEBIAN_COPYRIGHT = (  # FLOAT, then SHORT_BINSTRING: only a checked float stops it
@@ -151,9 +158,9 @@ PNG_START = (  # NEWFALSE, then PERSID "NG\r": an import-like opcode, then inval
 )
 def test_it_lets_text_through_that_merely_starts_like_pickle_opcodes(tmp_path, text):
     folder = write_model(tmp_path / "model")
-    (folder / "notes.txt").write_bytes(text)
+    (folder / "notes.dat").write_bytes(text)
 
-    assert inspect_model(folder).ok
+    assert inspect_model(folder, DATA_FILES).ok
 
 
 @pytest.mark.parametrize(
@@ -171,7 +178,7 @@ def test_it_refuses_a_stream_that_imports_even_if_it_never_completes(tmp_path, s
     (folder / "optimizer.state").write_bytes(stream)
 
     with pytest.raises(ModelRejectedError) as refused:
-        inspect_model(folder)
+        inspect_model(folder, DATA_FILES)
 
     assert refused.value.report.codes() == {"pickle-protocol"}
 
@@ -188,7 +195,7 @@ def test_an_import_then_setitem_stream_really_changes_the_imported_object():
 def test_its_opcode_table_covers_every_pickle_opcode():
     known = {op.code: op.name for op in pickletools.opcodes}
 
-    assert {chr(c): spec[0] for c, spec in inspection._PICKLE_OPS.items()} == known
+    assert {chr(c): spec[0] for c, spec in pickle_scan._PICKLE_OPS.items()} == known
 
 
 class RecordingUnpickler(pickle.Unpickler):
@@ -229,8 +236,8 @@ LINES += [b"abc", b"", b"00", b"\xff", b"\xc3\xa9"]
 
 def random_opcode(rng: random.Random) -> bytes:
     """One opcode with a plausible or broken argument; no imports or calls."""
-    code = rng.choice(list(inspection._PICKLE_OPS))
-    name, arg, _, kind = inspection._PICKLE_OPS[code]
+    code = rng.choice(list(pickle_scan._PICKLE_OPS))
+    name, arg, _, kind = pickle_scan._PICKLE_OPS[code]
     if kind is not None or name == "STOP":
         return b""
     out = bytes([code])
@@ -284,7 +291,7 @@ def test_it_rejects_every_stream_that_an_unpickler_would_call_code_from(tmp_path
         path.write_bytes(data)
         fd = os.open(path, os.O_RDONLY)
         try:
-            found = inspection._scan_pickle(fd, len(data))
+            found = pickle_scan.scan_pickle(FileRange(fd, len(data)))
         finally:
             os.close(fd)
         assert found is not None, data

@@ -15,6 +15,8 @@ def test_it_prints_the_table_and_removes_its_folder(tmp_path, capsys):
                 "--dir",
                 str(tmp_path),
                 "--no-engine",
+                "--hostile-mb",
+                "2",
             ]
         )
         == 0
@@ -26,6 +28,11 @@ def test_it_prints_the_table_and_removes_its_folder(tmp_path, capsys):
         "ours verify sha256",
         "ours verify blake3 (cold)",
         "ours vs model_signing, sha256:",
+        "re-verify quick (digest cache)",
+        "re-verify full / quick:",
+        "gate, 2 MB header",
+        "gate / safetensors library, header:",
+        "verify, sparse 128 GiB planted",
     ):
         assert row in out
     assert list(tmp_path.iterdir()) == []

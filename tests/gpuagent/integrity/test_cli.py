@@ -124,9 +124,7 @@ def test_it_signs_verifies_and_rejects_tampering(tmp_path, keys, capsys):
 def test_it_exits_with_the_usage_code_on_bad_arguments(tmp_path, keys, capsys):
     folder = write_model(tmp_path / "model")
 
-    with pytest.raises(SystemExit) as info:
-        main(["sign", str(folder)])
-    assert info.value.code == EXIT_USAGE
+    assert main(["sign", str(folder)]) == EXIT_USAGE  # argparse's own error
     assert main(["verify", str(folder), "--signature", "x.sig"]) == EXIT_USAGE
     assert main(["hash", str(tmp_path / "missing")]) == EXIT_USAGE
     assert main(["inspect", str(tmp_path / "missing")]) == EXIT_USAGE
@@ -266,3 +264,34 @@ def test_it_signs_with_a_password_protected_key(tmp_path, capsys):
     capsys.readouterr()
     verify = ["verify", str(folder), "--signature", str(folder / "model.sig")]
     assert main([*verify, "--public-key", str(public), *RELEASE_ARGS]) == EXIT_OK
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [MemoryError(), RuntimeError("boom")],
+    ids=["memory-error", "crash"],
+)
+def test_it_answers_a_crash_with_a_json_report_not_a_traceback(
+    tmp_path, capsys, monkeypatch, failure
+):
+    from gpuagent.integrity import __main__ as cli
+
+    def crash(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(cli, "inspect_model", crash)
+    folder = write_model(tmp_path / "model")
+
+    assert main(["inspect", str(folder), "--json"]) == EXIT_REJECTED
+
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["ok"] is False
+    assert report["error"] == "internal-error"
+    assert "Traceback" not in out.err
+
+
+def test_it_answers_bad_usage_with_a_json_report(capsys):
+    assert main(["verify", "--json", "/nonexistent"]) == EXIT_USAGE
+
+    assert json.loads(capsys.readouterr().out)["error"] == "usage"

@@ -26,7 +26,7 @@ from gpuagent.integrity import (
     ModelRejectedError,
     inspect_model,
 )
-from tests.gpuagent.integrity.builders import raw_safetensors, write_model
+from tests.gpuagent.integrity.builders import DATA_FILES, raw_safetensors, write_model
 
 F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 
@@ -708,7 +708,7 @@ def test_it_reports_every_file_of_a_clean_folder(tmp_path):
     folder = write_model(tmp_path / "model")
     (folder / "ok.npy").write_bytes(npy_bytes(np.arange(4, dtype=np.float32)))
 
-    report = inspect_model(folder)
+    report = inspect_model(folder, DATA_FILES)  # the policy names *.npy
 
     assert report.ok
     assert {f.path: f.verdict for f in report.files} == {
@@ -887,7 +887,7 @@ def test_it_reads_only_the_ends_of_a_large_file_that_is_no_pickle(
     tmp_path, monkeypatch
 ):
     folder = write_model(tmp_path / "model")
-    big = folder / "notes.txt"
+    big = folder / "notes.dat"  # named by the policy: not read whole as text
     big.write_bytes(b"Format: https://example.org/spec\nFiles: *\n" * 100)
     with open(big, "r+b") as f:
         f.truncate(64 << 20)
@@ -901,7 +901,7 @@ def test_it_reads_only_the_ends_of_a_large_file_that_is_no_pickle(
 
     monkeypatch.setattr(os, "pread", spy)
 
-    assert inspect_model(folder).ok
+    assert inspect_model(folder, DATA_FILES).ok
     assert sum(read) < 256 << 10  # head, a little of the opcode scan, ZIP tail
 
 

@@ -288,12 +288,13 @@ def test_it_signs_and_verifies_other_hash_settings(
 
 def test_it_refuses_hash_settings_outside_the_policy(tmp_path, keys):
     folder = write_model(tmp_path / "model")
-    sign_model(
+    sign_model(  # a signer under a laxer policy than the verifier's
         folder,
         folder / "model.sig",
         release=RELEASE,
         private_key=keys.private,
         shard_size=4096,
+        policy=keys.policy(min_shard_size=1),
     )
 
     with pytest.raises(PolicyError, match="shard size"):
@@ -628,3 +629,96 @@ def test_it_refuses_a_certificate_signature_whose_certificate_has_expired(tmp_pa
         leaf.not_valid_after_utc.isoformat()
     )
     assert "(expired now)" in report.to_text()
+
+
+# --- the listing before any hashing ---------------------------------------------
+
+
+@pytest.fixture
+def no_hashing(monkeypatch):
+    """Fails the test if verify reads any file to hash it."""
+    from gpuagent.integrity import manifest
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("verify hashed a file")
+
+    monkeypatch.setattr(manifest, "_hash_range", refuse)
+
+
+def test_it_names_a_sparse_128_gib_planted_file_without_reading_it(
+    signed, keys, no_hashing
+):
+    with open(signed / "planted.safetensors", "wb") as f:
+        f.truncate(128 << 30)
+
+    with pytest.raises(ManifestMismatchError) as caught:
+        verify_model(signed, signed / "model.sig", keys.policy())
+
+    assert caught.value.extra == ["planted.safetensors"]
+
+
+@pytest.mark.parametrize("shard_size", [None, 1 << 20], ids=["files", "shards"])
+def test_it_names_a_signed_file_grown_to_128_gib_without_reading_it(
+    tmp_path, keys, shard_size, monkeypatch
+):
+    folder = write_model(tmp_path / "model")
+    sign_model(
+        folder,
+        folder / "model.sig",
+        release=RELEASE,
+        private_key=keys.private,
+        shard_size=shard_size,
+    )
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.truncate(128 << 30)
+    from gpuagent.integrity import manifest
+
+    monkeypatch.setattr(manifest, "_hash_range", pytest.fail)
+
+    with pytest.raises(ManifestMismatchError) as caught:
+        verify_model(folder, folder / "model.sig", keys.policy())
+
+    assert caught.value.changed == ["model.safetensors"]
+
+
+# --- sign refuses what verify would -------------------------------------------
+
+
+def test_it_refuses_at_sign_time_a_shard_size_verify_would_refuse(tmp_path, keys):
+    folder = write_model(tmp_path / "model")
+
+    with pytest.raises(PolicyError, match="shard size 4096 below policy minimum"):
+        sign_model(
+            folder,
+            folder / "model.sig",
+            release=RELEASE,
+            private_key=keys.private,
+            shard_size=4096,
+        )
+    assert not (folder / "model.sig").exists()
+
+
+def test_it_refuses_at_sign_time_an_empty_file_shards_cannot_cover(tmp_path, keys):
+    folder = write_model(tmp_path / "model")
+    (folder / "added_tokens.json").write_text("")
+    sign = dict(release=RELEASE, private_key=keys.private)
+
+    with pytest.raises(PolicyError, match="added_tokens.json"):
+        sign_model(folder, folder / "model.sig", shard_size=1 << 20, **sign)
+    # Whole-file digests cover an empty file: that signature verifies.
+    sign_model(folder, folder / "model.sig", **sign)
+    assert verify_model(folder, folder / "model.sig", keys.policy()).ok
+
+
+def test_it_refuses_a_sign_command_whose_signature_verify_would_refuse(
+    tmp_path, keys, capsys
+):
+    from gpuagent.integrity.__main__ import EXIT_REJECTED, main
+
+    folder = write_model(tmp_path / "model")
+    args = ["sign", str(folder), "--signature", str(folder / "model.sig")]
+    args += ["--private-key", str(keys.private), "--model", RELEASE.model]
+    args += ["--version", RELEASE.version, "--recipe", RELEASE.recipe]
+
+    assert main([*args, "--shard-size", "4096", "--json"]) == EXIT_REJECTED
+    assert json.loads(capsys.readouterr().out)["error"] == "policy-violation"

@@ -28,7 +28,7 @@ from gpuagent.integrity import (
     sign_model,
     verify_model,
 )
-from gpuagent.integrity.signing import _payload
+from gpuagent.integrity.signing import _payload, file_sizes
 from tests.gpuagent.integrity.builders import RELEASE, mutations, write_model
 from tests.gpuagent.integrity.private_sigstore import (
     Authority,
@@ -48,7 +48,8 @@ def statement(folder: Path, release: ReleaseBinding = RELEASE) -> bytes:
     the same manifest (signature ignored) and predicate, serialized as
     model-signing's signers do."""
     manifest = hash_model(folder, ignore_paths=("model.sig",))
-    return json_format.MessageToJson(_payload(manifest, release).statement.pb).encode()
+    payload = _payload(manifest, release, file_sizes(folder, manifest))
+    return json_format.MessageToJson(payload.statement.pb).encode()
 
 
 @pytest.fixture
@@ -115,6 +116,7 @@ def test_it_verifies_a_valid_keyless_signature(sigstore, folder):
         "format": "releasegate-binding/v1",
         **RELEASE.to_dict(),
         "manifest_digest": expected.digest,
+        "file_sizes": json.dumps(file_sizes(folder, expected), separators=(",", ":")),
     }
     assert report.files == sorted(expected.files())
     assert "model.sig" not in report.files
