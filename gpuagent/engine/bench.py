@@ -472,14 +472,9 @@ def teacher_forced_logprobs(
 
 
 def quality_sequences(tokenizer, max_len: int) -> list[list[int]]:
-    """QUALITY_TEXTS as token ids, BOS first when the tokenizer has one, at most
-    `max_len` tokens each."""
-    sequences = []
-    for text in QUALITY_TEXTS:
-        ids = tokenizer.encode(text)[: max_len - 1]
-        bos = getattr(tokenizer, "bos_token_id", None)
-        sequences.append(([bos] if bos is not None else []) + ids)
-    return sequences
+    """QUALITY_TEXTS as token ids, encoded as the engine encodes a prompt (BOS
+    first where the tokenizer's rule adds it), at most `max_len` tokens each."""
+    return [tokenizer.encode_prompt(text)[:max_len] for text in QUALITY_TEXTS]
 
 
 def quality_rows(model, tokenizer, max_len: int) -> list[Row]:

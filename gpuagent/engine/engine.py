@@ -315,7 +315,8 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt; text gets the tokenizer's BOS unless it has it."""
+        """Token ids of a prompt; text is encoded by the tokenizer's own rule
+        (`Tokenizer.encode_prompt`: BOS only where the tokenizer adds one)."""
         if not isinstance(prompt, str):
             ids = [int(t) for t in prompt]
             if any(not 0 <= t < self.config.vocab_size for t in ids):
@@ -331,11 +332,7 @@ class LLMEngine:
                 raise ValueError(
                     "the prompt is not valid Unicode (it has a lone surrogate)"
                 ) from None
-        ids = self.tokenizer.encode(prompt)
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        if bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
-        return ids
+        return self.tokenizer.encode_prompt(prompt)
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams):
         """Raise ValueError (RequestTooLargeError for length) if the request can't be

@@ -356,3 +356,17 @@ def test_it_detokenizes_each_streamed_token_a_bounded_number_of_times(
     assert out.text == real_decode(out.token_ids, skip_special_tokens=True)
     # Decoding the whole output on every token would be ~20,000 ids.
     assert sum(decoded) < 10 * 200
+
+
+def test_it_adds_bos_to_a_plain_prompt_only_where_the_tokenizer_does(
+    real_model_and_tokenizer, tiny_model_and_tokenizer
+):
+    from gpuagent.engine.engine import LLMEngine
+
+    for model, tokenizer in (real_model_and_tokenizer, tiny_model_and_tokenizer):
+        engine = LLMEngine(model, tokenizer, num_blocks=4, prepack_weights=False)
+        ids = engine.encode_prompt("Hello there")
+        assert ids == tokenizer.encode_prompt("Hello there")
+        assert (ids[0] == tokenizer.bos_token_id) is (
+            tokenizer is not real_model_and_tokenizer[1]
+        )
