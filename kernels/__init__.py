@@ -7,13 +7,18 @@ kernels on CPU tensors under TRITON_INTERPRET=1). Importing works without a GPU.
 
 from kernels.kv_quant import (
     KV_CACHE_DTYPES,
+    ROTATED_DTYPES,
+    STATIC_SCALE_DTYPES,
     PagedKVCache,
     allocate_kv_cache,
     dequantize_kv,
     gather_kv,
+    hadamard,
     kv_bytes_per_token,
+    kv_static_bytes,
     kv_window_bytes,
     quantize_kv,
+    set_static_scales,
     write_kv,
 )
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
@@ -29,17 +34,22 @@ from kernels.weight_matmul import (
 
 __all__ = [
     "KV_CACHE_DTYPES",
+    "ROTATED_DTYPES",
+    "STATIC_SCALE_DTYPES",
     "PagedKVCache",
     "allocate_kv_cache",
     "dequantize_kv",
     "dequantize_weight_int4",
     "gather_kv",
+    "hadamard",
     "kv_bytes_per_token",
+    "kv_static_bytes",
     "kv_window_bytes",
     "pack_int4",
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantize_kv",
+    "set_static_scales",
     "quantize_weight_int4",
     "quantize_weight_int8",
     "unpack_int4",

@@ -109,14 +109,20 @@ def _configs(module: str):
                 "CACHE_BF16": code == 0,
             }
             for window in (0, _WINDOW) if code else (0,):
-                consts = dict(consts, WINDOW=window)
+                consts = dict(consts, WINDOW=window, STATIC_SCALES=False)
                 name = f"write_kv[{code},W{window}]"
                 yield name, kv_quant._write_kv_kernel, sig, consts, 1
+        # fp8-static: one float32 scale per head, read, never written
+        sig = dict(_WRITE_SIG, key_cache_ptr=_STORAGE[1], value_cache_ptr=_STORAGE[1])
+        sig.update(key_scale_ptr="*fp32", value_scale_ptr="*fp32")
+        consts = dict(consts, KV_DTYPE=1, QMAX=448.0, STATIC_SCALES=True)
+        yield "write_kv[fp8-static]", kv_quant._write_kv_kernel, sig, consts, 1
         # fp32 storage: code 0 without the bf16 rounding, a plain float32 store.
         sig = dict(_WRITE_SIG, key_cache_ptr="*fp32", value_cache_ptr="*fp32")
         consts = {"HEAD_DIM": 128, "STORED_DIM": 128, "KV_DTYPE": 0, "QMAX": 1.0}
         consts["CACHE_BF16"] = False
         consts["WINDOW"] = 0
+        consts["STATIC_SCALES"] = False
         yield "write_kv[fp32]", kv_quant._write_kv_kernel, sig, consts, 1
     elif module == "paged_attention":
         # (KV_DTYPE code, GQA group, head_dim, block_size)
@@ -139,6 +145,7 @@ def _configs(module: str):
             if code != 3:
                 consts["KV_DTYPE"] = code
                 consts["DOT_PRECISION"] = "tf32"
+                consts["STATIC_SCALES"] = False
             # Both epilogues, spread over the shapes to keep the check short.
             single = group in (1, 8)
             consts["SINGLE_PART"] = single
@@ -157,6 +164,7 @@ def _configs(module: str):
                 "BLOCK_N": paged_attention.PREFILL_BLOCK_N,
                 "KV_DTYPE": code,
                 "DOT_PRECISION": "tf32",
+                "STATIC_SCALES": False,
             }
             warps = 4 if head_dim <= 64 else 8
             kernel = paged_attention._paged_prefill_kernel
@@ -177,6 +185,7 @@ def _configs(module: str):
             "DOT_PRECISION": "ieee",
             "SINGLE_PART": False,
             "WINDOW": 0,
+            "STATIC_SCALES": False,
         }
         kernel = paged_attention._paged_decode_kernel
         yield "decode[fp32,G4,D64]", kernel, dict(_DECODE_SIG, **fp32), consts, 4
@@ -189,9 +198,33 @@ def _configs(module: str):
             "KV_DTYPE": 0,
             "DOT_PRECISION": "ieee",
             "WINDOW": 0,
+            "STATIC_SCALES": False,
         }
         kernel = paged_attention._paged_prefill_kernel
         yield "prefill[fp32,G4,D64]", kernel, dict(_PREFILL_SIG, **fp32), consts, 4
+        # fp8-static: fp8 storage, one float32 scale per kv head, with its window
+        static = {"k_cache_ptr": _STORAGE[1], "v_cache_ptr": _STORAGE[1]}
+        static.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+        consts = dict(consts, KV_DTYPE=1, DOT_PRECISION="tf32", WINDOW=_WINDOW)
+        consts["STATIC_SCALES"] = True
+        sig = dict(_PREFILL_SIG, **static)
+        yield "prefill[fp8-static,G4,D64,W]", kernel, sig, consts, 4
+        consts = {
+            "GROUP": 3,
+            "GROUP_PAD": 16,
+            "HEAD_DIM": 64,
+            "BLOCK_SIZE": 16,
+            "BLOCK_N": paged_attention.DECODE_BLOCK_N,
+            "PARTITION_SIZE": paged_attention.PARTITION_SIZE,
+            "KV_DTYPE": 1,
+            "DOT_PRECISION": "tf32",
+            "SINGLE_PART": True,
+            "WINDOW": _WINDOW,
+            "STATIC_SCALES": True,
+        }
+        kernel = paged_attention._paged_decode_kernel
+        sig = dict(_DECODE_SIG, **static)
+        yield "decode[fp8-static,G3,D64,W]", kernel, sig, consts, 4
         consts = {"HEAD_DIM": 128, "PARTS_BLOCK": 32}
         yield (
             "reduce",

@@ -16,6 +16,20 @@ fp32     [num_blocks, block_size, H, D] float32      None                   8*H*
 fp32 is a plain copy, for exact parity checks against a float32 reference (twice the
 bf16 bytes; not a serving format).
 
+fp8-static stores fp8 e4m3 like fp8 but with one float32 scale per kv head for the
+whole cache (vLLM's k_scale / v_scale, per head), calibrated from text before serving
+(`set_static_scales`; a cache whose scales are not set refuses writes):
+key/value [num_blocks, block_size, H, D] float8_e4m3fn, key_scale/value_scale [H]
+float32; stored q = fp8(clamp(x / scale, -448, 448)), read q * scale. 2*H*D bytes per
+token, plus 8*H bytes per layer for the scales.
+
+Rotation (`ROTATED_DTYPES`: fp8-static, int8, int4): the model writes K and V and
+reads attention output in a rotated basis, x @ R with R the orthonormal Hadamard
+matrix of size D (`hadamard`). Since R R^T = I, (q R).(k R) = q.k and
+softmax(.) (V R) R^T = softmax(.) V: attention is unchanged, but a key's few outlier
+channels are spread over all D, so a per-token (or per-head) scale fits it far better.
+The kernels only see the rotated vectors; `kernels` itself never rotates.
+
 Full-precision window (optional, quantized dtypes only): the newest `window` tokens of
 each sequence are also kept in bfloat16, in `window_key` / `window_value`
 [num_windows, window, H, D]. A sequence owns one window row; position p goes to
@@ -53,7 +67,12 @@ import torch
 
 from kernels._triton import check, tl, triton, use_triton
 
-KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
+KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-static", "int8", "int4", "fp32")
+# One scale per kv head for the whole cache, set before the first write.
+STATIC_SCALE_DTYPES = ("fp8-static",)
+# Layouts the model writes in the Hadamard basis (module docstring).
+ROTATED_DTYPES = ("fp8-static", "int8", "int4")
+STATIC_SCALE_DTYPE = torch.float32
 
 SCALE_DTYPE = torch.float16
 WINDOW_DTYPE = torch.bfloat16
@@ -61,15 +80,24 @@ _STORAGE_DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp8": torch.float8_e4m3fn,
+    "fp8-static": torch.float8_e4m3fn,
     "int8": torch.int8,
     "int4": torch.uint8,
     "fp32": torch.float32,
 }
 # Largest code magnitude per quantized dtype: scale = absmax / QMAX.
-_QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.5}
+_QMAX = {"fp8": 448.0, "fp8-static": 448.0, "int8": 127.0, "int4": 7.5}
 # KV_DTYPE constexpr codes shared with kernels/paged_attention.py.
 # Code 0 = unscaled storage, read back with a plain cast (bf16, fp16, fp32).
-KV_DTYPE_CODES = {"bf16": 0, "fp16": 0, "fp8": 1, "int8": 2, "int4": 3, "fp32": 0}
+KV_DTYPE_CODES = {
+    "bf16": 0,
+    "fp16": 0,
+    "fp8": 1,
+    "fp8-static": 1,
+    "int8": 2,
+    "int4": 3,
+    "fp32": 0,
+}
 _SCALE_MIN = 2.0**-14
 _SCALE_ROUND_UP = 1.0 + 2.0**-10
 
@@ -91,6 +119,20 @@ class PagedKVCache:
     window: int = 0
     window_key: torch.Tensor | None = None  # [num_windows, window, H, D] bfloat16
     window_value: torch.Tensor | None = None
+    # fp8-static: whether `set_static_scales` has set key_scale / value_scale
+    scales_set: bool = False
+    # Whether the model writes this cache in the Hadamard basis (module docstring)
+    rotated: bool = False
+
+    @property
+    def static_scales(self) -> bool:
+        """One scale per kv head for the whole cache (fp8-static)."""
+        return self.dtype in STATIC_SCALE_DTYPES
+
+    @property
+    def stores_fp8(self) -> bool:
+        """Storage is float8_e4m3fn (moved as bytes where fp8 ops are missing)."""
+        return self.key.dtype == torch.float8_e4m3fn
 
     @property
     def nbytes(self) -> int:
@@ -117,13 +159,22 @@ def _check_dtype(dtype: str) -> None:
 def kv_bytes_per_token(dtype: str, num_kv_heads: int, head_dim: int) -> int:
     """Bytes one token takes in one layer's cache, K and V, scales included.
 
-    Equals `allocate_kv_cache(...).nbytes / (num_blocks * block_size)` exactly.
+    Equals `(allocate_kv_cache(...).nbytes - kv_static_bytes(...)) / (num_blocks *
+    block_size)` exactly.
     """
     _check_dtype(dtype)
-    if dtype not in _QMAX:  # unscaled: bf16, fp16 (2 bytes), fp32 (4 bytes)
+    if dtype not in _QMAX or dtype in STATIC_SCALE_DTYPES:  # no per-token scales
         return 2 * num_kv_heads * head_dim * _STORAGE_DTYPES[dtype].itemsize
     data = head_dim // 2 if dtype == "int4" else head_dim
     return 2 * num_kv_heads * (data + SCALE_DTYPE.itemsize)
+
+
+def kv_static_bytes(dtype: str, num_kv_heads: int) -> int:
+    """Bytes one layer's cache holds whatever its size: fp8-static's K and V scales."""
+    _check_dtype(dtype)
+    if dtype not in STATIC_SCALE_DTYPES:
+        return 0
+    return 2 * num_kv_heads * STATIC_SCALE_DTYPE.itemsize
 
 
 def kv_window_bytes(num_kv_heads: int, head_dim: int, window: int) -> int:
@@ -140,9 +191,11 @@ def allocate_kv_cache(
     device: str | torch.device = "cpu",
     window: int = 0,
     num_windows: int = 0,
+    rotated: bool | None = None,
 ) -> PagedKVCache:
     """Allocate a zeroed paged KV cache for one layer (layout in module docstring),
-    with `num_windows` window rows of `window` tokens when window > 0."""
+    with `num_windows` window rows of `window` tokens when window > 0; `rotated`
+    (default: dtype in ROTATED_DTYPES) tells the model to write it rotated."""
     _check_dtype(dtype)
     check(dtype != "int4" or head_dim % 2 == 0, "int4 KV needs an even head_dim")
     check(window >= 0 and num_windows >= 0, "window and num_windows must be >= 0")
@@ -162,6 +215,8 @@ def allocate_kv_cache(
     def scale() -> torch.Tensor | None:
         if not scaled:
             return None
+        if dtype in STATIC_SCALE_DTYPES:  # set by set_static_scales
+            return torch.ones(num_kv_heads, dtype=STATIC_SCALE_DTYPE, device=device)
         return torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
 
     def window_store() -> torch.Tensor | None:
@@ -183,7 +238,38 @@ def allocate_kv_cache(
         window=window,
         window_key=window_store(),
         window_value=window_store(),
+        rotated=dtype in ROTATED_DTYPES if rotated is None else rotated,
     )
+
+
+def set_static_scales(
+    cache: PagedKVCache, key_scale: torch.Tensor, value_scale: torch.Tensor
+) -> None:
+    """Set an fp8-static cache's per-head scales ([H] each, absmax / 448 of the
+    calibration K/V as the model writes them); positive and finite."""
+    check(cache.static_scales, f"{cache.dtype} has no static scales")
+    for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
+        check(
+            tuple(scale.shape) == (cache.num_kv_heads,),
+            f"{name} must be [{cache.num_kv_heads}], got {tuple(scale.shape)}",
+        )
+        check(
+            bool(torch.isfinite(scale).all() and (scale > 0).all()),
+            f"{name} must be positive and finite",
+        )
+    cache.key_scale.copy_(key_scale)
+    cache.value_scale.copy_(value_scale)
+    cache.scales_set = True
+
+
+def hadamard(n: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The orthonormal n x n Hadamard matrix (Sylvester; n a power of two), float32.
+    Symmetric, so it is its own inverse."""
+    check(n > 0 and n & (n - 1) == 0, f"a Hadamard rotation needs a power of two: {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / n**0.5).to(device)
 
 
 # --------------------------------------------------------------------------------------
@@ -192,14 +278,19 @@ def allocate_kv_cache(
 
 
 def quantize_kv(
-    x: torch.Tensor, dtype: str
+    x: torch.Tensor, dtype: str, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantize head vectors x [..., D] to (storage [..., D or D/2], scale [...]).
 
     Torch reference of the write kernel; the scale is float16 (None for
-    bf16/fp16/fp32).
+    bf16/fp16/fp32, and for fp8-static, which takes its per-head `static_scale`
+    [H] for x [..., H, D]).
     """
     _check_dtype(dtype)
+    if dtype in STATIC_SCALE_DTYPES:
+        check(static_scale is not None, f"{dtype} needs its static scales")
+        y = x.float() / static_scale.float().unsqueeze(-1)
+        return y.clamp(-_QMAX[dtype], _QMAX[dtype]).to(torch.float8_e4m3fn), None
     if dtype not in _QMAX:
         return x.to(_STORAGE_DTYPES[dtype]), None
     x32 = x.float()
@@ -238,17 +329,18 @@ def _write_kv_reference(
     if slots.numel() and int(slots.min()) < 0:  # one op when nothing is skipped
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
+    fp8 = cache.stores_fp8
     for src, store, scale in (
         (key, cache.key, cache.key_scale),
         (value, cache.value, cache.value_scale),
     ):
-        q, s = quantize_kv(src, cache.dtype)
+        q, s = quantize_kv(src, cache.dtype, scale if cache.static_scales else None)
         # fp8 index_put is not implemented everywhere; bytes are bytes.
-        flat = store.view(torch.uint8) if cache.dtype == "fp8" else store
+        flat = store.view(torch.uint8) if fp8 else store
         flat = flat.view(cache.num_slots, cache.num_kv_heads, -1)
         # index_copy_ writes whole rows (cheaper than flat[slots] = q on the CPU)
-        flat.index_copy_(0, slots, q.view(torch.uint8) if cache.dtype == "fp8" else q)
-        if scale is not None:
+        flat.index_copy_(0, slots, q.view(torch.uint8) if fp8 else q)
+        if s is not None:
             scale.view(cache.num_slots, cache.num_kv_heads).index_copy_(0, slots, s)
 
 
@@ -298,11 +390,12 @@ def _fp32_to_bf16_rne(x):
 def _quantize_store_head(
     src_ptr,  # [HEAD_DIM] one new head vector (bf16/fp16/fp32), contiguous
     dst_ptr,  # row of the cache storage for (slot, head): HEAD_DIM or HEAD_DIM//2
-    scale_ptr,  # float16 scale for (slot, head); unused when KV_DTYPE == 0
+    scale_ptr,  # float16 scale for (slot, head), or the head's static float32 one
     HEAD_DIM: tl.constexpr,
     KV_DTYPE: tl.constexpr,
     QMAX: tl.constexpr,
     CACHE_BF16: tl.constexpr,
+    STATIC_SCALES: tl.constexpr,  # read the head's scale instead of writing one
 ):
     if KV_DTYPE == 3:
         # int4: even and odd elements apart, so each output byte gets (low, high).
@@ -326,6 +419,10 @@ def _quantize_store_head(
                 tl.store(dst_ptr + offs, _fp32_to_bf16_rne(x))
             else:
                 tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty))
+        elif STATIC_SCALES:
+            # fp8-static: saturate what the calibration did not see
+            y = x / tl.load(scale_ptr).to(tl.float32)
+            tl.store(dst_ptr + offs, _fp32_to_e4m3_bits(tl.clamp(y, -QMAX, QMAX)))
         else:
             absmax = tl.max(tl.abs(x), axis=0)
             # 1 + 2^-10 rounds the float16 scale up; 2^-14 = smallest normal fp16.
@@ -359,8 +456,8 @@ def _write_kv_kernel(
     slot_ptr,  # [T] int64 cache slot per token; -1 = do not write
     key_cache_ptr,  # [num_slots, H, HEAD_DIM or HEAD_DIM//2] key storage (fp8 as u8)
     value_cache_ptr,  # [num_slots, H, HEAD_DIM or HEAD_DIM//2] value storage
-    key_scale_ptr,  # [num_slots, H] float16 key scales (dummy: unscaled)
-    value_scale_ptr,  # [num_slots, H] float16 value scales (dummy: unscaled)
+    key_scale_ptr,  # [num_slots, H] float16 key scales, [H] if STATIC (dummy: none)
+    value_scale_ptr,  # [num_slots, H] float16 value scales, [H] if STATIC (dummy)
     window_slot_ptr,  # [T] int64 ring slot per token, -1 = not in the window (dummy)
     key_window_ptr,  # [num_windows * WINDOW, H, HEAD_DIM] bfloat16 ring (dummy)
     value_window_ptr,  # [num_windows * WINDOW, H, HEAD_DIM] bfloat16 ring (dummy)
@@ -375,29 +472,33 @@ def _write_kv_kernel(
     QMAX: tl.constexpr,
     CACHE_BF16: tl.constexpr,
     WINDOW: tl.constexpr,  # ring length of the full-precision window; 0 = none
+    STATIC_SCALES: tl.constexpr,  # one scale per head (fp8-static)
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + tok)
     if slot >= 0:
         row = slot * num_kv_heads + head
+        scale_row = head if STATIC_SCALES else row
         _quantize_store_head(
             key_ptr + tok * stride_kt + head * stride_kh,
             key_cache_ptr + row * STORED_DIM,
-            key_scale_ptr + row,
+            key_scale_ptr + scale_row,
             HEAD_DIM,
             KV_DTYPE,
             QMAX,
             CACHE_BF16,
+            STATIC_SCALES,
         )
         _quantize_store_head(
             value_ptr + tok * stride_vt + head * stride_vh,
             value_cache_ptr + row * STORED_DIM,
-            value_scale_ptr + row,
+            value_scale_ptr + scale_row,
             HEAD_DIM,
             KV_DTYPE,
             QMAX,
             CACHE_BF16,
+            STATIC_SCALES,
         )
     if WINDOW > 0:
         # Independent of `slot`: the window copy is a second, bf16 home of the token.
@@ -455,7 +556,7 @@ def _write_kv_triton(
     if num_tokens == 0:
         return
     key_store, value_store = cache.key, cache.value
-    if cache.dtype == "fp8":
+    if cache.stores_fp8:
         key_store, value_store = (
             key_store.view(torch.uint8),
             value_store.view(torch.uint8),
@@ -488,6 +589,7 @@ def _write_kv_triton(
         QMAX=_QMAX.get(cache.dtype, 1.0),
         CACHE_BF16=cache.dtype == "bf16",
         WINDOW=cache.window,
+        STATIC_SCALES=cache.static_scales,
     )
 
 
@@ -536,6 +638,11 @@ def write_kv(
         )
     else:
         check(window_slots is None, "window_slots given but the cache has no window")
+    check(
+        not cache.static_scales or cache.scales_set,
+        f"a {cache.dtype} cache needs its calibrated scales (set_static_scales) "
+        "before the first write",
+    )
     windowed = (window_slots, cache.window_key) if cache.window else ()
     if use_triton(impl, key, value, slot_mapping, cache.key, *windowed):
         _write_kv_triton(cache, key, value, slot_mapping, window_slots)
@@ -598,7 +705,10 @@ def gather_kv(
         (cache.value, cache.value_scale),
     ):
         rows = store.view(cache.num_slots, cache.num_kv_heads, -1)[slots]
-        s = None if scale is None else scale.view(cache.num_slots, -1)[slots]
+        if scale is None or cache.static_scales:
+            s = scale  # None, or [H] for every slot
+        else:
+            s = scale.view(cache.num_slots, -1)[slots]
         out.append(dequantize_kv(rows, s, cache.dtype))
     key, value = out
     if cache.window:

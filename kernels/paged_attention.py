@@ -79,11 +79,14 @@ def _gather_context(
     ):
         # index_select copies whole blocks, several times faster on the CPU than
         # store[table]; fp8 travels as bytes (bytes are bytes).
-        raw = store.view(torch.uint8) if cache.dtype == "fp8" else store
+        raw = store.view(torch.uint8) if cache.stores_fp8 else store
         rows = raw.index_select(0, blocks)  # [B * max_blocks, bs, Hkv, D or D/2]
-        if cache.dtype == "fp8":
+        if cache.stores_fp8:
             rows = rows.view(torch.float8_e4m3fn)
-        s = None if scale is None else scale.index_select(0, blocks)
+        if scale is None or cache.static_scales:
+            s = scale  # None, or [Hkv] for every slot
+        else:
+            s = scale.index_select(0, blocks)
         x = dequantize_kv(rows, s, cache.dtype)  # [B * max_blocks, bs, Hkv, D]
         out.append(x.view(batch, -1, cache.num_kv_heads, cache.head_dim))
     key, value = out
@@ -180,6 +183,7 @@ def _load_kv_tile(
     cache_ptr,  # [num_slots * Hkv, HEAD_DIM] storage: bf16/fp16/fp32, fp8 as u8, int8
     scale_ptr,  # [num_slots * Hkv] float16 scales (unused when KV_DTYPE == 0)
     row,  # [BLOCK_N] int64 row (slot * Hkv + kv_head) of each token
+    scale_row,  # [BLOCK_N] its scale's index: row, or kv_head for static scales
     mask,  # [BLOCK_N] tokens inside the context
     HEAD_DIM: tl.constexpr,
     KV_DTYPE: tl.constexpr,
@@ -192,7 +196,7 @@ def _load_kv_tile(
     else:
         x = raw.to(tl.float32)
     if KV_DTYPE != 0:
-        scale = tl.load(scale_ptr + row, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + scale_row, mask=mask, other=0.0).to(tl.float32)
         x = x * scale[:, None]
     return x
 
@@ -239,6 +243,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     SINGLE_PART: tl.constexpr,
     WINDOW: tl.constexpr,  # full-precision window length; 0 = none
+    STATIC_SCALES: tl.constexpr,  # one scale per kv head (fp8-static)
 ):
     # kv heads vary fastest across programs: the heads of one token share DRAM pages
     # and the 32-byte sectors of their scales.
@@ -278,7 +283,10 @@ def _paged_decode_kernel(
             other=0,
         ).to(tl.int64)
         row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM, KV_DTYPE)
+        scale_row = row * 0 + kv_head if STATIC_SCALES else row
+        k = _load_kv_tile(
+            k_cache_ptr, k_scale_ptr, row, scale_row, paged, HEAD_DIM, KV_DTYPE
+        )
         if WINDOW > 0:
             k_win = _load_window_tile(k_window_ptr, ring, win, HEAD_DIM)
             k = tl.where(win[:, None], k_win, k)
@@ -288,7 +296,9 @@ def _paged_decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM, KV_DTYPE)
+        v = _load_kv_tile(
+            v_cache_ptr, v_scale_ptr, row, scale_row, paged, HEAD_DIM, KV_DTYPE
+        )
         if WINDOW > 0:
             v_win = _load_window_tile(v_window_ptr, ring, win, HEAD_DIM)
             v = tl.where(win[:, None], v_win, v)
@@ -543,7 +553,7 @@ def _paged_decode_triton(
     if batch == 0:
         return out
     key, value = cache.key, cache.value
-    if cache.dtype == "fp8":
+    if cache.stores_fp8:
         key, value = key.view(torch.uint8), value.view(torch.uint8)
     key_scale = cache.key_scale if cache.key_scale is not None else key
     value_scale = cache.value_scale if cache.value_scale is not None else value
@@ -557,6 +567,7 @@ def _paged_decode_triton(
         dtype_arg = {
             "KV_DTYPE": KV_DTYPE_CODES[cache.dtype],
             "DOT_PRECISION": _dot_precision(cache),
+            "STATIC_SCALES": cache.static_scales,
         }
     kernel[(cache.num_kv_heads, batch, num_parts)](
         query,
@@ -643,6 +654,7 @@ def _paged_prefill_kernel(
     KV_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,  # full-precision window length; 0 = none
+    STATIC_SCALES: tl.constexpr,  # one scale per kv head (fp8-static)
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -686,13 +698,14 @@ def _paged_prefill_kernel(
                 other=0,
             ).to(tl.int64)
             row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
+            scale_row = row * 0 + kv_head if STATIC_SCALES else row
             if KV_DTYPE == 3:
                 k = _load_int4_tile_interleaved(
                     k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM
                 )
             else:
                 k = _load_kv_tile(
-                    k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM, KV_DTYPE
+                    k_cache_ptr, k_scale_ptr, row, scale_row, paged, HEAD_DIM, KV_DTYPE
                 )
             if WINDOW > 0:
                 k_win = _load_window_tile(k_window_ptr, ring, win, HEAD_DIM)
@@ -711,7 +724,7 @@ def _paged_prefill_kernel(
                 )
             else:
                 v = _load_kv_tile(
-                    v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM, KV_DTYPE
+                    v_cache_ptr, v_scale_ptr, row, scale_row, paged, HEAD_DIM, KV_DTYPE
                 )
             if WINDOW > 0:
                 v_win = _load_window_tile(v_window_ptr, ring, win, HEAD_DIM)
@@ -771,7 +784,7 @@ def _paged_prefill_triton(
     start = (ids - tiles_end[seq_c] + tiles_per_seq[seq_c]) * block_m
     tile_seq = torch.where(seq < batch, seq, -1).to(torch.int32)
     key, value = cache.key, cache.value
-    if cache.dtype == "fp8":
+    if cache.stores_fp8:
         key, value = key.view(torch.uint8), value.view(torch.uint8)
     key_scale = cache.key_scale if cache.key_scale is not None else key
     value_scale = cache.value_scale if cache.value_scale is not None else value
@@ -804,6 +817,7 @@ def _paged_prefill_triton(
         KV_DTYPE=KV_DTYPE_CODES[cache.dtype],
         DOT_PRECISION=_dot_precision(cache),
         WINDOW=cache.window,
+        STATIC_SCALES=cache.static_scales,
         num_warps=4 if head_dim <= 64 else 8,
     )
     return out

@@ -226,6 +226,12 @@ def kv_bytes_per_token(config: Any, kv_dtype: str) -> int:
     return num_layers * per_layer
 
 
+def kv_static_bytes(config: Any, kv_dtype: str) -> int:
+    """Bytes the caches hold whatever their size (fp8-static's per-head scales)."""
+    num_layers, num_kv_heads, _ = _kv_shape(config)
+    return num_layers * kernels.kv_static_bytes(kv_dtype, num_kv_heads)
+
+
 def kv_window_bytes(config: Any, window: int) -> int:
     """Bytes one sequence's full-precision window takes across all layers."""
     num_layers, num_kv_heads, head_dim = _kv_shape(config)
@@ -241,9 +247,10 @@ def num_blocks_for_budget(
     num_windows: int = 0,
 ) -> int:
     """How many KV blocks (all layers) fit in `budget_bytes`, after the window rows
-    (`num_windows` of `window` tokens) take theirs."""
+    (`num_windows` of `window` tokens) and any static scales take theirs."""
     block_bytes = kv_bytes_per_token(config, kv_dtype) * block_size
     rest = int(budget_bytes) - num_windows * kv_window_bytes(config, window)
+    rest -= kv_static_bytes(config, kv_dtype)
     return max(0, rest) // block_bytes
 
 

@@ -16,6 +16,7 @@ so a HF state dict maps onto this module by dropping the `model.` prefix.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.kv_quant import allocate_kv_cache, write_kv
+from kernels.kv_quant import allocate_kv_cache, hadamard, write_kv
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
 if TYPE_CHECKING:
@@ -178,6 +179,14 @@ class LlamaConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+
+
+@functools.cache
+def _rotation(dim: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    # one Hadamard matrix per (size, device, dtype), made once; a normal tensor even
+    # when first asked for under inference_mode, so autograd callers can use it too
+    with torch.inference_mode(False):
+        return hadamard(dim, device).to(dtype)
 
 
 # ---------------------------------------------------------------------------- RoPE
@@ -348,6 +357,12 @@ class Attention(nn.Module):
         out_rows: Tensor | None = None,  # [B] rows to compute; None: all T
     ) -> Tensor:
         q, k, v = self._qkv(x, cos, sin)  # [T, H, D], [T, KVH, D], [T, KVH, D]
+        rotation = None
+        if cache.rotated:
+            # The cache holds K and V in the Hadamard basis (kernels.kv_quant):
+            # q.k and the attention-weighted sum of V are the same there.
+            rotation = _rotation(self.head_dim, q.device, q.dtype)  # [D, D]
+            q, k, v = q @ rotation, k @ rotation, v @ rotation
         write_kv(cache, k, v, attn.slot_mapping, attn.window_slots)
         if out_rows is not None or attn.decode_only:
             # Each kept row is its sequence's last new token, which sees the whole
@@ -370,6 +385,8 @@ class Attention(nn.Module):
                 self.softmax_scale,
                 attn.window_rows,
             )
+        if rotation is not None:
+            out = out.to(x.dtype) @ rotation.T  # back from the rotated basis
         out = out.to(x.dtype).flatten(-2)  # [T or B, H, D] -> [T or B, H * D]
         return self.o_proj(out)
 

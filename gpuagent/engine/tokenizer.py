@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
 
 SPECIAL_TOKENS = (
     "<|bos|>",
@@ -60,6 +60,7 @@ class Tokenizer:
         self.bos_token_id = self._id_of(self.bos_token)
         self.eos_token_id = self._id_of(self.eos_token)
         self.chat_template: str | None = self.config.get("chat_template")
+        self.prompt_prefix_ids, self.prompt_suffix_ids = self._prompt_affixes()
 
     def _id_of(self, token: Any) -> int | None:
         if isinstance(token, dict):  # HF AddedToken serialization
@@ -74,6 +75,38 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it map to their ids."""
         return self.inner.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt by the tokenizer's own rule (what transformers'
+        `tokenizer(text)` gives): the BOS/EOS `tokenizer_config.json` asks for with
+        `add_bos_token` / `add_eos_token`, or, where it sets neither, whatever the
+        post-processor of tokenizer.json adds (nothing, for most byte-level BPEs).
+
+        A prompt whose text already starts with the prefix (a chat template that
+        writes `{{ bos_token }}`) does not get it twice."""
+        ids = self.encode(text)
+        prefix = self.prompt_prefix_ids
+        if prefix and ids[: len(prefix)] == prefix:
+            prefix = []
+        return [*prefix, *ids, *self.prompt_suffix_ids]
+
+    def _prompt_affixes(self) -> tuple[list[int], list[int]]:
+        # (ids before, ids after) the text that encode_prompt adds
+        flags = ("add_bos_token", "add_eos_token")
+        if any(flag in self.config for flag in flags):
+            bos, eos = self.bos_token_id, self.eos_token_id
+            add_bos = bool(self.config.get("add_bos_token")) and bos is not None
+            add_eos = bool(self.config.get("add_eos_token")) and eos is not None
+            return ([bos] if add_bos else []), ([eos] if add_eos else [])
+        # The post-processor's template, read off one encoding of a probe text.
+        plain = self.inner.encode("a", add_special_tokens=False).ids
+        full = self.inner.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
+        raise TokenizerLoadError(
+            "the tokenizer's post-processor changes the text's own tokens"
+        )
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (a cut-off UTF-8 sequence decodes to U+FFFD)."""
@@ -144,6 +177,14 @@ def build_byte_tokenizer() -> HFTokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    # The demo model is trained on documents that start with BOS: prompts get it too
+    # (transformers reads this post-processor; tokenizer_config says add_bos_token).
+    bos = SPECIAL_TOKENS[0]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A",
+        pair=f"{bos} $A {bos} $B:1",
+        special_tokens=[(bos, 256)],
+    )
     return tok
 
 
@@ -171,6 +212,7 @@ def byte_tokenizer_config() -> dict[str, Any]:
         "bos_token": "<|bos|>",
         "eos_token": "<|eos|>",
         "pad_token": "<|pad|>",
+        "add_bos_token": True,
         "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,

@@ -12,6 +12,11 @@ from kernels import kv_quant
 from kernels._triton import tl, triton
 from tests.kernels.compile_helper import compile_for_sm90
 
+# fp8-static (one calibrated scale per head) has its own tests: test_kv_static.py
+PER_TOKEN_DTYPES = [
+    d for d in kernels.KV_CACHE_DTYPES if d not in kernels.STATIC_SCALE_DTYPES
+]
+
 QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.5}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -87,7 +92,7 @@ def slow_read_head(cache, slot: int, head: int, which: str):
     return codes, scale
 
 
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_it_counts_every_allocated_byte_per_token(dtype, head_dim):
     cache = kernels.allocate_kv_cache(dtype, 3, 16, 2, head_dim)
@@ -153,7 +158,7 @@ def test_it_refuses_triton_on_cpu_tensors_outside_the_interpreter(monkeypatch):
         )
 
 
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 def test_it_writes_through_the_slot_mapping_like_a_slow_loop(dtype):
     cache = kernels.allocate_kv_cache(dtype, 4, 16, 2, 64)
     key, value = random_kv(11, 2, 64, dtype=torch.bfloat16)
@@ -179,7 +184,7 @@ def test_it_writes_through_the_slot_mapping_like_a_slow_loop(dtype):
     assert not flat[untouched].any()
 
 
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 @pytest.mark.parametrize(
     ("block_size", "head_dim", "input_dtype"),
     [(16, 64, torch.bfloat16), (32, 128, torch.float32)],
@@ -267,7 +272,7 @@ def test_it_rounds_the_stored_scale_up_so_codes_never_clip(dtype):
     assert (err[:, 5] <= scale.float() * (0.5 if dtype != "fp8" else 16)).all()
 
 
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 def test_it_round_trips_within_the_dtype_error_bound(dtype):
     key, _ = random_kv(64, 4, 128, seed=4)
     key[0, 0] = 0.0  # an all-zero vector must survive (finite scale)
@@ -291,7 +296,7 @@ def test_it_round_trips_within_the_dtype_error_bound(dtype):
     assert back[0, 0].abs().max() <= 2.0**-15
 
 
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 def test_it_gathers_one_sequence_back_in_position_order(dtype):
     cache = kernels.allocate_kv_cache(dtype, 6, 16, 2, 64)
     key, value = random_kv(37, 2, 64, seed=5)
@@ -446,7 +451,7 @@ def test_it_gathers_the_newest_positions_from_the_window(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 def test_it_writes_like_the_reference_on_cuda(dtype):
     ref = kernels.allocate_kv_cache(dtype, 512, 16, 8, 128, device="cuda")
     tri = kernels.allocate_kv_cache(dtype, 512, 16, 8, 128, device="cuda")

@@ -15,6 +15,11 @@ from kernels import paged_attention
 from kernels.paged_attention import paged_decode_attention_reference
 from tests.kernels.compile_helper import compile_for_sm90
 
+# fp8-static (one calibrated scale per head) has its own tests: test_kv_static.py
+PER_TOKEN_DTYPES = [
+    d for d in kernels.KV_CACHE_DTYPES if d not in kernels.STATIC_SCALE_DTYPES
+]
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # (atol, rtol) of Triton vs reference, per KV dtype. Both dequantize to the same
@@ -140,7 +145,7 @@ def decode_context_lens(block_size):
     return [1, block_size - 1, block_size + 1, block_size, 4 * block_size + 3]
 
 
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_it_decodes_like_a_slow_loop_over_tokens(dtype, shape):
     num_heads, _, head_dim, block_size = shape
@@ -156,7 +161,7 @@ def test_it_decodes_like_a_slow_loop_over_tokens(dtype, shape):
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_it_decodes_with_triton_like_the_reference(dtype, shape):
     num_heads, _, head_dim, block_size = shape
@@ -535,7 +540,7 @@ def test_it_meets_the_quality_bar_on_data_with_channel_means(dtype, head_dim):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", kernels.KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
 @pytest.mark.parametrize("shape", [(32, 8, 128, 16), (32, 4, 64, 32), (8, 8, 128, 16)])
 def test_it_decodes_like_the_reference_on_cuda(dtype, shape):
     lens = [1, 15, 17, 1000, 2049, 4096, 333]

@@ -44,17 +44,21 @@ def test_it_generates_with_every_kv_dtype(
 def test_it_keeps_the_newest_tokens_of_int4_sequences_in_a_bf16_window(make_engine):
     engine = make_engine(kv_cache_dtype="int4", max_num_seqs=5)
 
-    assert engine.kv.window == 16 and engine.kv.blocks.num_windows == 5
+    assert engine.kv.window == 18 and engine.kv.blocks.num_windows == 5
     assert make_engine(kv_cache_dtype="int8").kv.window == 0
     assert make_engine(kv_cache_dtype="int4", kv_window=0).kv.window == 0
-    assert engine.metrics.registry.get_sample_value("engine_kv_window_tokens") == 16
+    assert engine.metrics.registry.get_sample_value("engine_kv_window_tokens") == 18
 
 
 def test_a_window_over_the_whole_context_reproduces_bf16_kv_exactly(make_engine):
     # Every position read from the bf16 window: int4 blocks never reach a dot, so
     # the tokens must equal bf16-KV's bit for bit, through batching, chunked
-    # prefill and preemption (a recomputed sequence gets another row).
-    bf16 = greedy_alone(make_engine(kv_cache_dtype="bf16"), PROMPTS)
+    # prefill and preemption (a recomputed sequence gets another row). The int4
+    # layout is rotated (Hadamard basis), so the bf16 cache it is held to is too.
+    bf16_engine = make_engine(kv_cache_dtype="bf16")
+    for cache in bf16_engine.kv.kv_caches:
+        cache.rotated = True
+    bf16 = greedy_alone(bf16_engine, PROMPTS)
     engine = make_engine(
         kv_cache_dtype="int4",
         kv_window=256,  # the tiny model's max_position_embeddings
@@ -356,3 +360,17 @@ def test_it_detokenizes_each_streamed_token_a_bounded_number_of_times(
     assert out.text == real_decode(out.token_ids, skip_special_tokens=True)
     # Decoding the whole output on every token would be ~20,000 ids.
     assert sum(decoded) < 10 * 200
+
+
+def test_it_adds_bos_to_a_plain_prompt_only_where_the_tokenizer_does(
+    real_model_and_tokenizer, tiny_model_and_tokenizer
+):
+    from gpuagent.engine.engine import LLMEngine
+
+    for model, tokenizer in (real_model_and_tokenizer, tiny_model_and_tokenizer):
+        engine = LLMEngine(model, tokenizer, num_blocks=4, prepack_weights=False)
+        ids = engine.encode_prompt("Hello there")
+        assert ids == tokenizer.encode_prompt("Hello there")
+        assert (ids[0] == tokenizer.bos_token_id) is (
+            tokenizer is not real_model_and_tokenizer[1]
+        )

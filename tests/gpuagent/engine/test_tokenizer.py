@@ -221,3 +221,66 @@ def test_it_reads_a_chat_template_saved_beside_the_config(tmp_path):
         )
         == "[hi]"
     )
+
+
+# ------------------------------------------------------------ the prompt's BOS rule
+
+RULE_TEXTS = {
+    "english": "The library opens in the autumn of 2024, at 10:30.",
+    "code": "def f(x):\n    return {'key': x ** 2}  # 12345\n",
+    "korean": "파일을 찾을 수 없습니다. 다시 시도하십시오.",
+}
+
+
+@pytest.mark.parametrize("slice_name", sorted(RULE_TEXTS))
+@pytest.mark.parametrize("model", ["demo", "real"])
+def test_it_encodes_prompts_as_transformers_does(model, slice_name, request):
+    from transformers import AutoTokenizer
+
+    from gpuagent.engine.bench import DEMO_MODEL_DIR
+
+    model_dir = (
+        DEMO_MODEL_DIR if model == "demo" else request.getfixturevalue("real_model_dir")
+    )
+    text = RULE_TEXTS[slice_name]
+    ours = load_tokenizer(model_dir).encode_prompt(text)
+
+    assert ours == AutoTokenizer.from_pretrained(model_dir)(text).input_ids
+    # the demo model is trained with BOS first; SmolLM2's tokenizer adds none
+    starts_with_bos = ours[0] == load_tokenizer(model_dir).bos_token_id
+    assert starts_with_bos is (model == "demo")
+
+
+def write_tokenizer(path, post_processor=None, **config):
+    vocab = {"a": 0, "b": 1, "<s>": 2, "</s>": 3}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = post_processor
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", **config}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return load_tokenizer(path)
+
+
+def test_it_takes_the_post_processors_bos_when_the_config_says_nothing(tmp_path):
+    from tokenizers import processors
+
+    template = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 2), ("</s>", 3)]
+    )
+    assert write_tokenizer(tmp_path, template).encode_prompt("ab") == [2, 0, 1, 3]
+    assert write_tokenizer(tmp_path).encode_prompt("ab") == [0, 1]
+
+
+def test_it_lets_the_configs_add_bos_token_decide(tmp_path):
+    from tokenizers import processors
+
+    template = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 2)]
+    )
+    no_bos = write_tokenizer(tmp_path, template, add_bos_token=False)
+    assert no_bos.encode_prompt("ab") == [0, 1]
+    bos = write_tokenizer(tmp_path, add_bos_token=True, add_eos_token=True)
+    assert bos.encode_prompt("ab") == [2, 0, 1, 3]
+    # a prompt that a chat template started with BOS does not get a second one
+    assert bos.encode_prompt("<s>ab") == [2, 0, 1, 3]

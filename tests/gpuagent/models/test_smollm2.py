@@ -112,3 +112,22 @@ def test_it_keeps_special_tokens_whole_and_renders_the_chat_template(
     assert ids == gguf_oracle[1](prompt).input_ids
     assert ids[0] == tokenizer.bos_token_id == 1  # <|im_start|>, from the template
     assert tokenizer.eos_token_id == 2  # <|im_end|>
+
+
+def test_int8_kv_stays_within_its_quality_bar_on_a_small_slice(
+    real_model_and_tokenizer,
+):
+    # A regression guard, not the measurement: python -m gpuagent.engine.bench
+    # --model-dir var/models/smollm2-135m prints the whole table.
+    model, tokenizer = real_model_and_tokenizer
+    ref, cand = [], []
+    for text in TEXTS.values():
+        ids = tokenizer.encode_prompt(text)[:64]
+        ref.append(bench.teacher_forced_logprobs(model, ids, "bf16"))
+        cand.append(bench.teacher_forced_logprobs(model, ids, "int8"))
+    ref, cand = torch.cat(ref), torch.cat(cand)
+    kld = (ref.exp() * (ref - cand)).sum(-1).mean().item()
+    same_top1 = (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
+    kld_bar, top1_bar = bench.QUALITY_TARGETS["int8"]
+    assert kld <= kld_bar
+    assert same_top1 >= top1_bar
