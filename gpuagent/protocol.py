@@ -177,6 +177,11 @@ class SliceQuality(_Message):
     retrieval_ok: bool | None = Field(
         None, description="long_context only: the fact was retrieved"
     )
+    reference_retrieval_ok: bool | None = Field(
+        None,
+        description="long_context only: the reference retrieved it (a candidate "
+        "miss is a regression only where the reference didn't miss)",
+    )
 
 
 class QualityReport(_Message):
@@ -191,6 +196,10 @@ class QualityReport(_Message):
     top_n: int | None = None
     seed: int
     slices: list[SliceQuality]
+    candidate_kv_cache_dtype: str | None = Field(
+        None, description="in-process only (an endpoint's is its own)"
+    )
+    reference_kv_cache_dtype: str | None = None
 
 
 class Percentiles(_Message):

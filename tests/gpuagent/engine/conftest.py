@@ -48,16 +48,6 @@ def make_tiny_model_dir(path: str | Path, seed: int = 0, **overrides: Any) -> Pa
     return path
 
 
-@pytest.fixture(autouse=True, scope="session")
-def one_torch_thread():
-    """Run the engine tests on one intra-op thread: the tiny matmuls here gain nothing
-    from more, and on a shared CPU extra threads spin-wait and run 10-40x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random tiny GQA model (2 heads, 1 KV head, head_dim 32), untied."""
