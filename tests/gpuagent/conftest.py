@@ -1,3 +1,5 @@
+"""Shared by the agent's tests (engine, models, evaluate, loadtest)."""
+
 import pytest
 import torch
 
