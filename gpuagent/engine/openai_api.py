@@ -78,6 +78,14 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM extra: usage so far in every chunk (with include_usage)
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage=true")
+        return self
 
 
 class _SamplingFields(_Body):
@@ -109,6 +117,11 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def logit_bias_ids(self) -> dict[int, float]:
         """`logit_bias` keyed by token id (APIError when a key isn't one)."""

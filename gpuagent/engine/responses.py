@@ -130,11 +130,32 @@ async def collect_finals(
     return [finals[index] for index in range(len(streams))]
 
 
+class StreamUsage:
+    """Tokens so far of a streamed response's choices."""
+
+    def __init__(
+        self, server: OpenAIServer, prompt_tokens: int, num_choices: int
+    ) -> None:
+        self.server, self.prompt_tokens = server, prompt_tokens
+        self.tokens = [0] * num_choices
+
+    def update(self, index: int, out: RequestOutput) -> None:
+        self.tokens[index] = out.num_output_tokens
+
+    def usage(self) -> dict[str, int]:
+        return self.server.usage(self.prompt_tokens, sum(self.tokens))
+
+
 def chunk_writer(
-    server: OpenAIServer, request_id: str, object_name: str, include_usage: bool
+    server: OpenAIServer,
+    request_id: str,
+    object_name: str,
+    include_usage: bool,
+    continuous: StreamUsage | None = None,
 ) -> Callable[..., str]:
     """`chunk(choices, usage=None)`: one SSE chunk of a streamed response, every
-    chunk with the same id and creation time."""
+    chunk with the same id and creation time; with `continuous`, each chunk
+    carries the usage so far (vLLM's continuous_usage_stats)."""
     created = int(time.time())
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
@@ -146,6 +167,8 @@ def chunk_writer(
             "choices": choices,
         }
         if include_usage:
+            if usage is None and continuous is not None:
+                usage = continuous.usage()
             data["usage"] = usage
         return sse(data)
 
@@ -181,18 +204,24 @@ async def stream_completion(
     include_usage: bool,
     with_logprobs: bool,
     echo: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/completions request; with `echo`, each choice's
     first chunk starts with its prompt (and the prompt's logprobs)."""
-    chunk = chunk_writer(server, request_id, "text_completion", include_usage)
+    usage = StreamUsage(server, prompt_tokens, len(streams))
+    chunk = chunk_writer(
+        server,
+        request_id,
+        "text_completion",
+        include_usage,
+        usage if continuous_usage else None,
+    )
     offsets = [server.text_offsets() for _ in streams]
     echoed = [not echo] * len(streams)
-    completion_tokens = 0
 
     async for index, out in merge_streams(streams):
         choice = choices[index]
-        if out.finished:
-            completion_tokens += out.num_output_tokens
+        usage.update(index, out)
         if not (out.new_text or out.finished or with_logprobs or not echoed[index]):
             continue
         text, logprobs = out.new_text, None
@@ -224,7 +253,7 @@ async def stream_completion(
             ]
         )
     if include_usage:
-        yield chunk([], server.usage(prompt_tokens, completion_tokens))
+        yield chunk([], usage.usage())
 
 
 async def stream_chat(
@@ -235,12 +264,18 @@ async def stream_chat(
     prompt_tokens: int,
     include_usage: bool,
     with_logprobs: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/chat/completions request: a role chunk per
     choice, then its content."""
-    chunk = chunk_writer(server, request_id, "chat.completion.chunk", include_usage)
-
-    completion_tokens = 0
+    usage = StreamUsage(server, prompt_tokens, len(streams))
+    chunk = chunk_writer(
+        server,
+        request_id,
+        "chat.completion.chunk",
+        include_usage,
+        usage if continuous_usage else None,
+    )
     for choice in choices:
         yield chunk(
             [
@@ -253,8 +288,7 @@ async def stream_chat(
             ]
         )
     async for index, out in merge_streams(streams):
-        if out.finished:
-            completion_tokens += out.num_output_tokens
+        usage.update(index, out)
         if not (out.new_text or out.finished or with_logprobs):
             continue
         delta = {"content": out.new_text} if out.new_text else {}
@@ -274,7 +308,7 @@ async def stream_chat(
             ]
         )
     if include_usage:
-        yield chunk([], server.usage(prompt_tokens, completion_tokens))
+        yield chunk([], usage.usage())
 
 
 async def sse_stream(

@@ -544,6 +544,7 @@ def build_app(
                 body.include_usage,
                 body.logprobs is not None,
                 body.echo,
+                body.continuous_usage,
             )
             return StreamingResponse(
                 sse_stream(events, streams), media_type="text/event-stream"
@@ -616,6 +617,7 @@ def build_app(
                 len(ids),
                 body.include_usage,
                 body.logprobs,
+                body.continuous_usage,
             )
             return StreamingResponse(
                 sse_stream(events, streams), media_type="text/event-stream"

@@ -515,3 +515,25 @@ def test_models_report_the_context_the_kv_pool_can_hold(tiny_model_and_tokenizer
     assert by_alias["model"] == "tiny"
     assert too_long.status_code == 400
     assert "64" in too_long.json()["error"]["message"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served_fp32):
+    base_url, _ = served_fp32
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+    events = stream_events(base_url, "/v1/chat/completions", body)
+    without_usage = post(
+        base_url,
+        "/v1/chat/completions",
+        {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+    )
+
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4
+    assert len({e["usage"]["prompt_tokens"] for e in events}) == 1
+    assert without_usage.status_code == 400
