@@ -177,6 +177,11 @@ class SliceQuality(_Message):
     retrieval_ok: bool | None = Field(
         None, description="long_context only: the fact was retrieved"
     )
+    reference_retrieval_ok: bool | None = Field(
+        None,
+        description="long_context only: the reference retrieved it (a candidate "
+        "miss is a regression only where the reference didn't miss)",
+    )
 
 
 class QualityReport(_Message):
@@ -191,6 +196,10 @@ class QualityReport(_Message):
     top_n: int | None = None
     seed: int
     slices: list[SliceQuality]
+    candidate_kv_cache_dtype: str | None = Field(
+        None, description="in-process only (an endpoint's is its own)"
+    )
+    reference_kv_cache_dtype: str | None = None
 
 
 class Percentiles(_Message):
@@ -220,6 +229,23 @@ class LoadRun(_Message):
     valid: bool = Field(description="False when the client fell behind its schedule")
     preemptions: int = Field(0, ge=0)
     peak_concurrent_sequences: int = Field(0, ge=0)
+    arrival: Literal["closed", "poisson", "gamma"] = "closed"
+    burstiness: float | None = Field(
+        None, description="gamma arrivals' shape (1 is Poisson; lower is burstier)"
+    )
+    prompt_tokens: int = Field(
+        0, ge=0, description="mean prompt tokens per request, from usage"
+    )
+    output_tokens: int = Field(0, ge=0, description="all output tokens, from usage")
+    errors: list[str] = Field(default=[], description="distinct errors (first 5)")
+    max_schedule_lag_ms: float = Field(
+        0.0, ge=0, description="latest send behind the open-loop schedule"
+    )
+    loop_lag_p99_ms: float = Field(
+        0.0, ge=0, description="the client's event-loop lag, p99"
+    )
+    client_cpu_s: float = Field(0.0, ge=0, description="CPU the client itself used")
+    client_cpu_us_per_token: float = Field(0.0, ge=0)
 
 
 class WorkloadReport(_Message):
@@ -244,6 +270,16 @@ class WorkloadReport(_Message):
     cost_per_1m_output_tokens: float | None = None
     cost_per_request: float | None = None
     requests_per_gpu_hour: float | None = None
+    sessions_per_gpu_at_slo: float | None = Field(
+        None, description="closed-loop concurrency at the SLO, per GPU"
+    )
+    target_request_rate: float | None = Field(None, description="requests/s asked for")
+    gpus_for_target_rate: int | None = Field(
+        None, description="GPUs to serve target_request_rate at the SLO"
+    )
+    context_sweep: list[LoadRun] = Field(
+        default=[], description="runs at other prompt lengths, same concurrency"
+    )
 
 
 class LoadTestReport(_Message):
@@ -258,3 +294,7 @@ class LoadTestReport(_Message):
     kv_bytes_per_token: int = Field(ge=0)
     kv_cache_dtype: str
     workloads: list[WorkloadReport]
+    model: str = ""
+    kv_blocks_total: int = Field(0, ge=0)
+    kv_block_size_tokens: int = Field(0, ge=0)
+    max_model_len: int = Field(0, ge=0)

@@ -1,5 +1,6 @@
 """`python -m gpuagent.engine serve MODEL_DIR --kv-cache-dtype int8 --kv-memory-gb 2
---port 8100 [--host 127.0.0.1] [--block-size 16] [--manifest-digest D
+--port 8100 [--host 127.0.0.1] [--block-size 16] [--served-model-name NAME...]
+[--threads N] [--default-max-tokens N] [--manifest-digest D
 [--signature S --public-key PEM ...] [--release-model M --release-version V
 --release-recipe R]]`.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from gpuagent.engine.engine import AsyncLLMEngine, LLMEngine
+from gpuagent.engine.server import DEFAULT_MAX_TOKENS
 from gpuagent.integrity import IntegrityError
 from gpuagent.integrity.policy import Policy, policy_from_trust_args, release_from_flags
 from kernels.kv_quant import KV_CACHE_DTYPES
@@ -54,7 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8100)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) requests may use; answers carry the first (default: the model "
+        "path as given, as vLLM does, so tools that load a tokenizer by the model's "
+        "name find the folder)",
+    )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op CPU threads of the engine (default: torch's, one per core)",
+    )
+    serve.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="answer length of a request that gives no max_tokens",
+    )
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=512)
     serve.add_argument("--max-model-len", type=int, default=None)
@@ -174,6 +195,12 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     )
 
 
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """The names the server answers to: `--served-model-name`, else the model path
+    exactly as given on the command line."""
+    return list(args.served_model_name or [str(args.model_dir)])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of `python -m gpuagent.engine`."""
     import uvicorn
@@ -182,6 +209,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit("error: --threads must be at least 1")
+        torch.set_num_threads(args.threads)
+    if args.default_max_tokens < 1:
+        raise SystemExit("error: --default-max-tokens must be at least 1")
     try:
         engine = build_engine(args)
     except IntegrityError as e:
@@ -191,17 +224,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         ) from None
     except ValueError as e:  # an engine setting that can't work, e.g. no KV block
         raise SystemExit(f"error: {e}") from None
-    name = args.served_model_name or args.model_dir.resolve().name
+    names = served_model_names(args)
     logging.getLogger(__name__).info(
-        "serving %s: kv %s, %d blocks x %d tokens, %d bytes/token, window %d",
-        name,
+        "serving %s: kv %s, %d blocks x %d tokens, %d bytes/token, window %d, "
+        "%d threads",
+        names[0],
         engine.kv.kv_dtype,
         engine.kv.num_blocks,
         engine.kv.block_size,
         engine.kv.bytes_per_token,
         engine.kv.window,
+        torch.get_num_threads(),
     )
-    app = build_app(AsyncLLMEngine(engine), name)
+    app = build_app(AsyncLLMEngine(engine), names, args.default_max_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -27,6 +27,7 @@ from gpuagent.engine.model import AttentionMetadata
 from gpuagent.engine.sampling import (
     SampledToken,
     SamplingParams,
+    adjust_logits,
     find_stop_string,
     sample,
     stop_holdback,
@@ -113,6 +114,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] | None = None  # all so far; filled by generate()
+    # With `prompt_logprobs` asked: on the request's first output, one entry per
+    # prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -348,6 +352,12 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         params.validate()
+        bad = [t for t in params.logit_bias if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"logit_bias token ids must be in [0, {self.config.vocab_size}), "
+                f"got {bad[0]}"
+            )
         self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
 
     def make_sequence(
@@ -397,15 +407,37 @@ class LLMEngine:
                 self._reported_preemptions = self.scheduler.num_preemptions
             if out.is_empty:
                 return []
-            sampling_chunks = [c for c in out.chunks if c.samples]
-            logits = self._forward(out.chunks)  # [B, vocab]
+            # A prompt scored with max_tokens=0 ends after its prefill, unsampled.
+            scored = [
+                c for c in out.chunks if c.samples and not c.seq.params.max_tokens
+            ]
+            sampling_chunks = [
+                c for c in out.chunks if c.samples and c.seq.params.max_tokens
+            ]
+            if any(_wants_prompt_logprobs(c) for c in out.chunks):
+                logits = self._forward(out.chunks, all_logits=True)  # [T, vocab]
+                ends = self._record_prompt_logprobs(out.chunks, logits)
+                logits = logits[ends]  # [B, vocab], each chunk's last token
+            else:
+                logits = self._forward(out.chunks)  # [B, vocab]
             if len(sampling_chunks) < len(out.chunks):  # unfinished prompt chunks
-                rows = [i for i, c in enumerate(out.chunks) if c.samples]
+                rows = [i for i, c in enumerate(out.chunks) if c in sampling_chunks]
                 logits = logits[rows]
+            params = [c.seq.params for c in sampling_chunks]
+            adjusted = None
+            if any(p.adjusts_logits for p in params):
+                adjusted = adjust_logits(
+                    logits,
+                    params,
+                    [c.seq.prompt_token_ids for c in sampling_chunks],
+                    [c.seq.output_token_ids for c in sampling_chunks],
+                    [self.stop_token_ids(p) for p in params],
+                )
             tokens = sample(
                 logits,
-                [c.seq.params for c in sampling_chunks],
+                params,
                 [c.seq.generator for c in sampling_chunks],
+                adjusted,
             )
             self.scheduler.commit(
                 out,
@@ -415,18 +447,77 @@ class LLMEngine:
                 },
             )
             self.metrics.generation_tokens.inc(len(tokens))
-            return [
+            outputs = [self._finish_scored(c.seq) for c in scored]
+            return outputs + [
                 self._process_token(c.seq, t)
                 for c, t in zip(sampling_chunks, tokens, strict=True)
             ]
 
-    def _forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def _forward(
+        self, chunks: Sequence[ScheduledChunk], all_logits: bool = False
+    ) -> torch.Tensor:
         input_ids, positions, attn = prepare_inputs(chunks, self.kv.blocks, self.device)
+        if all_logits:
+            return self.model(input_ids, positions, self.kv.kv_caches, attn, True)
         return self.model(input_ids, positions, self.kv.kv_caches, attn)
+
+    def stop_token_ids(self, params: SamplingParams) -> set[int]:
+        ids = set(params.stop_token_ids)
+        return ids if params.ignore_eos else ids | self.eos_token_ids
+
+    def _record_prompt_logprobs(
+        self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor
+    ) -> list[int]:
+        """Append to each asking sequence's `prompt_logprobs` the prompt tokens this
+        step's logits [T, vocab] predict (each once: a recomputation after a
+        preemption adds none); return the row of each chunk's last token."""
+        ends, row = [], 0
+        for chunk in chunks:
+            ends.append(row + chunk.num_tokens - 1)
+            seq, num_prompt = chunk.seq, len(chunk.seq.prompt_token_ids)
+            if _wants_prompt_logprobs(chunk):
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs.append(None)  # nothing predicts token 0
+                # Row i of the chunk (position start + i) predicts start + i + 1.
+                first = len(seq.prompt_logprobs)
+                last = min(chunk.end + 1, num_prompt)  # targets first..last-1
+                if first < last:
+                    rows = slice(
+                        row + first - 1 - chunk.start, row + last - 1 - chunk.start
+                    )
+                    seq.prompt_logprobs += token_logprobs(
+                        logits[rows],
+                        seq.prompt_token_ids[first:last],
+                        seq.params.prompt_logprobs or 0,
+                    )
+            row += chunk.num_tokens
+        return ends
+
+    def _finish_scored(self, seq: Seq) -> RequestOutput:
+        """The only output of a prompt scored with max_tokens=0: finished, no token."""
+        self.scheduler.finish(seq, "length")
+        self.metrics.requests_finished.labels("length").inc()
+        self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
+        self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival_s)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=[],
+            text="",
+            new_token_ids=[],
+            new_text="",
+            new_logprobs=[],
+            finished=True,
+            finish_reason="length",
+            prompt_logprobs=list(seq.prompt_logprobs),
+        )
 
     def _process_token(self, seq: Seq, token: SampledToken) -> RequestOutput:
         now = time.monotonic()
+        prompt_logprobs = None
         if seq.first_token_s is None:
+            if seq.params.prompt_logprobs is not None:
+                prompt_logprobs = list(seq.prompt_logprobs)
             seq.first_token_s = now
             self.metrics.time_to_first_token.observe(now - seq.arrival_s)
         elif seq.last_token_s is not None:
@@ -454,7 +545,7 @@ class LLMEngine:
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         text = seq.detokenizer.text(text_ids)
-        if params.stop:
+        if params.stop and len(seq.output_token_ids) >= params.min_tokens:
             # Matches ending inside the previous text's settled part were looked for
             # already; its trailing U+FFFD may have become a different character.
             settled = len(seq.output_text.rstrip(REPLACEMENT_CHAR))
@@ -489,6 +580,7 @@ class LLMEngine:
             new_logprobs=new_logprobs,
             finished=finish_reason is not None,
             finish_reason=finish_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- convenience -----------------------------------------------------------------
@@ -499,7 +591,8 @@ class LLMEngine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` together to completion; final outputs in prompt order, with
-        `logprobs` holding every token's when asked."""
+        `logprobs` holding every token's and `prompt_logprobs` the prompt's when
+        asked."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
@@ -507,15 +600,47 @@ class LLMEngine:
             self.add_request(request_id, prompt, p)
         final: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprob]] = collections.defaultdict(list)
+        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         while len(final) < len(ids):
             for out in self.step():
                 logprobs[out.request_id] += out.new_logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     final[out.request_id] = out
         for request_id, p in zip(ids, params, strict=True):
             if p.logprobs is not None:
                 final[request_id].logprobs = logprobs[request_id]
+            final[request_id].prompt_logprobs = prompt_logprobs.get(request_id)
         return [final[request_id] for request_id in ids]
+
+
+def _wants_prompt_logprobs(chunk: ScheduledChunk) -> bool:
+    """Whether the chunk covers prompt tokens whose logprobs its request asked for."""
+    return chunk.seq.params.prompt_logprobs is not None and chunk.start < len(
+        chunk.seq.prompt_token_ids
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], top_n: int
+) -> list[TokenLogprob]:
+    """The logprob of `token_ids[i]` under row i of logits [N, vocab], with the
+    row's top-`top_n` (id, logprob), best first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    ids = torch.tensor(list(token_ids), device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()  # [N]
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+    if top_n:
+        top = torch.topk(logprobs, min(top_n, logprobs.shape[-1]), dim=-1)
+        tops = [
+            list(zip(i, v, strict=True))
+            for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        ]
+    return [
+        TokenLogprob(t, lp, top)
+        for t, lp, top in zip(token_ids, chosen, tops, strict=True)
+    ]
 
 
 def _eos_ids(config: Any, tokenizer: Any) -> set[int]:

@@ -1,16 +1,19 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request
-seeds, stop strings / stop token ids, max_tokens, logprobs.
+seeds, stop strings / stop token ids, max_tokens, min_tokens, logprobs and prompt
+logprobs, and the logits adjustments OpenAI and vLLM define: `logit_bias`,
+`presence_penalty`, `frequency_penalty`, `repetition_penalty`.
 
 Each random row draws from its own `torch.Generator` (seeded per request), one draw per
 sampled token, so a seeded request gives the same tokens whatever it is batched with.
-Logprobs are those of the model's raw distribution (before temperature / top-k /
-top-p), which is what the quality regression compares.
+Logprobs are those of the model's raw distribution (before logit bias, penalties,
+temperature, top-k / top-p; vLLM's default `raw_logprobs`), which is what the quality
+regression compares; the adjustments change only which token is picked.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +28,11 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100].
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# OpenAI takes at most 300 biased tokens per request.
+MAX_LOGIT_BIAS_TOKENS = 300
 
 
 @dataclass
@@ -40,18 +48,55 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: chosen token + top-N
+    # Logprob of each prompt token (after the first) + top-N; None: none. With it,
+    # max_tokens may be 0: the prompt is scored and nothing generated.
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0  # no stop token or stop string before this many tokens
+    presence_penalty: float = 0.0  # subtracted once from each generated token's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    # CTRL/HF: logits of tokens in the prompt or the output divided by it (> 0) when
+    # positive, multiplied when negative; 1.0: none.
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        scoring_only = self.prompt_logprobs is not None and self.max_tokens == 0
+        if not isinstance(self.max_tokens, int) or (
+            self.max_tokens < 1 and not scoring_only
+        ):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
+                f"got {self.min_tokens}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                f"{len(self.logit_bias)}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            if not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
+                raise ValueError(
+                    f"logit_bias of token {token_id} must be in [-100, 100], got {bias}"
+                )
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -64,10 +109,24 @@ class SamplingParams:
             )
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
+                )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes anything for this request (min_tokens
+        only while the output is shorter, which the caller checks)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
@@ -123,21 +182,66 @@ def sample_row(
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def adjust_logits(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    stop_ids: Sequence[Iterable[int]],
+) -> Tensor:
+    """A copy of logits [B, V] with each row's logit bias, min_tokens ban (`stop_ids`
+    of row b: its EOS and stop token ids, -inf while it has fewer than min_tokens
+    outputs) and penalties applied, in vLLM's order; rows that ask for none are
+    left as they are."""
+    adjusted = logits.clone()
+    vocab_size = logits.shape[-1]
+    for row, p in enumerate(params):
+        if not p.adjusts_logits:
+            continue
+        x = adjusted[row]  # [V], a view: edited in place
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=x.device)
+            x[ids] += torch.tensor(list(p.logit_bias.values()), device=x.device)
+        if len(output_ids[row]) < p.min_tokens:
+            banned = [t for t in stop_ids[row] if 0 <= t < vocab_size]
+            x[banned] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab_size, dtype=torch.bool, device=x.device)
+            seen[
+                torch.tensor([*prompt_ids[row], *output_ids[row]], device=x.device)
+            ] = True
+            penalized = torch.where(
+                x > 0, x / p.repetition_penalty, x * p.repetition_penalty
+            )
+            x.copy_(torch.where(seen, penalized, x))
+        if (p.presence_penalty or p.frequency_penalty) and output_ids[row]:
+            out = torch.tensor(list(output_ids[row]), device=x.device)
+            counts = torch.bincount(out, minlength=vocab_size)[:vocab_size].float()
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return adjusted
+
+
 def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    adjusted: Tensor | None = None,
 ) -> list[SampledToken]:
-    """Pick the next token of each row of logits [B, V] (float32)."""
+    """Pick the next token of each row of logits [B, V] (float32); with `adjusted`
+    (`adjust_logits` of them) the pick is made from those, and the logprobs
+    reported are still the raw logits'."""
     if not params:
         return []
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    picked_from = logits if adjusted is None else adjusted.float()
     # Greedy rows all at once; random rows draw one by one from their own generator.
-    chosen_ids = logits.argmax(dim=-1)  # [B]
+    chosen_ids = picked_from.argmax(dim=-1)  # [B]
     random_rows = [row for row, p in enumerate(params) if not p.greedy]
     if random_rows:
-        drawn = [sample_row(logits[r], params[r], generators[r]) for r in random_rows]
+        drawn = [
+            sample_row(picked_from[r], params[r], generators[r]) for r in random_rows
+        ]
         chosen_ids[random_rows] = torch.tensor(drawn, device=chosen_ids.device)
     token_ids = chosen_ids.tolist()
     chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()  # [B]

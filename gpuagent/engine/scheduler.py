@@ -62,6 +62,8 @@ class Sequence:
     # Engine's TokenLogprob per generated token when the request asked for logprobs;
     # kept here so that recomputation after a preemption doesn't lose them.
     token_logprobs: list[Any] = field(default_factory=list)
+    # Engine's prompt TokenLogprob per prompt token (None first) when asked for.
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

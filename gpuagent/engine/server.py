@@ -7,23 +7,46 @@ have OpenAI's body `{"error": {"message", "type", "param", "code"}}`; bad input
 (wrong JSON types included: fields are strict) is a 400, a body past MAX_BODY_BYTES
 a 413, and the server keeps serving. A client that disconnects mid-stream has its
 request aborted, which frees its KV blocks before the next engine step.
+
+What the bodies take is in `gpuagent.engine.openai_api`: every field is implemented
+or refused with a 400 naming it. Beyond the basics:
+
+- `n` choices per prompt (at most MAX_N); with a `seed`, choice j draws from seed + j,
+  so the choices differ and each is reproducible.
+- `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`,
+  `min_tokens`: see `gpuagent.engine.sampling` (logprobs stay the raw model's).
+- `/v1/completions` with `echo=true`: the prompt's text before the answer and, with
+  `logprobs=N`, each prompt token's logprob and top-N (`null` for the first token,
+  which nothing predicts); `max_tokens=0` scores the prompt and generates nothing.
+  This is how lm-evaluation-harness scores loglikelihood over HTTP.
+- Without `max_tokens`, an answer is at most `default_max_tokens` (DEFAULT_MAX_TOKENS,
+  `serve --default-max-tokens`) tokens, and never past the context.
+- An unknown model is a 404 (`model_not_found`), as OpenAI and vLLM answer it.
+- `max_model_len` in /v1/models is the longest sequence the KV pool can hold, not
+  just the model's position limit.
+- Chat logprobs cover exactly the tokens of the returned text: a stop token (EOS or
+  a `stop_token_ids` id), which the text leaves out, has no entry either. Completion
+  logprobs list every generated token, a stop token too, as vLLM's do: echo scoring
+  (lm-evaluation-harness) counts on prompt + max_tokens entries.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Gauge,
+    generate_latest,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuagent.engine.engine import (
@@ -32,313 +55,78 @@ from gpuagent.engine.engine import (
     RequestStream,
     TokenLogprob,
 )
+from gpuagent.engine.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeRequest,
+    _SamplingFields,
+    error_response,
+    parse_body,
+)
+from gpuagent.engine.responses import (
+    Choice,
+    collect_finals,
+    join_logprobs,
+    sse_stream,
+    stream_chat,
+    stream_completion,
+)
 from gpuagent.engine.sampling import MAX_LOGPROBS, SamplingParams
 from gpuagent.engine.scheduler import RequestTooLargeError
+from gpuagent.engine.token_text import (
+    TextOffsets,
+    TokenBytes,
+    bytes_text,
+    prompt_text_offsets,
+)
 
-# How often a non-streamed request checks whether its client is still there.
-DISCONNECT_POLL_S = 0.25
-# Far above any prompt the context holds (a 128k-token prompt is ~1 MB of JSON); a
-# bigger body is refused before it is read into memory.
-MAX_BODY_BYTES = 16 * 2**20
+__all__ = ["TextOffsets", "TokenBytes", "build_app"]
+
 # Each prompt of a batch is a sequence with its own queue and task; OpenAI caps 2048.
 MAX_PROMPTS_PER_REQUEST = 2048
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type = message, status, type
-        self.param, self.code = param, code
-
-
-def error_response(err: APIError) -> JSONResponse:
-    """OpenAI-style error body for `err`."""
-    body = {
-        "error": {
-            "message": err.message,
-            "type": err.type,
-            "param": err.param,
-            "code": err.code,
-        }
-    }
-    return JSONResponse(body, status_code=err.status)
-
-
-# ------------------------------------------------------------------ request bodies
-
-
-class _Body(BaseModel):
-    # Unknown OpenAI fields (user, presence_penalty, ...) are accepted and ignored.
-    # Strict types, as OpenAI's: "5" or true is no max_tokens (an int is a float).
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _SamplingFields(_Body):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    @property
-    def include_usage(self) -> bool:
-        """Whether a stream ends with a usage chunk."""
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(
-                    "only text content parts are supported", param="messages"
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-
-BodyT = TypeVar("BodyT", bound=BaseModel)
-
-
-class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-
-
-async def read_body(request: Request) -> bytes:
-    """The raw body, refused (APIError 413) as soon as it passes MAX_BODY_BYTES."""
-    too_large = APIError(
-        f"the request body is larger than {MAX_BODY_BYTES} bytes",
-        status=413,
-        code="request_too_large",
-    )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The request's JSON body validated as `model` (APIError 400 otherwise, 413
-    past MAX_BODY_BYTES)."""
-    raw = await read_body(request)
-    try:
-        data = json.loads(raw)
-    # ValueError covers JSONDecodeError, bad UTF-8 and ints past Python's digit limit.
-    except (ValueError, RecursionError) as exc:
-        raise APIError(
-            f"the request body is not valid JSON: {exc}", code="invalid_json"
-        ) from None
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(
-            f"invalid field {param}: {first['msg']}", param=param, code="invalid_value"
-        ) from None
-
-
-# ------------------------------------------------------------------- token bytes
-
-CUT_OFF_CHAR = "\ufffd"  # what a cut-off (or invalid) UTF-8 sequence decodes to
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's printable stand-in char -> byte, as tokenizers' ByteLevel uses it."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {chr(b): b for b in printable}
-    others = [b for b in range(256) if chr(b) not in table]
-    table.update({chr(256 + n): b for n, b in enumerate(others)})
-    return table
-
-
-BYTE_LEVEL_CHARS = _byte_level_table()
-
-
-def _decoder_types(tokenizer: Any) -> set[str]:
-    """The component types of a `tokenizers` decoder (Sequence members included)."""
-    decoder = getattr(getattr(tokenizer, "inner", None), "decoder", None)
-    try:
-        tree = json.loads(decoder.__getstate__()) if decoder is not None else {}
-    except Exception:  # noqa: BLE001 - not a tokenizers decoder: no special handling
-        return set()
-    types, todo = set(), [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
-            types.add(node.get("type"))
-            todo.extend(node.get("decoders") or [])
-    return types
-
-
-class TokenBytes:
-    """The exact bytes of each token id (cached), as OpenAI's logprobs report them:
-    an added token's content; a byte-fallback token `<0xNN>` is byte NN; a ByteLevel
-    (GPT-2 style) token's chars map back through the bytes-to-unicode table (so the
-    byte-level tokenizer's id < 256 is that byte); else the token decoded alone,
-    which is not exact where the decoder strips (SentencePiece's `Strip` drops a
-    `▁word` token's leading space)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        inner = getattr(tokenizer, "inner", None)
-        types = _decoder_types(tokenizer)
-        self.byte_level = "ByteLevel" in types
-        self.byte_fallback = "ByteFallback" in types
-        self.id_to_token = getattr(inner, "id_to_token", None)
-        added = getattr(inner, "get_added_tokens_decoder", None)
-        self.added = {i: t.content for i, t in added().items()} if added else {}
-        self.cache: dict[int, bytes] = {}
-
-    def __call__(self, token_id: int) -> bytes:
-        raw = self.cache.get(token_id)
-        if raw is None:
-            raw = self.cache[token_id] = self._bytes(token_id)
-        return raw
-
-    def _bytes(self, token_id: int) -> bytes:
-        if token_id in self.added:
-            return self.added[token_id].encode("utf-8")
-        piece = self.id_to_token(token_id) if self.id_to_token else None
-        if piece is not None:
-            byte = _BYTE_FALLBACK.fullmatch(piece)
-            if self.byte_fallback and byte:
-                return bytes([int(byte.group(1), 16)])
-            if self.byte_level and all(c in BYTE_LEVEL_CHARS for c in piece):
-                return bytes(BYTE_LEVEL_CHARS[c] for c in piece)
-        return self.tokenizer.decode([token_id]).encode("utf-8")
-
-
-def _bytes_text(raw: bytes) -> str:
-    """A token's text: `raw` decoded, or `bytes:\\xNN...` (as OpenAI writes it) when
-    `raw` is not valid UTF-8 on its own (part of a character)."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-class TextOffsets:
-    """The `text_offset` of each generated token: where, in the request's text, the
-    character its first byte belongs to starts, so a byte that completes a character
-    later points at that character (the text's U+FFFD until then).
-
-    Fed each `RequestOutput` in order; the offsets come from the engine's text
-    before and after each token, so they agree with the `text` returned. Tokens of
-    a matched stop string point where they would have been, past the cut text.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.text = ""  # the text before the next token
-        self.offsets: list[int] = []  # every token's so far
-
-    def feed(self, out: RequestOutput) -> list[int]:
-        """The offsets of `out.new_logprobs`' tokens."""
-        n = len(out.new_logprobs)
-        # The engine yields one token per output; the text after each token but the
-        # last of a bigger step is decoded as the engine's detokenizer would.
-        start = len(out.token_ids) - n
-        texts = [
-            self.tokenizer.decode(out.token_ids[: start + j], skip_special_tokens=True)
-            for j in range(1, n)
-        ]
-        offsets = []
-        for text in [*texts, out.text]:
-            offsets.append(len(self.text) - _continues_cut_char(self.text, text))
-            self.text = text
-        del offsets[n:]  # an output without logprobs still moves the text on
-        self.offsets += offsets
-        return offsets
-
-
-def _continues_cut_char(before: str, after: str) -> bool:
-    """Whether the token that turned `before` into `after` is part of `before`'s last
-    character, a cut-off one (U+FFFD): it completed it, or it is still cut off."""
-    if not before.endswith(CUT_OFF_CHAR) or len(after) < len(before):
-        return False  # not cut off, or a stop string cut the text
-    last = len(before) - 1
-    return after[last] != CUT_OFF_CHAR or len(after) == len(before)
+# Choices per prompt; each is a sequence of its own in the batch.
+MAX_N = 16
+# Answer length when a request gives no max_tokens (bounded, unlike vLLM's "the rest
+# of the context": a forgotten max_tokens must not hold a whole context's KV).
+DEFAULT_MAX_TOKENS = 1024
 
 
 # --------------------------------------------------------------------------- app
 
 
 class OpenAIServer:
-    """Request handling shared by the routes (holds the engine and model name)."""
+    """Request handling shared by the routes (holds the engine and model names; the
+    first name is the one responses carry)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_names: Sequence[str],
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        if not model_names:
+            raise ValueError("give the server at least one model name")
         self.engine = engine
         self.llm = engine.engine
-        self.model_name = model_name
+        self.model_names = list(model_names)
+        self.model_name = self.model_names[0]
+        self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
         self._token_bytes: TokenBytes | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + answer) this server can run: the model's
+        limit or the KV pool's, whichever is smaller."""
+        return min(self.llm.max_model_len, self.llm.kv.blocks.capacity_tokens)
 
     # -- validation ------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                f"the model {model!r} does not exist; this server serves "
-                f"{self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        if model is not None and model not in self.model_names:
+            raise model_not_found(model, self.model_name)
 
     def sampling_params(
         self,
@@ -348,17 +136,26 @@ class OpenAIServer:
         logprobs: int | None,
         prompt_param: str,
         max_tokens_param: str = "max_tokens",
-    ) -> SamplingParams:
-        if body.n != 1:
-            raise APIError("only n=1 is supported", param="n")
-        if max_tokens is not None and max_tokens < 1:
+        prompt_logprobs: int | None = None,
+    ) -> list[SamplingParams]:
+        """One SamplingParams per choice (`n`); choice j of a seeded request draws
+        from seed + j."""
+        if not 1 <= body.n <= MAX_N:
             raise APIError(
-                f"{max_tokens_param} must be at least 1, got {max_tokens}",
+                f"n must be between 1 and {MAX_N}, got {body.n}",
+                param="n",
+                code="invalid_value",
+            )
+        least = 0 if prompt_logprobs is not None else 1
+        if max_tokens is not None and max_tokens < least:
+            raise APIError(
+                f"{max_tokens_param} must be at least {least}, got {max_tokens}"
+                + (" (0 only with echo=true)" if least else ""),
                 param=max_tokens_param,
                 code="invalid_value",
             )
-        room = min(self.llm.max_model_len, self.llm.kv.blocks.capacity_tokens)
-        if prompt_len >= room:
+        room = self.max_model_len
+        if prompt_len >= room + (max_tokens == 0):
             raise APIError(
                 f"this model's maximum context length is {room} tokens; the prompt "
                 f"has {prompt_len}",
@@ -366,22 +163,50 @@ class OpenAIServer:
                 code="context_length_exceeded",
             )
         if max_tokens is None:
-            max_tokens = room - prompt_len
+            max_tokens = min(self.default_max_tokens, room - prompt_len)
+        seeds = [body.seed] * body.n
+        if body.seed is not None:
+            seeds = [body.seed + j for j in range(body.n)]
         try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                seed=body.seed,
-                stop=body.stop or [],
-                stop_token_ids=body.stop_token_ids or [],
-                ignore_eos=body.ignore_eos,
-                logprobs=logprobs,
-            )
+            return [
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    seed=seed,
+                    stop=body.stop or [],
+                    stop_token_ids=body.stop_token_ids or [],
+                    ignore_eos=body.ignore_eos,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                    min_tokens=body.min_tokens,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    logit_bias=body.logit_bias_ids(),
+                )
+                for seed in seeds
+            ]
         except ValueError as exc:
             param = str(exc).split(" ", 1)[0]
             raise APIError(str(exc), param=param, code="invalid_value") from None
+
+    def submit_all(
+        self, choices: Sequence[Choice], prompt_param: str
+    ) -> list[RequestStream]:
+        """Submit every choice, or none: a refusal closes those already queued."""
+        streams: list[RequestStream] = []
+        try:
+            for choice in choices:
+                streams.append(
+                    self.submit(choice.prompt_ids, choice.params, prompt_param)
+                )
+        except APIError:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, prompt_param: str
@@ -393,7 +218,8 @@ class OpenAIServer:
                 str(exc), param=prompt_param, code="context_length_exceeded"
             ) from None
         except ValueError as exc:
-            raise APIError(str(exc), param=prompt_param) from None
+            param = "logit_bias" if "logit_bias" in str(exc) else prompt_param
+            raise APIError(str(exc), param=param) from None
 
     def encode(self, prompt: str | list[int], param: str) -> list[int]:
         try:
@@ -405,14 +231,36 @@ class OpenAIServer:
         return ids
 
     def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        turns = [{"role": m.role, "content": m.text()} for m in messages]
+        """The prompt text of chat `messages`, through the model's chat template.
+
+        A `developer` message is rendered as `system` unless the template knows the
+        developer role; `tool_calls` are refused unless the template renders them
+        (passing them to one that drops them would ignore them)."""
         tokenizer = self.llm.tokenizer
-        if getattr(tokenizer, "chat_template", None):
+        template = getattr(tokenizer, "chat_template", None) or ""
+        turns = []
+        for m in messages:
+            role = m.role
+            if role == "developer" and "developer" not in template:
+                role = "system"
+            turn: dict[str, Any] = {"role": role, "content": m.text()}
+            if m.tool_call_id is not None:
+                turn["tool_call_id"] = m.tool_call_id
+            if m.tool_calls is not None:
+                if "tool_calls" not in template:
+                    raise APIError(
+                        "this model's chat template does not render tool_calls",
+                        param="messages",
+                        code="unsupported_field",
+                    )
+                turn["tool_calls"] = m.tool_calls
+            turns.append(turn)
+        if template:
             from jinja2 import TemplateError  # rendering the template needs it anyway
 
             try:
                 return tokenizer.apply_chat_template(turns, add_generation_prompt=True)
-            except TemplateError as exc:
+            except (TemplateError, TypeError) as exc:
                 # The folder's template refuses these messages (e.g. roles that
                 # must alternate, or its `raise_exception`, which we don't provide).
                 raise APIError(
@@ -427,19 +275,42 @@ class OpenAIServer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of one token (see `TokenBytes`)."""
+        return self.token_bytes_table()(token_id)
+
+    def token_bytes_table(self) -> TokenBytes:
+        """The (cached) `TokenBytes` of the engine's tokenizer."""
         tokenizer = self.llm.tokenizer
         if self._token_bytes is None or self._token_bytes.tokenizer is not tokenizer:
             self._token_bytes = TokenBytes(tokenizer)
-        return self._token_bytes(token_id)
+        return self._token_bytes
 
     def token_text(self, token_id: int) -> str:
         """A token's text as OpenAI reports it: its bytes decoded when they are valid
         UTF-8 on their own, else `bytes:\\xNN...` (so distinct tokens stay apart)."""
-        return _bytes_text(self.token_bytes(token_id))
+        return bytes_text(self.token_bytes(token_id))
 
     def text_offsets(self) -> TextOffsets:
         """A tracker of the text offsets of one request's tokens."""
         return TextOffsets(self.llm.tokenizer)
+
+    def prompt_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        """The text `echo` returns: a text prompt as given, token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.llm.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def answer_logprobs(
+        self, out: RequestOutput, params: SamplingParams
+    ) -> list[TokenLogprob]:
+        """`out.new_logprobs` without a stop token's: the chat text leaves it out,
+        and chat logprobs cover exactly the text's tokens."""
+        logprobs = out.new_logprobs
+        stopped_by_token = (
+            out.finish_reason == "stop"
+            and out.new_token_ids
+            and out.new_token_ids[-1] in self.llm.stop_token_ids(params)
+        )
+        return logprobs[:-1] if stopped_by_token and logprobs else logprobs
 
     def completion_logprobs(
         self, logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
@@ -448,24 +319,40 @@ class OpenAIServer:
         for lp in logprobs:
             tokens.append(self.token_text(lp.token_id))
             token_logprobs.append(lp.logprob)
-            alternatives: dict[str, float] = {}
-            for token_id, logprob in lp.top_logprobs:  # best first: keep the best
-                alternatives.setdefault(self.token_text(token_id), logprob)
-            top.append(alternatives)
+            top.append(self.top_dict(lp.top_logprobs))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
             "top_logprobs": top,
-            "text_offset": list(offsets),
+            "text_offset": list(offsets[: len(tokens)]),
         }
 
-    def chat_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+    def top_dict(self, top_logprobs: Sequence[tuple[int, float]]) -> dict[str, float]:
+        alternatives: dict[str, float] = {}
+        for token_id, logprob in top_logprobs:  # best first: keep the best
+            alternatives.setdefault(self.token_text(token_id), logprob)
+        return alternatives
+
+    def echo_logprobs(
+        self, prompt_ids: Sequence[int], prompt_logprobs: Sequence[Any]
+    ) -> dict[str, Any]:
+        """Completion-style logprobs of the prompt's tokens (null for the first)."""
+        return {
+            "tokens": [self.token_text(t) for t in prompt_ids],
+            "token_logprobs": [lp and lp.logprob for lp in prompt_logprobs],
+            "top_logprobs": [
+                lp and self.top_dict(lp.top_logprobs) for lp in prompt_logprobs
+            ],
+            "text_offset": prompt_text_offsets(self.token_bytes_table(), prompt_ids),
+        }
+
+    def chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             raw = self.token_bytes(token_id)
-            return {"token": _bytes_text(raw), "logprob": logprob, "bytes": list(raw)}
+            return {"token": bytes_text(raw), "logprob": logprob, "bytes": list(raw)}
 
         content = []
-        for lp in out.new_logprobs:
+        for lp in logprobs:
             item = entry(lp.token_id, lp.logprob)
             item["top_logprobs"] = [entry(t, v) for t, v in lp.top_logprobs]
             content.append(item)
@@ -480,132 +367,49 @@ class OpenAIServer:
         }
 
 
-async def merge_streams(
-    streams: Sequence[RequestStream],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) from several request streams as they come; closing the merged
-    iterator closes (aborts) the unfinished ones."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]
-    queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                await queue.put((index, out))
-        except Exception as exc:
-            await queue.put((index, exc))
-        await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.close()
-
-
-async def unless_disconnected(request: Request, work: Awaitable[None]) -> None:
-    """Await `work` (collecting a non-streamed answer); if the client goes away first,
-    cancel it, which closes its request streams and so aborts them."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                task.result()
-                return
-            if await request.is_disconnected():
-                raise APIError(
-                    "the client disconnected", status=499, code="client_disconnected"
-                )
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-async def collect_finals(
-    request: Request,
-    streams: Sequence[RequestStream],
-    text_offsets: Sequence[TextOffsets] = (),
-) -> list[RequestOutput]:
-    """The final output of each stream, in order, its `new_logprobs` holding all of
-    the request's (and `text_offsets[i]`, when given, fed stream i's outputs); all
-    are aborted if the client goes away first."""
-    finals: dict[int, RequestOutput] = {}
-    logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(len(streams))}
-
-    async def collect() -> None:
-        async for index, out in merge_streams(streams):
-            if text_offsets:
-                text_offsets[index].feed(out)
-            logprobs[index] += out.new_logprobs
-            if out.finished:
-                finals[index] = out
-
-    await unless_disconnected(request, collect())
-    for index, out in finals.items():
-        out.new_logprobs = logprobs[index]
-    return [finals[index] for index in range(len(streams))]
-
-
-def chunk_writer(
-    server: OpenAIServer, request_id: str, object_name: str, include_usage: bool
-) -> Callable[..., str]:
-    """`chunk(choices, usage=None)`: one SSE chunk of a streamed response, every
-    chunk with the same id and creation time."""
-    created = int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
-        data: dict[str, Any] = {
-            "id": request_id,
-            "object": object_name,
-            "created": created,
-            "model": server.model_name,
-            "choices": choices,
-        }
-        if include_usage:
-            data["usage"] = usage
-        return sse(data)
-
-    return chunk
-
-
-def sse_error(exc: Exception) -> str:
-    """An in-band error event: once the headers are sent the status can't change."""
-    return sse(
-        {
-            "error": {
-                "message": str(exc),
-                "type": "internal_error",
-                "param": None,
-                "code": None,
-            }
-        }
+def model_not_found(model: str, served: str) -> APIError:
+    """OpenAI's answer for a model that isn't served: a 404."""
+    return APIError(
+        f"the model {model!r} does not exist; this server serves {served!r}",
+        status=404,
+        param="model",
+        code="model_not_found",
     )
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    """One server-sent event."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
+def server_metrics(server: OpenAIServer) -> CollectorRegistry:
+    """The server's own gauges beside the engine's: what a load tester needs to turn
+    KV bytes into sessions and cost (weights, context limit, slots, threads)."""
+    registry = CollectorRegistry()
+    llm = server.llm
+    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    Gauge(
+        "engine_weights_bytes",
+        "Bytes of model weights (a tied matrix once)",
+        registry=registry,
+    ).set(weights)
+    Gauge(
+        "engine_max_model_len",
+        "Longest sequence served: the model's limit or the KV pool's",
+        registry=registry,
+    ).set(server.max_model_len)
+    Gauge(
+        "engine_max_num_seqs", "Sequences the scheduler runs at once", registry=registry
+    ).set(llm.scheduler.max_num_seqs)
+    Gauge(
+        "engine_torch_threads", "Intra-op CPU threads of the engine", registry=registry
+    ).set_function(torch.get_num_threads)
+    return registry
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
-    """The FastAPI app; starts the engine thread at startup, stops it at shutdown."""
+def build_app(
+    engine: AsyncLLMEngine,
+    model_name: str | Sequence[str],
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> FastAPI:
+    """The FastAPI app; starts the engine thread at startup, stops it at shutdown.
+    `model_name` is the served name, or several (the first is the one answers
+    carry; requests may use any)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -616,8 +420,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             engine.shutdown()
 
     app = FastAPI(title="releasegate engine", lifespan=lifespan)
-    server = OpenAIServer(engine, model_name)
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    server = OpenAIServer(engine, names, default_max_tokens)
     app.state.server = server
+    extra_metrics = server_metrics(server)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -645,32 +451,26 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         body = generate_latest(server.llm.metrics.registry)
+        body += generate_latest(extra_metrics)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {
-            "id": model_name,
+            "id": name,
             "object": "model",
             "created": server.created,
             "owned_by": "releasegate",
-            "max_model_len": server.llm.max_model_len,
+            "max_model_len": server.max_model_len,
         }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model_by_id(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise APIError(
-                f"the model {model_id!r} does not exist",
-                status=404,
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
-        return model_card()
+        server.check_model(model_id)
+        return model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -684,7 +484,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             ids = server.encode(body.prompt or "", "prompt")
         return {
             "count": len(ids),
-            "max_model_len": server.llm.max_model_len,
+            "max_model_len": server.max_model_len,
             "tokens": ids,
         }
 
@@ -692,8 +492,6 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         server.check_model(body.model)
-        if body.echo:
-            raise APIError("echo is not supported", param="echo")
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise APIError(
                 f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs"
@@ -707,56 +505,71 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             prompts = list(body.prompt)  # type: ignore[arg-type]
         if not prompts:
             raise APIError("the prompt is empty", param="prompt")
-        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        if len(prompts) * body.n > MAX_PROMPTS_PER_REQUEST:
             raise APIError(
-                f"a request takes at most {MAX_PROMPTS_PER_REQUEST} prompts, got "
-                f"{len(prompts)}",
+                f"a request takes at most {MAX_PROMPTS_PER_REQUEST} prompts times n, "
+                f"got {len(prompts) * body.n}",
                 param="prompt",
                 code="invalid_value",
             )
-        encoded = [server.encode(p, "prompt") for p in prompts]
-        params = [
-            server.sampling_params(
-                body, len(ids), body.max_tokens, body.logprobs, "prompt"
+        # Echo scores the prompt when logprobs are asked, or when nothing is to be
+        # generated (max_tokens=0), which the engine takes only when scoring.
+        prompt_logprobs = None
+        if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+            prompt_logprobs = body.logprobs or 0
+        choices: list[Choice] = []
+        for prompt in prompts:
+            ids = server.encode(prompt, "prompt")
+            params = server.sampling_params(
+                body,
+                len(ids),
+                body.max_tokens,
+                body.logprobs,
+                "prompt",
+                prompt_logprobs=prompt_logprobs,
             )
-            for ids in encoded
-        ]
-        streams: list[RequestStream] = []
-        try:
-            for ids, p in zip(encoded, params, strict=True):
-                streams.append(server.submit(ids, p, "prompt"))
-        except APIError:
-            for stream in streams:
-                stream.close()
-            raise
+            text = server.prompt_text(prompt, ids) if body.echo else ""
+            first = len(choices)
+            choices += [Choice(first + j, ids, text, p) for j, p in enumerate(params)]
+        streams = server.submit_all(choices, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        prompt_tokens = sum(len(ids) for ids in encoded)
+        prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: body.n])
         if body.stream:
+            events = stream_completion(
+                server,
+                request_id,
+                streams,
+                choices,
+                prompt_tokens,
+                body.include_usage,
+                body.logprobs is not None,
+                body.echo,
+                body.continuous_usage,
+            )
             return StreamingResponse(
-                stream_completion(
-                    server,
-                    request_id,
-                    streams,
-                    prompt_tokens,
-                    body.include_usage,
-                    body.logprobs is not None,
-                ),
-                media_type="text/event-stream",
+                sse_stream(events, streams), media_type="text/event-stream"
             )
         with_logprobs = body.logprobs is not None
         offsets = [server.text_offsets() for _ in streams] if with_logprobs else []
         finals = await collect_finals(request, streams, offsets)
-        choices = []
-        for index, out in enumerate(finals):
-            choices.append(
-                {
-                    "index": index,
-                    "text": out.text,
-                    "logprobs": server.completion_logprobs(
-                        out.new_logprobs, offsets[index].offsets
+        answers = []
+        for choice, out in zip(choices, finals, strict=True):
+            logprobs = None
+            if with_logprobs:
+                logprobs = server.completion_logprobs(
+                    out.new_logprobs, offsets[choice.index].offsets
+                )
+                if body.echo:
+                    logprobs = join_logprobs(
+                        server.echo_logprobs(choice.prompt_ids, out.prompt_logprobs),
+                        logprobs,
+                        len(choice.prompt_text),
                     )
-                    if with_logprobs
-                    else None,
+            answers.append(
+                {
+                    "index": choice.index,
+                    "text": choice.prompt_text + out.text,
+                    "logprobs": logprobs,
                     "finish_reason": out.finish_reason,
                 }
             )
@@ -766,8 +579,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
                 "id": request_id,
                 "object": "text_completion",
                 "created": int(time.time()),
-                "model": model_name,
-                "choices": choices,
+                "model": server.model_name,
+                "choices": answers,
                 "usage": server.usage(prompt_tokens, completion_tokens),
             }
         )
@@ -792,132 +605,47 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         params = server.sampling_params(
             body, len(ids), max_tokens, logprobs, "messages", max_tokens_param
         )
-        stream = server.submit(ids, params, "messages")
+        choices = [Choice(j, ids, "", p) for j, p in enumerate(params)]
+        streams = server.submit_all(choices, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return StreamingResponse(
-                stream_chat(
-                    server,
-                    request_id,
-                    stream,
-                    len(ids),
-                    body.include_usage,
-                    body.logprobs,
-                ),
-                media_type="text/event-stream",
+            events = stream_chat(
+                server,
+                request_id,
+                streams,
+                choices,
+                len(ids),
+                body.include_usage,
+                body.logprobs,
+                body.continuous_usage,
             )
-        (final,) = await collect_finals(request, [stream])
+            return StreamingResponse(
+                sse_stream(events, streams), media_type="text/event-stream"
+            )
+        finals = await collect_finals(request, streams)
+        answers = [
+            {
+                "index": choice.index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": server.chat_logprobs(
+                    server.answer_logprobs(out, choice.params)
+                )
+                if body.logprobs
+                else None,
+                "finish_reason": out.finish_reason,
+            }
+            for choice, out in zip(choices, finals, strict=True)
+        ]
+        completion_tokens = sum(o.num_output_tokens for o in finals)
         return JSONResponse(
             {
                 "id": request_id,
                 "object": "chat.completion",
                 "created": int(time.time()),
-                "model": model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": final.text},
-                        "logprobs": server.chat_logprobs(final)
-                        if body.logprobs
-                        else None,
-                        "finish_reason": final.finish_reason,
-                    }
-                ],
-                "usage": server.usage(len(ids), final.num_output_tokens),
+                "model": server.model_name,
+                "choices": answers,
+                "usage": server.usage(len(ids), completion_tokens),
             }
         )
 
     return app
-
-
-async def stream_completion(
-    server: OpenAIServer,
-    request_id: str,
-    streams: Sequence[RequestStream],
-    prompt_tokens: int,
-    include_usage: bool,
-    with_logprobs: bool,
-) -> AsyncIterator[str]:
-    """SSE chunks of a streamed /v1/completions request."""
-    chunk = chunk_writer(server, request_id, "text_completion", include_usage)
-    offsets = [server.text_offsets() for _ in streams]
-    completion_tokens = 0
-
-    try:
-        async for index, out in merge_streams(streams):
-            if out.finished:
-                completion_tokens += out.num_output_tokens
-            if not (out.new_text or out.finished or with_logprobs):
-                continue
-            logprobs = None
-            if with_logprobs:
-                logprobs = server.completion_logprobs(
-                    out.new_logprobs, offsets[index].feed(out)
-                )
-            yield chunk(
-                [
-                    {
-                        "index": index,
-                        "text": out.new_text,
-                        "logprobs": logprobs,
-                        "finish_reason": out.finish_reason,
-                    }
-                ]
-            )
-        if include_usage:
-            yield chunk([], server.usage(prompt_tokens, completion_tokens))
-        yield sse("[DONE]")
-    except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-        yield sse_error(exc)
-    finally:
-        for stream in streams:
-            stream.close()
-
-
-async def stream_chat(
-    server: OpenAIServer,
-    request_id: str,
-    stream: RequestStream,
-    prompt_tokens: int,
-    include_usage: bool,
-    with_logprobs: bool,
-) -> AsyncIterator[str]:
-    """SSE chunks of a streamed /v1/chat/completions request."""
-    chunk = chunk_writer(server, request_id, "chat.completion.chunk", include_usage)
-
-    completion_tokens = 0
-    try:
-        yield chunk(
-            [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ]
-        )
-        async for out in stream:
-            completion_tokens = out.num_output_tokens
-            if not (out.new_text or out.finished or with_logprobs):
-                continue
-            delta = {"content": out.new_text} if out.new_text else {}
-            yield chunk(
-                [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": server.chat_logprobs(out)
-                        if with_logprobs
-                        else None,
-                        "finish_reason": out.finish_reason,
-                    }
-                ]
-            )
-        if include_usage:
-            yield chunk([], server.usage(prompt_tokens, completion_tokens))
-        yield sse("[DONE]")
-    except Exception as exc:
-        yield sse_error(exc)
-    finally:
-        stream.close()

@@ -89,6 +89,7 @@ def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
     port = free_port()
     argv = serve_argv(folder, digest, publisher.public, *RELEASE_FLAGS)
     argv += ["--port", str(port), "--kv-cache-dtype", "fp32", "--max-num-seqs", "2"]
+    argv += ["--threads", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)  # the engine runs the torch references on CPU
     proc = subprocess.Popen(
@@ -110,7 +111,8 @@ def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
                     break
             except httpx.TransportError:
                 time.sleep(0.25)
-        body = {"model": "model", "prompt": "def ", "max_tokens": 3, "temperature": 0}
+        # served under the path as given on the command line, as vLLM does
+        body = {"model": argv[1], "prompt": "def ", "max_tokens": 3, "temperature": 0}
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
     finally:
@@ -133,6 +135,25 @@ def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
         if line.startswith("engine_kv_bytes_per_token{")
     ]
     assert 'kv_cache_dtype="fp32"' in line and float(line.rsplit(" ", 1)[1]) == want
+    assert "engine_torch_threads 1.0" in metrics.splitlines()  # --threads 1
+
+
+def test_it_parses_served_model_names_threads_and_the_default_answer_length():
+    from gpuagent.engine.__main__ import served_model_names
+
+    plain = build_parser().parse_args(["serve", "rel/model_dir"])
+    named = build_parser().parse_args(
+        ["serve", "m", "--served-model-name", "a", "b", "--threads", "3"]
+    )
+    with pytest.raises(SystemExit, match="--threads"):
+        main(["serve", str(DEMO_MODEL), "--threads", "0"])
+    with pytest.raises(SystemExit, match="--default-max-tokens"):
+        main(["serve", str(DEMO_MODEL), "--default-max-tokens", "0"])
+
+    assert served_model_names(plain) == ["rel/model_dir"]  # the path as given
+    assert served_model_names(named) == ["a", "b"]
+    assert named.threads == 3 and plain.threads is None
+    assert plain.default_max_tokens == 1024
 
 
 def test_it_refuses_a_signature_by_a_key_it_does_not_trust(signed_demo):

@@ -3,6 +3,7 @@ import torch
 
 from gpuagent.engine.sampling import (
     SamplingParams,
+    adjust_logits,
     apply_top_k_top_p,
     find_stop_string,
     sample,
@@ -169,3 +170,81 @@ def test_it_keeps_the_top_token_for_a_top_p_below_float32_range():
     kept = apply_top_k_top_p(logits, 0, 1e-320)
 
     assert torch.isfinite(kept).nonzero().flatten().tolist() == [int(logits.argmax())]
+
+
+def adjusted_row(params: SamplingParams, logits, prompt=(), output=(), stops=()):
+    return adjust_logits(
+        logits[None], [params], [list(prompt)], [list(output)], [stops]
+    )[0]
+
+
+def test_logit_bias_adds_to_the_biased_logits_only():
+    logits = torch.zeros(6)
+
+    out = adjusted_row(SamplingParams(logit_bias={2: 5.0, 4: -1.5}), logits)
+
+    assert out.tolist() == [0, 0, 5.0, 0, -1.5, 0]
+    assert logits.tolist() == [0] * 6  # the raw logits are left alone
+
+
+def test_penalties_follow_openai_and_ctrl_definitions():
+    logits = torch.tensor([2.0, -2.0, 1.0, 1.0, 0.5])
+    output = [0, 0, 1, 2]  # token 0 twice, 1 and 2 once; 3 only in the prompt
+
+    frequency = adjusted_row(SamplingParams(frequency_penalty=0.5), logits, [3], output)
+    presence = adjusted_row(SamplingParams(presence_penalty=0.5), logits, [3], output)
+    repetition = adjusted_row(
+        SamplingParams(repetition_penalty=2.0), logits, [3], output
+    )
+
+    assert frequency.tolist() == [1.0, -2.5, 0.5, 1.0, 0.5]
+    assert presence.tolist() == [1.5, -2.5, 0.5, 1.0, 0.5]
+    # seen in prompt or output: positive halved, negative doubled; 4 unseen
+    assert repetition.tolist() == [1.0, -4.0, 0.5, 0.5, 0.5]
+
+
+def test_min_tokens_bans_stop_tokens_until_the_output_is_long_enough():
+    logits = torch.zeros(5)
+    params = SamplingParams(min_tokens=2, max_tokens=4)
+
+    early = adjusted_row(params, logits, output=[1], stops={3, 4})
+    later = adjusted_row(params, logits, output=[1, 2], stops={3, 4})
+
+    assert early.tolist() == [0, 0, 0, float("-inf"), float("-inf")]
+    assert later.tolist() == [0] * 5
+
+
+def test_sample_picks_from_adjusted_logits_but_reports_raw_logprobs():
+    logits = torch.tensor([[3.0, 0.0, -1.0]])
+    params = [SamplingParams(temperature=0.0, logit_bias={2: 10.0}, logprobs=1)]
+    adjusted = adjust_logits(logits, params, [[]], [[]], [set()])
+
+    (token,) = sample(logits, params, [None], adjusted)
+
+    raw = torch.log_softmax(logits[0], -1)
+    assert token.token_id == 2
+    assert token.logprob == pytest.approx(raw[2].item())
+    assert token.top_logprobs == [(0, pytest.approx(raw[0].item()))]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {1: 200.0}}, "logit_bias"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
+def test_it_names_the_bad_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_max_tokens_0_is_valid_when_scoring_the_prompt():
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+
+    assert params.max_tokens == 0

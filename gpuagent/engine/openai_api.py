@@ -1,0 +1,268 @@
+"""OpenAI request bodies as the server takes them, and OpenAI's error body.
+
+Every field of a body is either implemented or refused: a field the server doesn't
+know, or an OpenAI field it doesn't implement (`UNSUPPORTED_FIELDS`), is a 400 naming
+it, never a 200 that silently does nothing. A known-unsupported field sent as `null`
+asks for nothing and passes. Types are strict, as OpenAI's: "5" or true is no
+max_tokens (an int is a float).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Far above any prompt the context holds (a 128k-token prompt is ~1 MB of JSON); a
+# bigger body is refused before it is read into memory.
+MAX_BODY_BYTES = 16 * 2**20
+
+# OpenAI fields this server does not implement, and why (answered with a 400).
+UNSUPPORTED_FIELDS = {
+    "best_of": "best-of-n sampling is not implemented (use n)",
+    "suffix": "insertion after a suffix is not implemented",
+    "response_format": "structured output is not implemented",
+    "tools": "tool calling is not implemented",
+    "tool_choice": "tool calling is not implemented",
+    "parallel_tool_calls": "tool calling is not implemented",
+    "functions": "function calling is not implemented",
+    "function_call": "function calling is not implemented",
+    "user": "end-user ids are not recorded by this server",
+    "store": "stored completions are not implemented",
+    "metadata": "stored completions are not implemented",
+    "service_tier": "service tiers are not implemented",
+    "modalities": "only text output is implemented",
+    "audio": "only text output is implemented",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "reasoning effort is not implemented",
+    "web_search_options": "web search is not implemented",
+}
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type = message, status, type
+        self.param, self.code = param, code
+
+
+def error_response(err: APIError) -> JSONResponse:
+    """OpenAI-style error body for `err`."""
+    body = {
+        "error": {
+            "message": err.message,
+            "type": err.type,
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+    return JSONResponse(body, status_code=err.status)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    # vLLM extra: usage so far in every chunk (with include_usage)
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage=true")
+        return self
+
+
+class _SamplingFields(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM extra
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extra
+    ignore_eos: bool = False  # vLLM extra
+    min_tokens: int = 0  # vLLM extra
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extra
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` keyed by token id (APIError when a key isn't one)."""
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                biases[int(key)] = bias
+            except ValueError:
+                raise APIError(
+                    f"logit_bias keys must be token ids, got {key!r}",
+                    param="logit_bias",
+                    code="invalid_value",
+                ) from None
+        return biases
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(_Body):
+    """One message. `developer` is OpenAI's newer name for the system prompt; `tool`
+    carries a tool's answer (`tool_call_id`); an assistant turn may have no text
+    (`content: null`), e.g. when it made tool calls."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError(
+                "tool_call_id is required on tool messages, and only there"
+            )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed on assistant messages")
+        return self
+
+    def text(self) -> str:
+        """The message's text ("" for an assistant turn without content)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(
+                    "only text content parts are supported", param="messages"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, refused (APIError 413) as soon as it passes MAX_BODY_BYTES."""
+    too_large = APIError(
+        f"the request body is larger than {MAX_BODY_BYTES} bytes",
+        status=413,
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def refuse_unsupported(data: dict[str, Any]) -> None:
+    """Raise APIError for an OpenAI field this server doesn't implement; drop those
+    sent as null (they ask for nothing), and a `best_of` equal to `n`."""
+    for name, reason in UNSUPPORTED_FIELDS.items():
+        if name not in data:
+            continue
+        value = data[name]
+        if value is None or (name == "best_of" and value == data.get("n", 1)):
+            del data[name]
+            continue
+        raise APIError(
+            f"{name} is not supported: {reason}", param=name, code="unsupported_field"
+        )
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The request's JSON body validated as `model` (APIError 400 otherwise, naming
+    the field; 413 past MAX_BODY_BYTES)."""
+    raw = await read_body(request)
+    try:
+        data = json.loads(raw)
+    # ValueError covers JSONDecodeError, bad UTF-8 and ints past Python's digit limit.
+    except (ValueError, RecursionError) as exc:
+        raise APIError(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    refuse_unsupported(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        if first["type"] == "extra_forbidden":
+            raise APIError(
+                f"unknown field {param!r}: this server does not implement it",
+                param=param,
+                code="unsupported_field",
+            ) from None
+        raise APIError(
+            f"invalid field {param}: {first['msg']}", param=param, code="invalid_value"
+        ) from None

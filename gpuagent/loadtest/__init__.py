@@ -1,0 +1,19 @@
+"""Load testing of an OpenAI-compatible endpoint (no Django): named workload
+profiles (`profiles.toml`) under closed-loop sweeps and open-loop arrivals,
+per-level latency/throughput/goodput, server memory from /metrics, and cost at the
+highest load that meets the SLO. `run_load_test(...) -> LoadTestReport`; CLI
+`python -m gpuagent.loadtest --endpoint URL --profile chat`."""
+
+from gpuagent.loadtest.profiles import Profile, load_profiles
+from gpuagent.loadtest.runner import Bounds, Costs
+from gpuagent.loadtest.suite import LoadTestError, Plan, run_load_test
+
+__all__ = [
+    "Bounds",
+    "Costs",
+    "LoadTestError",
+    "Plan",
+    "Profile",
+    "load_profiles",
+    "run_load_test",
+]
