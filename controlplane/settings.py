@@ -136,6 +136,12 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+STATICFILES_FINDERS = [
+    "django.contrib.staticfiles.finders.FileSystemFinder",
+    "django.contrib.staticfiles.finders.AppDirectoriesFinder",
+    # plotly.js for the dashboard's charts, from the installed plotly package
+    "controlplane.dashboard.staticfiles.PlotlyFinder",
+]
 STATIC_ROOT = Path(os.getenv("STATIC_ROOT", DATA_DIR / "static"))
 ARTIFACT_ROOT = Path(os.getenv("ARTIFACT_ROOT", DATA_DIR / "artifacts"))
 
