@@ -178,10 +178,11 @@ RELEASEGATE_JOB_LEASE_S = envint("RELEASEGATE_JOB_LEASE_S", "900")
 if RELEASEGATE_JOB_LEASE_S < 1:
     raise ImproperlyConfigured("RELEASEGATE_JOB_LEASE_S must be at least 1")
 
-# An agent silent for longer than this is shown dead, and a job it runs stuck.
-RELEASEGATE_AGENT_DEAD_AFTER_S = envint("RELEASEGATE_AGENT_DEAD_AFTER_S", "60")
-if RELEASEGATE_AGENT_DEAD_AFTER_S < 1:
-    raise ImproperlyConfigured("RELEASEGATE_AGENT_DEAD_AFTER_S must be at least 1")
+# An agent not heard from for this long is dead (the dashboard shows it so, and a
+# job it runs stuck).
+AGENT_DEAD_AFTER_S = envint("AGENT_DEAD_AFTER_S", "30")
+if AGENT_DEAD_AFTER_S < 1:
+    raise ImproperlyConfigured("AGENT_DEAD_AFTER_S must be at least 1")
 
 # Production hardening; active whenever DEBUG is off.
 SESSION_COOKIE_SECURE = not DEBUG

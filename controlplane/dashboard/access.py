@@ -9,10 +9,11 @@ from django.http import Http404
 from controlplane.accounts.actions import check_actor_in_team
 from controlplane.accounts.models import Team
 from controlplane.audit.models import AuditEvent
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import ControlPlaneError, IllegalTransition
 from controlplane.fleet.models import Deployment, Environment
 from controlplane.releases.actions import (
     check_approve_release,
+    legal_targets,
     previous_verified_deployment,
 )
 from controlplane.releases.models import ModelFamily, Release
@@ -75,6 +76,18 @@ def decision_refusal(release: Release, user) -> str:
     except ControlPlaneError as exc:
         return exc.message
     return ""
+
+
+def check_reject_release(release: Release, user) -> None:
+    """Raise unless `user` may reject `release` now: approver or admin in its team,
+    the release in a state that can move to rejected. do_reject_release checks
+    again (and whatever more it requires) when the confirmed post reaches it; this
+    keeps the confirmation page from offering a rejection that can't happen. Where
+    the actions have one check for both decisions (check_decide_release), call it
+    here."""
+    check_actor_in_team(user, release.team, roles=DECIDER_ROLES)
+    if "rejected" not in legal_targets(release.state):
+        raise IllegalTransition(release.state, "rejected", legal_targets(release.state))
 
 
 def rollback_refusal(environment: Environment, user) -> str:

@@ -4,8 +4,8 @@ clock, so every page says it the same way and the tests can set the clock.
 A running job is stuck when its lease has run out (its worker stopped renewing it) or
 when the agent running it has missed its heartbeats. A job on its second or later
 attempt is retried. An agent is dead when its last heartbeat is older than
-RELEASEGATE_AGENT_DEAD_AFTER_S (default 60 s: issue 11 wants a death noticed within a
-minute) or it never sent one.
+AGENT_DEAD_AFTER_S (default 30 s: a death is to be noticed within a minute) or it
+never sent one.
 """
 
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ from django.conf import settings
 
 
 def agent_dead_after_s() -> int:
-    return settings.RELEASEGATE_AGENT_DEAD_AFTER_S
+    return settings.AGENT_DEAD_AFTER_S
 
 
 @dataclass(frozen=True)

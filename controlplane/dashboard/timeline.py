@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from controlplane.dashboard.health import JobHealth, job_health
+from controlplane.releases import evidence
 from gpuagent.protocol import JOB_KINDS
 
-INTEGRITY_KINDS = ("inspect", "verify_source", "sign", "verify")
-TEST_KINDS = ("evaluate", "load_test")
+INTEGRITY_KINDS = evidence.INTEGRITY_JOB_KINDS
+TEST_KINDS = (evidence.QUALITY_JOB_KIND, evidence.LOAD_TEST_JOB_KIND)
 AFTER_DEPLOY_KINDS = ("reverify",)
 
 

@@ -7,16 +7,14 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
-from controlplane.accounts.actions import check_actor_in_team
 from controlplane.dashboard import access
 from controlplane.dashboard.release_page import live_release_for
 from controlplane.dashboard.views.outcome import answer, confirmed
-from controlplane.errors import IllegalTransition, ValidationFailed
+from controlplane.errors import ValidationFailed
 from controlplane.releases.actions import (
     check_approve_release,
     do_approve_release,
     do_reject_release,
-    legal_targets,
 )
 
 
@@ -79,16 +77,9 @@ def reject_release(request, release_id: int):
     comment = request.POST.get("comment", "").strip()
 
     def attempt():
-        # The action checks all of this again (and whatever else it requires) when
-        # the confirmed post reaches it; here it keeps a confirmation page from
-        # offering a rejection that can't happen.
-        check_actor_in_team(request.user, release.team, roles=access.DECIDER_ROLES)
-        if "rejected" not in legal_targets(release.state):
-            raise IllegalTransition(
-                release.state, "rejected", legal_targets(release.state)
-            )
+        access.check_reject_release(release, request.user)
         if not comment:
-            raise ValidationFailed("reject needs a comment saying why", field="comment")
+            raise ValidationFailed("a rejection needs a reason", field="comment")
         if confirmed(request):
             return do_reject_release(release, request.user, comment=comment)
         return _confirm(request, release, "reject", comment=comment)

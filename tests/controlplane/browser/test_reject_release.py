@@ -15,7 +15,7 @@ def test_it_rejects_with_the_comment_after_confirming(
     log_in("bob")
     page.goto(f"/releases/{release.pk}/")
 
-    page.get_by_label("Comment").fill(COMMENT)
+    page.get_by_label("Reason for rejecting").fill(COMMENT)
     page.get_by_role("button", name="Reject…").click()
     expect(page.get_by_role("heading", level=1)).to_have_text(f"Reject {release}?")
     assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
@@ -37,16 +37,17 @@ def test_it_rejects_with_the_comment_after_confirming(
     assert queued == []
 
 
-def test_it_asks_for_a_comment_before_rejecting(
+def test_it_asks_for_a_reason_before_rejecting(
     page, log_in, owner, teammate, awaiting_approval
 ):
     release = awaiting_approval()
     log_in("bob")
     page.goto(f"/releases/{release.pk}/")
 
-    page.get_by_role("button", name="Reject…").click()
+    page.get_by_role("button", name="Reject…").click()  # the browser refuses it
 
-    expect(page.locator(".messages .error")).to_contain_text(
-        "reject needs a comment saying why"
+    expect(page.get_by_label("Reason for rejecting")).to_have_js_property(
+        "validity.valueMissing", True
     )
+    expect(page.get_by_role("heading", level=1)).to_contain_text(str(release))
     assert Release.objects.get(pk=release.pk).state == "awaiting_approval"

@@ -25,8 +25,8 @@ def test_it_puts_the_csrf_token_in_every_post_form(client, pages):
         for form in POST_FORM.findall(body):
             forms += 1
             assert 'name="csrfmiddlewaretoken"' in form, url
-    # log out on each page, the decision form, one rollback form
-    assert forms == len(pages) + 2
+    # log out on each page, approve and reject, one rollback form
+    assert forms == len(pages) + 3
 
 
 def test_it_sets_the_viewport_on_every_page(client, pages):

@@ -18,18 +18,19 @@ def _job(state="running", lease_in_s=60, attempts=1, agent=None):
     )
 
 
-def test_it_calls_an_agent_dead_after_a_minute_of_silence(settings):
-    assert agent_health(_agent(silent_s=60), NOW).alive is True
-    dead = agent_health(_agent(silent_s=61), NOW)
+def test_it_calls_an_agent_dead_after_its_heartbeats_stop(settings):
+    settings.AGENT_DEAD_AFTER_S = 30
+
+    assert agent_health(_agent(silent_s=30), NOW).alive is True
+    dead = agent_health(_agent(silent_s=31), NOW)
     assert (dead.alive, dead.label) == (False, "dead")
-    assert (
-        dead.reason
-        == "missed heartbeats: last seen 61 s ago (dead after 60 s of silence)"
+    assert dead.reason == (
+        "missed heartbeats: last seen 31 s ago (dead after 30 s of silence)"
     )
 
 
 def test_it_reads_the_dead_after_setting(settings):
-    settings.RELEASEGATE_AGENT_DEAD_AFTER_S = 300
+    settings.AGENT_DEAD_AFTER_S = 300
 
     assert agent_health(_agent(silent_s=200), NOW).alive is True
 
@@ -62,7 +63,8 @@ def test_it_calls_a_job_with_an_expired_lease_stuck():
     ]
 
 
-def test_it_calls_a_job_on_a_dead_agent_stuck_before_its_lease_runs_out():
+def test_it_calls_a_job_on_a_dead_agent_stuck_before_its_lease_runs_out(settings):
+    settings.AGENT_DEAD_AFTER_S = 60
     health = job_health(_job(lease_in_s=600, agent=_agent(silent_s=300)), NOW)
 
     assert health.stuck

@@ -52,7 +52,7 @@ def test_it_needs_a_comment(client, teammate, awaiting, comment):
         follow=True,
     )
 
-    assert b"reject needs a comment saying why" in response.content
+    assert b"a rejection needs a reason" in response.content
     assert _stored(release).state == "awaiting_approval"
 
 

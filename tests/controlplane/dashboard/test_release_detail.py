@@ -91,7 +91,8 @@ def test_it_offers_the_decision_on_the_full_digest_to_an_approver(
         f'<code class="digest" id="decision-digest">{release.manifest_digest}' in body
     )
     assert f'action="/releases/{release.pk}/approve/"' in body
-    assert f'formaction="/releases/{release.pk}/reject/"' in body
+    assert f'action="/releases/{release.pk}/reject/"' in body
+    assert 'name="comment" maxlength="2000" required' in body
 
 
 def test_it_tells_the_registrant_why_they_cannot_approve(client, owner, awaiting):
