@@ -73,6 +73,8 @@ def decision_refusal(release: Release, user) -> str:
     """Why `user` may not approve `release` now, in words; "" when they may."""
     try:
         check_approve_release(release, user)
+    except IllegalTransition:
+        return f"it is {release.state}; a person decides on a release awaiting approval"
     except ControlPlaneError as exc:
         return exc.message
     return ""

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from gpuagent.protocol import LoadTestReport, QualityReport
 
+GIB = 2**30
+
 
 @dataclass(frozen=True)
 class Difference:
@@ -57,7 +59,11 @@ def compare_with_live(
     ]
     if candidate_load and live_load:
         rows += [
-            ("weights (bytes)", candidate_load.weights_bytes, live_load.weights_bytes),
+            (
+                "weights (GiB)",
+                candidate_load.weights_bytes / GIB,
+                live_load.weights_bytes / GIB,
+            ),
             (
                 "KV bytes per token",
                 candidate_load.kv_bytes_per_token,

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.fleet.actions import do_register_agent
+from controlplane.fleet.actions import do_record_agent_heartbeat, do_register_agent
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases.actions import (
     do_fail_deployment,
@@ -96,7 +96,7 @@ def scene(
     expire_lease(retried)
     do_start_job(running, "load_test", agent=alive)
     expire_lease(stuck)
-    return {"candidate": candidate, "running": running, "production": production}
+    return {"candidate": candidate, "running": running, "alive": alive}
 
 
 def _check_fits(page, name: str) -> None:
@@ -109,6 +109,8 @@ def test_it_shows_every_page_at_desktop_and_phone_width(
 ):
     candidate, running = scene["candidate"], scene["running"]
     for width in WIDTHS:
+        # Setting the scene took longer than an agent may stay silent.
+        do_record_agent_heartbeat(scene["alive"])
         context = browser.new_context(
             base_url=live_server.url, viewport={"width": width, "height": 900}
         )

@@ -217,3 +217,15 @@ def test_it_is_404_for_missing_releases(client, owner, db):
     client.force_login(owner)
 
     assert client.get("/releases/999999/").status_code == 404
+
+
+def test_it_says_a_live_release_is_not_for_deciding(client, teammate, make_live):
+    release = make_live("0.9.0")
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    assert response.context["decision_refusal"] == (
+        "it is live; a person decides on a release awaiting approval"
+    )
+    assert b"/approve/" not in response.content
