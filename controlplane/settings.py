@@ -136,6 +136,12 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+STATICFILES_FINDERS = [
+    "django.contrib.staticfiles.finders.FileSystemFinder",
+    "django.contrib.staticfiles.finders.AppDirectoriesFinder",
+    # plotly.js for the dashboard's charts, from the installed plotly package
+    "controlplane.dashboard.staticfiles.PlotlyFinder",
+]
 STATIC_ROOT = Path(os.getenv("STATIC_ROOT", DATA_DIR / "static"))
 ARTIFACT_ROOT = Path(os.getenv("ARTIFACT_ROOT", DATA_DIR / "artifacts"))
 
@@ -171,6 +177,12 @@ CELERY_BEAT_SCHEDULE = {
 RELEASEGATE_JOB_LEASE_S = envint("RELEASEGATE_JOB_LEASE_S", "900")
 if RELEASEGATE_JOB_LEASE_S < 1:
     raise ImproperlyConfigured("RELEASEGATE_JOB_LEASE_S must be at least 1")
+
+# An agent not heard from for this long is dead (the dashboard shows it so, and a
+# job it runs stuck).
+AGENT_DEAD_AFTER_S = envint("AGENT_DEAD_AFTER_S", "30")
+if AGENT_DEAD_AFTER_S < 1:
+    raise ImproperlyConfigured("AGENT_DEAD_AFTER_S must be at least 1")
 
 # Production hardening; active whenever DEBUG is off.
 SESSION_COOKIE_SECURE = not DEBUG

@@ -1,23 +1,44 @@
 from django.urls import path
 
-from controlplane.dashboard import views
+from controlplane.dashboard.views import (
+    audit,
+    cost,
+    decisions,
+    environments,
+    fleet,
+    releases,
+)
 
 app_name = "dashboard"
 
 urlpatterns = [
-    path("", views.release_list, name="release-list"),
-    path("releases/<int:release_id>/", views.release_detail, name="release-detail"),
+    path("", releases.release_list, name="release-list"),
+    path("pipelines/", releases.running_pipelines, name="running-pipelines"),
+    path("releases/<int:release_id>/", releases.release_detail, name="release-detail"),
+    path(
+        "releases/<int:release_id>/status/",
+        releases.release_status,
+        name="release-status",
+    ),
     path(
         "releases/<int:release_id>/approve/",
-        views.approve_release,
+        decisions.approve_release,
         name="approve-release",
     ),
     path(
-        "releases/<int:release_id>/reject/", views.reject_release, name="reject-release"
+        "releases/<int:release_id>/reject/",
+        decisions.reject_release,
+        name="reject-release",
     ),
+    path("environments/", environments.environment_list, name="environment-list"),
+    path("environments/rows/", environments.environment_rows, name="environment-rows"),
     path(
         "environments/<int:environment_id>/rollback/",
-        views.rollback_environment,
+        environments.rollback_environment,
         name="rollback-environment",
     ),
+    path("fleet/", fleet.fleet, name="fleet"),
+    path("cost/", cost.cost, name="cost"),
+    path("cost.csv", cost.cost_csv, name="cost-csv"),
+    path("audit/", audit.audit_log, name="audit-log"),
 ]

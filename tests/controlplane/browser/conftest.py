@@ -7,21 +7,15 @@ actions; Celery tasks queued on commit are recorded by `queued` and run in the t
 with `run_queued()` (the dashboard tests record `.delay` the same way).
 """
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 
 from controlplane.releases import tasks
-from controlplane.releases.actions import (
-    do_record_gate_result,
-    do_record_manifest,
-    do_transition_release,
-)
-from controlplane.releases.models import Release
-from gpuagent.protocol import FileDigest
 from tests.controlplane.conftest import PASSWORD
+from tests.controlplane.dashboard.builders import to_awaiting_approval
 
 # CI installs it with `apt-get install -y chromium` (Debian); Playwright's own
 # downloads are not reachable there.
@@ -34,8 +28,13 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-# Short, so a missing element fails the test in seconds rather than 30 s.
-TIMEOUT_MS = 5_000
+# Short, so a missing element fails the test in seconds rather than 30 s (10 s:
+# these machines are shared, and a busy one takes seconds to render a page).
+TIMEOUT_MS = 10_000
+# Waits that are slow for a reason: the first parse of plotly.js (~4.8 MB) takes
+# seconds on a busy 2-core machine, and live regions refresh every 2-3 s.
+CHARTS_TIMEOUT_MS = 30_000
+LIVE_TIMEOUT_MS = 15_000
 WORKER = "system:worker"
 QUEUED_TASKS = ("run_promotion", "run_deployment", "run_reverification")
 
@@ -120,40 +119,33 @@ def run_queued(queued):
     return run
 
 
-def manifest_digest_for(release: Release, salt: str = "") -> str:
-    return "sha256:" + hashlib.sha256(f"{release.pk}:{salt}".encode()).hexdigest()
-
-
 @pytest.fixture
 def awaiting_approval(make_release):
-    """make(version=None) -> a release the worker took through the pipeline to
-    awaiting_approval: a manifest recorded while compressing, a passing gate while
-    evaluating, every move through the actions the worker uses."""
+    """make(version=None, **builder options) -> a release the worker took through
+    the pipeline to awaiting_approval with recorded evidence (quality and load
+    reports, manifest, gates), every move through the actions the worker uses."""
 
-    def make(version: str | None = None) -> Release:
-        release = make_release(version)
-        for state in ("verifying", "compressing"):
-            do_transition_release(release, state, actor=WORKER)
-        digest = manifest_digest_for(release)
-        files = [FileDigest(path="model.safetensors", size_bytes=1024, digest=digest)]
-        do_record_manifest(release, manifest_digest=digest, files=files)
-        do_transition_release(release, "evaluating", actor=WORKER)
-        do_record_gate_result(
-            release,
-            gate="quality",
-            metric="perplexity_ratio",
-            observed=1.01,
-            threshold=1.03,
-            outcome="pass",
+    def make(version=None, *, target_environment=None, recipe=None, **options):
+        release = make_release(
+            version, target_environment=target_environment, recipe=recipe
         )
-        for state in ("gated", "awaiting_approval"):
-            do_transition_release(release, state, actor=WORKER)
-        release.refresh_from_db()
-        return release
+        return to_awaiting_approval(release, **options)
 
     return make
 
 
-def table_under(page, heading: str):
-    """The table that follows the <h2> named `heading` on the page."""
-    return page.locator(f"h2:text-is('{heading}') + table")
+@pytest.fixture
+def screenshot():
+    """screenshot(page, name): a full-page PNG named `name`-`width`.png in
+    var/test-artifacts/screenshots (git ignores var/), or in
+    $RELEASEGATE_SCREENSHOTS."""
+    default = Path(settings.BASE_DIR) / "var" / "test-artifacts" / "screenshots"
+    folder = Path(os.environ.get("RELEASEGATE_SCREENSHOTS", default))
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def take(page, name: str) -> Path:
+        path = folder / f"{name}-{page.viewport_size['width']}.png"
+        page.screenshot(path=str(path), full_page=True)
+        return path
+
+    return take

@@ -5,43 +5,52 @@ from controlplane.fleet.models import Deployment
 from controlplane.releases.actions import do_record_manifest
 from controlplane.releases.models import Approval, Release
 from gpuagent.protocol import FileDigest
-from tests.controlplane.browser.conftest import manifest_digest_for, table_under
+from tests.controlplane.browser.conftest import CHARTS_TIMEOUT_MS, LIVE_TIMEOUT_MS
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-APPROVE = "Approve manifest"
+APPROVE = "Approve…"
+CHARTS = ("memory", "throughput", "ttft", "tpot", "kv_sessions", "quality_kld", "cost")
 
 
-def _digest_cell(page):
-    return page.get_by_role("row").filter(has_text="Manifest digest").locator("code")
-
-
-def test_it_lets_the_teammate_approve_the_digest_they_saw(
+def test_it_approves_the_full_digest_after_confirming_and_shows_it_go_live(
     page, log_in, owner, teammate, awaiting_approval, queued, run_queued
 ):
     release = awaiting_approval()
     log_in("bob")
     page.goto(f"/releases/{release.pk}/")
-    expect(_digest_cell(page)).to_have_text(release.manifest_digest)
+    for name in CHARTS:
+        chart = page.locator(f"#chart-{name}")
+        expect(chart.locator(".main-svg").first).to_be_attached(
+            timeout=CHARTS_TIMEOUT_MS
+        )
+        assert chart.evaluate("(div) => div.data.length") > 0, name
+    expect(page.locator("#decision-digest")).to_have_text(release.manifest_digest)
 
+    page.get_by_label("Comment").fill("numbers hold at 32 sessions")
     page.get_by_role("button", name=APPROVE).click()
+
+    expect(page.get_by_role("heading", level=1)).to_have_text(f"Approve {release}?")
+    expect(page.locator("#confirm-digest")).to_have_text(release.manifest_digest)
+    assert not Approval.objects.filter(release=release).exists()
+    page.get_by_role("button", name="Confirm approval").click()
 
     expect(page.locator(".messages")).to_contain_text(f"Approved {release}")
     expect(page.locator("h1 .state")).to_have_text("approved")
     expect(page.get_by_role("button", name=APPROVE)).to_have_count(0)
-    decision = table_under(page, "Approvals").get_by_role("row").nth(1)
-    expect(decision).to_contain_text(f"bob approve {release.manifest_digest}")
+    expect(page.locator("#approvals")).to_contain_text(release.manifest_digest)
     approval = Approval.objects.get(release=release)
     assert (approval.user, approval.decision) == (teammate, "approve")
+    assert approval.comment == "numbers hold at 32 sessions"
     assert approval.manifest_digest == release.manifest_digest
-    assert Release.objects.get(pk=release.pk).state == "approved"
     assert queued == [("run_deployment", (release.pk,))]
 
     assert run_queued() == ["live"]
-    page.reload()
-    expect(page.locator("h1 .state")).to_have_text("live")
-    deployment = Deployment.objects.get(release=release)
-    assert deployment.state == "live"
+
+    # No reload: the page follows the release by itself.
+    expect(page.locator("h1 .state")).to_have_text("live", timeout=LIVE_TIMEOUT_MS)
+    expect(page.locator("#stages")).to_contain_text("deploy")
+    assert Deployment.objects.get(release=release).state == "live"
 
 
 def test_it_refuses_an_approval_of_a_digest_that_changed_meanwhile(
@@ -52,7 +61,7 @@ def test_it_refuses_an_approval_of_a_digest_that_changed_meanwhile(
     page.goto(f"/releases/{release.pk}/")
     # The candidate is rebuilt while bob reads the page: his form carries the old
     # digest, and an approval is bound to the bytes the approver saw.
-    new_digest = manifest_digest_for(release, salt="rebuilt")
+    new_digest = "sha256:" + "e" * 64
     do_record_manifest(
         release,
         manifest_digest=new_digest,
@@ -63,13 +72,12 @@ def test_it_refuses_an_approval_of_a_digest_that_changed_meanwhile(
 
     expect(page.locator(".messages .error")).to_contain_text("approval is for manifest")
     expect(page.locator("h1 .state")).to_have_text("awaiting_approval")
-    expect(_digest_cell(page)).to_have_text(new_digest)
+    expect(page.locator("#decision-digest")).to_have_text(new_digest)
     assert not Approval.objects.filter(release=release).exists()
-    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
     assert queued == []
 
 
-def test_it_gives_the_registering_owner_no_approve_button(
+def test_it_tells_the_registrant_why_it_cannot_approve(
     page, log_in, owner, teammate, awaiting_approval, queued
 ):
     release = awaiting_approval()
@@ -78,10 +86,12 @@ def test_it_gives_the_registering_owner_no_approve_button(
     page.goto(f"/releases/{release.pk}/")
 
     expect(page.locator("h1 .state")).to_have_text("awaiting_approval")
-    expect(_digest_cell(page)).to_have_text(release.manifest_digest)
-    expect(page.get_by_role("heading", name="Decision")).to_have_count(0)
+    expect(page.locator("#manifest-digest")).to_have_text(release.manifest_digest)
+    expect(page.locator("#decision-refusal")).to_contain_text(
+        f"alice registered {release} and cannot also approve it"
+    )
     expect(page.get_by_role("button", name=APPROVE)).to_have_count(0)
-    expect(page.get_by_role("button", name="Reject")).to_have_count(0)
+    expect(page.get_by_role("button", name="Reject…")).to_have_count(0)
 
 
 def test_it_refuses_a_forced_approval_by_the_registering_owner(
@@ -104,6 +114,7 @@ def test_it_refuses_a_forced_approval_by_the_registering_owner(
                         "input[name=csrfmiddlewaretoken]").value,
                     manifest_digest: digest,
                     comment: "approving my own release",
+                    confirmed: "yes",
                 };
                 for (const [name, value] of Object.entries(fields)) {
                     const input = document.createElement("input");

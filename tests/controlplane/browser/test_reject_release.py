@@ -2,29 +2,30 @@ import pytest
 from playwright.sync_api import expect
 
 from controlplane.releases.models import Approval, Release
-from tests.controlplane.browser.conftest import table_under
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-COMMENT = "perplexity regressed on the support set"
+COMMENT = "korean slice regressed: 6 flips"
 
 
-def test_it_rejects_with_the_comment(
+def test_it_rejects_with_the_comment_after_confirming(
     page, log_in, owner, teammate, awaiting_approval, queued
 ):
     release = awaiting_approval()
     log_in("bob")
     page.goto(f"/releases/{release.pk}/")
 
-    page.get_by_label("Comment").fill(COMMENT)
-    page.get_by_role("button", name="Reject").click()
+    page.get_by_label("Reason for rejecting").fill(COMMENT)
+    page.get_by_role("button", name="Reject…").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text(f"Reject {release}?")
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
+    page.get_by_role("button", name="Confirm rejection").click()
 
     expect(page.locator(".messages")).to_contain_text(f"Rejected {release}")
     expect(page.locator("h1 .state")).to_have_text("rejected")
     expect(page.get_by_text(f"Reason: {COMMENT}")).to_be_visible()
-    expect(page.get_by_role("button", name="Reject")).to_have_count(0)
-    decision = table_under(page, "Approvals").get_by_role("row").nth(1)
-    expect(decision).to_contain_text(f"bob reject {release.manifest_digest} {COMMENT}")
+    expect(page.get_by_role("button", name="Reject…")).to_have_count(0)
+    expect(page.locator("#approvals")).to_contain_text(COMMENT)
     stored = Release.objects.get(pk=release.pk)
     assert (stored.state, stored.failure_reason) == ("rejected", COMMENT)
     approval = Approval.objects.get(release=release)
@@ -33,5 +34,20 @@ def test_it_rejects_with_the_comment(
         "reject",
         COMMENT,
     )
-    assert approval.manifest_digest == release.manifest_digest
     assert queued == []
+
+
+def test_it_asks_for_a_reason_before_rejecting(
+    page, log_in, owner, teammate, awaiting_approval
+):
+    release = awaiting_approval()
+    log_in("bob")
+    page.goto(f"/releases/{release.pk}/")
+
+    page.get_by_role("button", name="Reject…").click()  # the browser refuses it
+
+    expect(page.get_by_label("Reason for rejecting")).to_have_js_property(
+        "validity.valueMissing", True
+    )
+    expect(page.get_by_role("heading", level=1)).to_contain_text(str(release))
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"

@@ -4,11 +4,11 @@ from playwright.sync_api import expect
 from controlplane.fleet.models import Deployment
 from controlplane.releases.actions import do_approve_release, do_fail_deployment
 from controlplane.releases.models import Release
-from tests.controlplane.browser.conftest import table_under
+from tests.controlplane.browser.conftest import LIVE_TIMEOUT_MS
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-ROLL_BACK = "Roll back to previous verified release"
+REASON = "manifest digest mismatch; changed: model-00002-of-00002.safetensors"
 
 
 @pytest.fixture
@@ -21,20 +21,13 @@ def broken(awaiting_approval, teammate, queued, run_queued):
     assert run_queued() == ["live", "live"]
     deployment = Deployment.objects.get(release=new, state="live")
     do_fail_deployment(
-        deployment,
-        actor="system:worker",
-        reason="manifest digest mismatch; changed: model.safetensors",
-        verification=True,
+        deployment, actor="system:worker", reason=REASON, verification=True
     )
     return old, new
 
 
-def _environment_row(page, environment):
-    return (
-        table_under(page, "Environments")
-        .get_by_role("row")
-        .filter(has_text=str(environment))
-    )
+def _section(page, environment):
+    return page.locator(f"#environment-{environment.pk}")
 
 
 def test_it_rolls_back_to_the_previous_verified_release(
@@ -42,36 +35,49 @@ def test_it_rolls_back_to_the_previous_verified_release(
 ):
     old, new = broken
     log_in("bob")
-    row = _environment_row(page, environment)
-    expect(row).to_contain_text(f"{new} failed_verification")
+    page.goto("/environments/")
+    section = _section(page, environment)
+    expect(section).to_contain_text(f"Failed verification: {REASON}")
+    expect(section.locator("tr.live-release")).to_contain_text(
+        f"{new} failed_verification"
+    )
+    expect(section.locator("tr.rollback-target")).to_contain_text(
+        f"{old}: verified by its verify job"
+    )
 
-    row.get_by_role("button", name=ROLL_BACK).click()
+    section.get_by_role("button", name=f"Roll back to {old}…").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text(
+        f"Roll {environment} back?"
+    )
+    expect(page.locator("main")).to_contain_text(old.manifest_digest)
+    assert Release.objects.get(pk=new.pk).state == "failed_verification"
+    page.get_by_role("button", name=f"Confirm rollback to {old}").click()
 
     expect(page.locator(".messages")).to_contain_text(
         f"Rolling {environment} back to {old}."
     )
-    expect(page.get_by_role("heading", level=1)).to_contain_text(str(old))
-    expect(page.locator("h1 .state")).to_have_text("deploying")
     assert Release.objects.get(pk=new.pk).state == "quarantined"
     assert Release.objects.get(pk=old.pk).state == "deploying"
     assert Deployment.objects.get(release=new).state == "rolled_back"
     assert queued == [("run_deployment", (old.pk,))]
 
     assert run_queued() == ["live"]
-    page.goto("/")
-    row = _environment_row(page, environment)
-    expect(row).to_contain_text(f"{old} live")
-    expect(row.get_by_role("button", name=ROLL_BACK)).to_have_count(0)
+
+    # No reload: the environments page follows the deployment by itself.
+    live_row = _section(page, environment).locator("tr.live-release")
+    expect(live_row).to_contain_text(f"{old} live", timeout=LIVE_TIMEOUT_MS)
+    expect(page.get_by_role("button", name="Roll back to")).to_have_count(0)
 
 
-def test_it_shows_a_member_no_rollback_button(
+def test_it_shows_a_member_why_there_is_no_rollback_button(
     page, log_in, member, environment, broken, queued
 ):
     old, new = broken
     log_in("carol")
 
-    row = _environment_row(page, environment)
+    page.goto("/environments/")
 
-    expect(row).to_contain_text(f"{new} failed_verification")
-    expect(page.get_by_role("button", name=ROLL_BACK)).to_have_count(0)
+    expect(_section(page, environment)).to_contain_text(f"{new} failed_verification")
+    expect(page.get_by_role("button", name="Roll back to")).to_have_count(0)
+    expect(_section(page, environment)).to_contain_text("needs role approver or admin")
     assert Release.objects.get(pk=new.pk).state == "failed_verification"

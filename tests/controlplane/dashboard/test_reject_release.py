@@ -1,36 +1,107 @@
+import pytest
+from django.test import Client
+
 from controlplane.releases.models import Release
 
+REASON = "korean slice regressed: 6 flips"
 
-def test_it_rejects_through_the_action(client, teammate, make_release):
-    release = make_release(state="awaiting_approval")
+
+def _stored(release) -> Release:
+    return Release.objects.get(pk=release.pk)
+
+
+def test_it_asks_to_confirm_first(client, teammate, awaiting):
+    release = awaiting("1.0.0")
     client.force_login(teammate)
 
-    response = client.post(f"/releases/{release.pk}/reject/", {"comment": "no"})
+    response = client.post(f"/releases/{release.pk}/reject/", {"comment": REASON})
+
+    assert response.status_code == 200
+    assert b"Confirm rejection" in response.content
+    assert REASON.encode() in response.content
+    assert _stored(release).state == "awaiting_approval"
+
+
+def test_it_rejects_once_confirmed(client, teammate, awaiting):
+    release = awaiting("1.0.0")
+    client.force_login(teammate)
+
+    response = client.post(
+        f"/releases/{release.pk}/reject/", {"comment": REASON, "confirmed": "yes"}
+    )
 
     assert response.status_code == 302
-    stored = Release.objects.get(pk=release.pk)
-    assert (stored.state, stored.failure_reason) == ("rejected", "no")
+    stored = _stored(release)
+    assert (stored.state, stored.failure_reason) == ("rejected", REASON)
+    approval = release.approvals.get()
+    assert (approval.user, approval.decision, approval.comment) == (
+        teammate,
+        "reject",
+        REASON,
+    )
 
 
-def test_it_is_403_for_members(client, member, make_release):
-    release = make_release(state="awaiting_approval")
-    client.force_login(member)
-
-    assert client.post(f"/releases/{release.pk}/reject/").status_code == 403
-
-
-def test_it_is_404_for_outsiders(client, outsider, make_release):
-    release = make_release(state="awaiting_approval")
-    client.force_login(outsider)
-
-    assert client.post(f"/releases/{release.pk}/reject/").status_code == 404
-    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
-
-
-def test_it_shows_why_a_live_release_cannot_be_rejected(client, teammate, make_release):
-    release = make_release(state="live")
+@pytest.mark.parametrize("comment", ["", "   "])
+def test_it_needs_a_comment(client, teammate, awaiting, comment):
+    release = awaiting("1.0.0")
     client.force_login(teammate)
 
-    response = client.post(f"/releases/{release.pk}/reject/", follow=True)
+    response = client.post(
+        f"/releases/{release.pk}/reject/",
+        {"comment": comment, "confirmed": "yes"},
+        follow=True,
+    )
+
+    assert b"a rejection needs a reason" in response.content
+    assert _stored(release).state == "awaiting_approval"
+
+
+def test_it_needs_the_csrf_token(teammate, awaiting):
+    release = awaiting("1.0.0")
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(teammate)
+
+    response = client.post(
+        f"/releases/{release.pk}/reject/", {"comment": REASON, "confirmed": "yes"}
+    )
+
+    assert response.status_code == 403
+    assert _stored(release).state == "awaiting_approval"
+
+
+@pytest.mark.parametrize("confirmed", ["", "yes"])
+def test_it_is_403_for_members(client, member, awaiting, confirmed):
+    release = awaiting("1.0.0")
+    client.force_login(member)
+
+    response = client.post(
+        f"/releases/{release.pk}/reject/", {"comment": REASON, "confirmed": confirmed}
+    )
+
+    assert response.status_code == 403
+    assert _stored(release).state == "awaiting_approval"
+
+
+def test_it_is_404_for_outsiders(client, outsider, awaiting):
+    release = awaiting("1.0.0")
+    client.force_login(outsider)
+
+    response = client.post(
+        f"/releases/{release.pk}/reject/", {"comment": REASON, "confirmed": "yes"}
+    )
+
+    assert response.status_code == 404
+    assert _stored(release).state == "awaiting_approval"
+
+
+def test_it_shows_why_a_live_release_cannot_be_rejected(client, teammate, make_live):
+    release = make_live("1.0.0")
+    client.force_login(teammate)
+
+    response = client.post(
+        f"/releases/{release.pk}/reject/", {"comment": REASON}, follow=True
+    )
 
     assert b"illegal release transition live -&gt; rejected" in response.content
+    assert b"Confirm rejection" not in response.content
+    assert _stored(release).state == "live"

@@ -1,72 +1,216 @@
+import json
+
 from controlplane.releases.actions import (
     do_finish_job,
-    do_record_gate_result,
+    do_record_manifest,
     do_start_job,
+    do_transition_release,
 )
+from gpuagent.protocol import FileDigest
+from tests.controlplane.dashboard.builders import load_test_report
 
 
-def test_it_shows_state_jobs_gates_approvals_and_deployments(
-    client, teammate, make_release
-):
-    release = make_release(state="live", manifest_digest="sha256:" + "ab" * 32)
-    do_finish_job(do_start_job(release, "compress"), result={})
-    do_record_gate_result(
-        release,
-        gate="quality",
-        metric="perplexity_ratio",
-        observed=1.01,
-        threshold=1.03,
-        outcome="pass",
-    )
-    release.approvals.create(user=teammate, decision="approve", manifest_digest="d1")
-    release.deployments.create(environment=release.target_environment, state="live")
+def _chart(response, name: str) -> dict:
+    body = response.content.decode()
+    start = body.index(f'id="chart-data-{name}" type="application/json">')
+    start = body.index(">", start) + 1
+    return json.loads(body[start : body.index("</script>", start)])
+
+
+def test_it_shows_the_evidence_of_a_candidate(client, teammate, awaiting):
+    release = awaiting("1.0.0")
+    load = load_test_report(release.recipe)
     client.force_login(teammate)
 
     response = client.get(f"/releases/{release.pk}/")
 
     body = response.content.decode()
     assert response.status_code == 200
-    assert "state-live" in body
-    assert "compress" in body
-    assert "perplexity_ratio" in body
-    assert "d1" in body
-    assert "ab" * 32 in body
-    assert "Not deployed" not in body
+    assert response.context["evidence"].load == load
+    for name in ("memory", "throughput", "ttft", "tpot", "kv_bytes", "kv_sessions"):
+        assert _chart(response, name)["data"], name
+    for name in ("quality_kld", "quality_top1", "cost", "timeline"):
+        assert _chart(response, name)["data"], name
+    memory = _chart(response, "memory")
+    assert memory["data"][0]["y"] == [load.weights_bytes / 2**30]
+    assert "english.mean_kld" in body
+    for artifact in release.artifacts.all():
+        assert artifact.digest in body
+    assert "ci-signing@acme.example" in body
+    assert "verified</span> by its verify job" in body
 
 
-def test_it_offers_the_decision_to_an_approver(client, teammate, make_release):
-    release = make_release(state="awaiting_approval")
+def test_it_puts_the_evidence_before_the_decision(client, teammate, awaiting):
+    release = awaiting("1.0.0")
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    positions = [
+        body.index(marker)
+        for marker in (
+            'id="stages"',
+            'id="gates"',
+            'id="chart-memory"',
+            'id="quality"',
+            'id="artifacts"',
+            "<h2>Compared with live</h2>",
+            'id="history"',
+            'class="decision"',
+        )
+    ]
+    assert positions == sorted(positions)
+
+
+def test_it_shows_the_share_of_checks_in_the_time_to_deploy(client, teammate, awaiting):
+    release = awaiting("1.0.0")
     client.force_login(teammate)
 
     response = client.get(f"/releases/{release.pk}/")
 
-    assert response.context["can_decide"] is True
-    assert f"/releases/{release.pk}/approve/".encode() in response.content
+    overhead = response.context["overhead"]
+    assert 0 < overhead.integrity_s < overhead.time_to_deploy_s
+    assert 0 < overhead.tests_s < overhead.time_to_deploy_s
+    assert not overhead.deployed
+    assert b"Pipeline time so far" in response.content
+    stages = [stage.kind for stage in response.context["stages"]]
+    assert stages[:2] == ["verify_source", "compress"]
 
 
-def test_it_hides_the_decision_from_the_registering_user(client, owner, release):
-    type(release).objects.filter(pk=release.pk).update(state="awaiting_approval")
+def test_it_offers_the_decision_on_the_full_digest_to_an_approver(
+    client, teammate, awaiting
+):
+    release = awaiting("1.0.0")
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    body = response.content.decode()
+    assert response.context["decision_refusal"] == ""
+    assert (
+        f'<code class="digest" id="decision-digest">{release.manifest_digest}' in body
+    )
+    assert f'action="/releases/{release.pk}/approve/"' in body
+    assert f'action="/releases/{release.pk}/reject/"' in body
+    assert 'name="comment" maxlength="2000" required' in body
+
+
+def test_it_tells_the_registrant_why_they_cannot_approve(client, owner, awaiting):
+    release = awaiting("1.0.0")
     client.force_login(owner)
 
     response = client.get(f"/releases/{release.pk}/")
 
-    assert response.context["can_decide"] is False
     assert b"/approve/" not in response.content
+    assert (
+        f"alice registered {release} and cannot also approve it".encode()
+        in response.content
+    )
 
 
-def test_it_hides_the_decision_from_members(client, member, make_release):
-    release = make_release(state="awaiting_approval")
+def test_it_tells_a_member_why_they_cannot_approve(client, member, awaiting):
+    release = awaiting("1.0.0")
     client.force_login(member)
 
     response = client.get(f"/releases/{release.pk}/")
 
-    assert response.context["can_decide"] is False
+    assert b"/approve/" not in response.content
+    assert b"needs role approver or admin in team acme, has member" in response.content
 
 
-def test_it_is_404_for_outsiders(client, outsider, release):
+def test_it_flags_a_candidate_with_the_live_digest(
+    client, teammate, make_live, make_release, agent
+):
+    live = make_live("0.9.0")
+    again = make_release("0.9.1")
+    do_record_manifest(
+        again,
+        manifest_digest=live.manifest_digest,
+        files=[
+            FileDigest(path=a.path, size_bytes=a.size_bytes, digest=a.digest)
+            for a in live.artifacts.all()
+        ],
+    )
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{again.pk}/")
+
+    assert response.context["evidence"].comparison.same_digest is True
+    assert b'id="same-as-live"' in response.content
+
+
+def test_it_shows_what_differs_from_live(client, teammate, make_live, awaiting):
+    live = make_live("0.9.0", speed=0.8)
+    candidate = awaiting("1.0.0", speed=1.3)
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{candidate.pk}/")
+
+    comparison = response.context["evidence"].comparison
+    assert comparison.live == live and comparison.same_digest is False
+    differing = {d.what for d in comparison.differences}
+    assert {"version", "manifest digest", "chat: USD per 1M output tokens"} <= differing
+    assert "weights" not in differing  # same recipe
+    assert comparison.files_changed == sorted(a.path for a in live.artifacts.all())
+    assert f"live {live.version}" in _chart(response, "memory")["data"][0]["x"]
+
+
+def test_it_says_what_evidence_is_missing(client, teammate, release):
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    assert b"No load test recorded for this release" in response.content
+    assert b"No quality regression recorded for this release" in response.content
+    assert b"without evidence there is nothing to pass" in response.content
+    assert response.context["evidence"].charts == {}
+
+
+def test_it_shows_an_unreadable_report_as_a_problem(client, teammate, release):
+    job = do_start_job(release, "load_test")
+    do_finish_job(job, result={"endpoint": "http://x"})
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    assert response.status_code == 200
+    assert f"load_test job {job.pk} recorded an unreadable report".encode() in (
+        response.content
+    )
+    assert response.context["evidence"].load is None
+
+
+def test_it_shows_the_audit_trail_of_release_jobs_and_deployments(
+    client, teammate, make_live
+):
+    live = make_live("0.9.0")
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{live.pk}/")
+
+    verbs = [event.verb for event in response.context["history"]]
+    assert verbs[0] == "release.registered"
+    assert {"job.succeeded", "deployment.started", "deployment.live"} <= set(verbs)
+    assert verbs.count("release.approved") == 1
+
+
+def test_it_shows_the_failure_reason(client, owner, release):
+    do_transition_release(release, "failed", actor=owner, reason="disk full")
+    client.force_login(owner)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    assert b"<strong>Reason:</strong> disk full" in response.content
+
+
+def test_it_is_404_for_outsiders(client, outsider, awaiting):
+    release = awaiting("1.0.0")
     client.force_login(outsider)
 
-    assert client.get(f"/releases/{release.pk}/").status_code == 404
+    response = client.get(f"/releases/{release.pk}/")
+
+    assert response.status_code == 404
+    assert release.manifest_digest.encode() not in response.content
 
 
 def test_it_is_404_for_missing_releases(client, owner, db):
@@ -75,14 +219,13 @@ def test_it_is_404_for_missing_releases(client, owner, db):
     assert client.get("/releases/999999/").status_code == 404
 
 
-def test_it_shows_the_release_history(client, owner, release):
-    from controlplane.releases.actions import do_transition_release
-
-    do_transition_release(release, "failed", actor=owner, reason="disk full")
-    client.force_login(owner)
+def test_it_says_a_live_release_is_not_for_deciding(client, teammate, make_live):
+    release = make_live("0.9.0")
+    client.force_login(teammate)
 
     response = client.get(f"/releases/{release.pk}/")
 
-    verbs = [e.verb for e in response.context["history"]]
-    assert verbs == ["release.registered", "release.transition"]
-    assert b"disk full" in response.content
+    assert response.context["decision_refusal"] == (
+        "it is live; a person decides on a release awaiting approval"
+    )
+    assert b"/approve/" not in response.content

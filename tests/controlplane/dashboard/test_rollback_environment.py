@@ -1,86 +1,127 @@
 import pytest
+from django.test import Client
 
-from controlplane.releases import tasks
-from controlplane.releases.actions import (
-    do_complete_deployment,
-    do_fail_deployment,
-    do_start_deployment,
-)
+from controlplane.fleet.models import Deployment
+from controlplane.releases.actions import do_fail_deployment
 from controlplane.releases.models import Release
 
 
 @pytest.fixture
-def broken(make_release, owner):
-    """1.0.1 was live, 1.0.2 replaced it and then failed re-verification."""
-    old = make_release(state="approved")
-    do_complete_deployment(do_start_deployment(old, actor=owner), actor=owner)
-    new = make_release(state="approved")
-    deployment = do_complete_deployment(
-        do_start_deployment(new, actor=owner), actor=owner
+def broken(make_live, deploys):
+    """0.9.0 was live, 0.9.5 replaced it, then 0.9.5 failed re-verification."""
+    old = make_live("0.9.0")
+    new = make_live("0.9.5")
+    deployment = Deployment.objects.get(release=new)
+    do_fail_deployment(
+        deployment, actor="system:worker", reason="changed", verification=True
     )
-    do_fail_deployment(deployment, actor=owner, reason="changed", verification=True)
+    deploys.clear()
     return old, new
 
 
-@pytest.fixture
-def deploys(monkeypatch):
-    calls = []
-    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: calls.append(a))
-    return calls
+def _state(release) -> str:
+    return Release.objects.get(pk=release.pk).state
 
 
-def test_it_shows_the_rollback_button_to_approvers(
-    client, teammate, broken, environment
-):
+def test_it_asks_to_confirm_naming_both_releases(client, teammate, broken, environment):
+    old, new = broken
     client.force_login(teammate)
 
-    response = client.get("/")
+    response = client.post(f"/environments/{environment.pk}/rollback/")
 
-    assert f"/environments/{environment.pk}/rollback/".encode() in response.content
-
-
-def test_it_hides_the_button_when_verification_did_not_fail(
-    client, teammate, make_release, owner, environment
-):
-    release = make_release(state="approved")
-    do_complete_deployment(do_start_deployment(release, actor=owner), actor=owner)
-    client.force_login(teammate)
-
-    response = client.get("/")
-
-    assert b"/rollback/" not in response.content
+    body = response.content.decode()
+    assert response.status_code == 200
+    assert f"Confirm rollback to {old}" in body
+    assert old.manifest_digest in body
+    assert f'name="target_release_id" value="{old.pk}"' in body
+    assert "It will be quarantined" in body
+    assert response.context["target_verification"].ok is True
+    assert _state(new) == "failed_verification"
 
 
-def test_it_hides_the_button_from_members(client, member, broken):
-    client.force_login(member)
-
-    assert b"/rollback/" not in client.get("/").content
-
-
-def test_it_rolls_back(
+def test_it_rolls_back_once_confirmed(
     client, teammate, broken, environment, deploys, django_capture_on_commit_callbacks
 ):
     old, new = broken
     client.force_login(teammate)
 
     with django_capture_on_commit_callbacks(execute=True):
-        response = client.post(f"/environments/{environment.pk}/rollback/")
+        response = client.post(
+            f"/environments/{environment.pk}/rollback/",
+            {"confirmed": "yes", "target_release_id": old.pk},
+        )
 
     assert response.status_code == 302
-    assert Release.objects.get(pk=new.pk).state == "quarantined"
-    assert Release.objects.get(pk=old.pk).state == "deploying"
+    assert response.url == "/environments/"
+    assert _state(new) == "quarantined"
+    assert _state(old) == "deploying"
     assert deploys == [(old.pk,)]
 
 
-def test_it_is_403_for_members(client, member, broken, environment):
+def test_it_refuses_when_the_target_changed_since_the_page_loaded(
+    client, teammate, broken, environment, deploys
+):
+    old, new = broken
+    client.force_login(teammate)
+
+    response = client.post(
+        f"/environments/{environment.pk}/rollback/",
+        {"confirmed": "yes", "target_release_id": new.pk},
+        follow=True,
+    )
+
+    assert b"the rollback target of acme/staging changed" in response.content
+    assert _state(new) == "failed_verification"
+    assert deploys == []
+
+
+def test_it_explains_when_there_is_nothing_to_roll_back_to(
+    client, teammate, make_live, environment
+):
+    make_live("0.9.0")
+    client.force_login(teammate)
+
+    response = client.post(f"/environments/{environment.pk}/rollback/", follow=True)
+
+    assert b"has no previous verified release to roll back to" in response.content
+
+
+def test_it_needs_the_csrf_token(teammate, broken, environment):
+    old, new = broken
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(teammate)
+
+    response = client.post(
+        f"/environments/{environment.pk}/rollback/",
+        {"confirmed": "yes", "target_release_id": old.pk},
+    )
+
+    assert response.status_code == 403
+    assert _state(new) == "failed_verification"
+
+
+@pytest.mark.parametrize("confirmed", ["", "yes"])
+def test_it_is_403_for_members(client, member, broken, environment, confirmed):
+    old, new = broken
     client.force_login(member)
 
-    assert client.post(f"/environments/{environment.pk}/rollback/").status_code == 403
+    response = client.post(
+        f"/environments/{environment.pk}/rollback/",
+        {"confirmed": confirmed, "target_release_id": old.pk},
+    )
+
+    assert response.status_code == 403
+    assert _state(new) == "failed_verification"
 
 
 def test_it_is_404_for_outsiders(client, outsider, broken, environment):
-    _, new = broken
+    old, new = broken
     client.force_login(outsider)
 
-    assert client.post(f"/environments/{environment.pk}/rollback/").status_code == 404
-    assert Release.objects.get(pk=new.pk).state == "failed_verification"
+    response = client.post(
+        f"/environments/{environment.pk}/rollback/",
+        {"confirmed": "yes", "target_release_id": old.pk},
+    )
+
+    assert response.status_code == 404
+    assert _state(new) == "failed_verification"

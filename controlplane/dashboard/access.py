@@ -1,0 +1,106 @@
+"""What a signed-in user may see and do on the dashboard: the same team roles the API
+checks (controlplane/accounts), through the same action checks. Everything a page
+shows starts from one of these querysets; an object outside them is a 404, as in the
+API, so an outsider learns nothing, not even that it exists."""
+
+from django.db.models import QuerySet
+from django.http import Http404
+
+from controlplane.accounts.actions import check_actor_in_team
+from controlplane.accounts.models import Team
+from controlplane.audit.models import AuditEvent
+from controlplane.errors import ControlPlaneError, IllegalTransition
+from controlplane.fleet.models import Deployment, Environment
+from controlplane.releases.actions import (
+    check_approve_release,
+    legal_targets,
+    previous_verified_deployment,
+)
+from controlplane.releases.models import ModelFamily, Release
+
+# The roles that may approve, reject and roll back (as in the API's actions).
+DECIDER_ROLES = ("approver", "admin")
+
+
+def teams(user) -> QuerySet[Team]:
+    return Team.objects.filter(memberships__user=user)
+
+
+def releases(user) -> QuerySet[Release]:
+    return Release.objects.visible_to(user).select_related(
+        "model__team", "target_environment", "created_by"
+    )
+
+
+def model_families(user) -> QuerySet[ModelFamily]:
+    return ModelFamily.objects.visible_to(user).select_related("team")
+
+
+def environments(user) -> QuerySet[Environment]:
+    return Environment.objects.filter(team__memberships__user=user).select_related(
+        "team"
+    )
+
+
+def deployments(user) -> QuerySet[Deployment]:
+    return Deployment.objects.filter(
+        environment__team__memberships__user=user
+    ).select_related("release__model", "environment", "agent")
+
+
+def audit_events(user) -> QuerySet[AuditEvent]:
+    # System-wide events (no team) are no team's to read, as in the API.
+    return AuditEvent.objects.filter(team__memberships__user=user).select_related(
+        "team"
+    )
+
+
+def release_or_404(user, release_id: int) -> Release:
+    release = releases(user).filter(pk=release_id).first()
+    if release is None:
+        raise Http404("no such release")
+    return release
+
+
+def environment_or_404(user, environment_id: int) -> Environment:
+    environment = environments(user).filter(pk=environment_id).first()
+    if environment is None:
+        raise Http404("no such environment")
+    return environment
+
+
+def decision_refusal(release: Release, user) -> str:
+    """Why `user` may not approve `release` now, in words; "" when they may."""
+    try:
+        check_approve_release(release, user)
+    except IllegalTransition:
+        return f"it is {release.state}; a person decides on a release awaiting approval"
+    except ControlPlaneError as exc:
+        return exc.message
+    return ""
+
+
+def check_reject_release(release: Release, user) -> None:
+    """Raise unless `user` may reject `release` now: approver or admin in its team,
+    the release in a state that can move to rejected. do_reject_release checks
+    again (and whatever more it requires) when the confirmed post reaches it; this
+    keeps the confirmation page from offering a rejection that can't happen. Where
+    the actions have one check for both decisions (check_decide_release), call it
+    here."""
+    check_actor_in_team(user, release.team, roles=DECIDER_ROLES)
+    if "rejected" not in legal_targets(release.state):
+        raise IllegalTransition(release.state, "rejected", legal_targets(release.state))
+
+
+def rollback_refusal(environment: Environment, user) -> str:
+    """Why `user` may not roll `environment` back now; "" when they may."""
+    try:
+        check_actor_in_team(user, environment.team, roles=DECIDER_ROLES)
+    except ControlPlaneError as exc:
+        return exc.message
+    live = environment.live_deployment
+    if live is None:
+        return f"nothing is live in {environment}"
+    if previous_verified_deployment(environment, live.release_id) is None:
+        return f"{environment} has no previous verified release to roll back to"
+    return ""

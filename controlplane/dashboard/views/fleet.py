@@ -1,0 +1,45 @@
+"""The agents. They are shared infrastructure (no team owns one), so any member of a
+team sees the list: name, GPU, memory, heartbeat, health. The jobs and deployments
+shown on each are only those of the viewer's teams; someone in no team sees no
+agents at all."""
+
+from django.contrib.auth.decorators import login_required
+from django.db.models import Prefetch
+from django.shortcuts import render
+from django.utils import timezone
+
+from controlplane.dashboard import access
+from controlplane.dashboard.health import agent_dead_after_s, agent_health, job_health
+from controlplane.fleet.models import Agent
+from controlplane.releases.models import Job
+
+SERVING_STATES = ("deploying", "live", "failed_verification", "superseded")
+
+
+def _rows(user) -> list[dict]:
+    if not access.teams(user).exists():
+        return []
+    now = timezone.now()
+    jobs = Job.objects.filter(
+        state="running", release__in=access.releases(user)
+    ).select_related("release__model", "agent")
+    deployments = access.deployments(user).filter(state__in=SERVING_STATES)
+    agents = Agent.objects.prefetch_related(
+        Prefetch("jobs", queryset=jobs, to_attr="visible_jobs"),
+        Prefetch("deployments", queryset=deployments, to_attr="visible_deployments"),
+    )
+    return [
+        {
+            "agent": agent,
+            "health": agent_health(agent, now),
+            "jobs": [(job, job_health(job, now)) for job in agent.visible_jobs],
+            "deployments": agent.visible_deployments,
+        }
+        for agent in agents
+    ]
+
+
+@login_required
+def fleet(request):
+    ctx = {"rows": _rows(request.user), "dead_after_s": agent_dead_after_s()}
+    return render(request, "dashboard/fleet.html", ctx)

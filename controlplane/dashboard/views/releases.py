@@ -1,0 +1,106 @@
+from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
+from django.db.models import Prefetch, Q
+from django.shortcuts import render
+from django.utils import timezone
+
+from controlplane.audit.models import AuditEvent
+from controlplane.dashboard import access, charts, timeline
+from controlplane.dashboard.forms import filter_releases
+from controlplane.dashboard.release_page import release_evidence
+from controlplane.releases.models import Job, Release
+
+RELEASES_PER_PAGE = 25
+# A pipeline is running while the release is in one of these states.
+ACTIVE_STATES = (
+    "verifying",
+    "compressing",
+    "evaluating",
+    "gated",
+    "approved",
+    "deploying",
+)
+
+
+def _running_pipelines(user) -> list[dict]:
+    now = timezone.now()
+    releases = access.releases(user).filter(state__in=ACTIVE_STATES)
+    jobs = Prefetch("jobs", queryset=Job.objects.select_related("agent"))
+    return [
+        {
+            "release": release,
+            "stages": timeline.latest_per_kind(release.jobs.all(), now),
+        }
+        for release in releases.prefetch_related(jobs)[:50]
+    ]
+
+
+@login_required
+def release_list(request):
+    form, releases, status = filter_releases(request)
+    page = Paginator(releases, RELEASES_PER_PAGE).get_page(request.GET.get("page"))
+    query = request.GET.copy()
+    query.pop("page", None)
+    ctx = {
+        "form": form,
+        "page": page,
+        "releases": page.object_list,
+        "filter_query": query.urlencode(),
+        "pipelines": _running_pipelines(request.user),
+    }
+    return render(request, "dashboard/release_list.html", ctx, status=status)
+
+
+@login_required
+def running_pipelines(request):
+    ctx = {"pipelines": _running_pipelines(request.user)}
+    return render(request, "dashboard/_pipelines.html", ctx)
+
+
+def _status_context(release: Release) -> dict:
+    now = timezone.now()
+    jobs = list(release.jobs.select_related("agent"))
+    return {
+        "release": release,
+        "stages": timeline.stages(jobs, now),
+        "overhead": timeline.overhead(jobs, now),
+    }
+
+
+def _audit_trail(release: Release):
+    job_ids = [str(pk) for pk in release.jobs.values_list("pk", flat=True)]
+    deployment_ids = [
+        str(pk) for pk in release.deployments.values_list("pk", flat=True)
+    ]
+    return AuditEvent.objects.filter(
+        Q(object_type="release", object_id=str(release.pk))
+        | Q(object_type="job", object_id__in=job_ids)
+        | Q(object_type="deployment", object_id__in=deployment_ids)
+    ).order_by("created", "id")
+
+
+@login_required
+def release_detail(request, release_id: int):
+    release = access.release_or_404(request.user, release_id)
+    status = _status_context(release)
+    page = release_evidence(release)
+    timeline_figure = charts.timeline_figure(status["stages"])
+    if timeline_figure:
+        page.charts["timeline"] = timeline_figure
+    ctx = {
+        **status,
+        "evidence": page,
+        "gate_results": release.gate_results.all(),
+        "artifacts": release.artifacts.all(),
+        "approvals": release.approvals.select_related("user", "token"),
+        "deployments": release.deployments.select_related("environment", "agent"),
+        "history": _audit_trail(release),
+        "decision_refusal": access.decision_refusal(release, request.user),
+    }
+    return render(request, "dashboard/release_detail.html", ctx)
+
+
+@login_required
+def release_status(request, release_id: int):
+    release = access.release_or_404(request.user, release_id)
+    return render(request, "dashboard/_release_status.html", _status_context(release))

@@ -1,0 +1,168 @@
+"""The one place that reads a release's recorded evidence out of its jobs.
+
+Agents return their reports as job results (schemas in `gpuagent/protocol.py`, a fixed
+contract): the evaluate job a QualityReport, the load-test job a LoadTestReport. The
+dashboard (and anything else that shows or judges evidence) reads them through these
+functions only, so where the pipeline keeps a report is known here and nowhere else.
+
+Today a report is the `result` JSON of the newest succeeded job of its kind; one
+that says it skipped the work (`{"skipped": why}`, what stages without agent work
+record) measured nothing, so there is no report. A result that does not validate
+against its schema is not evidence: it raises EvidenceUnreadable naming the job and
+the first problem, never a silent None, so a broken report can't pass for "no
+evidence yet" or for a good one.
+"""
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from pydantic import BaseModel, ValidationError
+
+from controlplane.releases.models import Job, Release
+from gpuagent.protocol import LoadTestReport, QualityReport
+
+QUALITY_JOB_KIND = "evaluate"
+LOAD_TEST_JOB_KIND = "load_test"
+# Jobs that check a model's bytes on the way to deploy: inspecting the source,
+# hashing and signing the candidate, verifying it on another agent.
+INTEGRITY_JOB_KINDS = ("inspect", "verify_source", "sign", "verify")
+# Jobs whose success means the release's bytes were hashed and matched: the check on
+# another agent after signing, the periodic re-hash of a live copy, verify-on-load.
+VERIFYING_JOB_KINDS = ("verify", "reverify", "deploy")
+SIGNING_JOB_KINDS = ("sign", "verify")
+UNTRUSTED_RELEASE_STATES = ("failed_verification", "quarantined")
+
+
+class EvidenceUnreadable(Exception):
+    """A recorded result that does not match its report schema."""
+
+    def __init__(self, job: Job, problem: str):
+        self.job = job
+        self.message = (
+            f"{job.kind} job {job.pk} recorded an unreadable report: {problem}"
+        )
+        super().__init__(self.message)
+
+
+def _latest_succeeded(release: Release, kind: str) -> Job | None:
+    return (
+        release.jobs.filter(kind=kind, state="succeeded")
+        .order_by("-finished", "-id")
+        .first()
+    )
+
+
+def _validated(job: Job, schema: type[BaseModel]):
+    try:
+        return schema.model_validate(job.result)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise EvidenceUnreadable(job, f"{where}: {first['msg']}") from exc
+
+
+def _measured(job: Job | None) -> bool:
+    return job is not None and "skipped" not in job.result
+
+
+def _report(release: Release, kind: str, schema: type[BaseModel]):
+    job = _latest_succeeded(release, kind)
+    return _validated(job, schema) if _measured(job) else None
+
+
+def quality_report(release: Release) -> QualityReport | None:
+    """The newest quality regression of `release`, or None when none succeeded."""
+    return _report(release, QUALITY_JOB_KIND, QualityReport)
+
+
+def load_report(release: Release) -> LoadTestReport | None:
+    """The newest load test of `release`, or None when none succeeded."""
+    return _report(release, LOAD_TEST_JOB_KIND, LoadTestReport)
+
+
+def load_reports(releases) -> dict[int, LoadTestReport]:
+    """{release id: newest load test} for many releases in one query; releases
+    without one are absent. Raises EvidenceUnreadable like `load_report`."""
+    jobs = Job.objects.filter(
+        release__in=releases, kind=LOAD_TEST_JOB_KIND, state="succeeded"
+    ).order_by("release_id", "-finished", "-id")
+    reports: dict[int, LoadTestReport] = {}
+    seen: set[int] = set()
+    for job in jobs:
+        if job.release_id in seen:
+            continue
+        seen.add(job.release_id)
+        if _measured(job):
+            reports[job.release_id] = _validated(job, LoadTestReport)
+    return reports
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The newest check of a release's bytes: which job, when, and what it found.
+    `ok` is None when the bytes were never checked after signing."""
+
+    ok: bool | None
+    kind: str = ""
+    checked: datetime | None = None
+    detail: str = ""
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Integrity:
+    signed: bool
+    signer: str
+    verification: Verification
+
+
+def verification(release: Release) -> Verification:
+    """Whether `release`'s bytes matched the last time a job hashed them. A job that
+    says it skipped the work is no check; a release quarantined or failed in
+    verification is not verified whatever an older job said."""
+    jobs = release.jobs.filter(
+        kind__in=VERIFYING_JOB_KINDS, state__in=("succeeded", "failed")
+    ).order_by("-finished", "-id")
+    latest = next((job for job in jobs if _measured(job)), None)
+    if release.state in UNTRUSTED_RELEASE_STATES:
+        return Verification(
+            ok=False,
+            kind=latest.kind if latest else "",
+            checked=latest.finished if latest else None,
+            detail=release.failure_reason or f"release is {release.state}",
+            **_file_lists(latest),
+        )
+    if latest is None:
+        return Verification(ok=None, detail="never verified after signing")
+    ok = latest.state == "succeeded"
+    return Verification(
+        ok=ok,
+        kind=latest.kind,
+        checked=latest.finished,
+        detail="" if ok else latest.error,
+        **_file_lists(latest),
+    )
+
+
+def _file_lists(job: Job | None) -> dict[str, list[str]]:
+    result = job.result if job else {}
+    return {key: list(result.get(key) or []) for key in ("missing", "extra", "changed")}
+
+
+def integrity(release: Release) -> Integrity:
+    """Signature and verification status of `release`'s artifacts. The signer is
+    what the signing (or verifying) agent reported, empty when unknown."""
+    signer = ""
+    for job in release.jobs.filter(
+        kind__in=SIGNING_JOB_KINDS, state="succeeded"
+    ).order_by("-finished", "-id"):
+        signer = str(job.result.get("signer") or "")
+        if signer:
+            break
+    return Integrity(
+        signed=bool(release.signature),
+        signer=signer,
+        verification=verification(release),
+    )

@@ -1,0 +1,84 @@
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from controlplane.fleet.actions import do_register_agent
+from controlplane.fleet.models import Agent
+from controlplane.releases.actions import do_start_job
+
+
+def _rows(response) -> dict:
+    return {row["agent"].name: row for row in response.context["rows"]}
+
+
+def test_it_lists_agents_with_gpu_memory_and_heartbeat(client, owner, agent):
+    client.force_login(owner)
+
+    response = client.get("/fleet/")
+
+    row = _rows(response)["gpu-a1"]
+    assert row["health"].alive is True
+    body = response.content.decode()
+    assert "NVIDIA H100 80GB HBM3" in body
+    assert "80.0 GiB" in body
+    assert f"{agent.last_heartbeat:%Y-%m-%d %H:%M:%S}" in body
+
+
+def test_it_marks_an_agent_that_missed_its_heartbeats_dead(client, owner, agent):
+    Agent.objects.filter(pk=agent.pk).update(
+        last_heartbeat=timezone.now() - timedelta(minutes=10)
+    )
+    client.force_login(owner)
+
+    response = client.get("/fleet/")
+
+    health = _rows(response)["gpu-a1"]["health"]
+    assert (health.alive, health.label) == (False, "dead")
+    assert b'<tr data-agent="gpu-a1" class="dead">' in response.content
+    assert b"missed heartbeats: last seen 10 min ago" in response.content
+
+
+@pytest.fixture
+def busy(agent, make_live, make_release):
+    """(live, running): the agent serves one release and evaluates another."""
+    live = make_live("0.9.0")
+    running = make_release("1.1.0", state="evaluating")
+    do_start_job(running, "evaluate", agent=agent)
+    return live, running
+
+
+def test_it_shows_current_jobs_and_deployments(client, owner, busy):
+    live, running = busy
+    client.force_login(owner)
+
+    response = client.get("/fleet/")
+
+    row = _rows(response)["gpu-a1"]
+    assert [job.release for job, _ in row["jobs"]] == [running]
+    assert [d.release for d in row["deployments"]] == [live]
+
+
+def test_it_shows_outsiders_none_of_the_teams_jobs_or_deployments(
+    client, outsider, busy
+):
+    live, running = busy
+    client.force_login(outsider)
+
+    response = client.get("/fleet/")
+
+    row = _rows(response)["gpu-a1"]
+    assert row["jobs"] == [] and row["deployments"] == []
+    assert str(live).encode() not in response.content
+    assert str(running).encode() not in response.content
+
+
+def test_it_shows_no_agents_to_someone_in_no_team(client, django_user_model, agent):
+    loner = django_user_model.objects.create_user("nobody", password="x" * 12)
+    do_register_agent("gpu-z9", queue="agent.gpu-z9")
+    client.force_login(loner)
+
+    response = client.get("/fleet/")
+
+    assert response.context["rows"] == []
+    assert b"gpu-a1" not in response.content
