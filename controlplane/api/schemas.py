@@ -6,7 +6,7 @@ models' `to_dict()`; views return those dicts and ninja validates them here, whi
 also what the OpenAPI document shows.
 """
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from ninja import Field, Schema
@@ -281,6 +281,27 @@ class AuditFilters(PageParams):
     # With a UTC offset ("2026-12-01T00:00:00Z"): a naive time would be ambiguous.
     since: AwareDatetime | None = None
     until: AwareDatetime | None = None
+
+    @field_validator("since", "until", mode="after")
+    @classmethod
+    def _in_utc(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else clamped_utc(value)
+
+
+# The range every database takes: Python's datetime range, in UTC.
+EARLIEST_UTC = datetime.min.replace(tzinfo=UTC)
+LATEST_UTC = datetime.max.replace(tzinfo=UTC)
+
+
+def clamped_utc(value: datetime) -> datetime:
+    """`value` in UTC, clamped to the range every database stores. A valid time
+    near the ends of that range can fall outside it once its offset is applied
+    (0001-01-01T00:00:00+14:00 is in year 0 in UTC), and PostgreSQL refuses offsets
+    beyond +-15:59 (-16:00 is valid ISO 8601): converted here, neither reaches it."""
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        return EARLIEST_UTC if value.year == datetime.min.year else LATEST_UTC
 
 
 # Error responses documented on every operation (the bodies come from api/errors.py).
