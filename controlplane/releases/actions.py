@@ -115,8 +115,13 @@ def do_transition_release(
             raise ValidationFailed(
                 f"moving a release to {to_state} needs a reason", field="reason"
             )
+        earlier_reason = locked.failure_reason
         locked.state = to_state
-        if to_state in REASON_REQUIRED or (to_state == "rejected" and reason):
+        if from_state in REASON_REQUIRED and to_state in REASON_REQUIRED:
+            # One incident in two steps (failed verification, then quarantined):
+            # the first reason names the missing/extra/changed files; keep it.
+            locked.failure_reason = f"{reason}; after {from_state}: {earlier_reason}"
+        elif to_state in REASON_REQUIRED or (to_state == "rejected" and reason):
             locked.failure_reason = reason
         elif to_state == "registered":
             locked.failure_reason = ""
@@ -466,11 +471,15 @@ def do_complete_deployment(
         now = timezone.now()
         previous = (
             Deployment.objects.select_for_update()
-            .filter(environment=deployment.environment, state="live")
+            .serving()
+            .filter(environment=deployment.environment)
             .exclude(pk=deployment.pk)
         )
         for old in previous:
-            old.state = "superseded"
+            # One that failed verification keeps its state (it is no rollback
+            # target) but is no longer what the environment serves.
+            if old.state == "live":
+                old.state = "superseded"
             old.ended = now
             old.save(update_fields=["state", "ended"])
             if old.release.state == "live":
@@ -542,7 +551,8 @@ def do_rollback_environment(environment: Environment, actor: Actor) -> Deploymen
     with transaction.atomic():
         current = (
             Deployment.objects.select_for_update()
-            .filter(environment=environment, state__in=("live", "failed_verification"))
+            .serving()
+            .filter(environment=environment)
             .order_by("-started", "-id")
             .first()
         )

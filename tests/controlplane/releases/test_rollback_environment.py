@@ -74,6 +74,45 @@ def test_it_finishes_the_rollback_in_the_deployment_task(
     assert environment.live_deployment.release == old
 
 
+def test_it_keeps_the_verification_failure_when_it_quarantines(
+    history, environment, owner, teammate, deploys
+):
+    _, _, new, new_deployment = history
+    reason = "manifest digest mismatch; changed: model.safetensors; extra: evil.py"
+    do_fail_deployment(new_deployment, actor=owner, reason=reason, verification=True)
+
+    do_rollback_environment(environment, teammate)
+
+    quarantined = Release.objects.get(pk=new.pk)
+    assert quarantined.state == "quarantined"
+    assert "rolled back in staging" in quarantined.failure_reason
+    assert reason in quarantined.failure_reason
+
+
+def test_it_never_reports_a_replaced_tampered_release_as_live_again(
+    history, make_release, environment, owner, teammate, deploys
+):
+    """1.0.2 fails verification, 1.0.3 replaces it, 1.0.3 is rolled back to 1.0.1:
+    1.0.2 stays out of the picture throughout."""
+    old, _, tampered, tampered_deployment = history
+    do_fail_deployment(
+        tampered_deployment, actor=owner, reason="changed: x", verification=True
+    )
+    replacement = make_release(state="approved")
+    go_live(replacement, owner)
+    assert environment.live_deployment.release == replacement
+    tampered_deployment.refresh_from_db()
+    assert tampered_deployment.state == "failed_verification"
+    assert tampered_deployment.ended is not None
+
+    do_rollback_environment(environment, teammate)
+
+    assert environment.live_deployment is None  # 1.0.1 is deploying
+    assert tasks.run_deployment(old.pk) == "live"
+    assert environment.live_deployment.release == old
+    assert Release.objects.get(pk=tampered.pk).state == "failed_verification"
+
+
 def test_it_refuses_without_a_previous_verified_release(
     make_release, environment, owner, teammate
 ):
