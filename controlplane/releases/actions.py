@@ -53,6 +53,7 @@ from controlplane.errors import (
 )
 from controlplane.fleet.models import Agent, Deployment, Environment
 from controlplane.releases.models import (
+    DECISIONS,
     GATE_OUTCOMES,
     JOB_STATES,
     RELEASE_STATES,
@@ -346,23 +347,37 @@ def _check_approver(release: Release, user, token: ApiToken | None) -> None:
     )
 
 
-def check_approve_release(
-    release: Release, user, token: ApiToken | None = None
+def check_decide_release(
+    release: Release, user, token: ApiToken | None = None, *, decision: str
 ) -> None:
-    """Raise unless `user` (acting through `token` when given) may decide on
-    `release`: approver or admin in its team, not the user or token that registered
-    it, and the release waiting for approval."""
+    """Raise unless `user` (acting through `token` when given) may approve or
+    reject `release`: approver or admin in its team, not the user or token that
+    registered it (separation of duties holds both ways: a registrant can neither
+    wave its release through nor take a colleague's review away), and the release
+    in a state that decision leaves."""
+    assert decision in DECISIONS
     _check_approver(release, user, token)
     if release.created_by_id == user.pk:
         raise SeparationOfDuties(
-            f"{user.get_username()} registered {release} and cannot also approve it"
+            f"{user.get_username()} registered {release} and cannot also {decision} it"
         )
     if token is not None and release.created_by_token_id == token.pk:
         raise SeparationOfDuties(
-            f"token {token.name!r} registered {release} and cannot also approve it"
+            f"token {token.name!r} registered {release} and cannot also {decision} it"
         )
-    if release.state != "awaiting_approval":
-        raise IllegalTransition(release.state, "approved", legal_targets(release.state))
+    to_state = "approved" if decision == "approve" else "rejected"
+    if decision == "approve":
+        allowed = release.state == "awaiting_approval"
+    else:
+        allowed = to_state in legal_targets(release.state)
+    if not allowed:
+        raise IllegalTransition(release.state, to_state, legal_targets(release.state))
+
+
+def check_approve_release(
+    release: Release, user, token: ApiToken | None = None
+) -> None:
+    check_decide_release(release, user, token, decision="approve")
 
 
 def do_approve_release(
@@ -413,7 +428,13 @@ def do_approve_release(
 def do_reject_release(
     release: Release, user, *, token: ApiToken | None = None, comment: str = ""
 ) -> Approval:
-    _check_approver(release, user, token)
+    """Reject with a reason (the comment, required), under the same rules as an
+    approval: see check_decide_release."""
+    release.refresh_from_db()
+    check_decide_release(release, user, token, decision="reject")
+    comment = comment.strip()
+    if not comment:
+        raise ValidationFailed("a rejection needs a reason", field="comment")
     actor = token or user
     with transaction.atomic():
         do_transition_release(release, "rejected", actor=actor, reason=comment)

@@ -16,7 +16,7 @@ def test_it_rejects_with_the_comment(
     log_in("bob")
     page.goto(f"/releases/{release.pk}/")
 
-    page.get_by_label("Comment").fill(COMMENT)
+    page.get_by_label("Reason for rejecting").fill(COMMENT)
     page.get_by_role("button", name="Reject").click()
 
     expect(page.locator(".messages")).to_contain_text(f"Rejected {release}")
@@ -35,3 +35,16 @@ def test_it_rejects_with_the_comment(
     )
     assert approval.manifest_digest == release.manifest_digest
     assert queued == []
+
+
+def test_it_needs_a_reason(page, log_in, owner, teammate, awaiting_approval, queued):
+    release = awaiting_approval()
+    log_in("bob")
+    page.goto(f"/releases/{release.pk}/")
+
+    page.get_by_role("button", name="Reject").click()  # the browser refuses it
+
+    expect(page.get_by_label("Reason for rejecting")).to_have_js_property(
+        "validity.valueMissing", True
+    )
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
