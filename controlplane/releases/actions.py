@@ -38,9 +38,14 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from pydantic import ValidationError
 
-from controlplane.accounts.actions import check_actor_in_team, user_of
+from controlplane.accounts.actions import (
+    check_actor_in_team,
+    team_source_roots,
+    user_of,
+)
 from controlplane.accounts.models import ApiToken, Team
 from controlplane.audit.actions import Actor, do_record_event
+from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import (
     Conflict,
     ConflictingRegistration,
@@ -64,6 +69,7 @@ from controlplane.releases.models import (
     ModelFamily,
     Release,
 )
+from controlplane.releases.sources import SourceRefused, resolve_source
 from gpuagent.protocol import JOB_KINDS, FileDigest, Recipe
 
 TRANSITIONS: dict[str, tuple[str, ...]] = {
@@ -85,6 +91,9 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
 }
 # Moving into these states needs a reason; it is kept in Release.failure_reason.
 REASON_REQUIRED = ("failed", "failed_verification", "quarantined")
+# The tasks a write queues (by name, through the outbox: controlplane.dispatch).
+RUN_PROMOTION = "controlplane.releases.run_promotion"
+RUN_DEPLOYMENT = "controlplane.releases.run_deployment"
 # States in which the promotion pipeline owns the release and may (re)start.
 PIPELINE_STATES = ("registered", "verifying", "compressing", "evaluating", "gated")
 # States in which the deployment task owns the release. An approval whose deployment
@@ -220,6 +229,15 @@ def _validated_recipe(recipe: dict) -> dict:
         ) from exc
 
 
+def check_source_uri(team: Team, source_uri: str) -> None:
+    """ValidationFailed (on source_uri) unless the URI names a folder inside one of
+    `team`'s source roots, reached without symlinks or '..' (see sources.py)."""
+    try:
+        resolve_source(source_uri, team_source_roots(team))
+    except SourceRefused as exc:
+        raise ValidationFailed(str(exc), field="source_uri") from exc
+
+
 def do_register_release(
     model_family: ModelFamily,
     *,
@@ -240,6 +258,7 @@ def do_register_release(
         raise ValidationFailed("version must be 1..100 characters", field="version")
     if not source_uri.strip():
         raise ValidationFailed("source_uri must not be empty", field="source_uri")
+    check_source_uri(team, source_uri)
     if target_environment.team_id != team.id:
         raise ValidationFailed(
             f"environment {target_environment.name!r} is not in team {team.slug}",
@@ -296,7 +315,7 @@ def do_register_release(
 
 
 def do_request_promotion(release: Release, actor: Actor) -> Release:
-    """Queue the promotion pipeline for `release` once this transaction commits. A
+    """Queue the promotion pipeline for `release` through the outbox. A
     failed release is moved back to registered first (a retry); a release already in
     the pipeline is queued again, which is harmless because the task is idempotent.
     An approved or deploying release gets its (idempotent) deployment task again:
@@ -309,9 +328,9 @@ def do_request_promotion(release: Release, actor: Actor) -> Release:
                 release, "registered", actor=actor, reason="promotion retried"
             )
         if release.state in PIPELINE_STATES:
-            task_name = "run_promotion"
+            task_name = RUN_PROMOTION
         elif release.state in DEPLOYMENT_PIPELINE_STATES:
-            task_name = "run_deployment"
+            task_name = RUN_DEPLOYMENT
         else:
             resumable = (*PIPELINE_STATES, *DEPLOYMENT_PIPELINE_STATES)
             raise Conflict(
@@ -325,16 +344,8 @@ def do_request_promotion(release: Release, actor: Actor) -> Release:
             after={"state": release.state},
             team=release.team,
         )
-        release_id = release.pk
-        transaction.on_commit(lambda: _queue(task_name, release_id))
+        do_enqueue_task(task_name, release.pk)
     return release
-
-
-def _queue(task_name: str, *args) -> None:
-    # Imported late: tasks import this module.
-    from controlplane.releases import tasks
-
-    getattr(tasks, task_name).delay(*args)
 
 
 def _check_approver(release: Release, user, token: ApiToken | None) -> None:
@@ -420,8 +431,7 @@ def do_approve_release(
             after=approval.to_dict(),
             team=release.team,
         )
-        release_id = release.pk
-        transaction.on_commit(lambda: _queue("run_deployment", release_id))
+        do_enqueue_task(RUN_DEPLOYMENT, release.pk)
     return approval
 
 
@@ -609,8 +619,7 @@ def do_rollback_environment(environment: Environment, actor: Actor) -> Deploymen
             after={"release_id": target.release_id, "deployment_id": deployment.pk},
             team=environment.team,
         )
-        release_id = target.release_id
-        transaction.on_commit(lambda: _queue("run_deployment", release_id))
+        do_enqueue_task(RUN_DEPLOYMENT, target.release_id)
     return deployment
 
 

@@ -52,6 +52,9 @@ def worker(tmp_path):
         "DATABASE_URL": database_url(),
         "CELERY_BROKER_URL": celery_app.conf.broker_url,
         "CELERY_RESULT_BACKEND": str(celery_app.conf.result_backend),
+        "RELEASEGATE_SOURCE_ROOTS": ",".join(
+            str(root) for root in settings.RELEASEGATE_SOURCE_ROOTS
+        ),
     }
     command = worker_command("--without-heartbeat", f"--queues={queue}")
     with open(log_path, "wb") as log:
@@ -113,12 +116,12 @@ def test_it_promotes_and_deploys_in_a_real_worker(worker, release, owner, teamma
 @pytest.mark.timeout(300)
 @pytest.mark.django_db(transaction=True)
 def test_it_promotes_through_the_api_in_a_real_worker(
-    worker, client, make_release, owner, teammate, tmp_path
+    worker, client, make_release, owner, teammate, make_source
 ):
     # A local source, so verify_source and sign run for real and record a digest.
-    source = shutil.copytree(
-        ROOT / "gpuagent" / "engine" / "demo_model", tmp_path / "m"
-    )
+    source = make_source("m")
+    source.rmdir()
+    shutil.copytree(ROOT / "gpuagent" / "engine" / "demo_model", source)
     release = make_release(source_uri=source.as_uri())
     _, ci_token = ApiToken.create(owner, release.team, "ci", ["read", "promote"])
     _, approver_token = ApiToken.create(

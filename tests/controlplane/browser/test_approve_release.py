@@ -17,7 +17,7 @@ def _digest_cell(page):
 
 
 def test_it_lets_the_teammate_approve_the_digest_they_saw(
-    page, log_in, owner, teammate, awaiting_approval, queued, run_queued
+    page, log_in, owner, teammate, awaiting_approval, outbox, run_queued
 ):
     release = awaiting_approval()
     log_in("bob")
@@ -35,7 +35,7 @@ def test_it_lets_the_teammate_approve_the_digest_they_saw(
     assert (approval.user, approval.decision) == (teammate, "approve")
     assert approval.manifest_digest == release.manifest_digest
     assert Release.objects.get(pk=release.pk).state == "approved"
-    assert queued == [("run_deployment", (release.pk,))]
+    assert outbox() == [("run_deployment", (release.pk,))]
 
     assert run_queued() == ["live"]
     page.reload()
@@ -45,7 +45,7 @@ def test_it_lets_the_teammate_approve_the_digest_they_saw(
 
 
 def test_it_refuses_an_approval_of_a_digest_that_changed_meanwhile(
-    page, log_in, owner, teammate, awaiting_approval, queued
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("bob")
@@ -66,11 +66,11 @@ def test_it_refuses_an_approval_of_a_digest_that_changed_meanwhile(
     expect(_digest_cell(page)).to_have_text(new_digest)
     assert not Approval.objects.filter(release=release).exists()
     assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
-    assert queued == []
+    assert outbox() == []
 
 
 def test_it_gives_the_registering_owner_no_approve_button(
-    page, log_in, owner, teammate, awaiting_approval, queued
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("alice")
@@ -85,7 +85,7 @@ def test_it_gives_the_registering_owner_no_approve_button(
 
 
 def test_it_refuses_a_forced_approval_by_the_registering_owner(
-    page, log_in, owner, teammate, awaiting_approval, queued
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("alice")
@@ -122,4 +122,4 @@ def test_it_refuses_a_forced_approval_by_the_registering_owner(
     expect(page.locator("body")).to_contain_text("cannot also approve")
     assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
     assert not Approval.objects.filter(release=release).exists()
-    assert queued == []
+    assert outbox() == []

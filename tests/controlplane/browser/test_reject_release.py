@@ -10,7 +10,7 @@ COMMENT = "perplexity regressed on the support set"
 
 
 def test_it_rejects_with_the_comment(
-    page, log_in, owner, teammate, awaiting_approval, queued
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("bob")
@@ -34,10 +34,10 @@ def test_it_rejects_with_the_comment(
         COMMENT,
     )
     assert approval.manifest_digest == release.manifest_digest
-    assert queued == []
+    assert outbox() == []
 
 
-def test_it_needs_a_reason(page, log_in, owner, teammate, awaiting_approval, queued):
+def test_it_needs_a_reason(page, log_in, owner, teammate, awaiting_approval, outbox):
     release = awaiting_approval()
     log_in("bob")
     page.goto(f"/releases/{release.pk}/")

@@ -1,14 +1,11 @@
 import pytest
 
-from controlplane.releases import tasks
 from controlplane.releases.models import Release
 
 
 @pytest.fixture
-def deploys(monkeypatch):
-    calls = []
-    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: calls.append(a))
-    return calls
+def deploys(queued):
+    return lambda: queued("run_deployment")
 
 
 @pytest.fixture
@@ -16,23 +13,20 @@ def waiting(make_release):
     return make_release(state="awaiting_approval", manifest_digest="sha256:" + "c" * 64)
 
 
-def test_it_approves_through_the_action(
-    client, teammate, waiting, deploys, django_capture_on_commit_callbacks
-):
+def test_it_approves_through_the_action(client, teammate, waiting, deploys):
     client.force_login(teammate)
 
-    with django_capture_on_commit_callbacks(execute=True):
-        response = client.post(
-            f"/releases/{waiting.pk}/approve/",
-            {"comment": "ok", "manifest_digest": waiting.manifest_digest},
-        )
+    response = client.post(
+        f"/releases/{waiting.pk}/approve/",
+        {"comment": "ok", "manifest_digest": waiting.manifest_digest},
+    )
 
     assert response.status_code == 302
     assert Release.objects.get(pk=waiting.pk).state == "approved"
     approval = waiting.approvals.get()
     assert (approval.user, approval.comment) == (teammate, "ok")
     assert approval.manifest_digest == waiting.manifest_digest
-    assert deploys == [(waiting.pk,)]
+    assert deploys() == [(waiting.pk,)]
 
 
 def test_it_needs_the_csrf_token(teammate, waiting):

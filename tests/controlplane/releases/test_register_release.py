@@ -1,4 +1,7 @@
+from pathlib import Path
+
 import pytest
+from django.conf import settings
 
 from controlplane.accounts.models import ApiToken
 from controlplane.audit.models import AuditEvent
@@ -8,10 +11,21 @@ from controlplane.releases.models import Release
 from tests.controlplane.conftest import RECIPE
 
 
+def source_uri() -> str:
+    """The team's folder for llama-support 2.0.0 (made by `_source_folder`)."""
+    root = Path(settings.RELEASEGATE_SOURCE_ROOTS[0])
+    return (root / "acme" / "llama-support" / "2.0.0").as_uri()
+
+
+@pytest.fixture(autouse=True)
+def _source_folder(make_source):
+    return make_source("llama-support/2.0.0")
+
+
 def register(family, environment, actor, **overrides):
     body = {
         "version": "2.0.0",
-        "source_uri": "s3://acme-models/llama-support/2.0.0",
+        "source_uri": source_uri(),
         "recipe": RECIPE,
         "target_environment": environment,
     }

@@ -29,14 +29,12 @@ def history(make_release, owner):
 
 
 @pytest.fixture
-def deploys(monkeypatch):
-    calls = []
-    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: calls.append(a))
-    return calls
+def deploys(queued):
+    return lambda: queued("run_deployment")
 
 
 def test_it_rolls_back_after_failed_verification_and_quarantines(
-    history, environment, teammate, owner, deploys, django_capture_on_commit_callbacks
+    history, environment, teammate, owner, deploys
 ):
     old, old_deployment, new, new_deployment = history
     do_fail_deployment(
@@ -46,8 +44,7 @@ def test_it_rolls_back_after_failed_verification_and_quarantines(
         verification=True,
     )
 
-    with django_capture_on_commit_callbacks(execute=True):
-        deployment = do_rollback_environment(environment, teammate)
+    deployment = do_rollback_environment(environment, teammate)
 
     assert Release.objects.get(pk=new.pk).state == "quarantined"
     assert Release.objects.get(pk=old.pk).state == "deploying"
@@ -56,18 +53,17 @@ def test_it_rolls_back_after_failed_verification_and_quarantines(
     new_deployment.refresh_from_db()
     assert new_deployment.state == "rolled_back"
     assert new_deployment.ended is not None
-    assert deploys == [(old.pk,)]
+    assert deploys() == [(old.pk,)]
     event = AuditEvent.objects.get(verb="environment.rolled_back")
     assert event.before["release_id"] == new.pk
     assert event.after["release_id"] == old.pk
 
 
 def test_it_finishes_the_rollback_in_the_deployment_task(
-    history, environment, teammate, deploys, django_capture_on_commit_callbacks
+    history, environment, teammate, deploys
 ):
     old, _, new, _ = history
-    with django_capture_on_commit_callbacks(execute=True):
-        do_rollback_environment(environment, teammate)
+    do_rollback_environment(environment, teammate)
 
     assert tasks.run_deployment(old.pk) == "live"
     assert Release.objects.get(pk=new.pk).state == "rolled_back"

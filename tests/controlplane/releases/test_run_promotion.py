@@ -54,12 +54,14 @@ def test_it_resumes_from_the_current_state(make_release):
 
 
 @pytest.fixture
-def model_folder(tmp_path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    (folder / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
-    return folder
+def model_folder(make_source):
+    return make_source(
+        "model",
+        {
+            "config.json": '{"model_type": "llama"}',
+            "tokenizer_config.json": '{"bos_token": "<s>"}',
+        },
+    )
 
 
 def test_it_inspects_and_hashes_a_local_source_folder(make_release, model_folder):
@@ -133,8 +135,13 @@ def test_it_skips_a_job_already_done_in_this_pass(make_release):
     assert kinds == STAGES + ["compress", "sign", "evaluate", "gate"]
 
 
-def test_it_fails_verification_for_a_missing_local_folder(make_release, tmp_path):
-    release = make_release(source_uri=str(tmp_path / "nope"))
+def test_it_fails_verification_for_a_local_folder_gone_since_registration(
+    make_release, model_folder
+):
+    release = make_release(source_uri=str(model_folder))
+    for file in model_folder.iterdir():
+        file.unlink()
+    model_folder.rmdir()
 
     assert run_promotion(release.pk) == "failed_verification"
 
@@ -198,14 +205,15 @@ def work_calls(monkeypatch) -> list[str]:
 
 
 @pytest.fixture
-def promoted(monkeypatch) -> list[str]:
-    """What each run_promotion queued by a promote returned; it runs in-process on
-    commit, as a worker would."""
-    returned: list[str] = []
-    monkeypatch.setattr(
-        tasks.run_promotion, "delay", lambda *a: returned.append(run_promotion(*a))
-    )
-    return returned
+def promote(owner, queued):
+    """promote(release) -> what the run_promotion the promote queued returns, run
+    in-process as a worker would."""
+
+    def run(release) -> str:
+        do_request_promotion(release, owner)
+        return run_promotion(*queued("run_promotion")[-1])
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -266,24 +274,14 @@ def test_it_does_not_run_a_stage_twice_when_promoted_again_during_it(
 
 
 def test_it_resumes_a_stage_whose_worker_died_once_its_lease_expires(
-    make_release,
-    owner,
-    work_calls,
-    promoted,
-    django_capture_on_commit_callbacks,
-    expire_lease,
+    make_release, work_calls, promote, expire_lease
 ):
     release = make_release(state="compressing")
     job = do_start_job(release, "compress")  # and then its worker died
-    with django_capture_on_commit_callbacks(execute=True):
-        do_request_promotion(release, owner)
-    assert promoted == [tasks.BUSY]  # too early: the lease still holds
+    assert promote(release) == tasks.BUSY  # too early: the lease still holds
     expire_lease(job)  # its worker died
 
-    with django_capture_on_commit_callbacks(execute=True):
-        do_request_promotion(release, owner)
-
-    assert promoted == [tasks.BUSY, "awaiting_approval"]
+    assert promote(release) == "awaiting_approval"
     assert work_calls == ["compress", "sign", "evaluate"]
     resumed = Job.objects.get(pk=job.pk)
     assert (resumed.state, resumed.attempts) == ("succeeded", 2)

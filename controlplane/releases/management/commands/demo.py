@@ -8,6 +8,7 @@ until it is live, then serves the dashboard and API (unless --no-serve).
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from controlplane.accounts.actions import team_source_roots
 from controlplane.accounts.models import Membership, Team
 from controlplane.celery import worker_command
 from controlplane.fleet.models import Environment
@@ -48,12 +50,8 @@ class Command(BaseCommand):
         password = os.getenv("DEMO_PASSWORD") or secrets.token_urlsafe(12)
         registrant, approver, environment, family = self.cast(password)
 
-        source = Path(options["source"]).resolve()
-        if not source.is_dir():
-            self.stdout.write(
-                self.style.WARNING(f"{source} does not exist; registering it anyway")
-            )
         version = f"0.1.{family.releases.count() + 1}"
+        source = self.upload(Path(options["source"]).resolve(), family, version)
         release, _ = do_register_release(
             family,
             version=version,
@@ -109,6 +107,17 @@ class Command(BaseCommand):
             defaults={"description": "the tiny Llama that ships with releasegate"},
         )
         return users[0], users[1], environment, family
+
+    def upload(self, source: Path, family, version: str) -> Path:
+        """What CI does before registering: copy the model folder into the team's
+        source root (a source outside it is refused)."""
+        if not source.is_dir():
+            raise CommandError(f"{source} is not a folder")
+        target = team_source_roots(family.team)[0] / family.name / version
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source, target)
+        return target
 
     def start_worker(self) -> tuple[subprocess.Popen, Path]:
         log_path = Path(
