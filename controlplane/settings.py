@@ -88,6 +88,7 @@ INSTALLED_APPS = [
     "controlplane.releases",
     "controlplane.audit",
     "controlplane.dispatch",
+    "controlplane.webhooks",
     "controlplane.dashboard",
 ]
 
@@ -235,6 +236,20 @@ CELERY_BEAT_SCHEDULE = {
 RELEASEGATE_JOB_LEASE_S = envint("RELEASEGATE_JOB_LEASE_S", "900")
 if RELEASEGATE_JOB_LEASE_S < 1:
     raise ImproperlyConfigured("RELEASEGATE_JOB_LEASE_S must be at least 1")
+
+# Webhooks: secrets are encrypted with a key derived from this (SECRET_KEY unless
+# set; changing it makes existing webhook secrets unreadable). Deliveries time out
+# after RELEASEGATE_WEBHOOK_TIMEOUT_S and are tried up to MAX_ATTEMPTS times, waiting
+# RETRY_BASE_S x 4^(n-1) (at most MAX_DELAY_S) in between. Private and loopback
+# addresses are refused unless allowed (allowed by default only with DEBUG on).
+RELEASEGATE_WEBHOOK_KEY = os.getenv("RELEASEGATE_WEBHOOK_KEY", SECRET_KEY)
+RELEASEGATE_WEBHOOK_TIMEOUT_S = envfloat("RELEASEGATE_WEBHOOK_TIMEOUT_S", "5")
+RELEASEGATE_WEBHOOK_MAX_ATTEMPTS = envint("RELEASEGATE_WEBHOOK_MAX_ATTEMPTS", "6")
+RELEASEGATE_WEBHOOK_RETRY_BASE_S = envfloat("RELEASEGATE_WEBHOOK_RETRY_BASE_S", "2")
+RELEASEGATE_WEBHOOK_MAX_DELAY_S = envfloat("RELEASEGATE_WEBHOOK_MAX_DELAY_S", "600")
+RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = envbool(
+    "RELEASEGATE_WEBHOOK_ALLOW_PRIVATE", str(DEBUG)
+)
 
 # Production hardening; active whenever DEBUG is off.
 SESSION_COOKIE_SECURE = not DEBUG

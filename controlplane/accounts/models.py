@@ -8,7 +8,8 @@ from django.db import models
 from django.utils import timezone
 
 ROLES = ("member", "approver", "admin")
-API_SCOPES = ("read", "register", "promote", "approve")
+# admin: change an environment's gate policy and webhooks (also needs the admin role).
+API_SCOPES = ("read", "register", "promote", "approve", "admin")
 TOKEN_PREFIX_LENGTH = 8
 
 

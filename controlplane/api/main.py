@@ -6,7 +6,15 @@ Swagger UI at /api/v1/docs (assets served locally: "ninja" is an installed app).
 
 from ninja import NinjaAPI
 
-from controlplane.api import audit, deployments, environments, model_families, releases
+from controlplane.api import (
+    audit,
+    deployments,
+    environments,
+    gate_policy,
+    model_families,
+    releases,
+    webhooks,
+)
 from controlplane.api.errors import install_error_handlers
 
 api = NinjaAPI(
@@ -22,5 +30,13 @@ api = NinjaAPI(
 )
 install_error_handlers(api)
 
-for module in (model_families, releases, environments, deployments, audit):
+for module in (
+    model_families,
+    releases,
+    environments,
+    gate_policy,
+    webhooks,
+    deployments,
+    audit,
+):
     api.add_router("", module.router)

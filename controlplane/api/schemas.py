@@ -14,6 +14,7 @@ from pydantic import AwareDatetime, ConfigDict, field_validator
 
 from controlplane.accounts.models import API_SCOPES
 from controlplane.fleet.models import DEPLOYMENT_STATES
+from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
 from gpuagent.protocol import Recipe
 
@@ -244,6 +245,37 @@ class EnvironmentOut(Schema):
     team: str
     name: str
     live_release_id: int | None
+
+
+class GatePolicyIn(GatePolicy):
+    """A whole policy, stated: `quality` and `load` are required (null: not gated
+    on it); inside them a key left out takes its default."""
+
+    quality: QualityPolicy | None
+    load: LoadPolicy | None
+
+
+class GatePolicyOut(Schema):
+    environment: str
+    policy: GatePolicy
+    is_default: bool = Field(description="no policy set: the defaults apply")
+
+
+class WebhookIn(RequestBody):
+    url: str = Field(min_length=1, max_length=500, description="http(s) URL")
+
+
+class WebhookOut(Schema):
+    id: int
+    environment: str
+    url: str = Field(description="scheme and host; a path or query shows as /…")
+    active: bool
+    created: datetime
+
+
+class WebhookCreatedOut(WebhookOut):
+    secret: str = Field(description="the signing secret; shown this once only")
+    full_url: str = Field(description="the URL as given; shown this once only")
 
 
 class RollbackOut(Schema):

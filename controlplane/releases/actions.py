@@ -57,6 +57,12 @@ from controlplane.errors import (
     ValidationFailed,
 )
 from controlplane.fleet.models import Agent, Deployment, Environment
+from controlplane.releases.gates import (
+    GateDecision,
+    GatePolicy,
+    evaluate_gates,
+    evaluate_policy,
+)
 from controlplane.releases.models import (
     DECISIONS,
     GATE_OUTCOMES,
@@ -64,13 +70,21 @@ from controlplane.releases.models import (
     RELEASE_STATES,
     Approval,
     Artifact,
+    EnvironmentGatePolicy,
     GateResult,
     Job,
     ModelFamily,
     Release,
 )
 from controlplane.releases.sources import SourceRefused, resolve_source
-from gpuagent.protocol import JOB_KINDS, FileDigest, Recipe
+from controlplane.webhooks.actions import do_queue_release_event
+from gpuagent.protocol import (
+    JOB_KINDS,
+    FileDigest,
+    LoadTestReport,
+    QualityReport,
+    Recipe,
+)
 
 TRANSITIONS: dict[str, tuple[str, ...]] = {
     "registered": ("verifying", "failed", "rejected"),
@@ -144,6 +158,7 @@ def do_transition_release(
             after={"state": to_state, "reason": reason},
             team=Team.objects.get(model_families__releases=locked),
         )
+        do_queue_release_event(locked, from_state, to_state, reason)
     release.state = locked.state
     release.failure_reason = locked.failure_reason
     release.updated = locked.updated
@@ -218,15 +233,18 @@ def registration_body_digest(
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _validation_failed(exc: ValidationError, prefix: str) -> ValidationFailed:
+    """The first error of a pydantic ValidationError, named by its dotted field."""
+    first = exc.errors()[0]
+    where = ".".join([prefix, *(str(p) for p in first["loc"])])
+    return ValidationFailed(f"{where}: {first['msg']}", field=where)
+
+
 def _validated_recipe(recipe: dict) -> dict:
     try:
         return Recipe.model_validate(recipe).model_dump()
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValidationFailed(
-            f"recipe.{where}: {first['msg']}", field=f"recipe.{where}"
-        ) from exc
+        raise _validation_failed(exc, "recipe") from exc
 
 
 def check_source_uri(team: Team, source_uri: str) -> None:
@@ -793,3 +811,75 @@ def do_record_manifest(
     release.manifest_digest = manifest_digest
     release.signature = signature
     return release
+
+
+# -- gate policy and gate evaluation ----------------------------------------------
+
+
+def gate_policy_for(environment: Environment) -> GatePolicy:
+    """The environment's gate policy; the default GatePolicy() when none is set."""
+    row = EnvironmentGatePolicy.objects.filter(environment=environment).first()
+    return row.spec if row is not None else GatePolicy()
+
+
+def do_set_gate_policy(
+    environment: Environment, policy: dict, *, actor: Actor
+) -> EnvironmentGatePolicy:
+    """Replace the environment's gate policy (admin role; a token needs the admin
+    scope). ValidationFailed names the first bad field, e.g. policy.quality.x."""
+    check_actor_in_team(actor, environment.team, scope="admin", roles=("admin",))
+    try:
+        spec = GatePolicy.model_validate(policy)
+    except ValidationError as exc:
+        raise _validation_failed(exc, "policy") from exc
+    with transaction.atomic():
+        before = gate_policy_for(environment).model_dump(mode="json")
+        row, _ = EnvironmentGatePolicy.objects.update_or_create(
+            environment=environment, defaults={"policy": spec.model_dump(mode="json")}
+        )
+        do_record_event(
+            actor,
+            "environment.gate_policy_set",
+            environment,
+            before={"policy": before},
+            after={"policy": row.policy},
+            team=environment.team,
+        )
+    return row
+
+
+def do_evaluate_release_gates(
+    release: Release,
+    *,
+    quality: QualityReport | None,
+    load: LoadTestReport | None,
+    integrity_ok: bool | None,
+    actor: Actor = "system:worker",
+) -> GateDecision:
+    """Hold the evidence against the gate policy of the release's target
+    environment (gates.evaluate_policy) and record one GateResult per outcome,
+    replacing the release's earlier results (the audit event keeps what they said).
+    Returns the decision over them; moving the release is the caller's (the
+    pipeline's gate stage). Missing evidence (None) is inconclusive, never a pass."""
+    policy = gate_policy_for(release.target_environment)
+    outcomes = evaluate_policy(policy, quality, load, integrity_ok)
+    decision = evaluate_gates(outcomes)
+    with transaction.atomic():
+        release.gate_results.all().delete()
+        GateResult.objects.bulk_create(
+            GateResult(release=release, **outcome.to_dict()) for outcome in outcomes
+        )
+        counts = {o: sum(r.outcome == o for r in outcomes) for o in GATE_OUTCOMES}
+        do_record_event(
+            actor,
+            "gate.evaluated",
+            release,
+            after={
+                "outcome": decision.outcome,
+                "reason": decision.reason,
+                "counts": counts,
+                "policy": policy.model_dump(mode="json"),
+            },
+            team=release.team,
+        )
+    return decision

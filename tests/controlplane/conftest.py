@@ -7,6 +7,9 @@
   <root>/<slug>); `make_source(name, files)` makes a model folder in the team's;
 - factories `make_environment`, `make_model_family`, `make_release` for more;
 - `expire_lease(job)`: the job's worker "died" a second ago;
+- `pass_gates(release)`: what the pipeline's gate stage will record once it has
+  the evidence: integrity passed, under a policy of the target environment that
+  gates nothing else (the quality and load jobs are not built yet);
 - `queued(task)`: the args of each task the code under test queued (outbox rows);
 - `broker_at(url)` points Celery at a real broker for one test (with the timeouts
   settings.py gives that kind of URL): `working_broker` (the embedded SQLAlchemy
@@ -30,7 +33,11 @@ from controlplane import celery_app
 from controlplane.accounts.models import Membership, Team
 from controlplane.dispatch.models import OutboxMessage
 from controlplane.fleet.models import Environment
-from controlplane.releases.actions import do_register_release
+from controlplane.releases.actions import (
+    do_evaluate_release_gates,
+    do_register_release,
+    do_set_gate_policy,
+)
 from controlplane.releases.models import Job, ModelFamily, Release
 from controlplane.settings import broker_transport_options
 
@@ -191,6 +198,20 @@ def expire_lease():
         )
 
     return expire
+
+
+@pytest.fixture
+def pass_gates(owner):
+    def record(release: Release) -> None:
+        do_set_gate_policy(
+            release.target_environment, {"quality": None, "load": None}, actor=owner
+        )
+        decision = do_evaluate_release_gates(
+            release, quality=None, load=None, integrity_ok=True
+        )
+        assert decision.ok, decision
+
+    return record
 
 
 @pytest.fixture

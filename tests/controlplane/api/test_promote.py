@@ -23,12 +23,12 @@ def test_it_queues_the_pipeline_and_answers_202(api, owner_token, release, queue
     assert queued("run_promotion") == [(release.pk,)]
     assert AuditEvent.objects.filter(verb="release.promotion_requested").exists()
 
-    assert tasks.run_promotion(release.pk) == "awaiting_approval"
+    assert tasks.run_promotion(release.pk) == "gated"  # no evidence yet: a pause
 
     release.refresh_from_db()
-    assert release.state == "awaiting_approval"
+    assert release.state == "gated"
     status = api.get(status_url, token=owner_token).json()
-    assert status["state"] == "awaiting_approval"
+    assert status["state"] == "gated"
     # The status URL shows the pipeline's jobs as they are in the database (which
     # stages exist is the pipeline's business, not the API's).
     assert [j["kind"] for j in status["jobs"]] == list(

@@ -17,8 +17,9 @@ from controlplane.releases.tasks import run_promotion
 STAGES = ["verify_source", "compress", "sign", "evaluate", "gate"]
 
 
-def test_it_runs_every_stage_and_stops_for_approval(release):
-    assert run_promotion(release.pk) == "awaiting_approval"
+def test_it_runs_every_stage_and_pauses_at_the_gate_without_evidence(release):
+    """Nothing records gate evidence in this pipeline yet: no evidence is no pass."""
+    assert run_promotion(release.pk) == "gated"
 
     jobs = list(Job.objects.filter(release=release).order_by("id"))
     assert [j.kind for j in jobs] == STAGES
@@ -33,22 +34,34 @@ def test_it_runs_every_stage_and_stops_for_approval(release):
         "compressing",
         "evaluating",
         "gated",
-        "awaiting_approval",
     ]
+
+
+def test_later_evidence_lets_the_gate_pass_on_the_next_promote(release, pass_gates):
+    run_promotion(release.pk)
+    gate = Job.objects.get(release=release, kind="gate")
+    assert gate.result["outcome"] == "inconclusive"
+    pass_gates(release)
+
+    assert run_promotion(release.pk) == "awaiting_approval"
+
+    assert Job.objects.filter(release=release, kind="gate").count() == 2
 
 
 def test_it_is_idempotent(release):
     run_promotion(release.pk)
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
-    assert Job.objects.filter(release=release).count() == len(STAGES)
+    # Only the gate runs again (a paused gate is re-evaluated on each promote).
+    kinds = list(Job.objects.filter(release=release).values_list("kind", flat=True))
+    assert kinds == [*STAGES, "gate"]
 
 
 def test_it_resumes_from_the_current_state(make_release):
     release = make_release(state="evaluating")
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
     assert [j.kind for j in Job.objects.filter(release=release)] == ["evaluate", "gate"]
 
@@ -67,7 +80,7 @@ def model_folder(make_source):
 def test_it_inspects_and_hashes_a_local_source_folder(make_release, model_folder):
     release = make_release(source_uri=model_folder.as_uri())
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
     verify = Job.objects.get(release=release, kind="verify_source")
     assert verify.result["report"]["ok"] is True
@@ -125,7 +138,7 @@ def test_it_skips_a_job_already_done_in_this_pass(make_release):
     do_transition_release(release, "compressing", actor="test")
     do_finish_job(do_start_job(release, "compress"), result={})
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
     kinds = list(
         Job.objects.filter(release=release)
@@ -264,7 +277,7 @@ def test_it_does_not_run_a_stage_twice_when_promoted_again_during_it(
         ((("compress", compress_while_ci_retries), sign), next_state),
     )
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
     assert second_runs == [tasks.BUSY]
     assert work_calls == ["verify_source", "compress", "sign", "evaluate"]
@@ -281,7 +294,7 @@ def test_it_resumes_a_stage_whose_worker_died_once_its_lease_expires(
     assert promote(release) == tasks.BUSY  # too early: the lease still holds
     expire_lease(job)  # its worker died
 
-    assert promote(release) == "awaiting_approval"
+    assert promote(release) == "gated"
     assert work_calls == ["compress", "sign", "evaluate"]
     resumed = Job.objects.get(pk=job.pk)
     assert (resumed.state, resumed.attempts) == ("succeeded", 2)
@@ -348,7 +361,7 @@ def test_a_stage_longer_than_its_lease_keeps_its_job_by_heartbeat(
 
     assert "evaluate ran twice" not in seen
     (first_lease, lease_then, then), second_run = seen
-    assert state == "awaiting_approval"
+    assert state == "gated"
     assert first_lease < then < lease_then  # expired once, renewed since
     assert second_run == tasks.BUSY
     job = Job.objects.get(release=release, kind="evaluate")

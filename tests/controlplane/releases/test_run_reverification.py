@@ -13,12 +13,14 @@ from controlplane.releases.tasks import (
 
 
 @pytest.fixture
-def live(make_release, teammate, make_source, queued):
+def live(make_release, teammate, make_source, queued, pass_gates):
     folder = make_source(
         "model",
         {"config.json": '{"model_type": "llama"}', "tokenizer_config.json": "{}"},
     )
     release = make_release(source_uri=folder.as_uri())
+    run_promotion(release.pk)
+    pass_gates(release)
     run_promotion(release.pk)
     do_approve_release(release, teammate)
     run_deployment(release.pk)

@@ -27,8 +27,10 @@ from controlplane.celery import worker_command
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions import (
     do_approve_release,
+    do_evaluate_release_gates,
     do_register_release,
     do_request_promotion,
+    do_set_gate_policy,
 )
 from controlplane.releases.models import ModelFamily, Release
 
@@ -69,6 +71,8 @@ class Command(BaseCommand):
         try:
             do_request_promotion(release, registrant)
             self.stdout.write("promotion queued; waiting for the worker ...")
+            self.wait_for(release, ("gated",), worker, log_path, options)
+            self.gate_on_integrity(release, registrant)
             self.wait_for(release, ("awaiting_approval",), worker, log_path, options)
             do_approve_release(
                 release,
@@ -101,6 +105,7 @@ class Command(BaseCommand):
             )
             users.append(user)
         environment, _ = Environment.objects.get_or_create(team=team, name="staging")
+        do_set_gate_policy(environment, {"quality": None, "load": None}, actor=users[0])
         family, _ = ModelFamily.objects.get_or_create(
             team=team,
             name="demo-llama",
@@ -118,6 +123,25 @@ class Command(BaseCommand):
             shutil.rmtree(target)
         shutil.copytree(source, target)
         return target
+
+    def gate_on_integrity(self, release, registrant) -> None:
+        """The pipeline pauses at the gate: it records no evidence yet. Hold what
+        it checked (source inspected, candidate hashed) against the demo
+        environment's policy, which gates integrity only until the evaluate and
+        load-test jobs exist, and promote again to re-run the gate."""
+        while not release.jobs.filter(kind="gate", finished__isnull=False).exists():
+            time.sleep(0.2)  # the gate job is finishing (wait_for bounds the rest)
+        release.refresh_from_db()
+        integrity_ok = bool(release.manifest_digest) and (
+            release.jobs.filter(kind="verify_source", state="succeeded").exists()
+        )
+        decision = do_evaluate_release_gates(
+            release, quality=None, load=None, integrity_ok=integrity_ok
+        )
+        self.stdout.write(f"gate: {decision.outcome} ({decision.reason})")
+        if not decision.ok:
+            raise CommandError(f"{release} is gated: {decision.reason}")
+        do_request_promotion(release, registrant)
 
     def start_worker(self) -> tuple[subprocess.Popen, Path]:
         log_path = Path(
