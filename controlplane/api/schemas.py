@@ -232,6 +232,10 @@ class RejectIn(RequestBody):
     )
 
 
+class ReopenIn(RequestBody):
+    reason: str = Field(min_length=1, max_length=5000, description="why again")
+
+
 class DecisionOut(Schema):
     release: ReleaseOut
     approval: ApprovalOut

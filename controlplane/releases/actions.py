@@ -45,6 +45,7 @@ from controlplane.accounts.actions import (
 )
 from controlplane.accounts.models import ApiToken, Team
 from controlplane.audit.actions import Actor, do_record_event
+from controlplane.audit.models import AuditEvent
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import (
     Conflict,
@@ -354,6 +355,7 @@ def do_request_promotion(release: Release, actor: Actor) -> Release:
             raise Conflict(
                 f"release {release} is {release.state}; only a release in "
                 f"{', '.join(resumable)} or failed can be promoted"
+                + NEXT_STEP.get(release.state, "")
             )
         do_record_event(
             actor,
@@ -364,6 +366,59 @@ def do_request_promotion(release: Release, actor: Actor) -> Release:
         )
         do_enqueue_task(task_name, release.pk)
     return release
+
+
+# What a user does next with a release that can't be promoted.
+NEXT_STEP = {
+    "rejected": "; reopen it for another review (POST .../reopen with a reason) "
+    "or register a new version",
+    "quarantined": "; its digest is untrusted: register a new version",
+}
+REOPENABLE_STATES = ("rejected", "failed")
+
+
+def do_reopen_release(release: Release, actor: Actor, *, reason: str) -> Release:
+    """rejected or failed -> registered, so that a promote runs the whole pipeline
+    again and the result needs a new approval (approvals made before are no longer
+    in force). The reason is required; the earlier failure reason stays in the
+    audit log and the rejection in the approvals."""
+    check_actor_in_team(actor, release.team, scope="promote")
+    reason = reason.strip()
+    if not reason:
+        raise ValidationFailed("reopening needs a reason", field="reason")
+    with transaction.atomic():
+        release.refresh_from_db(from_queryset=Release.objects.select_for_update())
+        if release.state not in REOPENABLE_STATES:
+            raise Conflict(
+                f"release {release} is {release.state}; only a rejected or failed "
+                "release can be reopened" + NEXT_STEP.get(release.state, "")
+            )
+        before = {"state": release.state, "failure_reason": release.failure_reason}
+        do_transition_release(release, "registered", actor=actor, reason=reason)
+        do_record_event(
+            actor,
+            "release.reopened",
+            release,
+            before=before,
+            after={"state": release.state, "reason": reason},
+            team=release.team,
+        )
+    return release
+
+
+def _last_reopened(release: Release) -> datetime | None:
+    """When `release` last moved back to registered (None: never)."""
+    return (
+        AuditEvent.objects.filter(
+            verb="release.transition",
+            object_type="release",
+            object_id=str(release.pk),
+            after__state="registered",
+        )
+        .order_by("-created", "-id")
+        .values_list("created", flat=True)
+        .first()
+    )
 
 
 def _check_approver(release: Release, user, token: ApiToken | None) -> None:
@@ -782,12 +837,15 @@ def do_record_manifest(
     actor: Actor = "system:worker",
 ) -> Release:
     """Set the release's manifest digest (and signature) and replace its artifacts.
-    Refused once someone approved a digest: approvals are bound to it."""
+    Refused while an approval is in force (one made since the release was last
+    reopened): approvals are bound to the digest."""
     with transaction.atomic():
         locked = Release.objects.select_for_update().get(pk=release.pk)
-        if locked.approvals.filter(decision="approve").exists() and (
-            locked.manifest_digest != manifest_digest
-        ):
+        approvals = locked.approvals.filter(decision="approve")
+        reopened = _last_reopened(locked)
+        if reopened is not None:
+            approvals = approvals.filter(created__gt=reopened)
+        if approvals.exists() and locked.manifest_digest != manifest_digest:
             raise Conflict(f"{locked} is approved for {locked.manifest_digest}")
         before = {"manifest_digest": locked.manifest_digest}
         locked.manifest_digest = manifest_digest
