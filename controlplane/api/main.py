@@ -15,9 +15,42 @@ from controlplane.api import (
     releases,
     webhooks,
 )
+from controlplane.api.auth import ApiTokenAuth
 from controlplane.api.errors import install_error_handlers
 
-api = NinjaAPI(
+
+class ReleasegateAPI(NinjaAPI):
+    """States each operation's required token scope in the OpenAPI document: in its
+    security requirement (OpenAPI 3.1 lets a non-OAuth scheme list role names
+    there), as `x-required-scope`, and in its description."""
+
+    def get_openapi_schema(self, **kwargs):
+        document = super().get_openapi_schema(**kwargs)
+        scopes = {
+            self.get_openapi_operation_id(operation): auth.scope
+            for _, router in self._routers
+            for path_view in router.path_operations.values()
+            for operation in path_view.operations
+            for auth in operation.auth_callbacks
+            if isinstance(auth, ApiTokenAuth)
+        }
+        for item in document["paths"].values():
+            for operation in item.values():
+                scope = scopes[operation["operationId"]]
+                operation["x-required-scope"] = scope
+                for requirement in operation["security"]:
+                    if "ApiTokenAuth" in requirement:
+                        requirement["ApiTokenAuth"] = [scope]
+                note = f"Requires a token with the `{scope}` scope."
+                if any("DashboardSessionAuth" in r for r in operation["security"]):
+                    note += " A logged-in dashboard session may read too."
+                operation["description"] = (
+                    f"{operation.get('description', '')}\n\n{note}".strip()
+                )
+        return document
+
+
+api = ReleasegateAPI(
     title="releasegate",
     version="1",
     description="Release registration, promotion, approval and rollback for CI. "
