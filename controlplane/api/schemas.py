@@ -16,13 +16,14 @@ from controlplane.accounts.models import API_SCOPES
 from controlplane.fleet.models import DEPLOYMENT_STATES
 from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
-from gpuagent.protocol import Recipe
+from gpuagent.protocol import KV_CACHE_DTYPES, WEIGHT_FORMAT_PATTERN
 
 ReleaseState = Literal[RELEASE_STATES]  # type: ignore[valid-type]
 DeploymentState = Literal[DEPLOYMENT_STATES]  # type: ignore[valid-type]
 JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
 GateOutcome = Literal[GATE_OUTCOMES]  # type: ignore[valid-type]
 Scope = Literal[API_SCOPES]  # type: ignore[valid-type]
+KvCacheDtype = Literal[KV_CACHE_DTYPES]  # type: ignore[valid-type]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]*$"  # semver build metadata too
@@ -34,9 +35,22 @@ ObjectId = Annotated[int, Field(ge=1, le=2**63 - 1)]
 T = TypeVar("T")
 
 
+# Documents the NUL rule below on every string a client sends (JSON Schema regex).
+NO_NUL_PATTERN = "^[^\\u0000]*$"
+
+
+def _document_no_nul(schema: dict[str, Any]) -> None:
+    for prop in schema.get("properties", {}).values():
+        for variant in (prop, *prop.get("anyOf", ())):
+            if variant.get("type") == "string" and "pattern" not in variant:
+                variant["pattern"] = NO_NUL_PATTERN
+
+
 class ClientInput(Schema):
     """Anything a client sends: strings must be storable and comparable everywhere
     (PostgreSQL text cannot hold NUL, and would answer a 500)."""
+
+    model_config = ConfigDict(json_schema_extra=_document_no_nul)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -47,7 +61,7 @@ class ClientInput(Schema):
 
 
 class RequestBody(ClientInput):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_no_nul)
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -109,13 +123,24 @@ class ModelFamilyOut(Schema):
 # -- releases -------------------------------------------------------------------------
 
 
+class RecipeIn(RequestBody):
+    """gpuagent.protocol.Recipe as the API documents it (the same constants; the
+    action validates through Recipe itself)."""
+
+    weights: str = Field(
+        pattern=WEIGHT_FORMAT_PATTERN.pattern,
+        description="bf16, fp16, int8 or int4-g{32,64,128}",
+    )
+    kv_cache_dtype: KvCacheDtype
+
+
 class ReleaseIn(RequestBody):
     model: str = Field(
         min_length=1, max_length=100, description="name of a model family"
     )
     version: str = Field(min_length=1, max_length=100, pattern=VERSION_PATTERN)
     source_uri: str = Field(min_length=1, max_length=1000)
-    recipe: Recipe
+    recipe: RecipeIn
     target_environment: str = Field(
         min_length=1, max_length=50, description="name of an environment of the team"
     )
