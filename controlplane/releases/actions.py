@@ -77,7 +77,11 @@ from controlplane.releases.models import (
     ModelFamily,
     Release,
 )
-from controlplane.releases.sources import SourceRefused, resolve_source
+from controlplane.releases.sources import (
+    SourceRefused,
+    relative_to_source,
+    resolve_source,
+)
 from controlplane.webhooks.actions import do_queue_release_event
 from gpuagent.protocol import (
     JOB_KINDS,
@@ -141,6 +145,7 @@ def do_transition_release(
                 f"moving a release to {to_state} needs a reason", field="reason"
             )
         earlier_reason = locked.failure_reason
+        reason = relative_to_source(reason, locked.source_uri)
         locked.state = to_state
         if from_state in REASON_REQUIRED and to_state in REASON_REQUIRED:
             # One incident in two steps (failed verification, then quarantined):
@@ -772,8 +777,8 @@ def do_finish_job(job: Job, *, result: dict | None = None, error: str = "") -> J
         job.finished = timezone.now()
         job.progress = 1.0 if state == "succeeded" else job.progress
         job.lease_expires = None
-        job.result = result or {}
-        job.error = error
+        job.result = relative_to_source(result or {}, job.release.source_uri)
+        job.error = relative_to_source(error, job.release.source_uri)
         job.save(
             update_fields=[
                 "state",

@@ -78,3 +78,26 @@ def _walk(root: Path, relative: PurePosixPath) -> Path:
         if not stat.S_ISDIR(mode):
             raise SourceRefused(f"{shown} in {root} is not a folder")
     return current
+
+
+def relative_to_source(value, source_uri: str):
+    """`value` (a string, or dicts and lists of them) with the source folder's
+    absolute path written relative to the folder ("./config.json", "."): what
+    jobs report about a source names its files, never where the host keeps them."""
+    try:
+        folder = str(source_path(source_uri))
+    except SourceRefused:
+        return value
+    if folder == "/":
+        return value
+
+    def scrub(item):
+        if isinstance(item, str):
+            return item.replace(folder + "/", "./").replace(folder, ".")
+        if isinstance(item, dict):
+            return {key: scrub(entry) for key, entry in item.items()}
+        if isinstance(item, list):
+            return [scrub(entry) for entry in item]
+        return item
+
+    return scrub(value)

@@ -366,3 +366,17 @@ def test_a_stage_longer_than_its_lease_keeps_its_job_by_heartbeat(
     assert second_run == tasks.BUSY
     job = Job.objects.get(release=release, kind="evaluate")
     assert (job.state, job.attempts, job.lease_expires) == ("succeeded", 1, None)
+
+
+def test_its_job_results_name_files_relative_to_the_source(make_release, model_folder):
+    (model_folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 64)
+    release = make_release(source_uri=model_folder.as_uri())
+
+    run_promotion(release.pk)
+
+    verify = Job.objects.get(release=release, kind="verify_source")
+    stored = Release.objects.get(pk=release.pk)
+    for text in (str(verify.result), verify.error, stored.failure_reason):
+        assert str(model_folder) not in text
+        assert str(model_folder.parent) not in text
+    assert verify.result["report"]["folder"] == "."
