@@ -178,45 +178,43 @@ def _integrity(integrity_ok: bool | None) -> GateOutcome:
 # -- quality --------------------------------------------------------------------------
 
 
+def _no_report(gate: str, what: str) -> list[GateOutcome]:
+    return [
+        GateOutcome(gate, "report", None, None, INCONCLUSIVE, f"no evidence: {what}")
+    ]
+
+
+def _indexed(
+    entries: list[tuple[str, object]], kind: str, gate: str, required: list[str]
+):
+    """({name: entry}, outcomes): `entries` is [(name, entry)] from a report; a name
+    reported twice, or a required one missing, is an inconclusive outcome."""
+    outcomes, by_name = [], {}
+    for name, entry in entries:
+        if name in by_name:
+            outcomes.append(
+                GateOutcome(
+                    f"{gate}:{name}",
+                    "report",
+                    None,
+                    None,
+                    INCONCLUSIVE,
+                    f"{kind} {name!r} is reported twice; which one counts?",
+                )
+            )
+        by_name.setdefault(name, entry)
+    for name in required:
+        if name not in by_name:
+            outcomes += _no_report(f"{gate}:{name}", f"{kind} {name!r} is not reported")
+    return by_name, outcomes
+
+
 def _quality(policy: QualityPolicy, report: QualityReport | None) -> list[GateOutcome]:
     if report is None:
-        return [
-            GateOutcome(
-                "quality",
-                "report",
-                None,
-                None,
-                INCONCLUSIVE,
-                "no evidence: the evaluate job produced no quality report",
-            )
-        ]
-    outcomes = []
-    by_name: dict[str, SliceQuality] = {}
-    for entry in report.slices:
-        if entry.name in by_name:
-            outcomes.append(
-                GateOutcome(
-                    f"quality:{entry.name}",
-                    "report",
-                    None,
-                    None,
-                    INCONCLUSIVE,
-                    f"slice {entry.name!r} is reported twice; which one counts?",
-                )
-            )
-        by_name.setdefault(entry.name, entry)
-    for name in policy.slices:
-        if name not in by_name:
-            outcomes.append(
-                GateOutcome(
-                    f"quality:{name}",
-                    "report",
-                    None,
-                    None,
-                    INCONCLUSIVE,
-                    f"no evidence: slice {name!r} is missing from the quality report",
-                )
-            )
+        return _no_report("quality", "the evaluate job produced no quality report")
+    by_name, outcomes = _indexed(
+        [(s.name, s) for s in report.slices], "slice", "quality", policy.slices
+    )
     for name, entry in by_name.items():
         thresholds = policy.per_slice.get(name, policy.thresholds)
         outcomes += _slice(entry, thresholds, policy.require_retrieval)
@@ -343,43 +341,10 @@ def _compare(
 
 def _load(policy: LoadPolicy, report: LoadTestReport | None) -> list[GateOutcome]:
     if report is None:
-        return [
-            GateOutcome(
-                "load",
-                "report",
-                None,
-                None,
-                INCONCLUSIVE,
-                "no evidence: the load-test job produced no report",
-            )
-        ]
-    outcomes = []
-    by_profile: dict[str, WorkloadReport] = {}
-    for workload in report.workloads:
-        if workload.profile in by_profile:
-            outcomes.append(
-                GateOutcome(
-                    f"load:{workload.profile}",
-                    "report",
-                    None,
-                    None,
-                    INCONCLUSIVE,
-                    f"workload {workload.profile!r} is reported twice",
-                )
-            )
-        by_profile.setdefault(workload.profile, workload)
-    for profile in policy.workloads:
-        if profile not in by_profile:
-            outcomes.append(
-                GateOutcome(
-                    f"load:{profile}",
-                    "report",
-                    None,
-                    None,
-                    INCONCLUSIVE,
-                    f"no evidence: workload {profile!r} is missing from the load test",
-                )
-            )
+        return _no_report("load", "the load-test job produced no report")
+    by_profile, outcomes = _indexed(
+        [(w.profile, w) for w in report.workloads], "workload", "load", policy.workloads
+    )
     for profile, workload in by_profile.items():
         thresholds = policy.per_workload.get(profile, policy.thresholds)
         outcomes += _workload(workload, thresholds)

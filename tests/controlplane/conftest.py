@@ -130,6 +130,13 @@ def source_roots(settings, tmp_path_factory) -> Path:
     return root
 
 
+def team_source_uri(name: str, team: str = "acme") -> str:
+    """The URI of `team`'s folder `name` under the test's source root (make it with
+    `make_source`)."""
+    root = Path(django_settings.RELEASEGATE_SOURCE_ROOTS[0])
+    return (root / team / name).as_uri()
+
+
 @pytest.fixture
 def make_source(source_roots):
     def make(name: str, files: dict[str, str] | None = None, *, team="acme") -> Path:

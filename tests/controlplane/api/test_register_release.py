@@ -1,19 +1,15 @@
-from pathlib import Path
-
 import pytest
-from django.conf import settings
 
 from controlplane.audit.models import AuditEvent
 from controlplane.releases.models import Release
 from tests.controlplane.api.helpers import error_of, field_names
+from tests.controlplane.conftest import team_source_uri
 
 URL = "/api/v1/releases"
 
 
 def source_uri() -> str:
-    """The team's folder for llama-support 2.0.0 (made by `_source_folder`)."""
-    root = Path(settings.RELEASEGATE_SOURCE_ROOTS[0])
-    return (root / "acme" / "llama-support" / "2.0.0").as_uri()
+    return team_source_uri("llama-support/2.0.0")  # made by `_source_folder`
 
 
 @pytest.fixture(autouse=True)

@@ -1,20 +1,15 @@
-from pathlib import Path
-
 import pytest
-from django.conf import settings
 
 from controlplane.accounts.models import ApiToken
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import ConflictingRegistration, Forbidden, ValidationFailed
 from controlplane.releases.actions import do_register_release
 from controlplane.releases.models import Release
-from tests.controlplane.conftest import RECIPE
+from tests.controlplane.conftest import RECIPE, team_source_uri
 
 
 def source_uri() -> str:
-    """The team's folder for llama-support 2.0.0 (made by `_source_folder`)."""
-    root = Path(settings.RELEASEGATE_SOURCE_ROOTS[0])
-    return (root / "acme" / "llama-support" / "2.0.0").as_uri()
+    return team_source_uri("llama-support/2.0.0")  # made by `_source_folder`
 
 
 @pytest.fixture(autouse=True)
