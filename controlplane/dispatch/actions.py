@@ -19,6 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.dispatch.models import OutboxMessage
+from controlplane.settings import broker_transport_options
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,15 @@ def publish_pending(*, ids: list[int] | None = None, limit: int = 200) -> int:
         batch = list(due.order_by("created", "id")[:limit])
         if not batch:
             return 0
+        # A broker that takes the connection and then says nothing costs a
+        # publish RELEASEGATE_OUTBOX_PUBLISH_TIMEOUT_S, not the worker's timeout.
+        options = broker_transport_options(
+            app.conf.broker_url,
+            connect_timeout_s=settings.BROKER_CONNECT_TIMEOUT_S,
+            socket_timeout_s=settings.RELEASEGATE_OUTBOX_PUBLISH_TIMEOUT_S,
+        )
         try:
-            with app.connection_for_write() as connection:
+            with app.connection_for_write(transport_options=options) as connection:
                 for message in batch:
                     app.send_task(
                         message.task,

@@ -1,11 +1,22 @@
 """`queue_name`: a queue of the test's own; `received(queue)`: what the broker holds
-in it (the broker fixtures are in tests/controlplane/conftest.py)."""
+in it; `silent_broker_url`: a broker that never answers (the other broker fixtures
+are in tests/controlplane/conftest.py)."""
 
+import socket
 import uuid
 
 import pytest
 
 from controlplane import celery_app
+
+
+@pytest.fixture
+def silent_broker_url():
+    """A Redis URL whose server takes connections and never answers."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        yield f"redis://127.0.0.1:{server.getsockname()[1]}/12"
 
 
 @pytest.fixture

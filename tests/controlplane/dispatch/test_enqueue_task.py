@@ -51,3 +51,19 @@ def test_it_keeps_the_message_when_the_broker_is_down_and_answers_fast(
     assert message.attempts == 1
     assert "refused" in message.last_error.lower()
     assert message.next_attempt > message.created
+
+
+def test_a_broker_that_accepts_and_never_answers_costs_the_publish_timeout(
+    db, broker_at, silent_broker_url, settings, django_capture_on_commit_callbacks
+):
+    settings.RELEASEGATE_OUTBOX_PUBLISH_TIMEOUT_S = 0.5
+    broker_at(silent_broker_url)
+    started = time.monotonic()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        message = do_enqueue_task(TASK, 7)
+
+    assert time.monotonic() - started < 5  # the worker's socket timeout is 5 s
+    message.refresh_from_db()
+    assert (message.sent, message.attempts) == (None, 1)
+    assert "timeout" in message.last_error.lower()
