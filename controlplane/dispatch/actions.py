@@ -62,7 +62,7 @@ def publish_pending(*, ids: list[int] | None = None, limit: int = 200) -> int:
         # A broker that takes the connection and then says nothing costs a
         # publish RELEASEGATE_OUTBOX_PUBLISH_TIMEOUT_S, not the worker's timeout.
         options = broker_transport_options(
-            app.conf.broker_url,
+            app.conf.broker_write_url,
             connect_timeout_s=settings.BROKER_CONNECT_TIMEOUT_S,
             socket_timeout_s=settings.RELEASEGATE_OUTBOX_PUBLISH_TIMEOUT_S,
         )

@@ -238,10 +238,15 @@ def queued(settings):
 
 @pytest.fixture
 def broker_at():
-    saved = (celery_app.conf.broker_url, celery_app.conf.broker_transport_options)
+    # Read and write URLs too: celery prefers a CELERY_BROKER_URL environment
+    # variable (set for the Redis runs) over conf.broker_url.
+    keys = ("broker_url", "broker_read_url", "broker_write_url")
+    saved = {key: celery_app.conf.get(key) for key in keys}
+    saved_options = celery_app.conf.broker_transport_options
 
     def point(url: str) -> None:
-        celery_app.conf.broker_url = url
+        for key in keys:
+            celery_app.conf[key] = url
         celery_app.conf.broker_transport_options = broker_transport_options(
             url,
             connect_timeout_s=django_settings.BROKER_CONNECT_TIMEOUT_S,
@@ -249,7 +254,9 @@ def broker_at():
         )
 
     yield point
-    celery_app.conf.broker_url, celery_app.conf.broker_transport_options = saved
+    for key, value in saved.items():
+        celery_app.conf[key] = value
+    celery_app.conf.broker_transport_options = saved_options
 
 
 @pytest.fixture
