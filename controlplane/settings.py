@@ -31,10 +31,33 @@ def envint(name: str, default: str) -> int:
         raise ImproperlyConfigured(f"{name} must be an integer, got {value!r}") from exc
 
 
+def envfloat(name: str, default: str) -> float:
+    value = os.getenv(name, default)
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a number, got {value!r}") from exc
+
+
 def envlist(name: str, default: str = "") -> list[str]:
     return [
         item.strip() for item in os.getenv(name, default).split(",") if item.strip()
     ]
+
+
+def broker_transport_options(
+    url: str, *, connect_timeout_s: float, socket_timeout_s: float
+) -> dict:
+    """Short timeouts, and no reconnect loop of kombu's own, for a Redis broker.
+    (The embedded SQLAlchemy transport hands these to create_engine, which refuses
+    them; it has no network to wait on.)"""
+    if not url.startswith(("redis://", "rediss://", "redis+socket://")):
+        return {}
+    return {
+        "max_retries": 0,
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_timeout": socket_timeout_s,
+    }
 
 
 DATA_DIR = Path(os.getenv("RELEASEGATE_DATA_DIR", BASE_DIR / "var"))
@@ -64,6 +87,8 @@ INSTALLED_APPS = [
     "controlplane.fleet",
     "controlplane.releases",
     "controlplane.audit",
+    "controlplane.dispatch",
+    "controlplane.webhooks",
     "controlplane.dashboard",
 ]
 
@@ -144,6 +169,14 @@ STATICFILES_FINDERS = [
 ]
 STATIC_ROOT = Path(os.getenv("STATIC_ROOT", DATA_DIR / "static"))
 ARTIFACT_ROOT = Path(os.getenv("ARTIFACT_ROOT", DATA_DIR / "artifacts"))
+# The folders on this host that release sources may come from (comma-separated,
+# absolute). Each team is confined to its own folders inside them: Team.source_roots
+# when an operator set it (admin), else <root>/<team slug> for each root here.
+RELEASEGATE_SOURCE_ROOTS = [
+    Path(p) for p in envlist("RELEASEGATE_SOURCE_ROOTS", str(DATA_DIR / "sources"))
+]
+if not all(p.is_absolute() for p in RELEASEGATE_SOURCE_ROOTS):
+    raise ImproperlyConfigured("RELEASEGATE_SOURCE_ROOTS must be absolute paths")
 
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
@@ -163,12 +196,47 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", "False")
-# Periodic re-verification of live artifacts, run by `celery -A controlplane beat`.
+# A broker that is down must cost a request little: connect and socket timeouts are
+# short and kombu does not retry connecting on its own (its default backoff made a
+# promote wait ~19 s). Writes queue tasks through the outbox (controlplane.dispatch),
+# which retries; a worker's own .delay() calls retry per the publish policy.
+BROKER_CONNECT_TIMEOUT_S = envfloat("BROKER_CONNECT_TIMEOUT_S", "1")
+CELERY_BROKER_CONNECTION_TIMEOUT = BROKER_CONNECT_TIMEOUT_S
+CELERY_BROKER_TRANSPORT_OPTIONS = broker_transport_options(
+    CELERY_BROKER_URL,
+    connect_timeout_s=BROKER_CONNECT_TIMEOUT_S,
+    socket_timeout_s=envfloat("BROKER_SOCKET_TIMEOUT_S", "5"),
+)
+CELERY_TASK_PUBLISH_RETRY_POLICY = {
+    "max_retries": 2,
+    "interval_start": 0,
+    "interval_step": 0.5,
+    "interval_max": 1,
+}
+CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = BROKER_CONNECT_TIMEOUT_S
+CELERY_REDIS_SOCKET_TIMEOUT = envfloat("BROKER_SOCKET_TIMEOUT_S", "5")
+# The outbox: a committed write publishes its tasks at once unless this is off (then
+# only the relay does); the relay runs every RELEASEGATE_OUTBOX_RELAY_S on beat and
+# backs off a failing message up to RELEASEGATE_OUTBOX_MAX_DELAY_S.
+RELEASEGATE_OUTBOX_PUBLISH_ON_COMMIT = envbool(
+    "RELEASEGATE_OUTBOX_PUBLISH_ON_COMMIT", "True"
+)
+RELEASEGATE_OUTBOX_PUBLISH_TIMEOUT_S = envfloat(
+    "RELEASEGATE_OUTBOX_PUBLISH_TIMEOUT_S", "1"
+)
+RELEASEGATE_OUTBOX_RELAY_S = envfloat("RELEASEGATE_OUTBOX_RELAY_S", "10")
+RELEASEGATE_OUTBOX_MAX_DELAY_S = envfloat("RELEASEGATE_OUTBOX_MAX_DELAY_S", "60")
+# Periodic jobs, run by `celery -A controlplane beat`: re-verification of live
+# artifacts, and the outbox relay.
 CELERY_BEAT_SCHEDULE = {
     "reverify-live-deployments": {
         "task": "controlplane.releases.reverify_live_deployments",
         "schedule": float(envint("REVERIFY_INTERVAL_S", "3600")),
-    }
+    },
+    "relay-outbox": {
+        "task": "controlplane.dispatch.relay_outbox",
+        "schedule": RELEASEGATE_OUTBOX_RELAY_S,
+    },
 }
 
 # How long a running job's worker holds it without a heartbeat (tasks.py renews it
@@ -183,6 +251,20 @@ if RELEASEGATE_JOB_LEASE_S < 1:
 AGENT_DEAD_AFTER_S = envint("AGENT_DEAD_AFTER_S", "30")
 if AGENT_DEAD_AFTER_S < 1:
     raise ImproperlyConfigured("AGENT_DEAD_AFTER_S must be at least 1")
+
+# Webhooks: secrets are encrypted with a key derived from this (SECRET_KEY unless
+# set; changing it makes existing webhook secrets unreadable). Deliveries time out
+# after RELEASEGATE_WEBHOOK_TIMEOUT_S and are tried up to MAX_ATTEMPTS times, waiting
+# RETRY_BASE_S x 4^(n-1) (at most MAX_DELAY_S) in between. Private and loopback
+# addresses are refused unless allowed (allowed by default only with DEBUG on).
+RELEASEGATE_WEBHOOK_KEY = os.getenv("RELEASEGATE_WEBHOOK_KEY", SECRET_KEY)
+RELEASEGATE_WEBHOOK_TIMEOUT_S = envfloat("RELEASEGATE_WEBHOOK_TIMEOUT_S", "5")
+RELEASEGATE_WEBHOOK_MAX_ATTEMPTS = envint("RELEASEGATE_WEBHOOK_MAX_ATTEMPTS", "6")
+RELEASEGATE_WEBHOOK_RETRY_BASE_S = envfloat("RELEASEGATE_WEBHOOK_RETRY_BASE_S", "2")
+RELEASEGATE_WEBHOOK_MAX_DELAY_S = envfloat("RELEASEGATE_WEBHOOK_MAX_DELAY_S", "600")
+RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = envbool(
+    "RELEASEGATE_WEBHOOK_ALLOW_PRIVATE", str(DEBUG)
+)
 
 # Production hardening; active whenever DEBUG is off.
 SESSION_COOKIE_SECURE = not DEBUG

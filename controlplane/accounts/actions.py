@@ -1,3 +1,7 @@
+import os
+from pathlib import Path, PurePosixPath
+
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -124,3 +128,65 @@ def do_touch_api_token(token: ApiToken) -> None:
     now = timezone.now()
     ApiToken.objects.filter(pk=token.pk).update(last_used=now)
     token.last_used = now
+
+
+def _inside_host_roots(path: PurePosixPath) -> bool:
+    return any(
+        path == root or root in path.parents
+        for root in map(PurePosixPath, settings.RELEASEGATE_SOURCE_ROOTS)
+    )
+
+
+def check_source_roots(roots: list[str]) -> list[str]:
+    """`roots` normalised; ValidationFailed unless each is an absolute path without
+    '..' inside one of settings.RELEASEGATE_SOURCE_ROOTS (the host's boundary)."""
+    checked = []
+    for root in roots:
+        if not isinstance(root, str) or not root.startswith("/") or "\x00" in root:
+            raise ValidationFailed(
+                f"source root {root!r} must be an absolute path", field="source_roots"
+            )
+        if ".." in root.split("/"):
+            raise ValidationFailed(
+                f"source root {root!r} must not contain '..'", field="source_roots"
+            )
+        path = PurePosixPath(os.path.normpath(root))
+        if not _inside_host_roots(path):
+            host = ", ".join(str(r) for r in settings.RELEASEGATE_SOURCE_ROOTS)
+            raise ValidationFailed(
+                f"source root {path} is outside this host's source roots ({host})",
+                field="source_roots",
+            )
+        checked.append(str(path))
+    return checked
+
+
+def team_source_roots(team: Team) -> list[Path]:
+    """The folders `team`'s release sources may come from now: its roots that are
+    still inside the host's (settings may have narrowed since they were set)."""
+    return [
+        root
+        for root in team.allowed_source_roots
+        if _inside_host_roots(PurePosixPath(os.path.normpath(root)))
+    ]
+
+
+def do_set_team_source_roots(team: Team, roots: list[str], *, actor: Actor) -> Team:
+    """Confine `team`'s release sources to `roots` (empty: the default,
+    <host root>/<slug>). For the site's operator: a team could otherwise point
+    itself at another team's folders."""
+    checked = check_source_roots(roots)
+    with transaction.atomic():
+        team = Team.objects.select_for_update().get(pk=team.pk)
+        before = {"source_roots": team.source_roots}
+        team.source_roots = checked
+        team.save(update_fields=["source_roots"])
+        do_record_event(
+            actor,
+            "team.source_roots_set",
+            team,
+            before=before,
+            after={"source_roots": checked},
+            team=team,
+        )
+    return team

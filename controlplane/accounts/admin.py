@@ -1,6 +1,28 @@
+from django import forms
 from django.contrib import admin
 
+from controlplane.accounts.actions import check_source_roots
 from controlplane.accounts.models import ApiToken, Membership, Team
+from controlplane.errors import ValidationFailed
+
+
+class TeamForm(forms.ModelForm):
+    class Meta:
+        model = Team
+        fields = ["name", "slug", "source_roots"]
+        help_texts = {
+            "source_roots": 'A JSON list of absolute folders, e.g. ["/srv/models/'
+            'acme"], each inside RELEASEGATE_SOURCE_ROOTS; [] for <root>/<slug>.'
+        }
+
+    def clean_source_roots(self):
+        roots = self.cleaned_data["source_roots"] or []
+        if not isinstance(roots, list):
+            raise forms.ValidationError("a JSON list of absolute paths")
+        try:
+            return check_source_roots(roots)
+        except ValidationFailed as exc:
+            raise forms.ValidationError(exc.message) from exc
 
 
 class MembershipInline(admin.TabularInline):
@@ -10,6 +32,7 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
+    form = TeamForm
     list_display = ("name", "slug", "created")
     search_fields = ("name", "slug")
     inlines = [MembershipInline]

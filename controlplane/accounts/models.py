@@ -1,13 +1,15 @@
 import hashlib
 import hmac
 import secrets
+from pathlib import Path
 
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
 ROLES = ("member", "approver", "admin")
-API_SCOPES = ("read", "register", "promote", "approve")
+# admin: change an environment's gate policy and webhooks (also needs the admin role).
+API_SCOPES = ("read", "register", "promote", "approve", "admin")
 TOKEN_PREFIX_LENGTH = 8
 
 
@@ -18,6 +20,10 @@ def hash_token(plaintext: str) -> str:
 class Team(models.Model):
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=100, unique=True)
+    # Absolute folders the team's release sources must lie in, each inside one of
+    # settings.RELEASEGATE_SOURCE_ROOTS; set by an operator (Django admin), never by
+    # the team itself. Empty: <root>/<slug> for each of those roots.
+    source_roots = models.JSONField(default=list, blank=True)
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -25,6 +31,12 @@ class Team(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def allowed_source_roots(self) -> list[Path]:
+        if self.source_roots:
+            return [Path(p) for p in self.source_roots]
+        return [Path(root) / self.slug for root in settings.RELEASEGATE_SOURCE_ROOTS]
 
     def to_dict(self) -> dict:
         return {"id": self.id, "name": self.name, "slug": self.slug}

@@ -6,10 +6,51 @@ Swagger UI at /api/v1/docs (assets served locally: "ninja" is an installed app).
 
 from ninja import NinjaAPI
 
-from controlplane.api import audit, deployments, environments, model_families, releases
+from controlplane.api import (
+    audit,
+    deployments,
+    environments,
+    gate_policy,
+    model_families,
+    releases,
+    webhooks,
+)
+from controlplane.api.auth import ApiTokenAuth
 from controlplane.api.errors import install_error_handlers
 
-api = NinjaAPI(
+
+class ReleasegateAPI(NinjaAPI):
+    """States each operation's required token scope in the OpenAPI document: in its
+    security requirement (OpenAPI 3.1 lets a non-OAuth scheme list role names
+    there), as `x-required-scope`, and in its description."""
+
+    def get_openapi_schema(self, **kwargs):
+        document = super().get_openapi_schema(**kwargs)
+        scopes = {
+            self.get_openapi_operation_id(operation): auth.scope
+            for _, router in self._routers
+            for path_view in router.path_operations.values()
+            for operation in path_view.operations
+            for auth in operation.auth_callbacks
+            if isinstance(auth, ApiTokenAuth)
+        }
+        for item in document["paths"].values():
+            for operation in item.values():
+                scope = scopes[operation["operationId"]]
+                operation["x-required-scope"] = scope
+                for requirement in operation["security"]:
+                    if "ApiTokenAuth" in requirement:
+                        requirement["ApiTokenAuth"] = [scope]
+                note = f"Requires a token with the `{scope}` scope."
+                if any("DashboardSessionAuth" in r for r in operation["security"]):
+                    note += " A logged-in dashboard session may read too."
+                operation["description"] = (
+                    f"{operation.get('description', '')}\n\n{note}".strip()
+                )
+        return document
+
+
+api = ReleasegateAPI(
     title="releasegate",
     version="1",
     description="Release registration, promotion, approval and rollback for CI. "
@@ -22,5 +63,13 @@ api = NinjaAPI(
 )
 install_error_handlers(api)
 
-for module in (model_families, releases, environments, deployments, audit):
+for module in (
+    model_families,
+    releases,
+    environments,
+    gate_policy,
+    webhooks,
+    deployments,
+    audit,
+):
     api.add_router("", module.router)

@@ -17,6 +17,7 @@ from controlplane.api.schemas import (
     ReleaseFilters,
     ReleaseIn,
     ReleaseOut,
+    ReopenIn,
 )
 from controlplane.api.scoping import (
     environments,
@@ -31,6 +32,7 @@ from controlplane.releases.actions import (
     do_approve_release,
     do_register_release,
     do_reject_release,
+    do_reopen_release,
     do_request_promotion,
 )
 
@@ -201,3 +203,24 @@ def reject_release(
         release, principal.user, token=principal.token, comment=payload.comment
     )
     return {"release": release.to_dict(), "approval": approval.to_dict()}
+
+
+@router.post(
+    "/releases/{release_id}/reopen",
+    auth=token_auth("promote"),
+    response={200: PromotionOut, **WRITE_ERRORS},
+    summary="Reopen a rejected or failed release for another pass",
+    description="Moves it back to registered (409 in any other state; a "
+    "quarantined release needs a new version). Then promote it: the whole "
+    "pipeline runs again and the result needs a new approval. Registering the "
+    "same body again only returns the release as it is (registration is "
+    "idempotent); a changed body needs a new version.",
+)
+def reopen_release(
+    request: HttpRequest, release_id: ObjectId, payload: ReopenIn
+) -> dict:
+    principal = principal_of(request)
+    release = get_release(principal, release_id)
+    release = do_reopen_release(release, principal.token, reason=payload.reason)
+    status_url = release_url(request, release.pk)
+    return {"release": release.to_dict(), "status_url": status_url}

@@ -6,7 +6,7 @@ models' `to_dict()`; views return those dicts and ninja validates them here, whi
 also what the OpenAPI document shows.
 """
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from ninja import Field, Schema
@@ -14,14 +14,16 @@ from pydantic import AwareDatetime, ConfigDict, field_validator
 
 from controlplane.accounts.models import API_SCOPES
 from controlplane.fleet.models import DEPLOYMENT_STATES
+from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
-from gpuagent.protocol import Recipe
+from gpuagent.protocol import KV_CACHE_DTYPES, WEIGHT_FORMAT_PATTERN
 
 ReleaseState = Literal[RELEASE_STATES]  # type: ignore[valid-type]
 DeploymentState = Literal[DEPLOYMENT_STATES]  # type: ignore[valid-type]
 JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
 GateOutcome = Literal[GATE_OUTCOMES]  # type: ignore[valid-type]
 Scope = Literal[API_SCOPES]  # type: ignore[valid-type]
+KvCacheDtype = Literal[KV_CACHE_DTYPES]  # type: ignore[valid-type]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]*$"  # semver build metadata too
@@ -33,9 +35,22 @@ ObjectId = Annotated[int, Field(ge=1, le=2**63 - 1)]
 T = TypeVar("T")
 
 
+# Documents the NUL rule below on every string a client sends (JSON Schema regex).
+NO_NUL_PATTERN = "^[^\\u0000]*$"
+
+
+def _document_no_nul(schema: dict[str, Any]) -> None:
+    for prop in schema.get("properties", {}).values():
+        for variant in (prop, *prop.get("anyOf", ())):
+            if variant.get("type") == "string" and "pattern" not in variant:
+                variant["pattern"] = NO_NUL_PATTERN
+
+
 class ClientInput(Schema):
     """Anything a client sends: strings must be storable and comparable everywhere
     (PostgreSQL text cannot hold NUL, and would answer a 500)."""
+
+    model_config = ConfigDict(json_schema_extra=_document_no_nul)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -46,7 +61,7 @@ class ClientInput(Schema):
 
 
 class RequestBody(ClientInput):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_no_nul)
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -108,13 +123,24 @@ class ModelFamilyOut(Schema):
 # -- releases -------------------------------------------------------------------------
 
 
+class RecipeIn(RequestBody):
+    """gpuagent.protocol.Recipe as the API documents it (the same constants; the
+    action validates through Recipe itself)."""
+
+    weights: str = Field(
+        pattern=WEIGHT_FORMAT_PATTERN.pattern,
+        description="bf16, fp16, int8 or int4-g{32,64,128}",
+    )
+    kv_cache_dtype: KvCacheDtype
+
+
 class ReleaseIn(RequestBody):
     model: str = Field(
         min_length=1, max_length=100, description="name of a model family"
     )
     version: str = Field(min_length=1, max_length=100, pattern=VERSION_PATTERN)
     source_uri: str = Field(min_length=1, max_length=1000)
-    recipe: Recipe
+    recipe: RecipeIn
     target_environment: str = Field(
         min_length=1, max_length=50, description="name of an environment of the team"
     )
@@ -231,6 +257,10 @@ class RejectIn(RequestBody):
     )
 
 
+class ReopenIn(RequestBody):
+    reason: str = Field(min_length=1, max_length=5000, description="why again")
+
+
 class DecisionOut(Schema):
     release: ReleaseOut
     approval: ApprovalOut
@@ -244,6 +274,37 @@ class EnvironmentOut(Schema):
     team: str
     name: str
     live_release_id: int | None
+
+
+class GatePolicyIn(GatePolicy):
+    """A whole policy, stated: `quality` and `load` are required (null: not gated
+    on it); inside them a key left out takes its default."""
+
+    quality: QualityPolicy | None
+    load: LoadPolicy | None
+
+
+class GatePolicyOut(Schema):
+    environment: str
+    policy: GatePolicy
+    is_default: bool = Field(description="no policy set: the defaults apply")
+
+
+class WebhookIn(RequestBody):
+    url: str = Field(min_length=1, max_length=500, description="http(s) URL")
+
+
+class WebhookOut(Schema):
+    id: int
+    environment: str
+    url: str = Field(description="scheme and host; a path or query shows as /…")
+    active: bool
+    created: datetime
+
+
+class WebhookCreatedOut(WebhookOut):
+    secret: str = Field(description="the signing secret; shown this once only")
+    full_url: str = Field(description="the URL as given; shown this once only")
 
 
 class RollbackOut(Schema):
@@ -281,6 +342,27 @@ class AuditFilters(PageParams):
     # With a UTC offset ("2026-12-01T00:00:00Z"): a naive time would be ambiguous.
     since: AwareDatetime | None = None
     until: AwareDatetime | None = None
+
+    @field_validator("since", "until", mode="after")
+    @classmethod
+    def _in_utc(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else clamped_utc(value)
+
+
+# The range every database takes: Python's datetime range, in UTC.
+EARLIEST_UTC = datetime.min.replace(tzinfo=UTC)
+LATEST_UTC = datetime.max.replace(tzinfo=UTC)
+
+
+def clamped_utc(value: datetime) -> datetime:
+    """`value` in UTC, clamped to the range every database stores. A valid time
+    near the ends of that range can fall outside it once its offset is applied
+    (0001-01-01T00:00:00+14:00 is in year 0 in UTC), and PostgreSQL refuses offsets
+    beyond +-15:59 (-16:00 is valid ISO 8601): converted here, neither reaches it."""
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        return EARLIEST_UTC if value.year == datetime.min.year else LATEST_UTC
 
 
 # Error responses documented on every operation (the bodies come from api/errors.py).

@@ -12,8 +12,7 @@ from controlplane.audit.models import AuditEvent
 from controlplane.errors import ControlPlaneError, IllegalTransition
 from controlplane.fleet.models import Deployment, Environment
 from controlplane.releases.actions import (
-    check_approve_release,
-    legal_targets,
+    check_decide_release,
     previous_verified_deployment,
 )
 from controlplane.releases.models import ModelFamily, Release
@@ -72,24 +71,12 @@ def environment_or_404(user, environment_id: int) -> Environment:
 def decision_refusal(release: Release, user) -> str:
     """Why `user` may not approve `release` now, in words; "" when they may."""
     try:
-        check_approve_release(release, user)
+        check_decide_release(release, user, decision="approve")
     except IllegalTransition:
         return f"it is {release.state}; a person decides on a release awaiting approval"
     except ControlPlaneError as exc:
         return exc.message
     return ""
-
-
-def check_reject_release(release: Release, user) -> None:
-    """Raise unless `user` may reject `release` now: approver or admin in its team,
-    the release in a state that can move to rejected. do_reject_release checks
-    again (and whatever more it requires) when the confirmed post reaches it; this
-    keeps the confirmation page from offering a rejection that can't happen. Where
-    the actions have one check for both decisions (check_decide_release), call it
-    here."""
-    check_actor_in_team(user, release.team, roles=DECIDER_ROLES)
-    if "rejected" not in legal_targets(release.state):
-        raise IllegalTransition(release.state, "rejected", legal_targets(release.state))
 
 
 def rollback_refusal(environment: Environment, user) -> str:

@@ -10,6 +10,10 @@ DEPLOYMENT_STATES = (
     "failed_verification",
     "rolled_back",
 )
+# A deployment in one of these states with no `ended` time is what an environment
+# serves now: live, or failed verification and still running until an operator rolls
+# back or another release replaces it (which ends it).
+SERVING_STATES = ("live", "failed_verification")
 
 
 def _iso(value):
@@ -36,11 +40,9 @@ class Environment(models.Model):
 
     @property
     def live_deployment(self) -> "Deployment | None":
-        return (
-            self.deployments.filter(state__in=("live", "failed_verification"))
-            .order_by("-started")
-            .first()
-        )
+        """What the environment serves now (see SERVING_STATES); None while nothing
+        does, e.g. during a rollback's deploy."""
+        return self.deployments.serving().order_by("-started", "-id").first()
 
     def to_dict(self) -> dict:
         return {"id": self.id, "team": self.team.slug, "name": self.name}
@@ -76,6 +78,11 @@ class Agent(models.Model):
         }
 
 
+class DeploymentQuerySet(models.QuerySet):
+    def serving(self):
+        return self.filter(state__in=SERVING_STATES, ended__isnull=True)
+
+
 class Deployment(models.Model):
     STATE_CHOICES = [(s, s) for s in DEPLOYMENT_STATES]
 
@@ -92,6 +99,8 @@ class Deployment(models.Model):
     endpoint = models.CharField(max_length=300, blank=True)
     started = models.DateTimeField(default=timezone.now)
     ended = models.DateTimeField(null=True, blank=True)
+
+    objects = DeploymentQuerySet.as_manager()
 
     class Meta:
         ordering = ["-started", "-id"]

@@ -38,9 +38,15 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from pydantic import ValidationError
 
-from controlplane.accounts.actions import check_actor_in_team, user_of
+from controlplane.accounts.actions import (
+    check_actor_in_team,
+    team_source_roots,
+    user_of,
+)
 from controlplane.accounts.models import ApiToken, Team
 from controlplane.audit.actions import Actor, do_record_event
+from controlplane.audit.models import AuditEvent
+from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import (
     Conflict,
     ConflictingRegistration,
@@ -52,18 +58,38 @@ from controlplane.errors import (
     ValidationFailed,
 )
 from controlplane.fleet.models import Agent, Deployment, Environment
+from controlplane.releases.gates import (
+    GateDecision,
+    GatePolicy,
+    evaluate_gates,
+    evaluate_policy,
+)
 from controlplane.releases.models import (
+    DECISIONS,
     GATE_OUTCOMES,
     JOB_STATES,
     RELEASE_STATES,
     Approval,
     Artifact,
+    EnvironmentGatePolicy,
     GateResult,
     Job,
     ModelFamily,
     Release,
 )
-from gpuagent.protocol import JOB_KINDS, FileDigest, Recipe
+from controlplane.releases.sources import (
+    SourceRefused,
+    relative_to_source,
+    resolve_source,
+)
+from controlplane.webhooks.actions import do_queue_release_event
+from gpuagent.protocol import (
+    JOB_KINDS,
+    FileDigest,
+    LoadTestReport,
+    QualityReport,
+    Recipe,
+)
 
 TRANSITIONS: dict[str, tuple[str, ...]] = {
     "registered": ("verifying", "failed", "rejected"),
@@ -84,6 +110,9 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
 }
 # Moving into these states needs a reason; it is kept in Release.failure_reason.
 REASON_REQUIRED = ("failed", "failed_verification", "quarantined")
+# The tasks a write queues (by name, through the outbox: controlplane.dispatch).
+RUN_PROMOTION = "controlplane.releases.run_promotion"
+RUN_DEPLOYMENT = "controlplane.releases.run_deployment"
 # States in which the promotion pipeline owns the release and may (re)start.
 PIPELINE_STATES = ("registered", "verifying", "compressing", "evaluating", "gated")
 # States in which the deployment task owns the release. An approval whose deployment
@@ -115,8 +144,14 @@ def do_transition_release(
             raise ValidationFailed(
                 f"moving a release to {to_state} needs a reason", field="reason"
             )
+        earlier_reason = locked.failure_reason
+        reason = relative_to_source(reason, locked.source_uri)
         locked.state = to_state
-        if to_state in REASON_REQUIRED or (to_state == "rejected" and reason):
+        if from_state in REASON_REQUIRED and to_state in REASON_REQUIRED:
+            # One incident in two steps (failed verification, then quarantined):
+            # the first reason names the missing/extra/changed files; keep it.
+            locked.failure_reason = f"{reason}; after {from_state}: {earlier_reason}"
+        elif to_state in REASON_REQUIRED or (to_state == "rejected" and reason):
             locked.failure_reason = reason
         elif to_state == "registered":
             locked.failure_reason = ""
@@ -129,6 +164,7 @@ def do_transition_release(
             after={"state": to_state, "reason": reason},
             team=Team.objects.get(model_families__releases=locked),
         )
+        do_queue_release_event(locked, from_state, to_state, reason)
     release.state = locked.state
     release.failure_reason = locked.failure_reason
     release.updated = locked.updated
@@ -203,15 +239,27 @@ def registration_body_digest(
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _validation_failed(exc: ValidationError, prefix: str) -> ValidationFailed:
+    """The first error of a pydantic ValidationError, named by its dotted field."""
+    first = exc.errors()[0]
+    where = ".".join([prefix, *(str(p) for p in first["loc"])])
+    return ValidationFailed(f"{where}: {first['msg']}", field=where)
+
+
 def _validated_recipe(recipe: dict) -> dict:
     try:
         return Recipe.model_validate(recipe).model_dump()
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValidationFailed(
-            f"recipe.{where}: {first['msg']}", field=f"recipe.{where}"
-        ) from exc
+        raise _validation_failed(exc, "recipe") from exc
+
+
+def check_source_uri(team: Team, source_uri: str) -> None:
+    """ValidationFailed (on source_uri) unless the URI names a folder inside one of
+    `team`'s source roots, reached without symlinks or '..' (see sources.py)."""
+    try:
+        resolve_source(source_uri, team_source_roots(team))
+    except SourceRefused as exc:
+        raise ValidationFailed(str(exc), field="source_uri") from exc
 
 
 def do_register_release(
@@ -234,6 +282,7 @@ def do_register_release(
         raise ValidationFailed("version must be 1..100 characters", field="version")
     if not source_uri.strip():
         raise ValidationFailed("source_uri must not be empty", field="source_uri")
+    check_source_uri(team, source_uri)
     if target_environment.team_id != team.id:
         raise ValidationFailed(
             f"environment {target_environment.name!r} is not in team {team.slug}",
@@ -290,7 +339,7 @@ def do_register_release(
 
 
 def do_request_promotion(release: Release, actor: Actor) -> Release:
-    """Queue the promotion pipeline for `release` once this transaction commits. A
+    """Queue the promotion pipeline for `release` through the outbox. A
     failed release is moved back to registered first (a retry); a release already in
     the pipeline is queued again, which is harmless because the task is idempotent.
     An approved or deploying release gets its (idempotent) deployment task again:
@@ -303,14 +352,15 @@ def do_request_promotion(release: Release, actor: Actor) -> Release:
                 release, "registered", actor=actor, reason="promotion retried"
             )
         if release.state in PIPELINE_STATES:
-            task_name = "run_promotion"
+            task_name = RUN_PROMOTION
         elif release.state in DEPLOYMENT_PIPELINE_STATES:
-            task_name = "run_deployment"
+            task_name = RUN_DEPLOYMENT
         else:
             resumable = (*PIPELINE_STATES, *DEPLOYMENT_PIPELINE_STATES)
             raise Conflict(
                 f"release {release} is {release.state}; only a release in "
                 f"{', '.join(resumable)} or failed can be promoted"
+                + NEXT_STEP.get(release.state, "")
             )
         do_record_event(
             actor,
@@ -319,16 +369,61 @@ def do_request_promotion(release: Release, actor: Actor) -> Release:
             after={"state": release.state},
             team=release.team,
         )
-        release_id = release.pk
-        transaction.on_commit(lambda: _queue(task_name, release_id))
+        do_enqueue_task(task_name, release.pk)
     return release
 
 
-def _queue(task_name: str, *args) -> None:
-    # Imported late: tasks import this module.
-    from controlplane.releases import tasks
+# What a user does next with a release that can't be promoted.
+NEXT_STEP = {
+    "rejected": "; reopen it for another review (POST .../reopen with a reason) "
+    "or register a new version",
+    "quarantined": "; its digest is untrusted: register a new version",
+}
+REOPENABLE_STATES = ("rejected", "failed")
 
-    getattr(tasks, task_name).delay(*args)
+
+def do_reopen_release(release: Release, actor: Actor, *, reason: str) -> Release:
+    """rejected or failed -> registered, so that a promote runs the whole pipeline
+    again and the result needs a new approval (approvals made before are no longer
+    in force). The reason is required; the earlier failure reason stays in the
+    audit log and the rejection in the approvals."""
+    check_actor_in_team(actor, release.team, scope="promote")
+    reason = reason.strip()
+    if not reason:
+        raise ValidationFailed("reopening needs a reason", field="reason")
+    with transaction.atomic():
+        release.refresh_from_db(from_queryset=Release.objects.select_for_update())
+        if release.state not in REOPENABLE_STATES:
+            raise Conflict(
+                f"release {release} is {release.state}; only a rejected or failed "
+                "release can be reopened" + NEXT_STEP.get(release.state, "")
+            )
+        before = {"state": release.state, "failure_reason": release.failure_reason}
+        do_transition_release(release, "registered", actor=actor, reason=reason)
+        do_record_event(
+            actor,
+            "release.reopened",
+            release,
+            before=before,
+            after={"state": release.state, "reason": reason},
+            team=release.team,
+        )
+    return release
+
+
+def _last_reopened(release: Release) -> datetime | None:
+    """When `release` last moved back to registered (None: never)."""
+    return (
+        AuditEvent.objects.filter(
+            verb="release.transition",
+            object_type="release",
+            object_id=str(release.pk),
+            after__state="registered",
+        )
+        .order_by("-created", "-id")
+        .values_list("created", flat=True)
+        .first()
+    )
 
 
 def _check_approver(release: Release, user, token: ApiToken | None) -> None:
@@ -341,23 +436,37 @@ def _check_approver(release: Release, user, token: ApiToken | None) -> None:
     )
 
 
-def check_approve_release(
-    release: Release, user, token: ApiToken | None = None
+def check_decide_release(
+    release: Release, user, token: ApiToken | None = None, *, decision: str
 ) -> None:
-    """Raise unless `user` (acting through `token` when given) may decide on
-    `release`: approver or admin in its team, not the user or token that registered
-    it, and the release waiting for approval."""
+    """Raise unless `user` (acting through `token` when given) may approve or
+    reject `release`: approver or admin in its team, not the user or token that
+    registered it (separation of duties holds both ways: a registrant can neither
+    wave its release through nor take a colleague's review away), and the release
+    in a state that decision leaves."""
+    assert decision in DECISIONS
     _check_approver(release, user, token)
     if release.created_by_id == user.pk:
         raise SeparationOfDuties(
-            f"{user.get_username()} registered {release} and cannot also approve it"
+            f"{user.get_username()} registered {release} and cannot also {decision} it"
         )
     if token is not None and release.created_by_token_id == token.pk:
         raise SeparationOfDuties(
-            f"token {token.name!r} registered {release} and cannot also approve it"
+            f"token {token.name!r} registered {release} and cannot also {decision} it"
         )
-    if release.state != "awaiting_approval":
-        raise IllegalTransition(release.state, "approved", legal_targets(release.state))
+    to_state = "approved" if decision == "approve" else "rejected"
+    if decision == "approve":
+        allowed = release.state == "awaiting_approval"
+    else:
+        allowed = to_state in legal_targets(release.state)
+    if not allowed:
+        raise IllegalTransition(release.state, to_state, legal_targets(release.state))
+
+
+def check_approve_release(
+    release: Release, user, token: ApiToken | None = None
+) -> None:
+    check_decide_release(release, user, token, decision="approve")
 
 
 def do_approve_release(
@@ -400,15 +509,20 @@ def do_approve_release(
             after=approval.to_dict(),
             team=release.team,
         )
-        release_id = release.pk
-        transaction.on_commit(lambda: _queue("run_deployment", release_id))
+        do_enqueue_task(RUN_DEPLOYMENT, release.pk)
     return approval
 
 
 def do_reject_release(
     release: Release, user, *, token: ApiToken | None = None, comment: str = ""
 ) -> Approval:
-    _check_approver(release, user, token)
+    """Reject with a reason (the comment, required), under the same rules as an
+    approval: see check_decide_release."""
+    release.refresh_from_db()
+    check_decide_release(release, user, token, decision="reject")
+    comment = comment.strip()
+    if not comment:
+        raise ValidationFailed("a rejection needs a reason", field="comment")
     actor = token or user
     with transaction.atomic():
         do_transition_release(release, "rejected", actor=actor, reason=comment)
@@ -466,11 +580,15 @@ def do_complete_deployment(
         now = timezone.now()
         previous = (
             Deployment.objects.select_for_update()
-            .filter(environment=deployment.environment, state="live")
+            .serving()
+            .filter(environment=deployment.environment)
             .exclude(pk=deployment.pk)
         )
         for old in previous:
-            old.state = "superseded"
+            # One that failed verification keeps its state (it is no rollback
+            # target) but is no longer what the environment serves.
+            if old.state == "live":
+                old.state = "superseded"
             old.ended = now
             old.save(update_fields=["state", "ended"])
             if old.release.state == "live":
@@ -542,7 +660,8 @@ def do_rollback_environment(environment: Environment, actor: Actor) -> Deploymen
     with transaction.atomic():
         current = (
             Deployment.objects.select_for_update()
-            .filter(environment=environment, state__in=("live", "failed_verification"))
+            .serving()
+            .filter(environment=environment)
             .order_by("-started", "-id")
             .first()
         )
@@ -578,8 +697,7 @@ def do_rollback_environment(environment: Environment, actor: Actor) -> Deploymen
             after={"release_id": target.release_id, "deployment_id": deployment.pk},
             team=environment.team,
         )
-        release_id = target.release_id
-        transaction.on_commit(lambda: _queue("run_deployment", release_id))
+        do_enqueue_task(RUN_DEPLOYMENT, target.release_id)
     return deployment
 
 
@@ -659,8 +777,8 @@ def do_finish_job(job: Job, *, result: dict | None = None, error: str = "") -> J
         job.finished = timezone.now()
         job.progress = 1.0 if state == "succeeded" else job.progress
         job.lease_expires = None
-        job.result = result or {}
-        job.error = error
+        job.result = relative_to_source(result or {}, job.release.source_uri)
+        job.error = relative_to_source(error, job.release.source_uri)
         job.save(
             update_fields=[
                 "state",
@@ -724,12 +842,15 @@ def do_record_manifest(
     actor: Actor = "system:worker",
 ) -> Release:
     """Set the release's manifest digest (and signature) and replace its artifacts.
-    Refused once someone approved a digest: approvals are bound to it."""
+    Refused while an approval is in force (one made since the release was last
+    reopened): approvals are bound to the digest."""
     with transaction.atomic():
         locked = Release.objects.select_for_update().get(pk=release.pk)
-        if locked.approvals.filter(decision="approve").exists() and (
-            locked.manifest_digest != manifest_digest
-        ):
+        approvals = locked.approvals.filter(decision="approve")
+        reopened = _last_reopened(locked)
+        if reopened is not None:
+            approvals = approvals.filter(created__gt=reopened)
+        if approvals.exists() and locked.manifest_digest != manifest_digest:
             raise Conflict(f"{locked} is approved for {locked.manifest_digest}")
         before = {"manifest_digest": locked.manifest_digest}
         locked.manifest_digest = manifest_digest
@@ -753,3 +874,75 @@ def do_record_manifest(
     release.manifest_digest = manifest_digest
     release.signature = signature
     return release
+
+
+# -- gate policy and gate evaluation ----------------------------------------------
+
+
+def gate_policy_for(environment: Environment) -> GatePolicy:
+    """The environment's gate policy; the default GatePolicy() when none is set."""
+    row = EnvironmentGatePolicy.objects.filter(environment=environment).first()
+    return row.spec if row is not None else GatePolicy()
+
+
+def do_set_gate_policy(
+    environment: Environment, policy: dict, *, actor: Actor
+) -> EnvironmentGatePolicy:
+    """Replace the environment's gate policy (admin role; a token needs the admin
+    scope). ValidationFailed names the first bad field, e.g. policy.quality.x."""
+    check_actor_in_team(actor, environment.team, scope="admin", roles=("admin",))
+    try:
+        spec = GatePolicy.model_validate(policy)
+    except ValidationError as exc:
+        raise _validation_failed(exc, "policy") from exc
+    with transaction.atomic():
+        before = gate_policy_for(environment).model_dump(mode="json")
+        row, _ = EnvironmentGatePolicy.objects.update_or_create(
+            environment=environment, defaults={"policy": spec.model_dump(mode="json")}
+        )
+        do_record_event(
+            actor,
+            "environment.gate_policy_set",
+            environment,
+            before={"policy": before},
+            after={"policy": row.policy},
+            team=environment.team,
+        )
+    return row
+
+
+def do_evaluate_release_gates(
+    release: Release,
+    *,
+    quality: QualityReport | None,
+    load: LoadTestReport | None,
+    integrity_ok: bool | None,
+    actor: Actor = "system:worker",
+) -> GateDecision:
+    """Hold the evidence against the gate policy of the release's target
+    environment (gates.evaluate_policy) and record one GateResult per outcome,
+    replacing the release's earlier results (the audit event keeps what they said).
+    Returns the decision over them; moving the release is the caller's (the
+    pipeline's gate stage). Missing evidence (None) is inconclusive, never a pass."""
+    policy = gate_policy_for(release.target_environment)
+    outcomes = evaluate_policy(policy, quality, load, integrity_ok)
+    decision = evaluate_gates(outcomes)
+    with transaction.atomic():
+        release.gate_results.all().delete()
+        GateResult.objects.bulk_create(
+            GateResult(release=release, **outcome.to_dict()) for outcome in outcomes
+        )
+        counts = {o: sum(r.outcome == o for r in outcomes) for o in GATE_OUTCOMES}
+        do_record_event(
+            actor,
+            "gate.evaluated",
+            release,
+            after={
+                "outcome": decision.outcome,
+                "reason": decision.reason,
+                "counts": counts,
+                "policy": policy.model_dump(mode="json"),
+            },
+            team=release.team,
+        )
+    return decision

@@ -1,8 +1,12 @@
+from django import forms
 from django.contrib import admin
+from pydantic import ValidationError
 
+from controlplane.releases.gates import GatePolicy
 from controlplane.releases.models import (
     Approval,
     Artifact,
+    EnvironmentGatePolicy,
     GateResult,
     Job,
     ModelFamily,
@@ -55,3 +59,26 @@ class GateResultAdmin(admin.ModelAdmin):
 class ApprovalAdmin(admin.ModelAdmin):
     list_display = ("release", "user", "decision", "manifest_digest", "created")
     list_filter = ("decision",)
+
+
+class EnvironmentGatePolicyForm(forms.ModelForm):
+    class Meta:
+        model = EnvironmentGatePolicy
+        fields = ["environment", "policy"]
+        help_texts = {
+            "policy": "JSON of releases.gates.GatePolicy (README: Gate policy); "
+            '{} is the default, {"quality": null} stops gating on quality.'
+        }
+
+    def clean_policy(self):
+        try:
+            spec = GatePolicy.model_validate(self.cleaned_data["policy"])
+        except ValidationError as exc:
+            raise forms.ValidationError(str(exc)) from exc
+        return spec.model_dump(mode="json")
+
+
+@admin.register(EnvironmentGatePolicy)
+class EnvironmentGatePolicyAdmin(admin.ModelAdmin):
+    form = EnvironmentGatePolicyForm
+    list_display = ("environment", "updated")

@@ -1,28 +1,460 @@
-"""Gate evaluation: pure functions over recorded GateResults."""
+"""Gate evaluation: pure functions, no Django.
 
-from dataclasses import dataclass
+`evaluate_policy` holds the evidence a release's jobs produced (the QualityReport of
+the evaluate job, the LoadTestReport of the load-test job, whether the integrity
+checks passed) against its environment's GatePolicy: one GateOutcome per check, each
+pass / fail / inconclusive with what was observed, the threshold and why.
+`evaluate_gates` turns outcomes (fresh ones, or GateResult rows) into the release's
+decision. Missing evidence is inconclusive, never a pass, and so is no outcome at all.
+
+Default policy (GatePolicy()): every quality slice of gpuagent.protocol.QUALITY_SLICES
+and every workload of LOAD_PROFILES must be reported; per slice mean KLD <= 0.03,
+same-top-1 >= 0.92, perplexity ratio <= 1.05, flip rate <= 0.25 and the long-context
+fact retrieved (the "good 4-bit" grade: lossless KLD <= 0.002 / top-1 >= 0.975 would
+fail every int4 recipe); per workload TTFT p99 <= 2000 ms and TPOT p99 <= 100 ms;
+capacity and cost limits off until a team sets them; integrity must pass, always.
+"""
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from math import floor
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuagent.protocol import (
+    LOAD_PROFILES,
+    QUALITY_SLICES,
+    Interval,
+    LoadTestReport,
+    QualityReport,
+    SliceQuality,
+    WorkloadReport,
+)
+
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+
+
+class _Policy(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SliceThresholds(_Policy):
+    """Thresholds for one quality slice; a field left out (None) is not checked."""
+
+    max_mean_kld: float | None = Field(None, ge=0)
+    min_same_top1: float | None = Field(None, ge=0, le=1)
+    max_ppl_ratio: float | None = Field(None, gt=0)
+    max_flip_rate: float | None = Field(
+        None, ge=0, le=1, description="flips / continuations compared"
+    )
+
+
+class QualityPolicy(_Policy):
+    slices: list[str] = Field(
+        default_factory=lambda: list(QUALITY_SLICES),
+        description="slices the report must have; every reported slice is judged",
+    )
+    thresholds: SliceThresholds = SliceThresholds(
+        max_mean_kld=0.03, min_same_top1=0.92, max_ppl_ratio=1.05, max_flip_rate=0.25
+    )
+    per_slice: dict[str, SliceThresholds] = Field(
+        default_factory=dict,
+        description="replaces `thresholds` for the named slices",
+    )
+    require_retrieval: bool = Field(
+        True, description="long_context: the planted fact must be retrieved"
+    )
+
+
+class WorkloadThresholds(_Policy):
+    max_ttft_p99_ms: float | None = Field(None, gt=0)
+    max_tpot_p99_ms: float | None = Field(None, gt=0)
+    max_cost_per_1m_output_tokens: float | None = Field(
+        None, gt=0, description="USD at the highest load meeting the SLO"
+    )
+
+
+class CapacityThreshold(_Policy):
+    min_sessions: int = Field(ge=1)
+    context_tokens: int = Field(ge=1)
+
+
+class LoadPolicy(_Policy):
+    workloads: list[str] = Field(
+        default_factory=lambda: list(LOAD_PROFILES),
+        description="workloads the report must have; every reported one is judged",
+    )
+    thresholds: WorkloadThresholds = WorkloadThresholds(
+        max_ttft_p99_ms=2000, max_tpot_p99_ms=100
+    )
+    per_workload: dict[str, WorkloadThresholds] = Field(
+        default_factory=dict,
+        description="replaces `thresholds` for the named workloads",
+    )
+    capacity: CapacityThreshold | None = Field(
+        None, description="concurrent sessions the KV budget must hold"
+    )
+
+
+class GatePolicy(_Policy):
+    """An environment's gate policy. `quality` or `load` null: not gated on it.
+    Integrity is always gated."""
+
+    quality: QualityPolicy | None = Field(default_factory=QualityPolicy)
+    load: LoadPolicy | None = Field(default_factory=LoadPolicy)
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    gate: str  # "integrity", "quality:<slice>", "load:<workload>", "capacity"
+    metric: str
+    observed: float | None
+    threshold: float | None
+    outcome: str  # PASS | FAIL | INCONCLUSIVE
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
 class GateDecision:
     ok: bool
-    outcome: str  # "pass" | "fail" | "inconclusive"
+    outcome: str  # PASS | FAIL | INCONCLUSIVE
     reason: str
 
 
-def evaluate_gates(results) -> GateDecision:
-    """Any fail fails; otherwise any inconclusive pauses; otherwise pass. With no
-    results the gate passes and says so: no evaluation work exists yet, and a person
-    still has to approve."""
+def evaluate_gates(results: Iterable) -> GateDecision:
+    """Any fail fails; otherwise any inconclusive pauses; otherwise pass. No
+    results at all is inconclusive: nothing was shown, so nothing passed."""
     results = list(results)
-    failed = [r for r in results if r.outcome == "fail"]
+    failed = [r for r in results if r.outcome == FAIL]
     if failed:
         names = ", ".join(f"{r.gate} ({r.metric})" for r in failed)
-        return GateDecision(False, "fail", f"failed gates: {names}")
-    inconclusive = [r for r in results if r.outcome == "inconclusive"]
+        return GateDecision(False, FAIL, f"failed gates: {names}")
+    inconclusive = [r for r in results if r.outcome == INCONCLUSIVE]
     if inconclusive:
         names = ", ".join(f"{r.gate} ({r.metric})" for r in inconclusive)
-        return GateDecision(False, "inconclusive", f"inconclusive gates: {names}")
+        return GateDecision(False, INCONCLUSIVE, f"inconclusive gates: {names}")
     if not results:
-        return GateDecision(True, "pass", "no gate results recorded")
-    return GateDecision(True, "pass", f"{len(results)} gate(s) passed")
+        return GateDecision(
+            False, INCONCLUSIVE, "no gate results recorded: no evidence is no pass"
+        )
+    return GateDecision(True, PASS, f"{len(results)} gate(s) passed")
+
+
+def evaluate_policy(
+    policy: GatePolicy,
+    quality: QualityReport | None,
+    load: LoadTestReport | None,
+    integrity_ok: bool | None,
+) -> list[GateOutcome]:
+    """Every check of `policy` against the evidence, integrity first."""
+    outcomes = [_integrity(integrity_ok)]
+    if policy.quality is not None:
+        outcomes += _quality(policy.quality, quality)
+    if policy.load is not None:
+        outcomes += _load(policy.load, load)
+    return outcomes
+
+
+# -- integrity ------------------------------------------------------------------------
+
+
+def _integrity(integrity_ok: bool | None) -> GateOutcome:
+    if integrity_ok is None:
+        return GateOutcome(
+            "integrity", "verified", None, 1, INCONCLUSIVE, "no integrity evidence"
+        )
+    if not integrity_ok:
+        return GateOutcome(
+            "integrity", "verified", 0, 1, FAIL, "the integrity checks failed"
+        )
+    return GateOutcome(
+        "integrity", "verified", 1, 1, PASS, "source inspected, candidate verified"
+    )
+
+
+# -- quality --------------------------------------------------------------------------
+
+
+def _no_report(gate: str, what: str) -> list[GateOutcome]:
+    return [
+        GateOutcome(gate, "report", None, None, INCONCLUSIVE, f"no evidence: {what}")
+    ]
+
+
+def _indexed(
+    entries: list[tuple[str, object]], kind: str, gate: str, required: list[str]
+):
+    """({name: entry}, outcomes): `entries` is [(name, entry)] from a report; a name
+    reported twice, or a required one missing, is an inconclusive outcome."""
+    outcomes, by_name = [], {}
+    for name, entry in entries:
+        if name in by_name:
+            outcomes.append(
+                GateOutcome(
+                    f"{gate}:{name}",
+                    "report",
+                    None,
+                    None,
+                    INCONCLUSIVE,
+                    f"{kind} {name!r} is reported twice; which one counts?",
+                )
+            )
+        by_name.setdefault(name, entry)
+    for name in required:
+        if name not in by_name:
+            outcomes += _no_report(f"{gate}:{name}", f"{kind} {name!r} is not reported")
+    return by_name, outcomes
+
+
+def _quality(policy: QualityPolicy, report: QualityReport | None) -> list[GateOutcome]:
+    if report is None:
+        return _no_report("quality", "the evaluate job produced no quality report")
+    by_name, outcomes = _indexed(
+        [(s.name, s) for s in report.slices], "slice", "quality", policy.slices
+    )
+    for name, entry in by_name.items():
+        thresholds = policy.per_slice.get(name, policy.thresholds)
+        outcomes += _slice(entry, thresholds, policy.require_retrieval)
+    return outcomes
+
+
+def _slice(
+    entry: SliceQuality, t: SliceThresholds, require_retrieval: bool
+) -> list[GateOutcome]:
+    gate = f"quality:{entry.name}"
+    outcomes = []
+    no_tokens = "no evidence: no tokens were evaluated" if not entry.num_tokens else ""
+    if t.max_mean_kld is not None:
+        outcomes.append(
+            _compare(
+                gate,
+                "mean_kld",
+                entry.mean_kld,
+                t.max_mean_kld,
+                "max",
+                no_tokens,
+                entry.mean_kld_ci95,
+            )
+        )
+    if t.min_same_top1 is not None:
+        outcomes.append(
+            _compare(
+                gate,
+                "same_top1",
+                entry.same_top1,
+                t.min_same_top1,
+                "min",
+                no_tokens,
+                entry.same_top1_ci95,
+            )
+        )
+    if t.max_ppl_ratio is not None:
+        outcomes.append(
+            _compare(
+                gate, "ppl_ratio", entry.ppl_ratio, t.max_ppl_ratio, "max", no_tokens
+            )
+        )
+    if t.max_flip_rate is not None:
+        if entry.num_continuations:
+            rate = entry.flips / entry.num_continuations
+            outcomes.append(_compare(gate, "flip_rate", rate, t.max_flip_rate, "max"))
+        else:
+            outcomes.append(
+                GateOutcome(
+                    gate,
+                    "flip_rate",
+                    None,
+                    t.max_flip_rate,
+                    INCONCLUSIVE,
+                    "no evidence: no continuations were compared",
+                )
+            )
+    if require_retrieval and entry.name == "long_context":
+        if entry.retrieval_ok is None:
+            outcomes.append(
+                GateOutcome(
+                    gate,
+                    "retrieval",
+                    None,
+                    1,
+                    INCONCLUSIVE,
+                    "no evidence: retrieval of the planted fact was not measured",
+                )
+            )
+        else:
+            ok = entry.retrieval_ok
+            outcomes.append(
+                GateOutcome(
+                    gate,
+                    "retrieval",
+                    float(ok),
+                    1,
+                    PASS if ok else FAIL,
+                    "the planted fact was retrieved"
+                    if ok
+                    else "the planted fact was not retrieved",
+                )
+            )
+    return outcomes
+
+
+def _compare(
+    gate: str,
+    metric: str,
+    observed: float | None,
+    threshold: float,
+    bound: str,  # "max": observed <= threshold passes; "min": >=
+    missing: str = "",
+    ci95: Interval | None = None,
+) -> GateOutcome:
+    if missing or observed is None:
+        reason = missing or "no evidence: not measured"
+        return GateOutcome(gate, metric, observed, threshold, INCONCLUSIVE, reason)
+    if ci95 is not None and ci95.low <= threshold <= ci95.high:
+        return GateOutcome(
+            gate,
+            metric,
+            observed,
+            threshold,
+            INCONCLUSIVE,
+            f"the 95% interval [{ci95.low:.4g}, {ci95.high:.4g}] holds the threshold "
+            f"{threshold:.4g}: too few tokens to tell",
+        )
+    ok = observed <= threshold if bound == "max" else observed >= threshold
+    sign = "<=" if bound == "max" else ">="
+    verdict = "" if ok else "not "
+    return GateOutcome(
+        gate,
+        metric,
+        observed,
+        threshold,
+        PASS if ok else FAIL,
+        f"{metric} {observed:.4g} is {verdict}{sign} {threshold:.4g}",
+    )
+
+
+# -- load -----------------------------------------------------------------------------
+
+
+def _load(policy: LoadPolicy, report: LoadTestReport | None) -> list[GateOutcome]:
+    if report is None:
+        return _no_report("load", "the load-test job produced no report")
+    by_profile, outcomes = _indexed(
+        [(w.profile, w) for w in report.workloads], "workload", "load", policy.workloads
+    )
+    for profile, workload in by_profile.items():
+        thresholds = policy.per_workload.get(profile, policy.thresholds)
+        outcomes += _workload(workload, thresholds)
+    if policy.capacity is not None:
+        outcomes.append(_capacity(policy.capacity, report))
+    return outcomes
+
+
+def _workload(workload: WorkloadReport, t: WorkloadThresholds) -> list[GateOutcome]:
+    gate = f"load:{workload.profile}"
+    valid = [run for run in workload.runs if run.valid]
+    if not valid:
+        why = (
+            "no evidence: the load client fell behind its schedule in every run"
+            if workload.runs
+            else "no evidence: no load runs"
+        )
+        checks = (
+            ("ttft_p99_ms", t.max_ttft_p99_ms),
+            ("tpot_p99_ms", t.max_tpot_p99_ms),
+            ("cost_per_1m_output_tokens", t.max_cost_per_1m_output_tokens),
+        )
+        return [
+            GateOutcome(gate, metric, None, limit, INCONCLUSIVE, why)
+            for metric, limit in checks
+            if limit is not None
+        ]
+    outcomes = []
+    for metric, headline, per_run, limit in (
+        (
+            "ttft_p99_ms",
+            workload.ttft_p99_ms,
+            [r.ttft_ms.p99 for r in valid],
+            t.max_ttft_p99_ms,
+        ),
+        (
+            "tpot_p99_ms",
+            workload.tpot_p99_ms,
+            [r.tpot_ms.p99 for r in valid],
+            t.max_tpot_p99_ms,
+        ),
+    ):
+        if limit is None:
+            continue
+        if headline is not None:
+            outcomes.append(_compare(gate, metric, headline, limit, "max"))
+        else:
+            # No load met the workload's SLO: judge the lightest load's number.
+            best = min(per_run)
+            outcome = _compare(gate, metric, best, limit, "max")
+            outcomes.append(
+                GateOutcome(
+                    gate,
+                    metric,
+                    best,
+                    limit,
+                    outcome.outcome,
+                    f"{outcome.reason} (no load level met the SLO; best run)",
+                )
+            )
+    limit = t.max_cost_per_1m_output_tokens
+    if limit is not None:
+        cost = workload.cost_per_1m_output_tokens
+        if cost is None:
+            outcomes.append(
+                GateOutcome(
+                    gate,
+                    "cost_per_1m_output_tokens",
+                    None,
+                    limit,
+                    FAIL,
+                    "no load level met the SLO, so it has no cost at the SLO",
+                )
+            )
+        else:
+            outcomes.append(
+                _compare(gate, "cost_per_1m_output_tokens", cost, limit, "max")
+            )
+    return outcomes
+
+
+def _capacity(policy: CapacityThreshold, report: LoadTestReport) -> GateOutcome:
+    metric = f"sessions_at_{policy.context_tokens}_tokens"
+    matching = [
+        w.max_sessions_at_context
+        for w in report.workloads
+        if w.context_tokens == policy.context_tokens
+    ]
+    if matching:
+        sessions = max(matching)
+        source = "measured by a workload of that context"
+    elif report.kv_bytes_per_token:
+        per_session = report.kv_bytes_per_token * policy.context_tokens
+        sessions = floor(report.kv_budget_bytes / per_session)
+        source = "KV budget / (KV bytes per token x context)"
+    else:
+        return GateOutcome(
+            "capacity",
+            metric,
+            None,
+            policy.min_sessions,
+            INCONCLUSIVE,
+            "no evidence: the report has no KV bytes per token",
+        )
+    outcome = _compare("capacity", metric, sessions, policy.min_sessions, "min")
+    return GateOutcome(
+        "capacity",
+        metric,
+        sessions,
+        policy.min_sessions,
+        outcome.outcome,
+        f"{outcome.reason} ({source})",
+    )

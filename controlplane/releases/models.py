@@ -2,6 +2,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from controlplane.releases.gates import GatePolicy
+
 # The states a release can be in; which moves between them are legal is decided in one
 # place only: TRANSITIONS in controlplane/releases/actions.py.
 RELEASE_STATES = (
@@ -306,3 +308,25 @@ class Approval(models.Model):
             "manifest_digest": self.manifest_digest,
             "created": _iso(self.created),
         }
+
+
+class EnvironmentGatePolicy(models.Model):
+    """The gate policy of one environment, as gates.GatePolicy's JSON (validated by
+    the action that writes it). An environment without a row uses the default
+    GatePolicy()."""
+
+    environment = models.OneToOneField(
+        "fleet.Environment", models.CASCADE, related_name="gate_policy"
+    )
+    policy = models.JSONField(default=dict)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "environment gate policies"
+
+    def __str__(self) -> str:
+        return f"gate policy of {self.environment}"
+
+    @property
+    def spec(self) -> GatePolicy:
+        return GatePolicy.model_validate(self.policy)

@@ -3,23 +3,43 @@
 - `team` ("Acme ML") with `owner` (admin) and `teammate` (approver);
 - `outsider`, a member of `other_team`, who must see nothing of `team`;
 - `environment` (team's "staging"), `model_family`, `release` (registered by owner);
+- `source_roots`: the host's source root for the test (each team's folder is
+  <root>/<slug>); `make_source(name, files)` makes a model folder in the team's;
 - factories `make_environment`, `make_model_family`, `make_release` for more;
-- `expire_lease(job)`: the job's worker "died" a second ago.
+- `expire_lease(job)`: the job's worker "died" a second ago;
+- `pass_gates(release)`: what the pipeline's gate stage will record once it has
+  the evidence: integrity passed, under a policy of the target environment that
+  gates nothing else (the quality and load jobs are not built yet);
+- `queued(task)`: the args of each task the code under test queued (outbox rows);
+- `broker_at(url)` points Celery at a real broker for one test (with the timeouts
+  settings.py gives that kind of URL): `working_broker` (the embedded SQLAlchemy
+  transport in a file of the test's own), `unreachable_broker_url` (Redis on a port
+  nothing listens on).
 
 Every user's password is PASSWORD.
 """
 
 import itertools
+import socket
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+from django.conf import settings as django_settings
 from django.contrib.auth.models import User
 from django.utils import timezone
 
+from controlplane import celery_app
 from controlplane.accounts.models import Membership, Team
+from controlplane.dispatch.models import OutboxMessage
 from controlplane.fleet.models import Environment
-from controlplane.releases.actions import do_register_release
+from controlplane.releases.actions import (
+    do_evaluate_release_gates,
+    do_register_release,
+    do_set_gate_policy,
+)
 from controlplane.releases.models import Job, ModelFamily, Release
+from controlplane.settings import broker_transport_options
 
 PASSWORD = "correct-horse-battery"
 RECIPE = {"weights": "int4-g128", "kv_cache_dtype": "int8"}
@@ -103,10 +123,37 @@ def model_family(make_model_family) -> ModelFamily:
     return make_model_family("llama-support")
 
 
+@pytest.fixture(autouse=True)
+def source_roots(settings, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sources")
+    settings.RELEASEGATE_SOURCE_ROOTS = [root]
+    return root
+
+
+def team_source_uri(name: str, team: str = "acme") -> str:
+    """The URI of `team`'s folder `name` under the test's source root (make it with
+    `make_source`)."""
+    root = Path(django_settings.RELEASEGATE_SOURCE_ROOTS[0])
+    return (root / team / name).as_uri()
+
+
 @pytest.fixture
-def make_release(model_family, environment, owner):
+def make_source(source_roots):
+    def make(name: str, files: dict[str, str] | None = None, *, team="acme") -> Path:
+        folder = source_roots / team / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for file_name, text in (files or {}).items():
+            (folder / file_name).write_text(text)
+        return folder
+
+    return make
+
+
+@pytest.fixture
+def make_release(model_family, environment, owner, make_source):
     """make_release(version=None, state=None, **fields): registered through the action
-    by `owner`; `state` then forces the row into any state (test setup only)."""
+    by `owner` from an empty folder of its own (unless `source_uri` says otherwise);
+    `state` then forces the row into any state (test setup only)."""
     versions = itertools.count(1)
 
     def make(
@@ -115,14 +162,19 @@ def make_release(model_family, environment, owner):
         state: str | None = None,
         family: ModelFamily | None = None,
         target_environment: Environment | None = None,
-        source_uri: str = "s3://acme-models/llama-support",
+        source_uri: str | None = None,
         recipe: dict | None = None,
         actor=None,
         **fields,
     ) -> Release:
+        family = family or model_family
+        version = version or f"1.0.{next(versions)}"
+        if source_uri is None:
+            folder = make_source(f"{family.name}/{version}", team=family.team.slug)
+            source_uri = folder.as_uri()
         release, _ = do_register_release(
-            family or model_family,
-            version=version or f"1.0.{next(versions)}",
+            family,
+            version=version,
             source_uri=source_uri,
             recipe=recipe or RECIPE,
             target_environment=target_environment or environment,
@@ -153,3 +205,70 @@ def expire_lease():
         )
 
     return expire
+
+
+@pytest.fixture
+def pass_gates(owner):
+    def record(release: Release) -> None:
+        do_set_gate_policy(
+            release.target_environment, {"quality": None, "load": None}, actor=owner
+        )
+        decision = do_evaluate_release_gates(
+            release, quality=None, load=None, integrity_ok=True
+        )
+        assert decision.ok, decision
+
+    return record
+
+
+@pytest.fixture
+def queued(settings):
+    """queued("run_deployment") -> [args, ...]: what the code under test queued for
+    that task (by the last part of its name) through the outbox, oldest first.
+    Nothing is published on commit meanwhile, so every message stays there to be
+    read; the dispatch tests publish to a real broker."""
+    settings.RELEASEGATE_OUTBOX_PUBLISH_ON_COMMIT = False
+
+    def read(task: str) -> list[tuple]:
+        messages = OutboxMessage.objects.filter(task__endswith=f".{task}")
+        return [tuple(m.args) for m in messages.order_by("id")]
+
+    return read
+
+
+@pytest.fixture
+def broker_at():
+    # Read and write URLs too: celery prefers a CELERY_BROKER_URL environment
+    # variable (set for the Redis runs) over conf.broker_url.
+    keys = ("broker_url", "broker_read_url", "broker_write_url")
+    saved = {key: celery_app.conf.get(key) for key in keys}
+    saved_options = celery_app.conf.broker_transport_options
+
+    def point(url: str) -> None:
+        for key in keys:
+            celery_app.conf[key] = url
+        celery_app.conf.broker_transport_options = broker_transport_options(
+            url,
+            connect_timeout_s=django_settings.BROKER_CONNECT_TIMEOUT_S,
+            socket_timeout_s=django_settings.CELERY_REDIS_SOCKET_TIMEOUT,
+        )
+
+    yield point
+    for key, value in saved.items():
+        celery_app.conf[key] = value
+    celery_app.conf.broker_transport_options = saved_options
+
+
+@pytest.fixture
+def working_broker(broker_at, tmp_path) -> str:
+    url = f"sqla+sqlite:///{tmp_path / 'broker.sqlite3'}"
+    broker_at(url)
+    return url
+
+
+@pytest.fixture
+def unreachable_broker_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/12"  # closed again: connections are refused

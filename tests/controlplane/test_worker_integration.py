@@ -52,6 +52,9 @@ def worker(tmp_path):
         "DATABASE_URL": database_url(),
         "CELERY_BROKER_URL": celery_app.conf.broker_url,
         "CELERY_RESULT_BACKEND": str(celery_app.conf.result_backend),
+        "RELEASEGATE_SOURCE_ROOTS": ",".join(
+            str(root) for root in settings.RELEASEGATE_SOURCE_ROOTS
+        ),
     }
     command = worker_command("--without-heartbeat", f"--queues={queue}")
     with open(log_path, "wb") as log:
@@ -75,6 +78,16 @@ def worker(tmp_path):
             process.wait()
 
 
+def wait_for_job(release: Release, kind: str, worker) -> None:
+    """Until a `kind` job of the release has finished."""
+    process, log_path = worker
+    deadline = time.monotonic() + WAIT_S
+    while not release.jobs.filter(kind=kind, finished__isnull=False).exists():
+        assert process.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.2)
+
+
 def wait_for_state(release: Release, state: str, worker) -> None:
     process, log_path = worker
     deadline = time.monotonic() + WAIT_S
@@ -92,15 +105,21 @@ def wait_for_state(release: Release, state: str, worker) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.django_db(transaction=True)
-def test_it_promotes_and_deploys_in_a_real_worker(worker, release, owner, teammate):
+def test_it_promotes_and_deploys_in_a_real_worker(
+    worker, release, owner, teammate, pass_gates
+):
     backend = (settings.DATABASES["default"]["ENGINE"], celery_app.conf.broker_url)
     print("worker integration against", backend)
 
     do_request_promotion(release, owner)  # autocommit: queued right away
 
-    wait_for_state(release, "awaiting_approval", worker)
+    wait_for_state(release, "gated", worker)  # no evidence: the gate pauses
+    wait_for_job(release, "gate", worker)
     kinds = list(release.jobs.order_by("id").values_list("kind", flat=True))
     assert kinds == ["verify_source", "compress", "sign", "evaluate", "gate"]
+    pass_gates(release)
+    do_request_promotion(release, owner)  # evidence in: the gate runs again
+    wait_for_state(release, "awaiting_approval", worker)
 
     do_approve_release(release, teammate)
 
@@ -113,12 +132,12 @@ def test_it_promotes_and_deploys_in_a_real_worker(worker, release, owner, teamma
 @pytest.mark.timeout(300)
 @pytest.mark.django_db(transaction=True)
 def test_it_promotes_through_the_api_in_a_real_worker(
-    worker, client, make_release, owner, teammate, tmp_path
+    worker, client, make_release, owner, teammate, make_source, pass_gates
 ):
     # A local source, so verify_source and sign run for real and record a digest.
-    source = shutil.copytree(
-        ROOT / "gpuagent" / "engine" / "demo_model", tmp_path / "m"
-    )
+    source = make_source("m")
+    source.rmdir()
+    shutil.copytree(ROOT / "gpuagent" / "engine" / "demo_model", source)
     release = make_release(source_uri=source.as_uri())
     _, ci_token = ApiToken.create(owner, release.team, "ci", ["read", "promote"])
     _, approver_token = ApiToken.create(
@@ -132,6 +151,14 @@ def test_it_promotes_through_the_api_in_a_real_worker(
 
     assert response.status_code == 202, response.content
     status_url = response.json()["status_url"]
+    wait_for_state(release, "gated", worker)
+    wait_for_job(release, "gate", worker)
+    pass_gates(release)
+    again = client.post(
+        f"/api/v1/releases/{release.pk}/promote",
+        headers={"authorization": f"Bearer {ci_token}"},
+    )
+    assert again.status_code == 202, again.content
     wait_for_state(release, "awaiting_approval", worker)
     seen = client.get(status_url, headers={"authorization": f"Bearer {ci_token}"})
     assert seen.json()["state"] == "awaiting_approval"

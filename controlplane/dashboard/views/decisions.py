@@ -12,7 +12,7 @@ from controlplane.dashboard.release_page import live_release_for
 from controlplane.dashboard.views.outcome import answer, confirmed
 from controlplane.errors import ValidationFailed
 from controlplane.releases.actions import (
-    check_approve_release,
+    check_decide_release,
     do_approve_release,
     do_reject_release,
 )
@@ -34,7 +34,7 @@ def approve_release(request, release_id: int):
         # Who may decide first (403), then what was sent. Like the API, an approval
         # names the digest the approver saw on the page, so a changed (or never
         # recorded) manifest is not approved unseen.
-        check_approve_release(release, request.user)
+        check_decide_release(release, request.user, decision="approve")
         if not manifest_digest:
             raise ValidationFailed(
                 "approve needs the manifest digest you reviewed",
@@ -77,7 +77,8 @@ def reject_release(request, release_id: int):
     comment = request.POST.get("comment", "").strip()
 
     def attempt():
-        access.check_reject_release(release, request.user)
+        # Who may decide first (403: role, separation of duties), then the reason.
+        check_decide_release(release, request.user, decision="reject")
         if not comment:
             raise ValidationFailed("a rejection needs a reason", field="comment")
         if confirmed(request):

@@ -1,6 +1,9 @@
+import time
+
 import pytest
 
-from controlplane.releases.models import Approval
+from controlplane.dispatch.models import OutboxMessage
+from controlplane.releases.models import Approval, Release
 from tests.controlplane.api.helpers import DIGEST, STALE_DIGEST, error_of, field_names
 
 
@@ -22,10 +25,9 @@ def approve(api, release, token, digest=DIGEST):
 
 
 def test_it_lets_a_teammate_approver_approve(
-    api, approver_token, teammate, waiting, django_capture_on_commit_callbacks
+    api, approver_token, teammate, waiting, queued
 ):
-    with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        response = approve(api, waiting, approver_token)
+    response = approve(api, waiting, approver_token)
 
     assert response.status_code == 200, response.content
     waiting.refresh_from_db()
@@ -35,11 +37,11 @@ def test_it_lets_a_teammate_approver_approve(
     assert approval.manifest_digest == DIGEST
     assert approval.token.prefix == approver_token[:8]
     assert response.json()["approval"]["comment"] == "kld ok"
-    assert len(callbacks) == 1  # the deployment, queued on commit
+    assert queued("run_deployment") == [(waiting.pk,)]
 
 
 def test_it_refuses_the_token_that_registered_the_release(
-    api, make_token, teammate, model_family, environment
+    api, make_token, teammate, model_family, environment, make_source
 ):
     # The teammate registers through a token that can also approve: that token (and
     # its user) may not approve what it registered.
@@ -49,7 +51,7 @@ def test_it_refuses_the_token_that_registered_the_release(
         {
             "model": model_family.name,
             "version": "9.0.0",
-            "source_uri": "s3://acme/x",
+            "source_uri": make_source("x").as_uri(),
             "recipe": {"weights": "int8", "kv_cache_dtype": "int8"},
             "target_environment": environment.name,
         },
@@ -144,3 +146,24 @@ def test_it_does_not_accept_a_dashboard_session(client, teammate, waiting):
 
 def test_it_hides_the_release_from_an_outsider(api, outsider_token, waiting):
     error_of(approve(api, waiting, outsider_token), 404, "not_found")
+
+
+def test_it_approves_fast_with_the_broker_down_and_keeps_the_deployment_task(
+    api,
+    approver_token,
+    waiting,
+    broker_at,
+    unreachable_broker_url,
+    django_capture_on_commit_callbacks,
+):
+    broker_at(unreachable_broker_url)
+    started = time.monotonic()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        response = approve(api, waiting, approver_token)
+
+    assert time.monotonic() - started < 5  # was a 500 after ~19 s
+    assert response.status_code == 200, response.content
+    assert Release.objects.get(pk=waiting.pk).state == "approved"
+    message = OutboxMessage.objects.get(task="controlplane.releases.run_deployment")
+    assert (message.args, message.sent) == ([waiting.pk], None)

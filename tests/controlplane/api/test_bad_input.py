@@ -139,3 +139,28 @@ def test_it_names_an_out_of_range_id(api, admin_token):
 
     error = error_of(response, 422, "validation_error")
     assert error["fields"][0]["field"] == "release_id"
+
+
+def test_it_names_a_query_parameter_given_twice(api, admin_token):
+    response = api.client.get(
+        "/api/v1/releases?state=live&state=failed&limit=5",
+        headers={"Authorization": f"Bearer {admin_token}"},
+    )
+
+    error = error_of(response, 422, "validation_error")
+    assert field_names(error) == {"state"}
+
+
+def test_it_documents_and_refuses_nul_in_strings(client, api, admin_token, release):
+    document = client.get("/api/v1/openapi.json").json()
+    description = document["components"]["schemas"]["ModelFamilyIn"]["properties"][
+        "description"
+    ]
+    assert re.fullmatch(description["pattern"], "fine")
+    assert not re.fullmatch(description["pattern"], "a\x00b")
+
+    response = api.post(
+        "/api/v1/models", {"name": "m", "description": "a\x00b"}, token=admin_token
+    )
+
+    assert field_names(error_of(response, 422, "validation_error")) == {"description"}

@@ -75,3 +75,21 @@ def test_it_needs_the_read_scope(api, make_token, owner):
     response = api.get(URL, token=make_token(owner, "approve"))
 
     assert error_of(response, 403, "missing_scope")["scope"] == "read"
+
+
+def test_it_takes_any_valid_offset_even_beyond_what_postgresql_stores(
+    api, owner_token, release
+):
+    # PostgreSQL refuses a -16:00 displacement; the filter is converted to UTC first.
+    response = api.get(URL, token=owner_token, until="2000-01-10T08:22:25-16:00")
+
+    assert verbs(response) == []
+
+
+def test_it_clamps_a_time_that_leaves_the_calendar_in_utc(api, owner_token, release):
+    # Valid as written, but year 0 once converted to UTC.
+    response = api.get(URL, token=owner_token, since="0001-01-01T00:00:00+14:00")
+
+    assert "release.registered" in verbs(response)
+    later = api.get(URL, token=owner_token, until="9999-12-31T23:59:59-14:00")
+    assert "release.registered" in verbs(later)

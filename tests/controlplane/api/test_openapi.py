@@ -1,6 +1,7 @@
 from openapi_spec_validator import validate
 
-from tests.controlplane.api.helpers import api_operations
+from controlplane.accounts.models import API_SCOPES
+from tests.controlplane.api.helpers import api_operations, concrete_path
 
 URL = "/api/v1/openapi.json"
 
@@ -52,3 +53,28 @@ def test_it_serves_browsable_docs_with_local_assets(client, db):
     assert "/api/v1/openapi.json" in page
     assert "swagger-ui-bundle.js" in page
     assert "cdn.jsdelivr" not in page  # no network needed to read the docs
+
+
+def test_it_states_each_operations_scope_as_the_server_enforces_it(
+    client, make_token, owner
+):
+    document = client.get(URL).json()
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            scope = operation["x-required-scope"]
+            assert scope in API_SCOPES, (method, path)
+            assert {"ApiTokenAuth": [scope]} in operation["security"]
+            assert f"`{scope}` scope" in operation["description"]
+            others = [s for s in API_SCOPES if s != scope]
+            token = make_token(owner, *others)
+
+            response = client.generic(
+                method.upper(),
+                concrete_path(path),
+                "{}",
+                "application/json",
+                headers={"Authorization": f"Bearer {token}"},
+            )
+
+            assert response.status_code == 403, (method, path, response.content)
+            assert response.json()["error"]["scope"] == scope

@@ -1,15 +1,27 @@
+import pytest
+
 from controlplane.audit.models import AuditEvent
 from controlplane.releases.models import Release
 from tests.controlplane.api.helpers import error_of, field_names
+from tests.controlplane.conftest import team_source_uri
 
 URL = "/api/v1/releases"
+
+
+def source_uri() -> str:
+    return team_source_uri("llama-support/2.0.0")  # made by `_source_folder`
+
+
+@pytest.fixture(autouse=True)
+def _source_folder(make_source):
+    return make_source("llama-support/2.0.0")
 
 
 def body(**overrides) -> dict:
     data = {
         "model": "llama-support",
         "version": "2.0.0",
-        "source_uri": "s3://acme-models/llama-support/2.0.0",
+        "source_uri": source_uri(),
         "recipe": {"weights": "int4-g128", "kv_cache_dtype": "int8"},
         "target_environment": "staging",
     }
@@ -159,3 +171,48 @@ def test_it_names_a_parent_of_another_team(
     response = api.post(URL, body(parent=release.pk), token=outsider_token)
 
     assert field_names(error_of(response, 422, "validation_error")) == {"parent"}
+
+
+def test_it_refuses_a_source_outside_the_teams_roots(
+    api, owner_token, model_family, environment
+):
+    response = api.post(URL, body(source_uri="file:///etc/ssl"), token=owner_token)
+
+    error = error_of(response, 422, "validation_failed")
+    assert field_names(error) == {"source_uri"}
+    assert "/etc/ssl is outside your team's source roots" in error["message"]
+    assert not Release.objects.exists()
+
+
+def test_it_refuses_another_teams_folder(
+    api, owner_token, model_family, environment, make_source
+):
+    theirs = make_source("their-model", {"config.json": "{}"}, team="other")
+
+    response = api.post(URL, body(source_uri=theirs.as_uri()), token=owner_token)
+
+    error = error_of(response, 422, "validation_failed")
+    assert "outside your team's source roots" in error["message"]
+
+
+def test_it_refuses_a_symlink_out_of_the_teams_folder(
+    api, owner_token, model_family, environment, make_source
+):
+    theirs = make_source("their-model", team="other")
+    link = make_source("innocent").parent / "link"
+    link.symlink_to(theirs)
+
+    response = api.post(URL, body(source_uri=link.as_uri()), token=owner_token)
+
+    error = error_of(response, 422, "validation_failed")
+    assert "link in" in error["message"] and "is a symlink" in error["message"]
+
+
+def test_it_refuses_dot_dot_and_remote_schemes(
+    api, owner_token, model_family, environment
+):
+    escape = source_uri().replace("/2.0.0", "/../../other/x")
+    for uri, problem in ((escape, "'..'"), ("s3://bucket/m", "scheme 's3'")):
+        response = api.post(URL, body(source_uri=uri), token=owner_token)
+
+        assert problem in error_of(response, 422, "validation_failed")["message"]

@@ -30,12 +30,11 @@ def two_releases(make_release, environment):
 
 
 def test_it_rolls_back_to_the_previous_verified_release(
-    api, rollback_token, environment, two_releases, django_capture_on_commit_callbacks
+    api, rollback_token, environment, two_releases, queued
 ):
     old, new = two_releases
 
-    with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        response = api.post(url(environment.pk), token=rollback_token)
+    response = api.post(url(environment.pk), token=rollback_token)
 
     assert response.status_code == 202, response.content
     data = response.json()
@@ -46,7 +45,7 @@ def test_it_rolls_back_to_the_previous_verified_release(
     old.refresh_from_db()
     new.refresh_from_db()
     assert (old.state, new.state) == ("deploying", "rolled_back")
-    assert len(callbacks) == 1  # the deployment task, on commit
+    assert queued("run_deployment") == [(old.pk,)]
 
 
 def test_it_says_when_there_is_nothing_to_roll_back_to(

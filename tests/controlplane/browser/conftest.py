@@ -3,17 +3,20 @@ against pytest-django's `live_server` (a real HTTP server in a thread of this pr
 
 The cast comes from tests/controlplane/conftest.py (alice the owner, bob the approver,
 carol a member, mallory the outsider). Releases reach their states through the real
-actions; Celery tasks queued on commit are recorded by `queued` and run in the test
-with `run_queued()` (the dashboard tests record `.delay` the same way).
+actions; the Celery tasks they queue stay in the outbox (`outbox()` lists them) and
+run in the test with `run_queued()`.
 """
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from django.conf import settings
+from django.utils import timezone
 
-from controlplane.releases import tasks
+from controlplane import celery_app
+from controlplane.dispatch.models import OutboxMessage
 from tests.controlplane.conftest import PASSWORD
 from tests.controlplane.dashboard.builders import to_awaiting_approval
 
@@ -36,7 +39,6 @@ TIMEOUT_MS = 10_000
 CHARTS_TIMEOUT_MS = 30_000
 LIVE_TIMEOUT_MS = 15_000
 WORKER = "system:worker"
-QUEUED_TASKS = ("run_promotion", "run_deployment", "run_reverification")
 
 
 @pytest.fixture(scope="package")
@@ -95,25 +97,28 @@ def log_in(page):
 
 
 @pytest.fixture
-def queued(monkeypatch) -> list[tuple[str, tuple]]:
-    """Every task the code under test queues, as (task name, args), in order."""
-    calls: list[tuple[str, tuple]] = []
-    for name in QUEUED_TASKS:
-        monkeypatch.setattr(
-            getattr(tasks, name), "delay", lambda *a, _n=name: calls.append((_n, a))
-        )
-    return calls
+def outbox(settings) -> Callable[[], list[tuple[str, tuple]]]:
+    """outbox() -> every task queued and not yet run, as (task name, args), oldest
+    first. Publishing on commit is off, so nothing reaches a broker."""
+    settings.RELEASEGATE_OUTBOX_PUBLISH_ON_COMMIT = False
+
+    def pending() -> list[tuple[str, tuple]]:
+        messages = OutboxMessage.objects.filter(sent__isnull=True).order_by("id")
+        return [(m.task.rsplit(".", 1)[-1], tuple(m.args)) for m in messages]
+
+    return pending
 
 
 @pytest.fixture
-def run_queued(queued):
+def run_queued(outbox):
     """Run what was queued, oldest first, through the real task code."""
 
     def run() -> list[str]:
+        celery_app.loader.import_default_modules()  # registers the tasks by name
         outcomes = []
-        while queued:
-            name, args = queued.pop(0)
-            outcomes.append(getattr(tasks, name)(*args))
+        while message := OutboxMessage.objects.filter(sent__isnull=True).first():
+            OutboxMessage.objects.filter(pk=message.pk).update(sent=timezone.now())
+            outcomes.append(celery_app.tasks[message.task](*message.args))
         return outcomes
 
     return run

@@ -14,7 +14,7 @@ CHARTS = ("memory", "throughput", "ttft", "tpot", "kv_sessions", "quality_kld", 
 
 
 def test_it_approves_the_full_digest_after_confirming_and_shows_it_go_live(
-    page, log_in, owner, teammate, awaiting_approval, queued, run_queued
+    page, log_in, owner, teammate, awaiting_approval, outbox, run_queued
 ):
     release = awaiting_approval()
     log_in("bob")
@@ -43,7 +43,8 @@ def test_it_approves_the_full_digest_after_confirming_and_shows_it_go_live(
     assert (approval.user, approval.decision) == (teammate, "approve")
     assert approval.comment == "numbers hold at 32 sessions"
     assert approval.manifest_digest == release.manifest_digest
-    assert queued == [("run_deployment", (release.pk,))]
+    assert Release.objects.get(pk=release.pk).state == "approved"
+    assert outbox() == [("run_deployment", (release.pk,))]
 
     assert run_queued() == ["live"]
 
@@ -54,7 +55,7 @@ def test_it_approves_the_full_digest_after_confirming_and_shows_it_go_live(
 
 
 def test_it_refuses_an_approval_of_a_digest_that_changed_meanwhile(
-    page, log_in, owner, teammate, awaiting_approval, queued
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("bob")
@@ -74,11 +75,12 @@ def test_it_refuses_an_approval_of_a_digest_that_changed_meanwhile(
     expect(page.locator("h1 .state")).to_have_text("awaiting_approval")
     expect(page.locator("#decision-digest")).to_have_text(new_digest)
     assert not Approval.objects.filter(release=release).exists()
-    assert queued == []
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
+    assert outbox() == []
 
 
 def test_it_tells_the_registrant_why_it_cannot_approve(
-    page, log_in, owner, teammate, awaiting_approval, queued
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("alice")
@@ -95,7 +97,7 @@ def test_it_tells_the_registrant_why_it_cannot_approve(
 
 
 def test_it_refuses_a_forced_approval_by_the_registering_owner(
-    page, log_in, owner, teammate, awaiting_approval, queued
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("alice")
@@ -133,4 +135,4 @@ def test_it_refuses_a_forced_approval_by_the_registering_owner(
     expect(page.locator("body")).to_contain_text("cannot also approve")
     assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
     assert not Approval.objects.filter(release=release).exists()
-    assert queued == []
+    assert outbox() == []

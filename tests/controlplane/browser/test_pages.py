@@ -38,6 +38,7 @@ def scene(
     teammate,
     make_environment,
     make_release,
+    make_source,
     awaiting_approval,
     expire_lease,
     queued,
@@ -83,7 +84,7 @@ def scene(
     candidate, _ = do_register_release(
         reference.model,
         version="1.0.0",
-        source_uri="s3://acme-models/llama-support/1.0.0",
+        source_uri=make_source(f"{reference.model.name}/1.0.0").as_uri(),
         recipe=RECIPE,
         target_environment=reference.target_environment,
         actor=owner,

@@ -9,7 +9,7 @@ COMMENT = "korean slice regressed: 6 flips"
 
 
 def test_it_rejects_with_the_comment_after_confirming(
-    page, log_in, owner, teammate, awaiting_approval, queued
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("bob")
@@ -34,11 +34,12 @@ def test_it_rejects_with_the_comment_after_confirming(
         "reject",
         COMMENT,
     )
-    assert queued == []
+    assert approval.manifest_digest == release.manifest_digest
+    assert outbox() == []
 
 
 def test_it_asks_for_a_reason_before_rejecting(
-    page, log_in, owner, teammate, awaiting_approval
+    page, log_in, owner, teammate, awaiting_approval, outbox
 ):
     release = awaiting_approval()
     log_in("bob")

@@ -12,7 +12,7 @@ REASON = "manifest digest mismatch; changed: model-00002-of-00002.safetensors"
 
 
 @pytest.fixture
-def broken(awaiting_approval, teammate, queued, run_queued):
+def broken(awaiting_approval, teammate, outbox, run_queued):
     """1.0.1 went live, 1.0.2 replaced it, then 1.0.2 failed re-verification."""
     old = awaiting_approval("1.0.1")
     do_approve_release(old, teammate, manifest_digest=old.manifest_digest)
@@ -31,7 +31,7 @@ def _section(page, environment):
 
 
 def test_it_rolls_back_to_the_previous_verified_release(
-    page, log_in, teammate, environment, broken, queued, run_queued
+    page, log_in, teammate, environment, broken, outbox, run_queued
 ):
     old, new = broken
     log_in("bob")
@@ -59,7 +59,7 @@ def test_it_rolls_back_to_the_previous_verified_release(
     assert Release.objects.get(pk=new.pk).state == "quarantined"
     assert Release.objects.get(pk=old.pk).state == "deploying"
     assert Deployment.objects.get(release=new).state == "rolled_back"
-    assert queued == [("run_deployment", (old.pk,))]
+    assert outbox() == [("run_deployment", (old.pk,))]
 
     assert run_queued() == ["live"]
 
@@ -70,7 +70,7 @@ def test_it_rolls_back_to_the_previous_verified_release(
 
 
 def test_it_shows_a_member_why_there_is_no_rollback_button(
-    page, log_in, member, environment, broken, queued
+    page, log_in, member, environment, broken, outbox
 ):
     old, new = broken
     log_in("carol")

@@ -4,7 +4,6 @@
 import pytest
 
 from controlplane.fleet.actions import do_register_agent
-from controlplane.releases import tasks
 from tests.controlplane.dashboard.builders import take_live, to_awaiting_approval
 
 GPU_MEMORY_BYTES = 80 * 2**30
@@ -20,12 +19,24 @@ def agent(db):
     )
 
 
+class QueuedDeployments:
+    """deploys() -> the args of each deployment task queued through the outbox (not
+    run), oldest first, since the last deploys.clear()."""
+
+    def __init__(self, queued):
+        self._queued = queued
+        self._seen = 0
+
+    def __call__(self) -> list[tuple]:
+        return self._queued("run_deployment")[self._seen :]
+
+    def clear(self) -> None:
+        self._seen = len(self._queued("run_deployment"))
+
+
 @pytest.fixture
-def deploys(monkeypatch):
-    """The releases whose deployment task was queued (it is not run)."""
-    calls = []
-    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: calls.append(a))
-    return calls
+def deploys(queued) -> QueuedDeployments:
+    return QueuedDeployments(queued)
 
 
 @pytest.fixture

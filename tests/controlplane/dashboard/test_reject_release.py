@@ -105,3 +105,21 @@ def test_it_shows_why_a_live_release_cannot_be_rejected(client, teammate, make_l
     assert b"illegal release transition live -&gt; rejected" in response.content
     assert b"Confirm rejection" not in response.content
     assert _stored(release).state == "live"
+
+
+@pytest.mark.parametrize("confirmed", ["", "yes"])
+def test_it_is_403_for_the_registrant(client, teammate, make_release, confirmed):
+    # Separation of duties both ways: who registered a release can't reject it.
+    release = make_release(state="awaiting_approval", actor=teammate)
+    client.force_login(teammate)
+
+    response = client.post(
+        f"/releases/{release.pk}/reject/", {"comment": REASON, "confirmed": confirmed}
+    )
+
+    assert response.status_code == 403
+    assert f"bob registered {release} and cannot also reject it".encode() in (
+        response.content
+    )
+    assert _stored(release).state == "awaiting_approval"
+    assert not release.approvals.exists()

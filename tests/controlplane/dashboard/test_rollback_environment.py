@@ -39,23 +39,20 @@ def test_it_asks_to_confirm_naming_both_releases(client, teammate, broken, envir
     assert _state(new) == "failed_verification"
 
 
-def test_it_rolls_back_once_confirmed(
-    client, teammate, broken, environment, deploys, django_capture_on_commit_callbacks
-):
+def test_it_rolls_back_once_confirmed(client, teammate, broken, environment, deploys):
     old, new = broken
     client.force_login(teammate)
 
-    with django_capture_on_commit_callbacks(execute=True):
-        response = client.post(
-            f"/environments/{environment.pk}/rollback/",
-            {"confirmed": "yes", "target_release_id": old.pk},
-        )
+    response = client.post(
+        f"/environments/{environment.pk}/rollback/",
+        {"confirmed": "yes", "target_release_id": old.pk},
+    )
 
     assert response.status_code == 302
     assert response.url == "/environments/"
     assert _state(new) == "quarantined"
     assert _state(old) == "deploying"
-    assert deploys == [(old.pk,)]
+    assert deploys() == [(old.pk,)]
 
 
 def test_it_refuses_when_the_target_changed_since_the_page_loaded(
@@ -72,7 +69,7 @@ def test_it_refuses_when_the_target_changed_since_the_page_loaded(
 
     assert b"the rollback target of acme/staging changed" in response.content
     assert _state(new) == "failed_verification"
-    assert deploys == []
+    assert deploys() == []
 
 
 def test_it_explains_when_there_is_nothing_to_roll_back_to(

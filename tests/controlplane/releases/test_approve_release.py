@@ -8,7 +8,6 @@ from controlplane.errors import (
     IllegalTransition,
     SeparationOfDuties,
 )
-from controlplane.releases import tasks
 from controlplane.releases.actions import check_approve_release, do_approve_release
 from controlplane.releases.models import Approval, Release
 
@@ -21,22 +20,17 @@ def waiting(make_release):
 
 
 @pytest.fixture
-def deploys(monkeypatch):
-    calls = []
-    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: calls.append(a))
-    return calls
+def deploys(queued):
+    return lambda: queued("run_deployment")
 
 
-def test_it_approves_and_binds_the_manifest_digest(
-    waiting, teammate, deploys, django_capture_on_commit_callbacks
-):
-    with django_capture_on_commit_callbacks(execute=True):
-        approval = do_approve_release(waiting, teammate, comment="lgtm")
+def test_it_approves_and_binds_the_manifest_digest(waiting, teammate, deploys):
+    approval = do_approve_release(waiting, teammate, comment="lgtm")
 
     assert Release.objects.get(pk=waiting.pk).state == "approved"
     assert approval.manifest_digest == DIGEST
     assert approval.decision == "approve"
-    assert deploys == [(waiting.pk,)]
+    assert deploys() == [(waiting.pk,)]
     assert AuditEvent.objects.get(verb="release.approved").after["comment"] == "lgtm"
 
 
@@ -74,13 +68,10 @@ def test_it_requires_the_approve_scope(waiting, teammate, team):
         do_approve_release(waiting, teammate, token=token)
 
 
-def test_it_approves_through_a_token_and_records_it(
-    waiting, teammate, team, deploys, django_capture_on_commit_callbacks
-):
+def test_it_approves_through_a_token_and_records_it(waiting, teammate, team, deploys):
     token, _ = ApiToken.create(teammate, team, "release-bot", ["approve"])
 
-    with django_capture_on_commit_callbacks(execute=True):
-        approval = do_approve_release(waiting, teammate, token=token)
+    approval = do_approve_release(waiting, teammate, token=token)
 
     assert approval.token == token
     assert AuditEvent.objects.get(verb="release.approved").actor_token == token
@@ -100,11 +91,8 @@ def test_it_refuses_a_release_not_awaiting_approval(make_release, teammate):
         do_approve_release(release, teammate)
 
 
-def test_it_refuses_a_second_approval(
-    waiting, teammate, deploys, django_capture_on_commit_callbacks
-):
-    with django_capture_on_commit_callbacks(execute=True):
-        do_approve_release(waiting, teammate)
+def test_it_refuses_a_second_approval(waiting, teammate, deploys):
+    do_approve_release(waiting, teammate)
 
     with pytest.raises(IllegalTransition):
         do_approve_release(waiting, teammate)

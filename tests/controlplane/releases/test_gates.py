@@ -26,8 +26,8 @@ def test_it_pauses_on_inconclusive():
     assert (decision.ok, decision.outcome) == (False, "inconclusive")
 
 
-def test_it_says_so_when_there_are_no_results():
+def test_no_results_is_no_pass():
     decision = evaluate_gates([])
 
-    assert decision.ok
+    assert (decision.ok, decision.outcome) == (False, "inconclusive")
     assert "no gate results" in decision.reason

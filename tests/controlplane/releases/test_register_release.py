@@ -5,13 +5,22 @@ from controlplane.audit.models import AuditEvent
 from controlplane.errors import ConflictingRegistration, Forbidden, ValidationFailed
 from controlplane.releases.actions import do_register_release
 from controlplane.releases.models import Release
-from tests.controlplane.conftest import RECIPE
+from tests.controlplane.conftest import RECIPE, team_source_uri
+
+
+def source_uri() -> str:
+    return team_source_uri("llama-support/2.0.0")  # made by `_source_folder`
+
+
+@pytest.fixture(autouse=True)
+def _source_folder(make_source):
+    return make_source("llama-support/2.0.0")
 
 
 def register(family, environment, actor, **overrides):
     body = {
         "version": "2.0.0",
-        "source_uri": "s3://acme-models/llama-support/2.0.0",
+        "source_uri": source_uri(),
         "recipe": RECIPE,
         "target_environment": environment,
     }

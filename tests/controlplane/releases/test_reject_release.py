@@ -1,7 +1,12 @@
 import pytest
 
 from controlplane.audit.models import AuditEvent
-from controlplane.errors import Forbidden, IllegalTransition
+from controlplane.errors import (
+    Forbidden,
+    IllegalTransition,
+    SeparationOfDuties,
+    ValidationFailed,
+)
 from controlplane.releases.actions import do_reject_release
 from controlplane.releases.models import Release
 
@@ -23,18 +28,40 @@ def test_it_refuses_members_without_approver_role(make_release, member):
     release = make_release(state="awaiting_approval")
 
     with pytest.raises(Forbidden):
-        do_reject_release(release, member)
+        do_reject_release(release, member, comment="no")
 
 
 def test_it_refuses_outsiders(make_release, outsider):
     release = make_release(state="awaiting_approval")
 
     with pytest.raises(Forbidden):
-        do_reject_release(release, outsider)
+        do_reject_release(release, outsider, comment="no")
 
 
 def test_it_cannot_reject_a_live_release(make_release, teammate):
     release = make_release(state="live")
 
     with pytest.raises(IllegalTransition):
-        do_reject_release(release, teammate)
+        do_reject_release(release, teammate, comment="no")
+
+
+@pytest.mark.parametrize("comment", ["", "   "])
+def test_it_needs_a_reason(make_release, teammate, comment):
+    release = make_release(state="awaiting_approval")
+
+    with pytest.raises(ValidationFailed) as caught:
+        do_reject_release(release, teammate, comment=comment)
+
+    assert caught.value.field == "comment"
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
+
+
+def test_it_refuses_the_registrant(make_release, owner, teammate):
+    release = make_release(state="awaiting_approval", actor=teammate)
+
+    with pytest.raises(SeparationOfDuties, match="bob registered"):
+        do_reject_release(release, teammate, comment="withdrawing my own release")
+
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
+    do_reject_release(release, owner, comment="a colleague may")
+    assert Release.objects.get(pk=release.pk).state == "rejected"

@@ -29,14 +29,12 @@ def history(make_release, owner):
 
 
 @pytest.fixture
-def deploys(monkeypatch):
-    calls = []
-    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: calls.append(a))
-    return calls
+def deploys(queued):
+    return lambda: queued("run_deployment")
 
 
 def test_it_rolls_back_after_failed_verification_and_quarantines(
-    history, environment, teammate, owner, deploys, django_capture_on_commit_callbacks
+    history, environment, teammate, owner, deploys
 ):
     old, old_deployment, new, new_deployment = history
     do_fail_deployment(
@@ -46,8 +44,7 @@ def test_it_rolls_back_after_failed_verification_and_quarantines(
         verification=True,
     )
 
-    with django_capture_on_commit_callbacks(execute=True):
-        deployment = do_rollback_environment(environment, teammate)
+    deployment = do_rollback_environment(environment, teammate)
 
     assert Release.objects.get(pk=new.pk).state == "quarantined"
     assert Release.objects.get(pk=old.pk).state == "deploying"
@@ -56,22 +53,60 @@ def test_it_rolls_back_after_failed_verification_and_quarantines(
     new_deployment.refresh_from_db()
     assert new_deployment.state == "rolled_back"
     assert new_deployment.ended is not None
-    assert deploys == [(old.pk,)]
+    assert deploys() == [(old.pk,)]
     event = AuditEvent.objects.get(verb="environment.rolled_back")
     assert event.before["release_id"] == new.pk
     assert event.after["release_id"] == old.pk
 
 
 def test_it_finishes_the_rollback_in_the_deployment_task(
-    history, environment, teammate, deploys, django_capture_on_commit_callbacks
+    history, environment, teammate, deploys
 ):
     old, _, new, _ = history
-    with django_capture_on_commit_callbacks(execute=True):
-        do_rollback_environment(environment, teammate)
+    do_rollback_environment(environment, teammate)
 
     assert tasks.run_deployment(old.pk) == "live"
     assert Release.objects.get(pk=new.pk).state == "rolled_back"
     assert environment.live_deployment.release == old
+
+
+def test_it_keeps_the_verification_failure_when_it_quarantines(
+    history, environment, owner, teammate, deploys
+):
+    _, _, new, new_deployment = history
+    reason = "manifest digest mismatch; changed: model.safetensors; extra: evil.py"
+    do_fail_deployment(new_deployment, actor=owner, reason=reason, verification=True)
+
+    do_rollback_environment(environment, teammate)
+
+    quarantined = Release.objects.get(pk=new.pk)
+    assert quarantined.state == "quarantined"
+    assert "rolled back in staging" in quarantined.failure_reason
+    assert reason in quarantined.failure_reason
+
+
+def test_it_never_reports_a_replaced_tampered_release_as_live_again(
+    history, make_release, environment, owner, teammate, deploys
+):
+    """1.0.2 fails verification, 1.0.3 replaces it, 1.0.3 is rolled back to 1.0.1:
+    1.0.2 stays out of the picture throughout."""
+    old, _, tampered, tampered_deployment = history
+    do_fail_deployment(
+        tampered_deployment, actor=owner, reason="changed: x", verification=True
+    )
+    replacement = make_release(state="approved")
+    go_live(replacement, owner)
+    assert environment.live_deployment.release == replacement
+    tampered_deployment.refresh_from_db()
+    assert tampered_deployment.state == "failed_verification"
+    assert tampered_deployment.ended is not None
+
+    do_rollback_environment(environment, teammate)
+
+    assert environment.live_deployment is None  # 1.0.1 is deploying
+    assert tasks.run_deployment(old.pk) == "live"
+    assert environment.live_deployment.release == old
+    assert Release.objects.get(pk=tampered.pk).state == "failed_verification"
 
 
 def test_it_refuses_without_a_previous_verified_release(

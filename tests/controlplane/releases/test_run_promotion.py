@@ -17,8 +17,9 @@ from controlplane.releases.tasks import run_promotion
 STAGES = ["verify_source", "compress", "sign", "evaluate", "gate"]
 
 
-def test_it_runs_every_stage_and_stops_for_approval(release):
-    assert run_promotion(release.pk) == "awaiting_approval"
+def test_it_runs_every_stage_and_pauses_at_the_gate_without_evidence(release):
+    """Nothing records gate evidence in this pipeline yet: no evidence is no pass."""
+    assert run_promotion(release.pk) == "gated"
 
     jobs = list(Job.objects.filter(release=release).order_by("id"))
     assert [j.kind for j in jobs] == STAGES
@@ -33,39 +34,53 @@ def test_it_runs_every_stage_and_stops_for_approval(release):
         "compressing",
         "evaluating",
         "gated",
-        "awaiting_approval",
     ]
+
+
+def test_later_evidence_lets_the_gate_pass_on_the_next_promote(release, pass_gates):
+    run_promotion(release.pk)
+    gate = Job.objects.get(release=release, kind="gate")
+    assert gate.result["outcome"] == "inconclusive"
+    pass_gates(release)
+
+    assert run_promotion(release.pk) == "awaiting_approval"
+
+    assert Job.objects.filter(release=release, kind="gate").count() == 2
 
 
 def test_it_is_idempotent(release):
     run_promotion(release.pk)
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
-    assert Job.objects.filter(release=release).count() == len(STAGES)
+    # Only the gate runs again (a paused gate is re-evaluated on each promote).
+    kinds = list(Job.objects.filter(release=release).values_list("kind", flat=True))
+    assert kinds == [*STAGES, "gate"]
 
 
 def test_it_resumes_from_the_current_state(make_release):
     release = make_release(state="evaluating")
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
     assert [j.kind for j in Job.objects.filter(release=release)] == ["evaluate", "gate"]
 
 
 @pytest.fixture
-def model_folder(tmp_path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    (folder / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
-    return folder
+def model_folder(make_source):
+    return make_source(
+        "model",
+        {
+            "config.json": '{"model_type": "llama"}',
+            "tokenizer_config.json": '{"bos_token": "<s>"}',
+        },
+    )
 
 
 def test_it_inspects_and_hashes_a_local_source_folder(make_release, model_folder):
     release = make_release(source_uri=model_folder.as_uri())
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
     verify = Job.objects.get(release=release, kind="verify_source")
     assert verify.result["report"]["ok"] is True
@@ -123,7 +138,7 @@ def test_it_skips_a_job_already_done_in_this_pass(make_release):
     do_transition_release(release, "compressing", actor="test")
     do_finish_job(do_start_job(release, "compress"), result={})
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
     kinds = list(
         Job.objects.filter(release=release)
@@ -133,8 +148,13 @@ def test_it_skips_a_job_already_done_in_this_pass(make_release):
     assert kinds == STAGES + ["compress", "sign", "evaluate", "gate"]
 
 
-def test_it_fails_verification_for_a_missing_local_folder(make_release, tmp_path):
-    release = make_release(source_uri=str(tmp_path / "nope"))
+def test_it_fails_verification_for_a_local_folder_gone_since_registration(
+    make_release, model_folder
+):
+    release = make_release(source_uri=str(model_folder))
+    for file in model_folder.iterdir():
+        file.unlink()
+    model_folder.rmdir()
 
     assert run_promotion(release.pk) == "failed_verification"
 
@@ -198,14 +218,15 @@ def work_calls(monkeypatch) -> list[str]:
 
 
 @pytest.fixture
-def promoted(monkeypatch) -> list[str]:
-    """What each run_promotion queued by a promote returned; it runs in-process on
-    commit, as a worker would."""
-    returned: list[str] = []
-    monkeypatch.setattr(
-        tasks.run_promotion, "delay", lambda *a: returned.append(run_promotion(*a))
-    )
-    return returned
+def promote(owner, queued):
+    """promote(release) -> what the run_promotion the promote queued returns, run
+    in-process as a worker would."""
+
+    def run(release) -> str:
+        do_request_promotion(release, owner)
+        return run_promotion(*queued("run_promotion")[-1])
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -256,7 +277,7 @@ def test_it_does_not_run_a_stage_twice_when_promoted_again_during_it(
         ((("compress", compress_while_ci_retries), sign), next_state),
     )
 
-    assert run_promotion(release.pk) == "awaiting_approval"
+    assert run_promotion(release.pk) == "gated"
 
     assert second_runs == [tasks.BUSY]
     assert work_calls == ["verify_source", "compress", "sign", "evaluate"]
@@ -266,24 +287,14 @@ def test_it_does_not_run_a_stage_twice_when_promoted_again_during_it(
 
 
 def test_it_resumes_a_stage_whose_worker_died_once_its_lease_expires(
-    make_release,
-    owner,
-    work_calls,
-    promoted,
-    django_capture_on_commit_callbacks,
-    expire_lease,
+    make_release, work_calls, promote, expire_lease
 ):
     release = make_release(state="compressing")
     job = do_start_job(release, "compress")  # and then its worker died
-    with django_capture_on_commit_callbacks(execute=True):
-        do_request_promotion(release, owner)
-    assert promoted == [tasks.BUSY]  # too early: the lease still holds
+    assert promote(release) == tasks.BUSY  # too early: the lease still holds
     expire_lease(job)  # its worker died
 
-    with django_capture_on_commit_callbacks(execute=True):
-        do_request_promotion(release, owner)
-
-    assert promoted == [tasks.BUSY, "awaiting_approval"]
+    assert promote(release) == "gated"
     assert work_calls == ["compress", "sign", "evaluate"]
     resumed = Job.objects.get(pk=job.pk)
     assert (resumed.state, resumed.attempts) == ("succeeded", 2)
@@ -350,8 +361,22 @@ def test_a_stage_longer_than_its_lease_keeps_its_job_by_heartbeat(
 
     assert "evaluate ran twice" not in seen
     (first_lease, lease_then, then), second_run = seen
-    assert state == "awaiting_approval"
+    assert state == "gated"
     assert first_lease < then < lease_then  # expired once, renewed since
     assert second_run == tasks.BUSY
     job = Job.objects.get(release=release, kind="evaluate")
     assert (job.state, job.attempts, job.lease_expires) == ("succeeded", 1, None)
+
+
+def test_its_job_results_name_files_relative_to_the_source(make_release, model_folder):
+    (model_folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 64)
+    release = make_release(source_uri=model_folder.as_uri())
+
+    run_promotion(release.pk)
+
+    verify = Job.objects.get(release=release, kind="verify_source")
+    stored = Release.objects.get(pk=release.pk)
+    for text in (str(verify.result), verify.error, stored.failure_reason):
+        assert str(model_folder) not in text
+        assert str(model_folder.parent) not in text
+    assert verify.result["report"]["folder"] == "."

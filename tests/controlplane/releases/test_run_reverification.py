@@ -13,14 +13,15 @@ from controlplane.releases.tasks import (
 
 
 @pytest.fixture
-def live(make_release, teammate, tmp_path, monkeypatch):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    (folder / "tokenizer_config.json").write_text("{}")
+def live(make_release, teammate, make_source, queued, pass_gates):
+    folder = make_source(
+        "model",
+        {"config.json": '{"model_type": "llama"}', "tokenizer_config.json": "{}"},
+    )
     release = make_release(source_uri=folder.as_uri())
     run_promotion(release.pk)
-    monkeypatch.setattr(tasks.run_deployment, "delay", lambda *a: None)
+    pass_gates(release)
+    run_promotion(release.pk)
     do_approve_release(release, teammate)
     run_deployment(release.pk)
     return folder, release, Deployment.objects.get(release=release)

@@ -8,6 +8,7 @@ until it is live, then serves the dashboard and API (unless --no-serve).
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,13 +21,16 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from controlplane.accounts.actions import team_source_roots
 from controlplane.accounts.models import Membership, Team
 from controlplane.celery import worker_command
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions import (
     do_approve_release,
+    do_evaluate_release_gates,
     do_register_release,
     do_request_promotion,
+    do_set_gate_policy,
 )
 from controlplane.releases.models import ModelFamily, Release
 
@@ -48,12 +52,8 @@ class Command(BaseCommand):
         password = os.getenv("DEMO_PASSWORD") or secrets.token_urlsafe(12)
         registrant, approver, environment, family = self.cast(password)
 
-        source = Path(options["source"]).resolve()
-        if not source.is_dir():
-            self.stdout.write(
-                self.style.WARNING(f"{source} does not exist; registering it anyway")
-            )
         version = f"0.1.{family.releases.count() + 1}"
+        source = self.upload(Path(options["source"]).resolve(), family, version)
         release, _ = do_register_release(
             family,
             version=version,
@@ -71,6 +71,8 @@ class Command(BaseCommand):
         try:
             do_request_promotion(release, registrant)
             self.stdout.write("promotion queued; waiting for the worker ...")
+            self.wait_for(release, ("gated",), worker, log_path, options)
+            self.gate_on_integrity(release, registrant)
             self.wait_for(release, ("awaiting_approval",), worker, log_path, options)
             do_approve_release(
                 release,
@@ -103,12 +105,43 @@ class Command(BaseCommand):
             )
             users.append(user)
         environment, _ = Environment.objects.get_or_create(team=team, name="staging")
+        do_set_gate_policy(environment, {"quality": None, "load": None}, actor=users[0])
         family, _ = ModelFamily.objects.get_or_create(
             team=team,
             name="demo-llama",
             defaults={"description": "the tiny Llama that ships with releasegate"},
         )
         return users[0], users[1], environment, family
+
+    def upload(self, source: Path, family, version: str) -> Path:
+        """What CI does before registering: copy the model folder into the team's
+        source root (a source outside it is refused)."""
+        if not source.is_dir():
+            raise CommandError(f"{source} is not a folder")
+        target = team_source_roots(family.team)[0] / family.name / version
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source, target)
+        return target
+
+    def gate_on_integrity(self, release, registrant) -> None:
+        """The pipeline pauses at the gate: it records no evidence yet. Hold what
+        it checked (source inspected, candidate hashed) against the demo
+        environment's policy, which gates integrity only until the evaluate and
+        load-test jobs exist, and promote again to re-run the gate."""
+        while not release.jobs.filter(kind="gate", finished__isnull=False).exists():
+            time.sleep(0.2)  # the gate job is finishing (wait_for bounds the rest)
+        release.refresh_from_db()
+        integrity_ok = bool(release.manifest_digest) and (
+            release.jobs.filter(kind="verify_source", state="succeeded").exists()
+        )
+        decision = do_evaluate_release_gates(
+            release, quality=None, load=None, integrity_ok=integrity_ok
+        )
+        self.stdout.write(f"gate: {decision.outcome} ({decision.reason})")
+        if not decision.ok:
+            raise CommandError(f"{release} is gated: {decision.reason}")
+        do_request_promotion(release, registrant)
 
     def start_worker(self) -> tuple[subprocess.Popen, Path]:
         log_path = Path(

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class DispatchConfig(AppConfig):
+    name = "controlplane.dispatch"
+    label = "dispatch"
