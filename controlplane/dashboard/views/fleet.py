@@ -4,16 +4,24 @@ shown on each are only those of the viewer's teams; someone in no team sees no
 agents at all."""
 
 from django.contrib.auth.decorators import login_required
-from django.db.models import Prefetch
+from django.db.models import Prefetch, Q
 from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.dashboard import access
 from controlplane.dashboard.health import agent_dead_after_s, agent_health, job_health
-from controlplane.fleet.models import Agent
+from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases.models import Job
 
-SERVING_STATES = ("deploying", "live", "failed_verification", "superseded")
+
+def _on_agents_now(deployments):
+    """Those an agent holds now: being deployed, or what their environment serves
+    (Deployment.objects.serving(): live or failed verification, not ended). A
+    superseded or replaced deployment has ended and is no longer on its agent."""
+    serving = Deployment.objects.serving().values("pk")
+    return deployments.filter(
+        Q(pk__in=serving) | Q(state="deploying", ended__isnull=True)
+    )
 
 
 def _rows(user) -> list[dict]:
@@ -23,7 +31,7 @@ def _rows(user) -> list[dict]:
     jobs = Job.objects.filter(
         state="running", release__in=access.releases(user)
     ).select_related("release__model", "agent")
-    deployments = access.deployments(user).filter(state__in=SERVING_STATES)
+    deployments = _on_agents_now(access.deployments(user))
     agents = Agent.objects.prefetch_related(
         Prefetch("jobs", queryset=jobs, to_attr="visible_jobs"),
         Prefetch("deployments", queryset=deployments, to_attr="visible_deployments"),

@@ -5,7 +5,7 @@ from django.utils import timezone
 
 from controlplane.fleet.actions import do_register_agent
 from controlplane.fleet.models import Agent
-from controlplane.releases.actions import do_start_job
+from controlplane.releases.actions import do_start_deployment, do_start_job
 
 
 def _rows(response) -> dict:
@@ -57,6 +57,23 @@ def test_it_shows_current_jobs_and_deployments(client, owner, busy):
     row = _rows(response)["gpu-a1"]
     assert [job.release for job, _ in row["jobs"]] == [running]
     assert [d.release for d in row["deployments"]] == [live]
+
+
+def test_it_shows_only_the_deployments_an_agent_serves_now(
+    client, owner, agent, make_live, make_release
+):
+    make_live("0.9.0")  # superseded by 0.9.5: ended, no longer on the agent
+    current = make_live("0.9.5")
+    approved = make_release("1.0.0", state="approved")
+    deploying = do_start_deployment(approved, actor="system:worker", agent=agent)
+    client.force_login(owner)
+
+    response = client.get("/fleet/")
+
+    deployments = _rows(response)["gpu-a1"]["deployments"]
+    assert sorted(d.pk for d in deployments) == sorted(
+        [current.deployments.get().pk, deploying.pk]
+    )
 
 
 def test_it_shows_outsiders_none_of_the_teams_jobs_or_deployments(

@@ -1,13 +1,15 @@
 import json
+import re
 
 from controlplane.releases.actions import (
+    do_evaluate_release_gates,
     do_finish_job,
     do_record_manifest,
     do_start_job,
     do_transition_release,
 )
 from gpuagent.protocol import FileDigest
-from tests.controlplane.dashboard.builders import load_test_report
+from tests.controlplane.dashboard.builders import load_test_report, quality_report
 
 
 def _chart(response, name: str) -> dict:
@@ -164,6 +166,33 @@ def test_it_says_what_evidence_is_missing(client, teammate, release):
     assert b"No quality regression recorded for this release" in response.content
     assert b"without evidence there is nothing to pass" in response.content
     assert response.context["evidence"].charts == {}
+
+
+def test_it_shows_the_gate_policy_outcomes_with_missing_evidence(
+    client, teammate, release
+):
+    # The environment's (default) policy over a quality report and no load test:
+    # the quality checks are judged, the load gate is inconclusive, not a pass.
+    do_evaluate_release_gates(
+        release, quality=quality_report(release), load=None, integrity_ok=True
+    )
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    rows = {(g.gate, g.metric): g for g in response.context["gate_results"]}
+    assert rows[("quality:english", "mean_kld")].outcome == "pass"
+    assert rows[("load", "report")].outcome == "inconclusive"
+    body = response.content.decode()
+    assert "<td>quality:english</td><td>mean_kld</td>" in body
+    load_row = re.search(r"<td>load</td><td>report</td>(.*?)</tr>", body, re.S)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", load_row.group(1), re.S)
+    assert [c.strip() for c in cells] == [
+        "—",
+        "—",
+        '<span class="state state-inconclusive">inconclusive</span>',
+        "no evidence: the load-test job produced no report",
+    ]
 
 
 def test_it_shows_an_unreadable_report_as_a_problem(client, teammate, release):
