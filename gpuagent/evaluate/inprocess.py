@@ -1,7 +1,14 @@
 """A model folder scored in this process by the project's engine, with its own KV
 cache dtype: full next-token distributions, teacher-forced through the engine's
 paged cache (so a quantized cache is read back as serving reads it), and greedy
-continuations through `LLMEngine.generate`."""
+continuations through `LLMEngine.generate`.
+
+A prompt is prefilled in the chunks the engine's scheduler gives a lone request
+(`max_num_batched_tokens` tokens each), not in chunks of our own choosing: with a
+full-precision window beside a quantized cache (int4, fp8-static) the queries at a
+chunk's end read their newest tokens from the window, so the distributions depend on
+where the chunks end. Chunked alike, the in-process distributions are bit for bit
+those the server returns for the same prompt sent alone."""
 
 from __future__ import annotations
 
@@ -22,9 +29,6 @@ from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.evaluate.metrics import TopN
 
 BLOCK_SIZE = 16
-# Tokens per teacher-forced forward: long enough to be quick, short enough that the
-# [chunk, vocab] logits of a 49k-token vocabulary stay small.
-CHUNK_TOKENS = 256
 
 
 class EngineModel:
@@ -69,8 +73,10 @@ class EngineModel:
 
     def logprobs_chunks(self, ids: list[int]) -> Iterator[torch.Tensor]:
         """Log-probs [n, vocab] of the next token at each position of `ids`, chunk
-        by chunk, the K/V of every earlier token read back from the engine's cache."""
+        by chunk as the scheduler prefills a lone prompt, the K/V of every earlier
+        token read back from the engine's cache."""
         engine, blocks = self.engine, self.engine.kv.blocks
+        chunk_tokens = engine.scheduler.max_num_batched_tokens
         seq_id = f"evaluate-{uuid.uuid4().hex}"
         seq = Seq(seq_id, ids, SamplingParams(max_tokens=1))
         if not blocks.ensure_capacity(seq_id, len(ids)):
@@ -80,9 +86,9 @@ class EngineModel:
             )
         try:
             with torch.inference_mode():
-                for start in range(0, len(ids), CHUNK_TOKENS):
+                for start in range(0, len(ids), chunk_tokens):
                     chunk = ScheduledChunk(
-                        seq, start, min(CHUNK_TOKENS, len(ids) - start)
+                        seq, start, min(chunk_tokens, len(ids) - start)
                     )
                     input_ids, positions, attn = prepare_inputs(
                         [chunk], blocks, engine.device

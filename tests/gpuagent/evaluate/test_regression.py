@@ -19,6 +19,7 @@ from gpuagent.evaluate import (
     evaluate_quality,
 )
 from gpuagent.evaluate.__main__ import main
+from gpuagent.evaluate.evalsets import load_text_slices
 from gpuagent.protocol import QualityReport
 from tests.gpuagent.serving import serve
 
@@ -118,6 +119,26 @@ def servers():
         ) as (int4_url, _),
     ):
         yield {"bf16": bf16_url, "int4": int4_url}
+
+
+def test_in_process_and_over_http_the_distributions_are_the_same(servers):
+    # 600 tokens: two prefill chunks on the server (512 + 88). With int4's bf16
+    # window, scores chunked anywhere else differ from the server's by up to 0.25
+    # nats (the estimate below then exceeded the exact KL).
+    local = EngineModel(DEMO, "int4", max_tokens=640)
+    text = " ".join(p for s in load_text_slices() for p in s.passages)
+    ids = local.encode(text)[:600]
+
+    here = local.top_n(ids, 20)
+    there = Endpoint(servers["int4"]).top_n(ids, 20)
+
+    assert len(here) == len(there) == 599
+    for h, t in zip(here, there, strict=True):
+        assert h.token == t.token
+        assert h.logprob == pytest.approx(t.logprob, abs=1e-6)
+        assert h.top.keys() == t.top.keys()
+        for key, logprob in t.top.items():
+            assert h.top[key] == pytest.approx(logprob, abs=1e-6)
 
 
 def test_over_http_the_top_n_estimate_tracks_the_exact_kl(servers, in_process):
