@@ -212,6 +212,17 @@ class EngineMetrics:
             "Newest tokens per sequence also kept in bf16 (0: no window)",
             registry=r,
         ).set(engine.kv.window)
+        # One observation per step, one bucket per count up to max_num_seqs: the
+        # most sequences run at once over any span is the highest count whose
+        # bucket grew over it, exact however often and by how many scrapers
+        # /metrics is read (the gauge above, read now and then, misses short peaks).
+        # vLLM names its per-step histograms `iteration_*`.
+        self.running_per_step = Histogram(
+            "engine_iteration_num_requests_running",
+            "Sequences in the running batch, observed once per engine step",
+            buckets=range(sched.max_num_seqs + 1),
+            registry=r,
+        )
         self.preemptions = Counter(
             "engine_preemptions", "Sequences preempted for KV blocks", registry=r
         )
@@ -399,6 +410,8 @@ class LLMEngine:
         token (or finished) in it."""
         with self._lock, torch.inference_mode():
             out = self.scheduler.schedule()
+            # after admission, before anything finishes: the step's most
+            self.metrics.running_per_step.observe(len(self.scheduler.running))
             new_preemptions = (
                 self.scheduler.num_preemptions - self._reported_preemptions
             )

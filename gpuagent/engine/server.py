@@ -28,6 +28,12 @@ or refused with a 400 naming it. Beyond the basics:
   a `stop_token_ids` id), which the text leaves out, has no entry either. Completion
   logprobs list every generated token, a stop token too, as vLLM's do: echo scoring
   (lm-evaluation-harness) counts on prompt + max_tokens entries.
+- /metrics has, beside the engine's gauges and counters, the histogram
+  `engine_iteration_num_requests_running`: the running batch observed once per
+  engine step, one bucket per count up to max_num_seqs. Two readings bracket a span
+  exactly: its peak of concurrent sequences is the highest count whose bucket grew
+  (`gpuagent.loadtest.server_metrics.peak_running`), and `_sum / _count` is its mean
+  batch.
 """
 
 from __future__ import annotations

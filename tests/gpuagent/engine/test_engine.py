@@ -228,6 +228,33 @@ def test_it_counts_tokens_and_preemptions_in_metrics(make_engine):
     assert ttft == len(PROMPTS)
 
 
+def test_it_observes_the_running_batch_once_per_step(make_engine):
+    engine = make_engine(max_num_seqs=4)
+    for i, prompt in enumerate(PROMPTS):  # 6 requests, 4 run at a time
+        engine.add_request(str(i), prompt, GREEDY)
+    running = []  # the sequences each step computed
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_count():
+        out = schedule()
+        running.append(len({c.seq.request_id for c in out.chunks}))
+        return out
+
+    engine.scheduler.schedule = schedule_and_count
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    def steps(name: str, **labels: str) -> float:
+        sample = "engine_iteration_num_requests_running" + name
+        return engine.metrics.registry.get_sample_value(sample, labels)
+
+    assert max(running) == 4 and min(running) < 4
+    assert steps("_count") == len(running) and steps("_sum") == sum(running)
+    for count in range(5):  # one bucket per count, 0 .. max_num_seqs
+        at_most = sum(r <= count for r in running)
+        assert steps("_bucket", le=f"{count:.1f}") == at_most
+
+
 def test_it_lays_out_attention_metadata_for_mixed_batches(make_engine):
     engine = make_engine(block_size=4)
     engine.add_request("a", [1, 2, 3, 4, 5, 6], GREEDY)
