@@ -228,7 +228,12 @@ class LoadRun(_Message):
     meets_slo: bool
     valid: bool = Field(description="False when the client fell behind its schedule")
     preemptions: int = Field(0, ge=0)
-    peak_concurrent_sequences: int = Field(0, ge=0)
+    peak_concurrent_sequences: int = Field(
+        0,
+        ge=0,
+        description="most sequences one engine step of the run ran, from the "
+        "server's engine_iteration_num_requests_running histogram (0: unknown)",
+    )
     arrival: Literal["closed", "poisson", "gamma"] = "closed"
     burstiness: float | None = Field(
         None, description="gamma arrivals' shape (1 is Poisson; lower is burstier)"

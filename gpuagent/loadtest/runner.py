@@ -10,8 +10,9 @@
   (request throughput gains less than SATURATION_GAIN) or the SLO fails twice in a
   row; the RAG context sweep repeats one concurrency at several prompt lengths.
 
-Each run brackets itself with /metrics readings (preemptions) and polls the running
-sequences for their peak. The client's own CPU time and event-loop lag are
+Each run brackets itself with /metrics readings: the preemptions between them, and
+the peak of concurrent sequences from the engine's per-step histogram
+(`server_metrics.peak_running`). The client's own CPU time and event-loop lag are
 measured and reported beside the numbers they could distort.
 """
 
@@ -29,7 +30,11 @@ from gpuagent.loadtest.client import RequestRecord, new_session, stream_chat
 from gpuagent.loadtest.metrics import ClientHealth, load_run
 from gpuagent.loadtest.profiles import Profile
 from gpuagent.loadtest.prompts import PromptSet, messages
-from gpuagent.loadtest.server_metrics import PeakWatcher, ServerSnapshot, read_metrics
+from gpuagent.loadtest.server_metrics import (
+    ServerSnapshot,
+    peak_running,
+    read_metrics,
+)
 from gpuagent.protocol import LoadRun, WorkloadReport
 
 SATURATION_GAIN = 0.10
@@ -131,9 +136,7 @@ async def run_level(
     records: list[RequestRecord] = []
     async with new_session(target.timeout_s) as session:
         before = await read_metrics(session, target.base_url)
-        watcher = PeakWatcher(session, target.base_url)
         probe = LoopLagProbe()
-        watcher.start()
         probe.start()
         cpu_before = time.process_time()
         start = time.perf_counter()
@@ -173,7 +176,6 @@ async def run_level(
             await asyncio.gather(*tasks)
         cpu_s = time.process_time() - cpu_before
         loop_lag = await probe.stop()
-        peak = await watcher.stop()
         after = await read_metrics(session, target.base_url)
     health = ClientHealth(
         max_schedule_lag_ms=lag_ms, loop_lag_p99_ms=loop_lag, cpu_s=cpu_s
@@ -190,7 +192,7 @@ async def run_level(
         request_rate=rate,
         arrival=arrival,
         preemptions=max(after.preemptions - before.preemptions, 0),
-        peak_concurrent_sequences=peak,
+        peak_concurrent_sequences=peak_running(before, after),
     )
     return run.model_copy(update={"burstiness": burstiness}) if burstiness else run
 

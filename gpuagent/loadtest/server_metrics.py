@@ -1,12 +1,22 @@
 """What the server says about itself on /metrics (Prometheus text): KV bytes per
-token, blocks, block size, weights, running sequences, preemptions. This engine's
-names first (`engine_*`), vLLM's where it has one; what a server doesn't export is
-0 (unknown), never guessed."""
+token, blocks, block size, weights, preemptions, and the running sequences of each
+engine step. This engine's names first (`engine_*`), vLLM's where it has one; what a
+server doesn't export is 0 (unknown), never guessed.
+
+The peak of concurrent sequences over a run comes from two readings, one before and
+one after it, of `engine_iteration_num_requests_running`: a histogram the engine
+observes once per step with one bucket per count (0 .. max_num_seqs). The highest
+count whose bucket grew between the readings is the most sequences any step of the
+run ran, exact however short the run, and the readings change nothing, so any
+number of scrapers can read it at once. A server without that histogram (vLLM,
+SGLang) has only a gauge of the running sequences now, whose samples miss short
+peaks: its peak is 0 (unknown).
+"""
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,9 +32,9 @@ NAMES = {
     "kv_blocks_used": ("engine_kv_blocks_used",),
     "weights_bytes": ("engine_weights_bytes",),
     "max_model_len": ("engine_max_model_len",),
-    "running": ("engine_num_requests_running", "vllm:num_requests_running"),
     "preemptions": ("engine_preemptions_total", "vllm:num_preemptions_total"),
 }
+RUNNING_PER_STEP = "engine_iteration_num_requests_running"
 
 
 @dataclass
@@ -38,9 +48,11 @@ class ServerSnapshot:
     kv_blocks_used: int = 0
     weights_bytes: int = 0
     max_model_len: int = 0
-    running: int = 0
     preemptions: int = 0
     kv_cache_dtype: str = "unknown"
+    # RUNNING_PER_STEP's cumulative bucket counts: upper bound -> steps that ran at
+    # most that many sequences (empty: the server has no such histogram)
+    running_per_step: dict[float, float] = field(default_factory=dict)
 
     def max_sessions(self, context_tokens: int) -> int:
         """Sessions of `context_tokens` each that the KV pool holds at once (0 when
@@ -54,10 +66,13 @@ class ServerSnapshot:
 def parse_metrics(text: str) -> ServerSnapshot:
     """A snapshot from Prometheus exposition text."""
     samples: dict[str, float] = {}
+    running_per_step: dict[float, float] = {}
     dtype = "unknown"
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples.setdefault(sample.name, sample.value)
+            if sample.name == RUNNING_PER_STEP + "_bucket":
+                running_per_step[float(sample.labels["le"])] = sample.value
             if sample.name == "engine_kv_bytes_per_token":
                 dtype = sample.labels.get("kv_cache_dtype", dtype)
             if sample.name == "vllm:cache_config_info":
@@ -74,19 +89,30 @@ def parse_metrics(text: str) -> ServerSnapshot:
         key: int(next((samples[n] for n in names if n in samples), 0))
         for key, names in NAMES.items()
     }
-    return ServerSnapshot(**values, kv_cache_dtype=dtype)
+    return ServerSnapshot(
+        **values, kv_cache_dtype=dtype, running_per_step=running_per_step
+    )
 
 
-def running_sequences(text: str) -> int:
-    """The running-sequences gauge of /metrics text, found without parsing it all
-    (the watcher reads it 4 times a second, on the client's CPU)."""
-    text = "\n" + text
-    for name in NAMES["running"]:
-        at = text.find("\n" + name)
-        if at != -1:
-            line = text[at + 1 : text.find("\n", at + 1)]
-            return int(float(line.rsplit(" ", 1)[1]))
-    return 0
+def peak_running(before: ServerSnapshot, after: ServerSnapshot) -> int:
+    """The most sequences the server ran in one step between two readings: the
+    highest count whose own (not cumulative) bucket grew. 0 (unknown) when either
+    reading lacks the RUNNING_PER_STEP histogram, or a bucket's own count went down
+    (the server restarted in between), or no step ran."""
+    old = _own_counts(before.running_per_step)
+    new = _own_counts(after.running_per_step)
+    if not old or not new or any(new.get(b, 0.0) < n for b, n in old.items()):
+        return 0
+    grown = [b for b, n in new.items() if n > old.get(b, 0.0) and not math.isinf(b)]
+    return int(max(grown, default=0))
+
+
+def _own_counts(cumulative: dict[float, float]) -> dict[float, float]:
+    """Histogram buckets as steps per bucket alone (each minus the one below)."""
+    own, below = {}, 0.0
+    for bound, count in sorted(cumulative.items()):
+        own[bound], below = count - below, count
+    return own
 
 
 async def read_metrics(session: aiohttp.ClientSession, base_url: str) -> ServerSnapshot:
@@ -98,42 +124,3 @@ async def read_metrics(session: aiohttp.ClientSession, base_url: str) -> ServerS
             return parse_metrics(await resp.text())
     except (TimeoutError, aiohttp.ClientError, ValueError):
         return ServerSnapshot()
-
-
-class PeakWatcher:
-    """Polls /metrics while a run goes on, keeping the most sequences seen running
-    at once (a sampled peak: a spike shorter than `interval_s` can be missed; not
-    faster, as each scrape costs the server CPU beside its engine)."""
-
-    def __init__(
-        self, session: aiohttp.ClientSession, base_url: str, interval_s: float = 0.25
-    ) -> None:
-        self.session, self.base_url, self.interval_s = session, base_url, interval_s
-        self.peak = 0
-        self._task: asyncio.Task | None = None
-
-    async def _poll(self) -> None:
-        while True:
-            try:
-                async with self.session.get(f"{self.base_url}/metrics") as resp:
-                    text = await resp.text() if resp.status == 200 else ""
-            except (aiohttp.ClientError, TimeoutError):
-                text = ""
-            self.peak = max(self.peak, running_sequences(text))
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        """Begin polling."""
-        self._task = asyncio.create_task(self._poll())
-
-    async def stop(self) -> int:
-        """Stop polling, with a last reading; the peak."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        snapshot = await read_metrics(self.session, self.base_url)
-        self.peak = max(self.peak, snapshot.running)
-        return self.peak

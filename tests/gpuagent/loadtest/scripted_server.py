@@ -8,6 +8,11 @@ Each chat request gets a role-only chunk at once, its first content chunk
 carrying `tokens-per-chunk` tokens, then a usage chunk (`tokens` completion tokens)
 and [DONE]. Every Nth request fails instead: a 500, a stream cut after its first
 content chunk, or an in-band error event.
+
+/metrics has the engine's per-step histogram of running sequences
+(`engine_iteration_num_requests_running`, one bucket per count up to MAX_RUNNING),
+observed here each time a stream opens: the moments the count rises, so its highest
+grown bucket is the exact peak, as the engine's is.
 """
 
 import argparse
@@ -16,6 +21,9 @@ import itertools
 import json
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+MAX_RUNNING = 512
 
 
 def sse(data) -> bytes:
@@ -24,9 +32,23 @@ def sse(data) -> bytes:
     )
 
 
+def running_per_step_histogram(
+    registry: CollectorRegistry, max_running: int
+) -> Histogram:
+    """The engine's histogram of running sequences, one bucket per count."""
+    return Histogram(
+        "engine_iteration_num_requests_running",
+        "Sequences in the running batch, observed once per engine step",
+        buckets=range(max_running + 1),
+        registry=registry,
+    )
+
+
 def build_app(args: argparse.Namespace) -> web.Application:
     counter = itertools.count(1)
     running = 0
+    registry = CollectorRegistry()
+    running_per_step = running_per_step_histogram(registry, MAX_RUNNING)
 
     async def models(request: web.Request) -> web.Response:
         card = {"id": "scripted", "object": "model", "max_model_len": 100000}
@@ -38,7 +60,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
         return web.json_response({"count": len(text.encode()) // 4 + 3})
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=f"engine_num_requests_running {running}\n")
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
 
     async def chat(request: web.Request) -> web.StreamResponse:
         nonlocal running
@@ -50,6 +72,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         running += 1
+        running_per_step.observe(running)
         try:
             role = {
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]

@@ -2,6 +2,9 @@
 and bounded), and bf16 vs int8 KV in the same KV budget."""
 
 import asyncio
+import contextlib
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,8 @@ from gpuagent.engine.loader import load_model
 from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.loadtest import Bounds, Costs, Plan, load_profiles, run_load_test
 from gpuagent.loadtest.__main__ import main
+from gpuagent.loadtest.prompts import PromptSet
+from gpuagent.loadtest.runner import Target, run_level
 from gpuagent.protocol import LOAD_PROFILES, LoadTestReport
 from tests.gpuagent.serving import serve
 
@@ -62,6 +67,48 @@ def test_every_profile_runs_against_the_demo_engine(demo, tmp_path, capsys):
             )
             assert workload.gpus_for_target_rate >= 1
         assert workload.profile in table
+
+
+@contextlib.contextmanager
+def all_in_one_step(async_engine, num_requests: int):
+    """Hold the engine thread (at its lock) until `num_requests` streams are open:
+    they then enter its next step together, a known number running at once."""
+    lock = async_engine.engine._lock
+    lock.acquire()
+
+    def release_when_all_are_in() -> None:
+        deadline = time.monotonic() + 30
+        while async_engine.num_live_streams < num_requests:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        lock.release()
+
+    thread = threading.Thread(target=release_when_all_are_in)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+
+
+@pytest.mark.parametrize(("max_num_seqs", "peak"), [(64, 5), (3, 3)])
+def test_the_peak_of_a_short_run_is_exact(demo, max_num_seqs, peak):
+    # Five requests of 8 tokens each, all in the engine's first step: a run far
+    # shorter than any polling interval, and the scheduler admits min(5, max).
+    model, tokenizer = demo
+    engine = LLMEngine(model, tokenizer, num_blocks=64, max_num_seqs=max_num_seqs)
+    chat = load_profiles()["chat"].with_lengths(prompt_tokens=40, output_tokens=8)
+    prompts = PromptSet(chat, ["Say something."] * 5, [40] * 5)
+
+    with serve(engine, "demo") as (base_url, async_engine):
+        with all_in_one_step(async_engine, 5):
+            run = asyncio.run(
+                run_level(Target(base_url, "demo"), prompts, Bounds(5), concurrency=5)
+            )
+
+    assert (run.num_requests, run.num_errors) == (5, 0), run.errors
+    assert run.peak_concurrent_sequences == peak
 
 
 def test_int8_kv_admits_more_sessions_than_bf16_in_the_same_budget(demo):

@@ -65,7 +65,7 @@ def test_it_streams_256_at_once_on_one_core(scripted):
 
     assert (run.num_requests, run.num_errors) == (256, 0)
     assert run.output_tokens == 256 * 16
-    assert run.peak_concurrent_sequences >= 200  # the server saw them together
+    assert 200 <= run.peak_concurrent_sequences <= 256  # the server had them together
     assert run.client_cpu_s > 0 and run.client_cpu_us_per_token > 0
     # 4096 streamed tokens: the client's own CPU is a fraction of its one core
     # (the scripted server, not the client, sets the pace)
