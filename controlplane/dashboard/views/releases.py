@@ -104,6 +104,7 @@ def release_detail(request, release_id: int):
         "deployments": release.deployments.select_related("environment", "agent"),
         "history": _audit_trail(release),
         "decision_refusal": access.decision_refusal(release, request.user),
+        "reopen_refusal": access.reopen_refusal(release, request.user),
     }
     return render(request, "dashboard/release_detail.html", ctx)
 
