@@ -54,6 +54,7 @@ def scene(
         queue="agent.gpu-a1",
         gpu_model="NVIDIA H100 80GB HBM3",
         gpu_memory_bytes=80 * 2**30,
+        capabilities={"kv_cache_dtypes": ["bf16", "fp8", "int8"], "engine": "own"},
     )
     dead = do_register_agent(
         "gpu-b2",
