@@ -343,7 +343,15 @@ def timeline_figure(stages) -> dict | None:
     started = [s for s in stages if s.job.started is not None]
     if not started:
         return None
-    colour = {"succeeded": "#2e7d32", "failed": "#c62828", "running": "#1565c0"}
+    colour = {
+        "succeeded": "#2e7d32",
+        "pass": "#2e7d32",
+        "failed": "#c62828",
+        "fail": "#c62828",
+        "running": "#1565c0",
+        "inconclusive": "#f9a825",
+        "skipped": "#b0bec5",
+    }
     labels = [f"{s.kind} #{s.job.attempts}" for s in started]
     data = [
         {
@@ -354,12 +362,12 @@ def timeline_figure(stages) -> dict | None:
             "x": [(s.duration_s or 0) * 1000 for s in started],
             "marker": {
                 "color": [
-                    "#ef6c00" if s.health.stuck else colour.get(s.job.state, "#777")
+                    "#ef6c00" if s.health.stuck else colour.get(s.outcome.label, "#777")
                     for s in started
                 ]
             },
             "customdata": [
-                f"{s.duration_s or 0:.3f} s, {s.job.state}" for s in started
+                f"{s.duration_s or 0:.3f} s, {s.outcome.label}" for s in started
             ],
             "hovertemplate": "%{y}: %{customdata}<extra></extra>",
             "name": "stages",

@@ -7,6 +7,7 @@ from controlplane.dashboard.views import (
     environments,
     fleet,
     releases,
+    reopen,
 )
 
 app_name = "dashboard"
@@ -29,6 +30,11 @@ urlpatterns = [
         "releases/<int:release_id>/reject/",
         decisions.reject_release,
         name="reject-release",
+    ),
+    path(
+        "releases/<int:release_id>/reopen/",
+        reopen.reopen_release,
+        name="reopen-release",
     ),
     path("environments/", environments.environment_list, name="environment-list"),
     path("environments/rows/", environments.environment_rows, name="environment-rows"),

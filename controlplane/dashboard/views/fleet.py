@@ -9,6 +9,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.dashboard import access
+from controlplane.dashboard.agent_facts import agent_facts
 from controlplane.dashboard.health import agent_dead_after_s, agent_health, job_health
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases.models import Job
@@ -40,6 +41,7 @@ def _rows(user) -> list[dict]:
         {
             "agent": agent,
             "health": agent_health(agent, now),
+            "facts": agent_facts(agent),
             "jobs": [(job, job_health(job, now)) for job in agent.visible_jobs],
             "deployments": agent.visible_deployments,
         }

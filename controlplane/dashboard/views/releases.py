@@ -11,7 +11,10 @@ from controlplane.dashboard.release_page import release_evidence
 from controlplane.releases.models import Job, Release
 
 RELEASES_PER_PAGE = 25
-# A pipeline is running while the release is in one of these states.
+RUNNING_PIPELINES_SHOWN = 50
+# A pipeline is running while the release is in one of these states, except a gated
+# release whose gate stage has finished: it waits for a person or for new evidence
+# (an inconclusive gate pauses there), as one awaiting approval does.
 ACTIVE_STATES = (
     "verifying",
     "compressing",
@@ -26,13 +29,18 @@ def _running_pipelines(user) -> list[dict]:
     now = timezone.now()
     releases = access.releases(user).filter(state__in=ACTIVE_STATES)
     jobs = Prefetch("jobs", queryset=Job.objects.select_related("agent"))
-    return [
-        {
-            "release": release,
-            "stages": timeline.latest_per_kind(release.jobs.all(), now),
-        }
-        for release in releases.prefetch_related(jobs)[:50]
-    ]
+    rows = []
+    for release in releases.prefetch_related(jobs, "gate_results"):
+        jobs_of_release = list(release.jobs.all())
+        if release.state == "gated" and timeline.paused_at_gate(jobs_of_release):
+            continue
+        stages = timeline.latest_per_kind(
+            jobs_of_release, now, list(release.gate_results.all())
+        )
+        rows.append({"release": release, "stages": stages})
+        if len(rows) == RUNNING_PIPELINES_SHOWN:
+            break
+    return rows
 
 
 @login_required
@@ -62,7 +70,7 @@ def _status_context(release: Release) -> dict:
     jobs = list(release.jobs.select_related("agent"))
     return {
         "release": release,
-        "stages": timeline.stages(jobs, now),
+        "stages": timeline.stages(jobs, now, list(release.gate_results.all())),
         "overhead": timeline.overhead(jobs, now),
     }
 
@@ -96,6 +104,7 @@ def release_detail(request, release_id: int):
         "deployments": release.deployments.select_related("environment", "agent"),
         "history": _audit_trail(release),
         "decision_refusal": access.decision_refusal(release, request.user),
+        "reopen_refusal": access.reopen_refusal(release, request.user),
     }
     return render(request, "dashboard/release_detail.html", ctx)
 

@@ -11,6 +11,7 @@ from controlplane.fleet.actions import do_record_agent_heartbeat, do_register_ag
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases.actions import (
     do_fail_deployment,
+    do_finish_job,
     do_register_release,
     do_reject_release,
     do_start_job,
@@ -44,14 +45,16 @@ def scene(
     queued,
 ):
     """What a release manager meets on a busy day: staging runs 0.9.5 (0.9.0 before
-    it), candidate 1.0.0 waits for approval; production's 0.8.1 failed verification
-    (0.8.0 is the rollback target); 1.1.0's pipeline has a stuck and a retried job
-    on a dead agent."""
+    it), candidate 1.0.0 waits for approval (its reference build was rejected);
+    production's 0.8.1 failed verification (0.8.0 is the rollback target); 1.1.0's
+    pipeline skipped compressing and has a stuck and a retried job on a dead
+    agent."""
     alive = do_register_agent(
         "gpu-a1",
         queue="agent.gpu-a1",
         gpu_model="NVIDIA H100 80GB HBM3",
         gpu_memory_bytes=80 * 2**30,
+        capabilities={"kv_cache_dtypes": ["bf16", "fp8", "int8"], "engine": "own"},
     )
     dead = do_register_agent(
         "gpu-b2",
@@ -92,12 +95,21 @@ def scene(
     )
     to_awaiting_approval(candidate, agent=alive, speed=1.3, kld=0.006)
     running = make_release("1.1.0", state="evaluating")
+    do_finish_job(
+        do_start_job(running, "compress", agent=alive),
+        result={"skipped": "the recipe keeps bf16 weights: nothing to compress"},
+    )
     stuck = do_start_job(running, "evaluate", agent=dead)
     retried = do_start_job(running, "load_test", agent=alive)
     expire_lease(retried)
     do_start_job(running, "load_test", agent=alive)
     expire_lease(stuck)
-    return {"candidate": candidate, "running": running, "alive": alive}
+    return {
+        "candidate": candidate,
+        "rejected": reference,
+        "running": running,
+        "alive": alive,
+    }
 
 
 def _check_fits(page, name: str) -> None:
@@ -139,6 +151,10 @@ def test_it_shows_every_page_at_desktop_and_phone_width(
             assert charts.nth(index).evaluate(CHART_TRACES_JS) > 0
         page.get_by_role("button", name="Approve…").click()
         visit("confirm-approve")
+        visit("release-rejected", f"/releases/{scene['rejected'].pk}/")
+        page.get_by_label("Reason for reopening").fill("rebuilt: tokenizer fixed")
+        page.get_by_role("button", name="Reopen…").click()
+        visit("confirm-reopen")
         visit("release-running", f"/releases/{running.pk}/")
         visit("environments", "/environments/")
         page.get_by_role("button", name="Roll back to").first.click()
@@ -148,3 +164,5 @@ def test_it_shows_every_page_at_desktop_and_phone_width(
         visit("audit", "/audit/")
         context.close()
     assert Job.objects.filter(release=running, state="running").count() == 2
+    scene["rejected"].refresh_from_db()
+    assert scene["rejected"].state == "rejected"  # confirmations were not confirmed

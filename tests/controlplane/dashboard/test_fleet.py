@@ -99,3 +99,72 @@ def test_it_shows_no_agents_to_someone_in_no_team(client, django_user_model, age
 
     assert response.context["rows"] == []
     assert b"gpu-a1" not in response.content
+
+
+@pytest.mark.parametrize(("dead_after_s", "dead"), [(30, True), (120, False)])
+def test_it_judges_death_by_the_configured_silence(
+    client, owner, agent, settings, dead_after_s, dead
+):
+    settings.AGENT_DEAD_AFTER_S = dead_after_s
+    Agent.objects.filter(pk=agent.pk).update(
+        last_heartbeat=timezone.now() - timedelta(seconds=60)
+    )
+    client.force_login(owner)
+
+    response = client.get("/fleet/")
+
+    assert _rows(response)["gpu-a1"]["health"].alive is not dead
+    assert (b'class="dead"' in response.content) is dead
+    assert f"dead after {dead_after_s} s without a heartbeat".encode() in (
+        response.content
+    )
+
+
+def test_it_marks_an_agent_that_never_sent_a_heartbeat_dead(client, owner, agent):
+    Agent.objects.filter(pk=agent.pk).update(last_heartbeat=None)
+    client.force_login(owner)
+
+    body = client.get("/fleet/").content.decode()
+
+    assert '<tr data-agent="gpu-a1" class="dead">' in body
+    assert "never sent a heartbeat" in body
+
+
+def test_it_shows_what_the_agent_reports_about_itself(client, owner, db):
+    do_register_agent(
+        "gpu-b2",
+        queue="agent.gpu-b2",
+        capabilities={"kv_cache_dtypes": ["int8", "fp8"], "engine": "releasegate"},
+    )
+    client.force_login(owner)
+
+    body = client.get("/fleet/").content.decode()
+
+    assert "kv cache dtypes:</span> int8, fp8" in body
+    assert "engine:</span> releasegate" in body
+
+
+def test_it_shows_heartbeat_fields_the_page_does_not_know_yet(
+    client, owner, agent, monkeypatch
+):
+    # What a later heartbeat adds to Agent.to_dict() shows without a template change.
+    reported = Agent.to_dict
+
+    def to_dict(self):
+        return {
+            **reported(self),
+            "gpu_memory_used_bytes": 3 * 2**30,
+            "engine_healthy": False,
+            "current_jobs": [17, 18],
+            "gpu_utilization": None,
+        }
+
+    monkeypatch.setattr(Agent, "to_dict", to_dict)
+    client.force_login(owner)
+
+    body = client.get("/fleet/").content.decode()
+
+    assert "gpu memory used:</span> 3.0 GiB" in body
+    assert "engine healthy:</span> no" in body
+    assert "current jobs:</span> 17, 18" in body
+    assert "gpu utilization" not in body

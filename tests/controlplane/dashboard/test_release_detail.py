@@ -1,5 +1,8 @@
 import json
 import re
+from datetime import UTC, datetime, timedelta
+
+import pytest
 
 from controlplane.releases.actions import (
     do_evaluate_release_gates,
@@ -8,12 +11,15 @@ from controlplane.releases.actions import (
     do_start_job,
     do_transition_release,
 )
+from controlplane.releases.models import Job
 from gpuagent.protocol import FileDigest
 from tests.controlplane.dashboard.builders import load_test_report, quality_report
 
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
 
 def _chart(response, name: str) -> dict:
-    body = response.content.decode()
+    body = response if isinstance(response, str) else response.content.decode()
     start = body.index(f'id="chart-data-{name}" type="application/json">')
     start = body.index(">", start) + 1
     return json.loads(body[start : body.index("</script>", start)])
@@ -258,3 +264,90 @@ def test_it_says_a_live_release_is_not_for_deciding(client, teammate, make_live)
         "it is live; a person decides on a release awaiting approval"
     )
     assert b"/approve/" not in response.content
+
+
+def _stage_row(body: str, kind: str) -> str:
+    return re.search(rf'<tr data-stage="{kind}">(.*?)</tr>', body, re.S).group(1)
+
+
+def _record(release, kind, result, *, error="", at_s=None, took_s=None):
+    job = do_finish_job(do_start_job(release, kind), result=result, error=error)
+    if at_s is not None:
+        started = T0 + timedelta(seconds=at_s)
+        Job.objects.filter(pk=job.pk).update(
+            started=started, finished=started + timedelta(seconds=took_s)
+        )
+    return job
+
+
+def test_it_shows_a_stage_that_did_no_work_as_skipped_with_why(
+    client, teammate, release
+):
+    _record(release, "compress", {"skipped": "compressor not built yet"})
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    row = _stage_row(body, "compress")
+    assert 'data-outcome="skipped"' in row
+    assert "compressor not built yet" in row
+    assert "state-succeeded" not in row
+    timeline = _chart(body, "timeline")["data"][0]
+    assert timeline["customdata"][0].endswith(", skipped")
+    assert timeline["marker"]["color"][0] != "#2e7d32"  # not the green of success
+
+
+@pytest.mark.parametrize(
+    ("quality", "load", "outcome", "reason"),
+    [
+        (0.5, "report", "fail", "failed gates: "),  # KLD far over the threshold
+        (0.004, None, "inconclusive", "inconclusive gates: load (report)"),
+    ],
+)
+def test_it_shows_the_gate_stage_as_its_gate_results_say(
+    client, teammate, release, quality, load, outcome, reason
+):
+    do_evaluate_release_gates(
+        release,
+        quality=quality_report(release, kld=quality),
+        load=load_test_report(release.recipe) if load else None,
+        integrity_ok=True,
+    )
+    # The gate job itself succeeds: it got as far as deciding.
+    _record(release, "gate", {})
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    row = _stage_row(body, "gate")
+    assert f'data-outcome="{outcome}"' in row
+    assert reason in row
+    assert "state-succeeded" not in row
+
+
+def test_it_shows_each_stage_duration_and_the_checks_share(client, teammate, release):
+    _record(release, "verify_source", {"ok": True}, at_s=0, took_s=10)
+    _record(release, "compress", {}, at_s=10, took_s=50)
+    _record(release, "sign", {}, at_s=60, took_s=10)
+    _record(release, "evaluate", {}, at_s=70, took_s=30)
+    _record(release, "load_test", {}, at_s=70, took_s=40)
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    durations = {
+        kind: re.findall(r'<td class="num">(.*?)</td>', _stage_row(body, kind))[0]
+        for kind in ("verify_source", "compress", "sign", "evaluate", "load_test")
+    }
+    assert durations == {
+        "verify_source": "10.0 s",
+        "compress": "50.0 s",
+        "sign": "10.0 s",
+        "evaluate": "30.0 s",
+        "load_test": "40.0 s",
+    }
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", body))
+    # 110 s on the way to deploy; integrity 20 s of it, tests (in parallel) 40 s.
+    assert "Pipeline time so far: 110.0 s of machine time" in text
+    assert "Integrity checks added 20.0 s (18.2%)" in text
+    assert "quality and load tests 40.0 s (36.4%)" in text

@@ -3,12 +3,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from controlplane.dashboard.timeline import latest_per_kind, overhead, stages
+from controlplane.dashboard.timeline import (
+    latest_per_kind,
+    overhead,
+    paused_at_gate,
+    stages,
+)
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
-def _job(pk, kind, start_s, end_s=None, state=None):
+def _gate(outcome):
+    return SimpleNamespace(gate="quality", metric="english.mean_kld", outcome=outcome)
+
+
+def _job(pk, kind, start_s, end_s=None, state=None, result=None, error=""):
     return SimpleNamespace(
         pk=pk,
         kind=kind,
@@ -18,6 +27,8 @@ def _job(pk, kind, start_s, end_s=None, state=None):
         lease_expires=None,
         attempts=1,
         agent=None,
+        result=result if result is not None else {},
+        error=error,
     )
 
 
@@ -86,3 +97,69 @@ def test_it_takes_the_newest_job_of_each_kind_in_pipeline_order():
         ("evaluate", 3),
     ]
     assert latest[1].duration_s == 4
+
+
+def test_it_shows_a_job_that_did_no_work_as_skipped_with_its_reason():
+    jobs = [_job(1, "compress", 0, 1, result={"skipped": "compressor not built"})]
+
+    [stage] = stages(jobs, now=T0)
+
+    assert stage.job.state == "succeeded"
+    assert (stage.outcome.label, stage.outcome.reason) == (
+        "skipped",
+        "compressor not built",
+    )
+
+
+def test_it_counts_a_skipped_check_in_no_share_of_the_time_to_deploy():
+    jobs = [
+        _job(1, "verify_source", 0, 10, result={"skipped": "no verifier"}),
+        _job(2, "compress", 10, 30),
+        _job(3, "evaluate", 30, 40, result={"skipped": "no evaluator"}),
+        _job(4, "load_test", 30, 50),
+    ]
+
+    result = overhead(jobs, now=T0 + timedelta(seconds=60))
+
+    assert result.time_to_deploy_s == pytest.approx(50)
+    assert result.integrity_s == 0
+    assert result.tests_s == pytest.approx(20)
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "expected"),
+    [
+        (["pass", "fail"], "fail"),
+        (["pass", "inconclusive"], "inconclusive"),
+        ([], "inconclusive"),
+        (["pass", "pass"], "pass"),
+    ],
+)
+def test_it_shows_the_gate_stage_as_its_recorded_results_say(outcomes, expected):
+    # The gate job succeeds whenever it got as far as deciding.
+    gate = _job(7, "gate", 0, 1, result={"outcome": "pass"})
+
+    [stage] = stages([gate], now=T0, gate_results=[_gate(o) for o in outcomes])
+
+    assert stage.outcome.label == expected
+    assert stage.outcome.label != "succeeded"
+
+
+def test_it_shows_an_older_gate_run_as_its_own_result_said():
+    older = _job(1, "gate", 0, 1, result={"outcome": "inconclusive"})
+    silent = _job(2, "gate", 2, 3)
+    newest = _job(3, "gate", 4, 5)
+
+    shown = stages([older, silent, newest], now=T0, gate_results=[_gate("pass")])
+
+    assert [s.outcome.label for s in shown] == ["inconclusive", "inconclusive", "pass"]
+
+
+def test_it_knows_a_pipeline_paused_after_its_gate_stage():
+    before = [_job(1, "evaluate", 0, 5)]
+    deciding = [*before, _job(2, "gate", 5)]
+    decided = [*before, _job(2, "gate", 5, 6)]
+
+    assert not paused_at_gate(before)
+    assert not paused_at_gate(deciding)
+    assert paused_at_gate(decided)
