@@ -136,7 +136,10 @@ class BackendSpec(_Message):
     preset: str = ""
     command_template: str = ""
     tensor_parallel_size: int = Field(1, ge=1)
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address the server listens on")
+    advertise_host: str = Field(
+        "", description="host name in the reported endpoint (default: host)"
+    )
     # The engine's own settings (None: the engine's default); an external engine
     # takes its settings in its template, so there they must stay None.
     kv_memory_gb: float | None = Field(None, gt=0)

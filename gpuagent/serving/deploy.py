@@ -10,6 +10,7 @@ recorded. Any failure after the start stops the whole process group: no orphans.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import uuid
 from collections.abc import Mapping
@@ -31,7 +32,6 @@ from gpuagent.serving.templates import parse_template, preset_template, render_c
 from gpuagent.serving.verify import (
     Trust,
     describe_mismatch,
-    file_digests,
     reverify,
     verify_for_deploy,
 )
@@ -60,7 +60,8 @@ def deploy(
     Never raises for a refusal or a failed start: the result has `ok=False`, an
     `error` naming the reason, `error_code`, and for a mismatch the `missing`,
     `extra` and `changed` files. A refusal starts no process; a failed start leaves
-    none running. `env` is the server's environment (default: this process's)."""
+    none running. `env` is the server's environment (default: this process's),
+    without secrets (`server_env`)."""
     model_dir = Path(model_dir).absolute()
     trust = trust or Trust()
     deployment_id = (
@@ -69,7 +70,7 @@ def deploy(
     backend = spec.backend.kind
     try:
         template, kv_value = _backend_template(spec)  # refused before any hashing
-        manifest = verify_for_deploy(
+        manifest, approved = verify_for_deploy(
             model_dir, spec, trust, quarantined=registry.quarantined()
         )
         host = spec.backend.host
@@ -94,11 +95,12 @@ def deploy(
             )
             check_name = name if "{served_model_name}" in template else None
         log_path = registry.log_path(deployment_id)
-        pid, started = process.spawn(argv, log_path, dict(env or os.environ))
-        endpoint = f"http://{host}:{port}"
+        pid, started = process.spawn(argv, log_path, server_env(env))
+        local_url = f"http://{_local_host(host)}:{port}"
+        endpoint = f"http://{spec.backend.advertise_host or _local_host(host)}:{port}"
         try:
             process.wait_healthy(
-                endpoint,
+                local_url,
                 pid,
                 started,
                 spec.health_timeout_s,
@@ -109,9 +111,7 @@ def deploy(
                 # An external engine reads the files itself: check that what it
                 # read while starting is still the approved bytes.
                 after = reverify(
-                    model_dir,
-                    spec.manifest_digest,
-                    approved_files=file_digests(model_dir, manifest),
+                    model_dir, spec.manifest_digest, approved_files=approved
                 )
                 if not after.ok:
                     raise DeployRefusedError(
@@ -122,27 +122,28 @@ def deploy(
                         extra=after.extra,
                         changed=after.changed,
                     )
-        except BaseException:
-            process.stop(pid, started, stop_grace_s)
-            raise
-        info = DeploymentInfo(
-            deployment_id=deployment_id,
-            manifest_digest=spec.manifest_digest,
-            endpoint=endpoint,
-            backend=backend,
-            served_model_name=name,
-            model_dir=str(model_dir),
-            pid=pid,
-            started=datetime.now(UTC),
-        )
-        registry.add(
-            DeploymentRecord(
-                info=info,
-                process_start_time=started,
-                log_path=str(log_path),
-                approved_files=file_digests(model_dir, manifest),
+            info = DeploymentInfo(
+                deployment_id=deployment_id,
+                manifest_digest=spec.manifest_digest,
+                endpoint=endpoint,
+                backend=backend,
+                served_model_name=name,
+                model_dir=str(model_dir),
+                pid=pid,
+                started=datetime.now(UTC),
             )
-        )
+            registry.add(
+                DeploymentRecord(
+                    info=info,
+                    process_start_time=started,
+                    log_path=str(log_path),
+                    local_url=local_url,
+                    approved_files=approved,
+                )
+            )
+        except BaseException:
+            process.stop(pid, started, stop_grace_s)  # no server left unrecorded
+            raise
     except ServingError as e:
         lists = {}
         if isinstance(e, DeployRefusedError):
@@ -236,17 +237,39 @@ def check_rollback_target(
         )
     except ServingError as e:
         return RollbackCheck(ok=False, reason=f"re-verification failed: {e}")
-    healthy = process.health_ok(record.info.endpoint)
+    healthy = process.health_ok(record.local_url)
     reasons = []
     if not result.ok:
         reasons.append(
             "its files differ from the approved manifest: " + describe_mismatch(result)
         )
     if not healthy:
-        reasons.append(f"{record.info.endpoint}/health does not answer 200")
+        reasons.append(f"{record.local_url}/health does not answer 200")
     return RollbackCheck(
         ok=not reasons, reason="; ".join(reasons), verify=result, healthy=healthy
     )
+
+
+# Variables of the agent's own environment a server must not inherit: the broker's
+# and database's credentials, keys and tokens.
+SECRET_ENV = re.compile(
+    r"(SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|PRIVATE|_KEY$|^CELERY_|DATABASE_URL)"
+)
+# Nothing downloads at run time: a hub-aware engine must not fetch a missing file.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def server_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A server's environment: `env` (default: this process's) without the agent's
+    secrets (see SECRET_ENV), with the hub clients offline."""
+    source = os.environ if env is None else env
+    kept = {k: v for k, v in source.items() if not SECRET_ENV.search(k.upper())}
+    return {**kept, **OFFLINE_ENV}
+
+
+def _local_host(host: str) -> str:
+    """Where this agent reaches a server that listens on `host`."""
+    return "127.0.0.1" if host in ("", "0.0.0.0") else "[::1]" if host == "::" else host
 
 
 def _record(deployment_id: str, registry: Registry) -> DeploymentRecord:

@@ -141,6 +141,15 @@ def wait_healthy(
                 if client.get(f"{base_url}/health").status_code == 200:
                     break
             time.sleep(HEALTH_POLL_S)
+        port = int(base_url.rsplit(":", 1)[1])
+        owners = port_listeners(port)
+        if owners is not None and not owners & group_members(pid):
+            # Another server took the port between our check and the child's bind:
+            # its /health is not ours.
+            raise StartError(
+                f"port {port} is held by process(es) {sorted(owners)}, not by the "
+                f"server started (pid {pid}): {log_tail(log_path)}"
+            )
         if served_model_name is not None:
             names = _model_names(client, base_url)
             if served_model_name not in names:
@@ -150,6 +159,47 @@ def wait_healthy(
                 )
         if not is_running(pid, started):
             raise StartError(f"the server exited after /health: {log_tail(log_path)}")
+
+
+def port_listeners(port: int) -> set[int] | None:
+    """Pids holding a listening TCP socket on `port` (any address), from
+    /proc/net/tcp{,6} and the processes' fds; None where /proc cannot tell."""
+    inodes = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(FileNotFoundError):
+                for line in Path(table).read_text().splitlines()[1:]:
+                    fields = line.split()
+                    local, state, inode = fields[1], fields[3], fields[9]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{inode}]")
+    except (OSError, ValueError, IndexError):
+        return None
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in inodes:
+                        pids.add(int(entry.name))
+                        break
+    return pids
+
+
+def group_members(pgid: int) -> set[int]:
+    """Pids of the live processes of process group `pgid`."""
+    members = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+                members.add(int(entry.name))
+    return members
 
 
 def health_ok(base_url: str, timeout_s: float = 5.0) -> bool:

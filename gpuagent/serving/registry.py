@@ -35,6 +35,7 @@ class DeploymentRecord(BaseModel):
     info: DeploymentInfo
     process_start_time: int
     log_path: str
+    local_url: str
     # Per-file digests of the bytes verified at deploy: re-verification names
     # the files that changed since.
     approved_files: list[FileDigest] = []

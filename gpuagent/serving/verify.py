@@ -93,10 +93,11 @@ def verify_for_deploy(
     trust: Trust,
     *,
     quarantined: Sequence[str] = (),
-) -> Manifest:
+) -> tuple[Manifest, list[FileDigest]]:
     """Everything checked before a server process may start; returns the manifest
-    of the files as hashed now. Raises DeployRefusedError naming the reason and,
-    for a mismatch, the missing/extra/changed files."""
+    of the files as hashed now and their per-file digests. Raises
+    DeployRefusedError naming the reason and, for a mismatch, the
+    missing/extra/changed files."""
     digest = spec.manifest_digest
     if digest in set(spec.quarantined_digests) | set(quarantined):
         raise DeployRefusedError(
@@ -130,7 +131,12 @@ def verify_for_deploy(
             f"refused {model_dir}: [{e.code}] {e}", code=e.code
         ) from None
     check_weight_format(model_dir, spec.recipe.weights)
-    return manifest
+    try:
+        return manifest, file_digests(model_dir, manifest)
+    except OSError as e:
+        raise DeployRefusedError(
+            f"the folder changed while it was verified: {e}", code="manifest-mismatch"
+        ) from None
 
 
 def reverify(

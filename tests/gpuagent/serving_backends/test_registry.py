@@ -10,6 +10,7 @@ import time
 
 from gpuagent.serving import (
     Registry,
+    check_rollback_target,
     deploy,
     loaded_deployments,
     recover_deployments,
@@ -35,6 +36,7 @@ def test_it_undeploys_idempotently_and_closes_the_port(approved, registry):
     )
     assert result.ok, result.error
     port = int(result.endpoint.rsplit(":", 1)[1])
+    assert result.endpoint == f"http://127.0.0.1:{port}"
     assert port_open(port) and len(processes_with(marker)) == 1
     assert [d.deployment_id for d in loaded_deployments(registry)] == [
         result.deployment_id
@@ -179,3 +181,18 @@ def test_it_drops_records_of_dead_servers_and_never_signals_a_recycled_pid(
 
     assert loaded_deployments(registry) == []
     assert undeploy(result.deployment_id, registry=registry) is False
+
+
+def test_it_reports_the_advertised_host_and_checks_health_locally(approved, registry):
+    backend = stand_in_backend().model_copy(
+        update={"advertise_host": "agent-7.example"}
+    )
+    result = deploy(
+        approved.folder,
+        spec_for(approved, backend, served_model_name=new_marker()),
+        registry=registry,
+    )
+
+    assert result.ok, result.error
+    assert result.endpoint.startswith("http://agent-7.example:")
+    assert check_rollback_target(result.deployment_id, registry=registry).healthy
