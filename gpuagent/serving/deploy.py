@@ -31,8 +31,10 @@ from gpuagent.serving.registry import DeploymentRecord, Registry
 from gpuagent.serving.templates import parse_template, preset_template, render_command
 from gpuagent.serving.verify import (
     Trust,
+    check_not_quarantined,
     describe_mismatch,
     reverify,
+    trust_policy,
     verify_for_deploy,
 )
 
@@ -61,21 +63,29 @@ def deploy(
     `error` naming the reason, `error_code`, and for a mismatch the `missing`,
     `extra` and `changed` files. A refusal starts no process; a failed start leaves
     none running. `env` is the server's environment (default: this process's),
-    without secrets (`server_env`)."""
+    without secrets (`server_env`). Idempotent: when this agent already runs the
+    same digest from the same folder under the same backend and name, and that
+    copy still verifies and answers `/health`, its result is returned again."""
     model_dir = Path(model_dir).absolute()
     trust = trust or Trust()
     deployment_id = (
         f"{spec.manifest_digest.rpartition(':')[2][:12]}-{uuid.uuid4().hex[:8]}"
     )
     backend = spec.backend.kind
+    name = spec.served_model_name or str(model_dir)
     try:
         template, kv_value = _backend_template(spec)  # refused before any hashing
+        check_not_quarantined(spec.manifest_digest, spec, registry.quarantined())
+        same = _running_copy(model_dir, spec, name, registry)
+        if same is not None:  # a redelivered deploy job: the server it started
+            found = _reuse(same, spec, trust, registry, stop_grace_s)
+            if found is not None:
+                return found
         manifest, approved = verify_for_deploy(
             model_dir, spec, trust, quarantined=registry.quarantined()
         )
         host = spec.backend.host
         port = process.pick_port(host, spec.port, spec.port_range)
-        name = spec.served_model_name or str(model_dir)
         if backend == "engine":
             argv = _engine_argv(model_dir, spec, trust, host, port, name)
             check_name: str | None = name
@@ -270,6 +280,62 @@ def server_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def _local_host(host: str) -> str:
     """Where this agent reaches a server that listens on `host`."""
     return "127.0.0.1" if host in ("", "0.0.0.0") else "[::1]" if host == "::" else host
+
+
+def _running_copy(
+    model_dir: Path, spec: DeploySpec, name: str, registry: Registry
+) -> DeploymentRecord | None:
+    """A running deployment of the same digest, folder, backend and name."""
+    for record in registry.records():
+        info = record.info
+        if (
+            info.manifest_digest == spec.manifest_digest
+            and info.model_dir == str(model_dir)
+            and info.backend == spec.backend.kind
+            and info.served_model_name == name
+            and (spec.port is None or info.endpoint.endswith(f":{spec.port}"))
+        ):
+            return record
+    return None
+
+
+def _reuse(
+    record: DeploymentRecord,
+    spec: DeploySpec,
+    trust: Trust,
+    registry: Registry,
+    stop_grace_s: float,
+) -> DeployResult | None:
+    """The result of a deploy that finds its server already running: that server
+    when its folder still verifies and it answers `/health` (deploy is idempotent);
+    a refusal with the file lists when the folder changed; None (after stopping
+    it) when it no longer answers, so that a fresh one is started."""
+    deployment_id = record.info.deployment_id
+    check = check_rollback_target(
+        deployment_id,
+        registry=registry,
+        signature_path=trust.signature_path,
+        policy=trust_policy(trust, spec),
+    )
+    if check.ok:
+        return DeployResult(
+            ok=True,
+            endpoint=record.info.endpoint,
+            manifest_digest=spec.manifest_digest,
+            deployment_id=deployment_id,
+            backend=record.info.backend,
+        )
+    if check.verify is not None and not check.verify.ok:
+        raise DeployRefusedError(
+            f"deployment {deployment_id} runs, but its folder no longer matches the "
+            f"approved manifest: {describe_mismatch(check.verify)}",
+            code="manifest-mismatch",
+            missing=check.verify.missing,
+            extra=check.verify.extra,
+            changed=check.verify.changed,
+        )
+    undeploy(deployment_id, registry=registry, grace_s=stop_grace_s)
+    return None
 
 
 def _record(deployment_id: str, registry: Registry) -> DeploymentRecord:

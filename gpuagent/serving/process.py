@@ -78,6 +78,8 @@ def stop(pid: int, started: int, grace_s: float = 10.0) -> bool:
     was_running = is_running(pid, started)
     if was_running:
         _kill_group_if_ours(pid, started, signal.SIGTERM)
+        # A stopped process acts on SIGTERM only once continued.
+        _kill_group_if_ours(pid, started, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and is_running(pid, started):
             time.sleep(0.05)

@@ -99,11 +99,7 @@ def verify_for_deploy(
     DeployRefusedError naming the reason and, for a mismatch, the
     missing/extra/changed files."""
     digest = spec.manifest_digest
-    if digest in set(spec.quarantined_digests) | set(quarantined):
-        raise DeployRefusedError(
-            f"manifest digest {digest} is quarantined: no agent loads it again",
-            code="quarantined",
-        )
+    check_not_quarantined(digest, spec, quarantined)
     policy = trust_policy(trust, spec)
     try:
         if trust.signature_path is not None:
@@ -137,6 +133,18 @@ def verify_for_deploy(
         raise DeployRefusedError(
             f"the folder changed while it was verified: {e}", code="manifest-mismatch"
         ) from None
+
+
+def check_not_quarantined(
+    digest: str, spec: DeploySpec, quarantined: Sequence[str]
+) -> None:
+    """Refuse a digest the control plane (`spec.quarantined_digests`) or this
+    agent (`quarantined`) has quarantined."""
+    if digest in set(spec.quarantined_digests) | set(quarantined):
+        raise DeployRefusedError(
+            f"manifest digest {digest} is quarantined: no agent loads it again",
+            code="quarantined",
+        )
 
 
 def reverify(

@@ -1,8 +1,10 @@
 """Deployments' processes: started in their own group, stopped with SIGTERM then
 SIGKILL, never left behind by a failed start, found again by a restarted agent."""
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -196,3 +198,40 @@ def test_it_reports_the_advertised_host_and_checks_health_locally(approved, regi
     assert result.ok, result.error
     assert result.endpoint.startswith("http://agent-7.example:")
     assert check_rollback_target(result.deployment_id, registry=registry).healthy
+
+
+def test_a_redelivered_deploy_returns_the_running_server(approved, registry):
+    marker = new_marker()
+    spec = spec_for(approved, stand_in_backend(), served_model_name=marker)
+    first = deploy(approved.folder, spec, registry=registry)
+
+    again = deploy(approved.folder, spec, registry=registry)
+    (approved.folder / "notes.txt").write_text("planted\n")
+    tampered = deploy(approved.folder, spec, registry=registry)
+
+    assert first.ok and again.ok, (first.error, again.error)
+    assert again.deployment_id == first.deployment_id
+    assert again.endpoint == first.endpoint
+    assert not tampered.ok and tampered.extra == ["notes.txt"]
+    assert len(processes_with(marker)) == 1  # never a second server
+
+
+def test_a_redelivered_deploy_replaces_a_server_that_stopped_answering(
+    approved, registry
+):
+    marker = new_marker()
+    spec = spec_for(approved, stand_in_backend(), served_model_name=marker)
+    first = deploy(approved.folder, spec, registry=registry)
+    pid = registry.get(first.deployment_id).info.pid
+    os.kill(pid, signal.SIGSTOP)  # alive, but /health never answers
+    try:
+        again = deploy(approved.folder, spec, registry=registry)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+    assert again.ok and again.deployment_id != first.deployment_id, again.error
+    assert [d.deployment_id for d in loaded_deployments(registry)] == [
+        again.deployment_id
+    ]
+    assert len(processes_with(marker)) == 1
