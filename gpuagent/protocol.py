@@ -106,6 +106,7 @@ class VerifyResult(_Message):
     missing: list[str] = []
     extra: list[str] = []
     changed: list[str] = []
+    error: str = Field("", description="why the copy could not be checked, if so")
 
 
 class MetricResult(_Message):

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -54,6 +54,7 @@ def deploy(
     trust: Trust | None = None,
     env: Mapping[str, str] | None = None,
     stop_grace_s: float = 10.0,
+    allowed_programs: Collection[str] | None = None,
 ) -> DeployResult:
     """Verify `model_dir` against `spec.manifest_digest` (and `trust`'s signature),
     start `spec.backend`'s server for it, wait for `/health`, record it in
@@ -65,7 +66,9 @@ def deploy(
     none running. `env` is the server's environment (default: this process's),
     without secrets (`server_env`). Idempotent: when this agent already runs the
     same digest from the same folder under the same backend and name, and that
-    copy still verifies and answers `/health`, its result is returned again."""
+    copy still verifies and answers `/health`, its result is returned again.
+    `allowed_programs` (the agent's own setting): the programs an external template
+    may start, as its first word is written ("vllm", "{python}"); None: any."""
     model_dir = Path(model_dir).absolute()
     trust = trust or Trust()
     deployment_id = (
@@ -75,6 +78,13 @@ def deploy(
     name = spec.served_model_name or str(model_dir)
     try:
         template, kv_value = _backend_template(spec)  # refused before any hashing
+        if template and allowed_programs is not None:
+            program = parse_template(template)[0]
+            if program not in allowed_programs:
+                raise TemplateError(
+                    f"program {program!r} is not allowed on this agent (allowed: "
+                    f"{', '.join(sorted(allowed_programs)) or 'none'})"
+                )
         check_not_quarantined(spec.manifest_digest, spec, registry.quarantined())
         same = _running_copy(model_dir, spec, name, registry)
         if same is not None:  # a redelivered deploy job: the server it started
@@ -251,7 +261,8 @@ def check_rollback_target(
     reasons = []
     if not result.ok:
         reasons.append(
-            "its files differ from the approved manifest: " + describe_mismatch(result)
+            "its files differ from the approved manifest: "
+            + (describe_mismatch(result) or result.error)
         )
     if not healthy:
         reasons.append(f"{record.local_url}/health does not answer 200")
@@ -326,9 +337,10 @@ def _reuse(
             backend=record.info.backend,
         )
     if check.verify is not None and not check.verify.ok:
+        why = describe_mismatch(check.verify) or check.verify.error
         raise DeployRefusedError(
             f"deployment {deployment_id} runs, but its folder no longer matches the "
-            f"approved manifest: {describe_mismatch(check.verify)}",
+            f"approved manifest: {why}",
             code="manifest-mismatch",
             missing=check.verify.missing,
             extra=check.verify.extra,

@@ -160,8 +160,8 @@ def reverify(
     (with `signature_path`, whose signature and binding are checked against
     `policy`) or from `approved_files` (the per-file digests recorded at approval);
     with neither, a mismatch has no file list and says so in `changed` as ["*"]. A
-    folder that cannot be read at all (gone, a symlink) is a failed result, never a
-    pass."""
+    folder that cannot be checked (gone: `missing` ["*"]; a symlink or special file
+    inside, a bad signature) is a failed result with `error`, never a pass."""
     model_dir = Path(model_dir)
     policy = policy or DEFAULT_POLICY
     try:
@@ -183,11 +183,14 @@ def reverify(
         result, _ = _compare(model_dir, manifest_digest, approved_files, policy)
         return result
     except IntegrityError as e:
-        if not model_dir.is_dir():
-            return VerifyResult(ok=False, manifest_digest="", missing=["*"])
-        raise DeployRefusedError(
-            f"cannot re-verify {model_dir}: [{e.code}] {e}", code=e.code
-        ) from None
+        # Unreadable (gone, a symlink or special file planted, a bad signature):
+        # a failure with the reason, never a pass.
+        return VerifyResult(
+            ok=False,
+            manifest_digest="",
+            missing=[] if model_dir.is_dir() else ["*"],
+            error=f"[{e.code}] {e}",
+        )
 
 
 def file_digests(model_dir: Path, manifest: Manifest) -> list[FileDigest]:

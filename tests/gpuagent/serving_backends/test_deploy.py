@@ -282,3 +282,15 @@ def test_it_refuses_bytes_changed_while_an_external_engine_started(
     assert not result.ok and result.error_code == "changed-during-start"
     assert result.changed == ["model.safetensors"]
     assert processes_with(marker) == [] and loaded_deployments(registry) == []
+
+
+def test_it_starts_only_the_programs_this_agent_allows(approved, registry):
+    spec = spec_for(approved, stand_in_backend(), served_model_name=new_marker())
+
+    result = deploy(approved.folder, spec, registry=registry, allowed_programs={"vllm"})
+
+    assert not result.ok and result.error_code == "bad-template"
+    assert "program '{python}' is not allowed on this agent (allowed: vllm)" in (
+        result.error
+    )
+    assert not (registry.state_dir / "logs").exists()

@@ -68,7 +68,16 @@ def test_it_takes_the_file_list_from_the_signed_manifest(approved, tmp_path):
 def test_it_fails_for_a_folder_that_is_gone(approved, tmp_path):
     result = reverify(tmp_path / "nowhere", approved.digest)
 
-    assert not result.ok and result.missing == ["*"]
+    assert not result.ok and result.missing == ["*"] and result.error
+
+
+def test_it_fails_with_the_reason_for_a_planted_symlink(approved):
+    (approved.folder / "extra.json").symlink_to("/etc/hostname")
+
+    result = reverify(approved.folder, approved.digest, approved_files=approved.files)
+
+    assert not result.ok and "[unsafe-path]" in result.error
+    assert "extra.json" in result.error
 
 
 def test_it_checks_a_rollback_target_by_rehash_and_health(approved, registry):
