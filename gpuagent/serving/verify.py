@@ -36,6 +36,7 @@ from gpuagent.integrity.policy import (
     policy_from_trust_args,
     release_from_flags,
 )
+from gpuagent.integrity.signing import read_signed_statement
 from gpuagent.protocol import DeploySpec, FileDigest, VerifyResult
 from gpuagent.serving.errors import DeployRefusedError
 
@@ -103,6 +104,7 @@ def verify_for_deploy(
     policy = trust_policy(trust, spec)
     try:
         if trust.signature_path is not None:
+            # Hashes every file once and names the differing ones itself.
             report = verify_model(model_dir, trust.signature_path, policy)
             if report.manifest_digest != digest:
                 raise DeployRefusedError(
@@ -110,9 +112,12 @@ def verify_for_deploy(
                     f"{digest}",
                     code="manifest-digest-mismatch",
                 )
-        result, manifest = _compare(model_dir, digest, spec.approved_files, policy)
-        if not result.ok:
-            raise _refusal(result)
+            # The files hashed to the signed manifest: it is theirs (no re-hash).
+            manifest = read_signed_statement(trust.signature_path, policy).manifest
+        else:
+            result, manifest = _compare(model_dir, digest, spec.approved_files, policy)
+            if not result.ok:
+                raise _refusal(result)
         inspect_model(model_dir, policy)
     except ManifestMismatchError as e:
         raise DeployRefusedError(
@@ -176,10 +181,12 @@ def reverify(
                     extra=e.extra,
                     changed=e.changed,
                 )
-            if report.manifest_digest != manifest_digest:
-                return VerifyResult(
-                    ok=False, manifest_digest=report.manifest_digest, changed=["*"]
-                )
+            # Every file was hashed against the signed manifest: not again.
+            return VerifyResult(
+                ok=report.manifest_digest == manifest_digest,
+                manifest_digest=report.manifest_digest,
+                changed=[] if report.manifest_digest == manifest_digest else ["*"],
+            )
         result, _ = _compare(model_dir, manifest_digest, approved_files, policy)
         return result
     except IntegrityError as e:

@@ -101,3 +101,27 @@ def test_it_checks_a_rollback_target_by_rehash_and_health(approved, registry):
     assert not tampered.ok and tampered.healthy
     assert "model.safetensors" in tampered.reason
     assert not dead.ok and "not running" in dead.reason
+
+
+def test_it_passes_an_intact_signed_copy_and_refuses_another_releases_digest(
+    approved, tmp_path
+):
+    keys = Keys(tmp_path, "publisher")
+    release = ReleaseBinding("demo", "1", "weights=bf16,kv=int8")
+    signature = approved.folder / "model.sig"
+    sign_model(approved.folder, signature, release=release, private_key=keys.private)
+    from gpuagent.integrity.policy import policy_from_flags
+
+    policy = policy_from_flags(
+        public_keys_pem=[keys.public_pem], release=release, signature_name="model.sig"
+    )
+
+    intact = reverify(
+        approved.folder, approved.digest, signature_path=signature, policy=policy
+    )
+    other = reverify(
+        approved.folder, "sha256:" + "0" * 64, signature_path=signature, policy=policy
+    )
+
+    assert intact.ok and intact.manifest_digest == approved.digest
+    assert not other.ok and other.manifest_digest == approved.digest
