@@ -50,9 +50,9 @@ def is_running(pid: int, started: int) -> bool:
 def spawn(argv: Sequence[str], log_path: Path, env: dict[str, str]) -> tuple[int, int]:
     """Start `argv` (no shell) in a new session with stdout and stderr appended to
     `log_path`; returns (pid, start time)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        try:
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 list(argv),
                 stdin=subprocess.DEVNULL,
@@ -62,8 +62,8 @@ def spawn(argv: Sequence[str], log_path: Path, env: dict[str, str]) -> tuple[int
                 start_new_session=True,
                 close_fds=True,
             )
-        except OSError as e:
-            raise StartError(f"cannot start {argv[0]!r}: {e}") from None
+    except OSError as e:
+        raise StartError(f"cannot start {argv[0]!r}: {e}") from None
     _children[proc.pid] = proc
     started = start_time(proc.pid)
     if started is None:  # exited at once; the health wait reports the log

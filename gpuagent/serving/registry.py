@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gpuagent.protocol import DeploymentInfo, FileDigest
 from gpuagent.serving import process
+from gpuagent.serving.errors import ServingError
 
 STATE_FORMAT = "releasegate-deployments/v1"
 
@@ -100,8 +101,15 @@ class Registry:
     def quarantined(self) -> list[str]:
         try:
             data = json.loads(self._quarantine_path.read_text())
+            if not isinstance(data, list):
+                raise ValueError("not a list of digests")
         except FileNotFoundError:
             return []
+        except (OSError, ValueError) as e:
+            # A quarantine list that can't be read must not let a digest through.
+            raise ServingError(
+                f"cannot read the quarantine file {self._quarantine_path}: {e}"
+            ) from None
         return [str(d) for d in data]
 
     # --- state file --------------------------------------------------------------
@@ -118,14 +126,19 @@ class Registry:
     def _read(self) -> dict[str, DeploymentRecord]:
         try:
             data = json.loads(self._path.read_text())
+            if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
+                raise ValueError(f"not a {STATE_FORMAT} state file")
+            records = {
+                k: DeploymentRecord.model_validate(v)
+                for k, v in data["deployments"].items()
+            }
         except FileNotFoundError:
             return {}
-        if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
-            raise ValueError(f"{self._path} is not a {STATE_FORMAT} state file")
-        records = {
-            k: DeploymentRecord.model_validate(v)
-            for k, v in data["deployments"].items()
-        }
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            # Never guessed over: the servers it names may still run.
+            raise ServingError(
+                f"cannot read the deployments state file {self._path}: {e}"
+            ) from None
         self._records = records
         return dict(records)
 

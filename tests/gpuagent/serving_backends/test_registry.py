@@ -10,8 +10,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from gpuagent.protocol import BackendSpec
 from gpuagent.serving import (
     Registry,
+    ServingError,
     check_rollback_target,
     deploy,
     loaded_deployments,
@@ -235,3 +239,28 @@ def test_a_redelivered_deploy_replaces_a_server_that_stopped_answering(
         again.deployment_id
     ]
     assert len(processes_with(marker)) == 1
+
+
+def test_it_refuses_to_guess_over_a_corrupt_state_or_quarantine_file(
+    approved, registry
+):
+    spec = spec_for(approved, stand_in_backend(), served_model_name=new_marker())
+    (registry.state_dir / "quarantine.json").write_text("{not json")
+
+    result = deploy(approved.folder, spec, registry=registry)
+
+    assert not result.ok and "cannot read the quarantine file" in result.error
+    (registry.state_dir / "quarantine.json").unlink()
+    (registry.state_dir / "deployments.json").write_text('{"format": "other"}')
+    with pytest.raises(ServingError, match="cannot read the deployments state file"):
+        loaded_deployments(registry)
+    (registry.state_dir / "deployments.json").unlink()
+
+
+def test_it_reports_a_program_that_does_not_exist(approved, registry):
+    backend = BackendSpec(kind="external", command_template="no-such-engine {port}")
+
+    result = deploy(approved.folder, spec_for(approved, backend), registry=registry)
+
+    assert not result.ok and result.error_code == "start-failed"
+    assert "cannot start 'no-such-engine'" in result.error
