@@ -245,4 +245,4 @@ def _kill_group_if_ours(pid: int, started: int, sig: int) -> None:
 def _reap(pid: int) -> None:
     proc = _children.get(pid)
     if proc is not None and proc.poll() is not None:
-        del _children[pid]
+        _children.pop(pid, None)  # another thread may have reaped it

@@ -84,3 +84,12 @@ def test_it_keeps_the_agents_secrets_from_servers():
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
+
+
+def test_it_keeps_torch_out_of_the_agent_process():
+    import subprocess as sp
+
+    code = "import sys, gpuagent.serving; print('torch' in sys.modules)"
+    done = sp.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+    assert done.stdout.strip() == "False", done.stderr
