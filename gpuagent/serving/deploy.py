@@ -26,7 +26,12 @@ from gpuagent.protocol import (
     VerifyResult,
 )
 from gpuagent.serving import process
-from gpuagent.serving.errors import DeployRefusedError, ServingError, TemplateError
+from gpuagent.serving.errors import (
+    DeployRefusedError,
+    ServingError,
+    StartError,
+    TemplateError,
+)
 from gpuagent.serving.registry import DeploymentRecord, Registry
 from gpuagent.serving.templates import parse_template, preset_template, render_command
 from gpuagent.serving.verify import (
@@ -161,6 +166,19 @@ def deploy(
                     approved_files=approved,
                 )
             )
+        except StartError as e:
+            process.stop(pid, started, stop_grace_s)  # no server left unrecorded
+            # The engine refused what it read (verify-on-load): name the files.
+            after = reverify(model_dir, spec.manifest_digest, approved_files=approved)
+            if after.ok:
+                raise
+            raise DeployRefusedError(
+                f"the folder changed after the agent's check: {e}",
+                code="changed-during-start",
+                missing=after.missing,
+                extra=after.extra,
+                changed=after.changed,
+            ) from None
         except BaseException:
             process.stop(pid, started, stop_grace_s)  # no server left unrecorded
             raise

@@ -294,3 +294,36 @@ def test_it_starts_only_the_programs_this_agent_allows(approved, registry):
         result.error
     )
     assert not (registry.state_dir / "logs").exists()
+
+
+@pytest.mark.timeout(180)
+def test_the_engine_refuses_bytes_changed_after_the_agents_check(
+    approved, registry, engine_env, monkeypatch
+):
+    # Between the agent's check and the engine's load, a weight byte flips: the
+    # engine's verify-on-load refuses it, the start fails, nothing keeps running.
+    import importlib
+
+    deploy_module = importlib.import_module("gpuagent.serving.deploy")
+    real_check = deploy_module.verify_for_deploy
+
+    def check_then_tamper(*args, **kwargs):
+        checked = real_check(*args, **kwargs)
+        flip_a_byte(approved.folder)
+        return checked
+
+    monkeypatch.setattr(deploy_module, "verify_for_deploy", check_then_tamper)
+    marker = new_marker()
+    spec = spec_for(
+        approved,
+        BackendSpec(kind="engine", **SMALL_ENGINE),
+        served_model_name=marker,
+    )
+
+    result = deploy(approved.folder, spec, registry=registry, env=engine_env)
+
+    assert not result.ok and result.error_code == "changed-during-start"
+    assert "refused to load" in result.error
+    assert "[manifest-digest-mismatch]" in result.error  # the engine's own refusal
+    assert result.changed == ["model.safetensors"]  # named by the agent's re-hash
+    assert processes_with(marker) == [] and loaded_deployments(registry) == []
