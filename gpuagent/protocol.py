@@ -106,6 +106,7 @@ class VerifyResult(_Message):
     missing: list[str] = []
     extra: list[str] = []
     changed: list[str] = []
+    error: str = Field("", description="why the copy could not be checked, if so")
 
 
 class MetricResult(_Message):
@@ -120,11 +121,101 @@ class EvaluateResult(_Message):
     metrics: list[MetricResult]
 
 
+SERVING_BACKENDS = ("engine", "external")
+
+
+class BackendSpec(_Message):
+    """How an environment serves a release (see `gpuagent.serving`).
+
+    `engine`: the project's engine (`python -m gpuagent.engine serve`, verify-on-load);
+    `kv_memory_gb`, `max_num_seqs`, `threads` and `device` are its settings.
+    `external`: any OpenAI-compatible engine started from `command_template` (an argv
+    template, split like a shell line but never run through one) or from a named
+    `preset` (e.g. "vllm"); exactly one of the two."""
+
+    kind: Literal["engine", "external"] = "engine"
+    preset: str = ""
+    command_template: str = ""
+    tensor_parallel_size: int = Field(1, ge=1)
+    host: str = Field("127.0.0.1", description="address the server listens on")
+    advertise_host: str = Field(
+        "", description="host name in the reported endpoint (default: host)"
+    )
+    # The engine's own settings (None: the engine's default); an external engine
+    # takes its settings in its template, so there they must stay None.
+    kv_memory_gb: float | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1)
+    device: str | None = None
+
+
+class DeploySpec(_Message):
+    """What a deploy job asks the agent to serve, bound to the approved digest.
+
+    `release` is the binding a signature must carry (model, version, recipe as
+    signed); `approved_files` (the manifest's per-file digests, as `HashResult`
+    gives them) lets a refusal name the changed files when there is no signature.
+    `port` pins a port; else the first free one of `port_range` (inclusive)."""
+
+    manifest_digest: str = Field(min_length=1)
+    recipe: Recipe
+    backend: BackendSpec = BackendSpec()
+    served_model_name: str = ""
+    port: int | None = Field(None, ge=1, le=65535)
+    port_range: tuple[int, int] = (8100, 8199)
+    health_timeout_s: float = Field(300.0, gt=0)
+    release_model: str = ""
+    release_version: str = ""
+    release_recipe: str = ""
+    release_parent_digest: str = ""
+    approved_files: list[FileDigest] = []
+    quarantined_digests: list[str] = []
+
+    @field_validator("port_range")
+    @classmethod
+    def _check_range(cls, value: tuple[int, int]) -> tuple[int, int]:
+        low, high = value
+        if not 1 <= low <= high <= 65535:
+            raise ValueError(f"port_range {value} is not 1 <= low <= high <= 65535")
+        return value
+
+
 class DeployResult(_Message):
     ok: bool
     endpoint: str = ""
     manifest_digest: str = ""
     error: str = ""
+    # Filled by gpuagent.serving: which deployment, and on an integrity refusal
+    # the files that differ from the approved manifest.
+    deployment_id: str = ""
+    backend: str = ""
+    error_code: str = ""
+    missing: list[str] = []
+    extra: list[str] = []
+    changed: list[str] = []
+
+
+class DeploymentInfo(_Message):
+    """One running deployment of an agent (for heartbeats and undeploy)."""
+
+    deployment_id: str
+    manifest_digest: str
+    endpoint: str
+    backend: str
+    served_model_name: str
+    model_dir: str
+    pid: int
+    started: datetime
+
+
+class RollbackCheck(_Message):
+    """Whether a deployment can take traffic back: its copy re-hashed now and its
+    `/health` answered."""
+
+    ok: bool
+    reason: str = ""
+    verify: VerifyResult | None = None
+    healthy: bool = False
 
 
 class JobResult(_Message):

@@ -72,3 +72,24 @@ def test_it_round_trips_a_quality_report_through_json():
     )
 
     assert QualityReport.model_validate_json(report.model_dump_json()) == report
+
+
+def test_it_round_trips_a_deploy_spec_and_refuses_a_bad_port_range():
+    from gpuagent.protocol import BackendSpec, DeploySpec
+
+    spec = DeploySpec(
+        manifest_digest="sha256:00",
+        recipe=Recipe(weights="int4-g128", kv_cache_dtype="fp8"),
+        backend=BackendSpec(kind="external", preset="vllm", tensor_parallel_size=4),
+    )
+
+    assert DeploySpec.model_validate_json(spec.model_dump_json()) == spec
+    # engine-only settings stay unset (None) through JSON, so an external backend
+    # can tell they were not asked for
+    assert (
+        DeploySpec.model_validate_json(spec.model_dump_json()).backend.threads is None
+    )
+    with pytest.raises(ValidationError, match="port_range"):
+        DeploySpec(manifest_digest="sha256:00", recipe=spec.recipe, port_range=(9, 8))
+    with pytest.raises(ValidationError):
+        BackendSpec(kind="kubernetes")

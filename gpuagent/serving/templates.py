@@ -1,0 +1,126 @@
+"""Command templates for external OpenAI-compatible engines.
+
+A template is one command line with `{placeholder}` fields, split into an argv list
+with `shlex` (quotes group words) and never run through a shell: a value with spaces
+or `;` stays one argument. Placeholders are substituted per argument; `{{`/`}}` are
+literal braces. An unknown placeholder, a format spec or conversion (`{port:>5}`,
+`{model_dir!r}`), attribute or index access, or an empty template is refused with a
+`TemplateError` that names it.
+"""
+
+from __future__ import annotations
+
+import shlex
+import string
+from collections.abc import Mapping
+
+from gpuagent.serving.errors import TemplateError
+
+PLACEHOLDERS = (
+    "python",  # this agent's interpreter (sys.executable)
+    "model_dir",
+    "host",
+    "port",
+    "kv_cache_dtype",
+    "served_model_name",
+    "tensor_parallel_size",
+    "manifest_digest",
+)
+
+# Named presets: the template and how our KV-cache dtype names map to the engine's
+# flag values (a dtype missing from the map is refused, never passed through).
+PRESETS: dict[str, tuple[str, dict[str, str]]] = {
+    "vllm": (
+        "vllm serve {model_dir} --quantization compressed-tensors "
+        "--kv-cache-dtype {kv_cache_dtype} --tensor-parallel-size "
+        "{tensor_parallel_size} --host {host} --port {port} "
+        "--served-model-name {served_model_name}",
+        # vLLM's "auto" is the checkpoint's dtype (bf16 for compressed-tensors
+        # int4/int8 weight-only checkpoints); it has no int8/int4 KV cache.
+        {"fp8": "fp8", "bf16": "auto"},
+    ),
+}
+
+
+def parse_template(template: str) -> list[str]:
+    """Split `template` into argv tokens and check every placeholder.
+
+    Raises TemplateError: empty, unbalanced quotes or braces, unknown or malformed
+    placeholders (all of them named), or a program that is not a literal word or
+    `{python}`."""
+    if not template or not template.strip():
+        raise TemplateError("empty command template")
+    try:
+        tokens = shlex.split(template)
+    except ValueError as e:
+        raise TemplateError(f"command template cannot be split: {e}") from None
+    unknown: list[str] = []
+    for token in tokens:
+        for name in _fields(token):
+            if name not in PLACEHOLDERS and name not in unknown:
+                unknown.append(name)
+    if unknown:
+        raise TemplateError(
+            "unknown placeholder(s) in command template: "
+            + ", ".join("{" + n + "}" for n in unknown)
+            + "; known: "
+            + ", ".join("{" + n + "}" for n in PLACEHOLDERS)
+        )
+    program_fields = _fields(tokens[0])
+    if program_fields and tokens[0] != "{python}":
+        raise TemplateError(
+            f"the program {tokens[0]!r} must be a literal command or {{python}}"
+        )
+    return tokens
+
+
+def render_command(template: str, values: Mapping[str, str]) -> list[str]:
+    """The argv list of `template` with `values` substituted (see the module
+    docstring). Every placeholder the template uses must have a value."""
+    tokens = parse_template(template)
+    used = {name for token in tokens for name in _fields(token)}
+    absent = sorted(used - values.keys())
+    if absent:
+        raise TemplateError(f"no value for placeholder(s): {', '.join(absent)}")
+    argv = [
+        token.format_map({k: str(v) for k, v in values.items()}) for token in tokens
+    ]
+    if not argv[0]:
+        raise TemplateError("the command template's program is empty")
+    return argv
+
+
+def preset_template(name: str, kv_cache_dtype: str) -> tuple[str, str]:
+    """(template, the engine's KV flag value) of the preset `name` for our
+    `kv_cache_dtype`. Raises TemplateError for an unknown preset or a dtype the
+    preset's engine does not offer."""
+    if name not in PRESETS:
+        raise TemplateError(
+            f"unknown serving preset {name!r}; known: {', '.join(sorted(PRESETS))}"
+        )
+    template, kv_map = PRESETS[name]
+    if kv_cache_dtype not in kv_map:
+        raise TemplateError(
+            f"preset {name!r} has no KV cache dtype {kv_cache_dtype!r} "
+            f"(it offers {', '.join(sorted(kv_map))})"
+        )
+    return template, kv_map[kv_cache_dtype]
+
+
+def _fields(token: str) -> list[str]:
+    """Placeholder names in one token; malformed ones raise TemplateError."""
+    try:
+        parsed = list(string.Formatter().parse(token))
+    except ValueError as e:
+        raise TemplateError(f"bad placeholder in {token!r}: {e}") from None
+    names = []
+    for _literal, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if name == "" or spec or conversion:
+            raise TemplateError(
+                f"bad placeholder in {token!r}: only plain {{name}} fields are "
+                "allowed (no positional, format spec or conversion)"
+            )
+        names.append(name)
+    return names

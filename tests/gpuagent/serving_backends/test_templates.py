@@ -1,0 +1,87 @@
+"""Command templates of external engines: argv lists without a shell, every
+placeholder known, presets that refuse what their engine cannot do."""
+
+import pytest
+
+from gpuagent.serving import PLACEHOLDERS, TemplateError, parse_template, render_command
+from gpuagent.serving.templates import preset_template
+
+VALUES = {name: f"<{name}>" for name in PLACEHOLDERS}
+
+
+def test_it_renders_an_argv_list_one_argument_per_word():
+    argv = render_command(
+        "{python} -m gpuagent.engine serve {model_dir} --port {port}",
+        {**VALUES, "model_dir": "/models/a b; rm -rf /", "port": "8101"},
+    )
+
+    # the value with a space and a ';' stays one argument: there is no shell
+    assert argv == [
+        "<python>",
+        "-m",
+        "gpuagent.engine",
+        "serve",
+        "/models/a b; rm -rf /",
+        "--port",
+        "8101",
+    ]
+
+
+def test_it_keeps_quoted_words_and_literal_braces():
+    argv = render_command("srv --json '{{\"a\": 1}}' --name=m-{port}", VALUES)
+
+    assert argv == ["srv", "--json", '{"a": 1}', "--name=m-<port>"]
+
+
+def test_it_refuses_unknown_placeholders_naming_each():
+    with pytest.raises(TemplateError) as info:
+        parse_template("vllm serve {model_dir} --gpu {gpu_id} --x {secret} {gpu_id}")
+
+    message = str(info.value)
+    assert "{gpu_id}" in message and "{secret}" in message
+    assert message.count("{gpu_id}") == 1 and "known: {python}" in message
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("", "empty command template"),
+        ("   ", "empty command template"),
+        ("vllm serve '{model_dir}", "cannot be split"),
+        ("vllm serve {model_dir", "bad placeholder"),
+        ("vllm serve {port:>6}", "only plain {name}"),
+        ("vllm serve {model_dir!r}", "only plain {name}"),
+        ("vllm serve {}", "only plain {name}"),
+        ("vllm serve {0}", "unknown placeholder"),
+        ("vllm serve {model_dir.__class__}", "{model_dir.__class__}"),
+        ("{model_dir}/bin/serve", "must be a literal command"),
+    ],
+)
+def test_it_refuses_bad_templates_with_a_clear_error(template, expected):
+    with pytest.raises(TemplateError, match=None) as info:
+        render_command(template, VALUES)
+
+    assert expected in str(info.value)
+
+
+def test_it_refuses_a_placeholder_without_a_value():
+    with pytest.raises(TemplateError, match="no value for placeholder"):
+        render_command("srv {port}", {"model_dir": "/m"})
+
+
+def test_it_maps_the_kv_dtype_through_the_vllm_preset():
+    template, kv = preset_template("vllm", "fp8")
+    argv = render_command(template, {**VALUES, "kv_cache_dtype": kv})
+
+    assert argv[:3] == ["vllm", "serve", "<model_dir>"]
+    i = argv.index("--kv-cache-dtype")
+    assert argv[i + 1] == "fp8"
+    assert argv[argv.index("--quantization") + 1] == "compressed-tensors"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "<tensor_parallel_size>"
+
+
+def test_it_refuses_a_kv_dtype_or_preset_the_engine_does_not_have():
+    with pytest.raises(TemplateError, match="no KV cache dtype 'int8'"):
+        preset_template("vllm", "int8")
+    with pytest.raises(TemplateError, match="unknown serving preset 'sglang'"):
+        preset_template("sglang", "fp8")
