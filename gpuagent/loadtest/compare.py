@@ -51,6 +51,15 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "engine" / "demo_model"
 TARGET_RATIO = 0.10
 
 
+def guidellm_program() -> str | None:
+    """guidellm's script beside this interpreter (a venv run without activating it),
+    else the one on PATH."""
+    beside = Path(sys.executable).parent / "guidellm"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("guidellm")
+
+
 @dataclass
 class ClientRun:
     """Medians of one client's run, and its CPU per streamed token."""
@@ -136,7 +145,7 @@ def guidellm_once(
 ) -> tuple[dict, float]:
     """One `guidellm run`: its benchmark's metrics and the CPU its processes used."""
     out = folder / f"guidellm-{time.monotonic_ns()}.json"
-    cmd = [shutil.which("guidellm") or "guidellm", "run"]
+    cmd = [guidellm_program() or "guidellm", "run"]
     cmd += ["--backend", f"kind=openai_http,target={base_url}"]
     cmd += ["--profile", f"kind=concurrent,streams={concurrency}"]
     cmd += ["--constraint", f"kind=max_requests,count={requests}"]
@@ -204,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="the engine's")
     args = parser.parse_args(argv)
-    if shutil.which("guidellm") is None:
+    if guidellm_program() is None:
         raise SystemExit("error: guidellm is not installed (pip install -e '.[dev]')")
     tokenizer = args.tokenizer or str(args.model_dir.resolve())
     load = (args.concurrency, args.requests, args.prompt_tokens, args.output_tokens)
