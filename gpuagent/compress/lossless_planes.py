@@ -1,0 +1,248 @@
+"""Exponent and sign+mantissa planes of IEEE floats, and their chunked coding.
+
+A float of W bits is `sign | exponent | mantissa`. Rotating the word left by one bit
+gives `exponent | mantissa | sign`: for bf16 and fp32 the top byte is then exactly
+the exponent, for fp16 the 5-bit exponent and the 3 top mantissa bits. That top
+byte is the *exponent plane*: trained weights use few exponents (about 2.6 bits of
+entropy in 8), so it is Huffman-coded. The other W/8 - 1 bytes per element (the rest
+of the mantissa, the sign in the lowest bit) are near random: the *rest plane*,
+stored raw unless coding it saves at least `MIN_SAVING`. This is ZipNN's layout up to
+where the sign bit sits (ZipNN keeps it as the top bit of the low byte); DFloat11
+likewise codes only the exponent and keeps sign and mantissa as they are.
+
+Both planes are cut into chunks of `chunk_elements` elements. A coded chunk is one raw
+DEFLATE stream (RFC 1951) written by zlib with `Z_HUFFMAN_ONLY`: dynamic Huffman
+blocks and no back-references, which is order-0 entropy coding of the bytes (zstd's
+match finder cost 8-15% on exponent bytes, whose short repeats are not worth an
+offset). Any inflater reads it; ISA-L's, the fastest here, decodes. Chunks are coded
+and decoded on a thread pool (zlib, ISA-L and numpy release the GIL), and each chunk
+is merged back into its output words while still in cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+from isal import isal_zlib
+
+# safetensors dtype name -> the unsigned little-endian word holding one element
+WORD_TYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype("<u2"),
+    "F16": np.dtype("<u2"),
+    "F32": np.dtype("<u4"),
+}
+RAW, DEFLATE = "r", "d"  # per-chunk codec letters in a plane's `codecs` string
+DEFAULT_CHUNK_ELEMENTS = 1 << 18
+MAX_CHUNK_ELEMENTS = 1 << 24
+# A chunk is coded only when its order-0 entropy promises this fraction saved.
+MIN_SAVING = 0.02
+_RAW_DEFLATE_WBITS = -15
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class PlaneDecodeError(ValueError):
+    """A plane's bytes do not decode to what its description says."""
+
+
+@dataclass(frozen=True)
+class CodedPlane:
+    """One plane of one tensor: each chunk's codec letter and size, and the chunks
+    concatenated in `data`."""
+
+    codecs: str
+    chunk_bytes: tuple[int, ...]
+    data: bytes | memoryview  # a view into the container when read from one
+
+
+@dataclass(frozen=True)
+class CodedWords:
+    """The two planes of a flat array of float words."""
+
+    exponent: CodedPlane
+    rest: CodedPlane
+
+
+def default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def chunk_bounds(count: int, chunk_elements: int) -> list[tuple[int, int]]:
+    """[begin, end) element ranges of the chunks of `count` elements."""
+    return [
+        (begin, min(begin + chunk_elements, count))
+        for begin in range(0, count, chunk_elements)
+    ]
+
+
+def split_words(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(exponent plane uint8 [n], rest plane uint8 [W/8 - 1, n]) of words [n]."""
+    size = words.dtype.itemsize
+    rotated = (words << 1) | (words >> (8 * size - 1))  # exponent|mantissa|sign
+    if size == 2:
+        return (rotated >> 8).astype(np.uint8), rotated.astype(np.uint8)[None, :]
+    as_bytes = rotated.view(np.uint8).reshape(-1, size)  # [n, W/8], little-endian
+    exponent = np.ascontiguousarray(as_bytes[:, -1])
+    return exponent, np.ascontiguousarray(as_bytes[:, :-1].T)  # byte-planar rest
+
+
+def merge_words(exponent: np.ndarray, rest: np.ndarray, out: np.ndarray) -> None:
+    """Inverse of `split_words`, written into `out` (words [n])."""
+    size = out.dtype.itemsize
+    if size == 2:
+        # word = exponent << 7 | rest >> 1 | rest << 15, on 16-bit lanes
+        low = np.empty_like(out)
+        np.left_shift(exponent, 7, out=out, dtype=out.dtype)
+        np.right_shift(rest[0], 1, out=low, dtype=out.dtype)
+        np.bitwise_or(out, low, out=out)
+        np.left_shift(rest[0], 15, out=low, dtype=out.dtype)
+        np.bitwise_or(out, low, out=out)
+        return
+    as_bytes = out.view(np.uint8).reshape(-1, size)  # [n, W/8]
+    as_bytes[:, -1] = exponent
+    as_bytes[:, :-1] = rest.T
+    low = out >> 1
+    np.left_shift(out, 8 * size - 1, out=out)
+    np.bitwise_or(out, low, out=out)
+
+
+def _entropy_bits(plane: np.ndarray) -> float:
+    """Order-0 entropy in bits per byte (what a Huffman code nearly reaches)."""
+    counts = np.bincount(plane.reshape(-1), minlength=256)
+    p = counts[counts > 0] / plane.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def _code_chunk(plane: np.ndarray) -> tuple[str, bytes]:
+    raw = plane.tobytes()
+    if plane.size == 0 or _entropy_bits(plane) > 8 * (1 - MIN_SAVING):
+        return RAW, raw
+    deflater = zlib.compressobj(
+        1, zlib.DEFLATED, _RAW_DEFLATE_WBITS, 9, zlib.Z_HUFFMAN_ONLY
+    )
+    coded = deflater.compress(raw) + deflater.flush()
+    return (DEFLATE, coded) if len(coded) < len(raw) else (RAW, raw)
+
+
+def _plane(chunks: list[tuple[str, bytes]]) -> CodedPlane:
+    return CodedPlane(
+        codecs="".join(codec for codec, _ in chunks),
+        chunk_bytes=tuple(len(data) for _, data in chunks),
+        data=b"".join(data for _, data in chunks),
+    )
+
+
+def encode_words(
+    words: np.ndarray,
+    *,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    pool: concurrent.futures.Executor | None = None,
+) -> CodedWords:
+    """Split flat `words` into planes and code them chunk by chunk."""
+
+    def code(bound: tuple[int, int]) -> tuple[tuple[str, bytes], tuple[str, bytes]]:
+        exponent, rest = split_words(words[bound[0] : bound[1]])
+        return _code_chunk(exponent), _code_chunk(rest)
+
+    coded = list(_map(pool, code, chunk_bounds(words.size, chunk_elements)))
+    return CodedWords(_plane([e for e, _ in coded]), _plane([r for _, r in coded]))
+
+
+def decode_words(
+    coded: CodedWords,
+    out: np.ndarray,
+    *,
+    chunk_elements: int,
+    pool: concurrent.futures.Executor | None = None,
+) -> None:
+    """Decode `coded` into the flat words `out`; raises PlaneDecodeError when a
+    chunk does not decode to exactly its size. The planes' codecs and chunk sizes
+    must already have been checked against the chunk count (see `check_plane`)."""
+    bounds = chunk_bounds(out.size, chunk_elements)
+    rest_rows = out.dtype.itemsize - 1
+    exponent_at = _offsets(coded.exponent.chunk_bytes)
+    rest_at = _offsets(coded.rest.chunk_bytes)
+    exponent_data = memoryview(coded.exponent.data)
+    rest_data = memoryview(coded.rest.data)
+
+    def decode(index: int) -> None:
+        begin, end = bounds[index]
+        count = end - begin
+        exponent = _decode_chunk(
+            coded.exponent.codecs[index],
+            exponent_data[exponent_at[index] : exponent_at[index + 1]],
+            count,
+            f"exponent chunk {index}",
+        )
+        rest = _decode_chunk(
+            coded.rest.codecs[index],
+            rest_data[rest_at[index] : rest_at[index + 1]],
+            count * rest_rows,
+            f"rest chunk {index}",
+        ).reshape(rest_rows, count)
+        merge_words(exponent, rest, out[begin:end])
+
+    for _ in _map(pool, decode, range(len(bounds))):
+        pass
+
+
+def check_plane(codecs: str, chunk_bytes: list[int], chunks: list[int]) -> None:
+    """Raises PlaneDecodeError unless a plane of these chunk element counts (times
+    bytes per element) can have these codecs and sizes: one valid codec letter and
+    one size per chunk, and a raw chunk exactly its size."""
+    if len(codecs) != len(chunks) or len(chunk_bytes) != len(chunks):
+        raise PlaneDecodeError(
+            f"{len(codecs)} codecs and {len(chunk_bytes)} chunk sizes for "
+            f"{len(chunks)} chunks"
+        )
+    for index, (codec, size, expected) in enumerate(
+        zip(codecs, chunk_bytes, chunks, strict=True)
+    ):
+        if codec not in (RAW, DEFLATE):
+            raise PlaneDecodeError(f"chunk {index}: unknown codec {codec!r}")
+        if codec == RAW and size != expected:
+            raise PlaneDecodeError(
+                f"chunk {index}: raw chunk of {size} bytes, {expected} expected"
+            )
+
+
+def _decode_chunk(codec: str, data: memoryview, size: int, where: str) -> np.ndarray:
+    if codec == RAW:
+        return np.frombuffer(data, dtype=np.uint8)
+    inflater = isal_zlib.decompressobj(_RAW_DEFLATE_WBITS)
+    try:
+        decoded = inflater.decompress(data, size + 1)
+    except isal_zlib.error as exc:
+        raise PlaneDecodeError(f"{where}: corrupt DEFLATE stream: {exc}") from exc
+    if len(decoded) != size or not inflater.eof:
+        raise PlaneDecodeError(
+            f"{where}: DEFLATE stream decodes to "
+            f"{'more than' if len(decoded) > size else len(decoded)} bytes"
+            f"{'' if inflater.eof else ' without its end'}, {size} expected"
+        )
+    if inflater.unused_data or inflater.unconsumed_tail:
+        raise PlaneDecodeError(f"{where}: bytes after the end of its DEFLATE stream")
+    return np.frombuffer(decoded, dtype=np.uint8)
+
+
+def _offsets(sizes: Iterable[int]) -> list[int]:
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return offsets
+
+
+def _map(
+    pool: concurrent.futures.Executor | None, fn: Callable[[T], R], items: Iterable[T]
+) -> Iterator[R]:
+    items = list(items)
+    if pool is None or len(items) < 2:
+        return map(fn, items)
+    return pool.map(fn, items)
