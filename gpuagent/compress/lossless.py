@@ -188,6 +188,14 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return blake3.blake3(json.dumps(listing).encode()).hexdigest()
 
 
+def _listing_digest(encoded: Mapping[str, EncodedTensor]) -> str:
+    listing = [
+        [name, str(TORCH_DTYPES[e.dtype]), list(e.shape), e.blake3]
+        for name, e in sorted(encoded.items())
+    ]
+    return blake3.blake3(json.dumps(listing).encode()).hexdigest()
+
+
 def _tensor_blake3(tensor: torch.Tensor) -> str:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return blake3.blake3(flat.view(torch.uint8).numpy()).hexdigest()
@@ -224,7 +232,7 @@ def encode_checkpoint(
     bad = [n for n in tensors if not n or ":" in n]
     if bad:
         raise LosslessFormatError(f"tensor names empty or holding ':': {bad}")
-    with _pool(threads) as pool:
+    with thread_pool(threads) as pool:
         encoded = {
             name: compress_tensor(t, chunk_elements=chunk_elements, pool=pool)
             for name, t in sorted(tensors.items())
@@ -360,14 +368,15 @@ def decode_checkpoint(
     """All tensors of a container, bit-exact, each checked against its recorded
     digest and the whole against the recorded `tensors_blake3`."""
     container = read_container(data, max_decoded_bytes=max_decoded_bytes)
-    with _pool(threads) as pool:
+    with thread_pool(threads) as pool:
         tensors = {}
         for name, e in container.tensors.items():
             try:
                 tensors[name] = decompress_tensor(e, pool=pool)
             except LosslessFormatError as exc:
                 raise LosslessFormatError(f"{name}: {exc}") from exc
-    if tensors_digest(tensors) != container.tensors_blake3:
+    # The per-tensor digests were just checked: the listing reuses them.
+    if _listing_digest(container.tensors) != container.tensors_blake3:
         raise LosslessFormatError("decoded tensors do not match tensors_blake3")
     return tensors
 
@@ -428,7 +437,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _pool(threads: int | None) -> concurrent.futures.ThreadPoolExecutor:
+def thread_pool(threads: int | None) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=threads or default_threads()
     )
@@ -452,11 +461,10 @@ def compress_folder(
 
     src, out = Path(src), Path(out)
     inspect_model(src)
+    if (src / CONTAINER_FILE).exists():
+        raise LosslessFormatError(f"{src} already holds {CONTAINER_FILE}")
     weight_files = _weight_files(src)
-    tensors: dict[str, torch.Tensor] = {}
-    for name in weight_files:
-        if name.endswith(".safetensors"):
-            tensors.update(load_safetensors_bytes((src / name).read_bytes()))
+    tensors = read_weights(src)
     container = encode_checkpoint(
         tensors, chunk_elements=chunk_elements, threads=threads
     )
@@ -486,9 +494,19 @@ def decompress_folder(
     return out
 
 
+def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's `model.safetensors`, or of the shards its
+    index names (parsed by safetensors from the bytes, never unpickled)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name in _weight_files(Path(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(
+                load_safetensors_bytes((Path(model_dir) / name).read_bytes())
+            )
+    return tensors
+
+
 def _weight_files(src: Path) -> list[str]:
-    if (src / CONTAINER_FILE).exists():
-        raise LosslessFormatError(f"{src} already holds {CONTAINER_FILE}")
     if (src / INDEX_FILE).is_file():
         index = json.loads((src / INDEX_FILE).read_text())
         return [INDEX_FILE, *sorted(set(index["weight_map"].values()))]

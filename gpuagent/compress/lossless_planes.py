@@ -221,11 +221,11 @@ def _decode_chunk(codec: str, data: memoryview, size: int, where: str) -> np.nda
         decoded = inflater.decompress(data, size + 1)
     except isal_zlib.error as exc:
         raise PlaneDecodeError(f"{where}: corrupt DEFLATE stream: {exc}") from exc
-    if len(decoded) != size or not inflater.eof:
+    if len(decoded) > size:
+        raise PlaneDecodeError(f"{where}: decodes to more than {size} bytes")
+    if len(decoded) < size or not inflater.eof:
         raise PlaneDecodeError(
-            f"{where}: DEFLATE stream decodes to "
-            f"{'more than' if len(decoded) > size else len(decoded)} bytes"
-            f"{'' if inflater.eof else ' without its end'}, {size} expected"
+            f"{where}: DEFLATE stream ends early ({len(decoded)} of {size} bytes)"
         )
     if inflater.unused_data or inflater.unconsumed_tail:
         raise PlaneDecodeError(f"{where}: bytes after the end of its DEFLATE stream")
