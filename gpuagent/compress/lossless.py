@@ -141,41 +141,61 @@ def compress_tensor(
 
 
 def decompress_tensor(
-    encoded: EncodedTensor,
-    *,
-    pool: concurrent.futures.Executor | None = None,
-    verify: bool = True,
+    encoded: EncodedTensor, *, threads: int = 1, verify: bool = True
 ) -> torch.Tensor:
     """The original tensor, bit for bit; with `verify`, checked against its digest
     (LosslessFormatError on any mismatch or malformed plane)."""
-    count = math.prod(encoded.shape)
-    chunks = [e - b for b, e in chunk_bounds(count, encoded.chunk_elements)]
-    word_type = WORD_TYPES[encoded.dtype]
+    return decode_tensors({"tensor": encoded}, threads=threads, verify=verify)["tensor"]
+
+
+def decode_tensors(
+    encoded: Mapping[str, EncodedTensor], *, threads: int = 1, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """`decompress_tensor` for many tensors at once, their chunks spread over
+    `threads` threads."""
+    items = []
     try:
-        for name in PLANES:
-            plane: CodedPlane = getattr(encoded.planes, name)
-            per_element = 1 if name == "exponent" else word_type.itemsize - 1
-            check_plane(
-                plane.codecs, list(plane.chunk_bytes), [c * per_element for c in chunks]
+        for name, e in encoded.items():
+            _check_planes(e)
+            words = np.empty(math.prod(e.shape), dtype=WORD_TYPES[e.dtype])
+            items.append((name, e.planes, words))
+        chunk_sizes = {e.chunk_elements for e in encoded.values()}
+        for chunk_elements in chunk_sizes:
+            decode_words(
+                [i for i in items if encoded[i[0]].chunk_elements == chunk_elements],
+                chunk_elements=chunk_elements,
+                threads=threads,
             )
-            if sum(plane.chunk_bytes) != len(plane.data):
-                raise PlaneDecodeError(
-                    f"chunk sizes add up to {sum(plane.chunk_bytes)}, "
-                    f"plane holds {len(plane.data)} bytes"
-                )
-        words = np.empty(count, dtype=word_type)
-        decode_words(
-            encoded.planes, words, chunk_elements=encoded.chunk_elements, pool=pool
-        )
     except PlaneDecodeError as exc:
         raise LosslessFormatError(str(exc)) from exc
-    if verify and blake3.blake3(words.view(np.uint8)).hexdigest() != encoded.blake3:
-        raise LosslessFormatError(
-            "decoded bytes do not match the recorded blake3 digest"
+    tensors = {}
+    for name, _, words in items:
+        e = encoded[name]
+        if verify and blake3.blake3(words.view(np.uint8)).hexdigest() != e.blake3:
+            raise LosslessFormatError(
+                f"{name}: decoded bytes do not match the recorded blake3 digest"
+            )
+        signed = words.view({2: np.int16, 4: np.int32}[words.dtype.itemsize])
+        tensors[name] = torch.from_numpy(signed).view(TORCH_DTYPES[e.dtype])
+        tensors[name] = tensors[name].reshape(e.shape)
+    return tensors
+
+
+def _check_planes(encoded: EncodedTensor) -> None:
+    count = math.prod(encoded.shape)
+    chunks = [e - b for b, e in chunk_bounds(count, encoded.chunk_elements)]
+    itemsize = WORD_TYPES[encoded.dtype].itemsize
+    for name in PLANES:
+        plane: CodedPlane = getattr(encoded.planes, name)
+        per_element = 1 if name == "exponent" else itemsize - 1
+        check_plane(
+            plane.codecs, list(plane.chunk_bytes), [c * per_element for c in chunks]
         )
-    signed = words.view({2: np.int16, 4: np.int32}[word_type.itemsize])
-    tensor = torch.from_numpy(signed).view(TORCH_DTYPES[encoded.dtype])
-    return tensor.reshape(encoded.shape)
+        if sum(plane.chunk_bytes) != len(plane.data):
+            raise PlaneDecodeError(
+                f"chunk sizes add up to {sum(plane.chunk_bytes)}, "
+                f"plane holds {len(plane.data)} bytes"
+            )
 
 
 def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -368,13 +388,7 @@ def decode_checkpoint(
     """All tensors of a container, bit-exact, each checked against its recorded
     digest and the whole against the recorded `tensors_blake3`."""
     container = read_container(data, max_decoded_bytes=max_decoded_bytes)
-    with thread_pool(threads) as pool:
-        tensors = {}
-        for name, e in container.tensors.items():
-            try:
-                tensors[name] = decompress_tensor(e, pool=pool)
-            except LosslessFormatError as exc:
-                raise LosslessFormatError(f"{name}: {exc}") from exc
+    tensors = decode_tensors(container.tensors, threads=threads or default_threads())
     # The per-tensor digests were just checked: the listing reuses them.
     if _listing_digest(container.tensors) != container.tensors_blake3:
         raise LosslessFormatError("decoded tensors do not match tensors_blake3")

@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+import zstandard
 from isal import isal_zlib
+
+from gpuagent.compress import lossless_huffman
 
 # safetensors dtype name -> the unsigned little-endian word holding one element
 WORD_TYPES: dict[str, np.dtype] = {
@@ -37,7 +41,11 @@ WORD_TYPES: dict[str, np.dtype] = {
     "F16": np.dtype("<u2"),
     "F32": np.dtype("<u4"),
 }
-RAW, DEFLATE = "r", "d"  # per-chunk codec letters in a plane's `codecs` string
+# Per-chunk codec letters in a plane's `codecs` string: raw bytes; a raw DEFLATE
+# stream; a byte `base` then a zstd frame of Huffman literals (lossless_huffman)
+# decoding to the bytes minus `base`.
+RAW, DEFLATE, HUFFMAN = "r", "d", "h"
+CODEC_LETTERS = (RAW, DEFLATE, HUFFMAN)
 DEFAULT_CHUNK_ELEMENTS = 1 << 18
 MAX_CHUNK_ELEMENTS = 1 << 24
 # A chunk is coded only when its order-0 entropy promises this fraction saved.
@@ -124,6 +132,11 @@ def _code_chunk(plane: np.ndarray) -> tuple[str, bytes]:
     raw = plane.tobytes()
     if plane.size == 0 or _entropy_bits(plane) > 8 * (1 - MIN_SAVING):
         return RAW, raw
+    base = int(plane.min())
+    if int(plane.max()) - base <= lossless_huffman.MAX_SYMBOL:
+        frame = lossless_huffman.encode_frame(plane.reshape(-1) - np.uint8(base))
+        if frame is not None and len(frame) + 1 < len(raw):
+            return HUFFMAN, bytes([base]) + frame
     deflater = zlib.compressobj(
         1, zlib.DEFLATED, _RAW_DEFLATE_WBITS, 9, zlib.Z_HUFFMAN_ONLY
     )
@@ -156,41 +169,71 @@ def encode_words(
 
 
 def decode_words(
-    coded: CodedWords,
-    out: np.ndarray,
+    items: list[tuple[str, CodedWords, np.ndarray]],
     *,
     chunk_elements: int,
-    pool: concurrent.futures.Executor | None = None,
+    threads: int = 1,
 ) -> None:
-    """Decode `coded` into the flat words `out`; raises PlaneDecodeError when a
-    chunk does not decode to exactly its size. The planes' codecs and chunk sizes
-    must already have been checked against the chunk count (see `check_plane`)."""
-    bounds = chunk_bounds(out.size, chunk_elements)
-    rest_rows = out.dtype.itemsize - 1
-    exponent_at = _offsets(coded.exponent.chunk_bytes)
-    rest_at = _offsets(coded.rest.chunk_bytes)
-    exponent_data = memoryview(coded.exponent.data)
-    rest_data = memoryview(coded.rest.data)
+    """Decode each (name, coded planes, flat output words) in place; raises
+    PlaneDecodeError, naming the item and chunk, when a chunk does not decode to
+    exactly its size. The planes' codecs and chunk sizes must already have been
+    checked against the chunk count (see `check_plane`).
 
-    def decode(index: int) -> None:
-        begin, end = bounds[index]
-        count = end - begin
-        exponent = _decode_chunk(
-            coded.exponent.codecs[index],
-            exponent_data[exponent_at[index] : exponent_at[index + 1]],
-            count,
-            f"exponent chunk {index}",
-        )
-        rest = _decode_chunk(
-            coded.rest.codecs[index],
-            rest_data[rest_at[index] : rest_at[index + 1]],
-            count * rest_rows,
-            f"rest chunk {index}",
-        ).reshape(rest_rows, count)
-        merge_words(exponent, rest, out[begin:end])
+    The chunks of all items are dealt out in `threads` contiguous runs of about
+    equal size, one task each: a task per chunk cost more CPU in dispatch than
+    the merge."""
+    jobs = [
+        (item, index, begin, end)
+        for item, (_, _, out) in enumerate(items)
+        for index, (begin, end) in enumerate(chunk_bounds(out.size, chunk_elements))
+    ]
+    offsets = [
+        (_offsets(coded.exponent.chunk_bytes), _offsets(coded.rest.chunk_bytes))
+        for _, coded, _ in items
+    ]
 
-    for _ in _map(pool, decode, range(len(bounds))):
-        pass
+    def run(part: list[tuple[int, int, int, int]]) -> None:
+        for item, index, begin, end in part:
+            name, coded, out = items[item]
+            exponent_at, rest_at = offsets[item]
+            rest_rows = out.dtype.itemsize - 1
+            count = end - begin
+            exponent = _decode_chunk(
+                coded.exponent.codecs[index],
+                memoryview(coded.exponent.data)[
+                    exponent_at[index] : exponent_at[index + 1]
+                ],
+                count,
+                f"{name}: exponent chunk {index}",
+            )
+            rest = _decode_chunk(
+                coded.rest.codecs[index],
+                memoryview(coded.rest.data)[rest_at[index] : rest_at[index + 1]],
+                count * rest_rows,
+                f"{name}: rest chunk {index}",
+            ).reshape(rest_rows, count)
+            merge_words(exponent, rest, out[begin:end])
+
+    parts = _deal(jobs, threads)
+    if len(parts) < 2:
+        run(jobs)
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(parts)) as pool:
+        for _ in pool.map(run, parts):
+            pass
+
+
+def _deal(jobs: list[tuple[int, int, int, int]], parts: int) -> list[list]:
+    """`jobs` cut into at most `parts` contiguous runs of about equal elements."""
+    total = sum(end - begin for _, _, begin, end in jobs)
+    runs: list[list] = [[]]
+    done = 0
+    for job in jobs:
+        if runs[-1] and done >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append(job)
+        done += job[3] - job[2]
+    return runs
 
 
 def check_plane(codecs: str, chunk_bytes: list[int], chunks: list[int]) -> None:
@@ -205,7 +248,7 @@ def check_plane(codecs: str, chunk_bytes: list[int], chunks: list[int]) -> None:
     for index, (codec, size, expected) in enumerate(
         zip(codecs, chunk_bytes, chunks, strict=True)
     ):
-        if codec not in (RAW, DEFLATE):
+        if codec not in CODEC_LETTERS:
             raise PlaneDecodeError(f"chunk {index}: unknown codec {codec!r}")
         if codec == RAW and size != expected:
             raise PlaneDecodeError(
@@ -213,9 +256,14 @@ def check_plane(codecs: str, chunk_bytes: list[int], chunks: list[int]) -> None:
             )
 
 
+_local = threading.local()
+
+
 def _decode_chunk(codec: str, data: memoryview, size: int, where: str) -> np.ndarray:
     if codec == RAW:
         return np.frombuffer(data, dtype=np.uint8)
+    if codec == HUFFMAN:
+        return _decode_huffman(data, size, where)
     inflater = isal_zlib.decompressobj(_RAW_DEFLATE_WBITS)
     try:
         decoded = inflater.decompress(data, size + 1)
@@ -230,6 +278,29 @@ def _decode_chunk(codec: str, data: memoryview, size: int, where: str) -> np.nda
     if inflater.unused_data or inflater.unconsumed_tail:
         raise PlaneDecodeError(f"{where}: bytes after the end of its DEFLATE stream")
     return np.frombuffer(decoded, dtype=np.uint8)
+
+
+def _decode_huffman(data: memoryview, size: int, where: str) -> np.ndarray:
+    frame = data[1:]
+    try:
+        content_size = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise PlaneDecodeError(f"{where}: not a zstd frame: {exc}") from exc
+    if content_size != size:
+        raise PlaneDecodeError(
+            f"{where}: zstd frame of {content_size} bytes, {size} expected"
+        )
+    # A decompressor holds a context two threads must not share.
+    if not hasattr(_local, "zstd"):
+        _local.zstd = zstandard.ZstdDecompressor()
+    try:
+        decoded = _local.zstd.decompress(frame, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise PlaneDecodeError(f"{where}: corrupt zstd frame: {exc}") from exc
+    if len(decoded) != size:
+        raise PlaneDecodeError(f"{where}: decodes to {len(decoded)} of {size} bytes")
+    symbols = np.frombuffer(decoded, dtype=np.uint8)
+    return symbols + np.uint8(data[0]) if data[0] else symbols
 
 
 def _offsets(sizes: Iterable[int]) -> list[int]:
