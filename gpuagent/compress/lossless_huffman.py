@@ -147,3 +147,23 @@ def limited_code_lengths(counts: list[int], limit: int) -> list[int]:
             lengths[i] -= 1
     assert kraft == full
     return lengths
+
+
+def frame_size(frame: bytes | memoryview) -> int:
+    """Bytes of the frame at the start of `frame`, as `encode_frame` lays it out
+    (9-byte header, compressed blocks only, no checksum); ValueError otherwise. A
+    zstd decoder ignores what follows a frame: the caller compares."""
+    if bytes(frame[:4]) != _MAGIC or len(frame) < 9:
+        raise ValueError("not a zstd frame")
+    if frame[4] != _SINGLE_SEGMENT_FCS4:
+        raise ValueError(f"frame header descriptor {frame[4]:#x} is not this layout")
+    at = 9
+    while True:
+        if at + 3 > len(frame):
+            raise ValueError("frame ends inside a block header")
+        header = int.from_bytes(frame[at : at + 3], "little")
+        if (header >> 1) & 3 != 2:
+            raise ValueError(f"block of type {(header >> 1) & 3}, not compressed")
+        at += 3 + (header >> 3)
+        if header & 1:
+            return at

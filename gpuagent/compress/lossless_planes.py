@@ -101,13 +101,23 @@ def split_words(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return exponent, np.ascontiguousarray(as_bytes[:, :-1].T)  # byte-planar rest
 
 
-def merge_words(exponent: np.ndarray, rest: np.ndarray, out: np.ndarray) -> None:
-    """Inverse of `split_words`, written into `out` (words [n])."""
+def merge_words(
+    exponent: np.ndarray,
+    rest: np.ndarray,
+    out: np.ndarray,
+    *,
+    exponent_base: int = 0,
+    scratch: np.ndarray | None = None,
+) -> None:
+    """Inverse of `split_words`, written into `out` (words [n]), the exponent
+    bytes being stored minus `exponent_base`. `scratch`: words [>= n] to reuse."""
     size = out.dtype.itemsize
     if size == 2:
-        # word = exponent << 7 | rest >> 1 | rest << 15, on 16-bit lanes
-        low = np.empty_like(out)
+        # word = (exponent + base) << 7 | rest >> 1 | rest << 15, on 16-bit lanes
+        low = scratch[: out.size] if scratch is not None else np.empty_like(out)
         np.left_shift(exponent, 7, out=out, dtype=out.dtype)
+        if exponent_base:
+            np.add(out, exponent_base << 7, out=out)
         np.right_shift(rest[0], 1, out=low, dtype=out.dtype)
         np.bitwise_or(out, low, out=out)
         np.left_shift(rest[0], 15, out=low, dtype=out.dtype)
@@ -115,6 +125,8 @@ def merge_words(exponent: np.ndarray, rest: np.ndarray, out: np.ndarray) -> None
         return
     as_bytes = out.view(np.uint8).reshape(-1, size)  # [n, W/8]
     as_bytes[:, -1] = exponent
+    if exponent_base:
+        as_bytes[:, -1] += np.uint8(exponent_base)
     as_bytes[:, :-1] = rest.T
     low = out >> 1
     np.left_shift(out, 8 * size - 1, out=out)
@@ -193,12 +205,13 @@ def decode_words(
     ]
 
     def run(part: list[tuple[int, int, int, int]]) -> None:
+        scratch: dict[np.dtype, np.ndarray] = {}
         for item, index, begin, end in part:
             name, coded, out = items[item]
             exponent_at, rest_at = offsets[item]
             rest_rows = out.dtype.itemsize - 1
             count = end - begin
-            exponent = _decode_chunk(
+            exponent, base = _decode_chunk(
                 coded.exponent.codecs[index],
                 memoryview(coded.exponent.data)[
                     exponent_at[index] : exponent_at[index + 1]
@@ -206,13 +219,23 @@ def decode_words(
                 count,
                 f"{name}: exponent chunk {index}",
             )
-            rest = _decode_chunk(
+            rest, rest_base = _decode_chunk(
                 coded.rest.codecs[index],
                 memoryview(coded.rest.data)[rest_at[index] : rest_at[index + 1]],
                 count * rest_rows,
                 f"{name}: rest chunk {index}",
-            ).reshape(rest_rows, count)
-            merge_words(exponent, rest, out[begin:end])
+            )
+            if rest_base:
+                rest = rest + np.uint8(rest_base)
+            if out.dtype not in scratch:
+                scratch[out.dtype] = np.empty(chunk_elements, dtype=out.dtype)
+            merge_words(
+                exponent,
+                rest.reshape(rest_rows, count),
+                out[begin:end],
+                exponent_base=base,
+                scratch=scratch[out.dtype],
+            )
 
     parts = _deal(jobs, threads)
     if len(parts) < 2:
@@ -259,11 +282,14 @@ def check_plane(codecs: str, chunk_bytes: list[int], chunks: list[int]) -> None:
 _local = threading.local()
 
 
-def _decode_chunk(codec: str, data: memoryview, size: int, where: str) -> np.ndarray:
+def _decode_chunk(
+    codec: str, data: memoryview, size: int, where: str
+) -> tuple[np.ndarray, int]:
+    """(the chunk's bytes, a base to add to each: nonzero only for HUFFMAN)"""
     if codec == RAW:
-        return np.frombuffer(data, dtype=np.uint8)
+        return np.frombuffer(data, dtype=np.uint8), 0
     if codec == HUFFMAN:
-        return _decode_huffman(data, size, where)
+        return _decode_huffman(data, size, where), data[0]
     inflater = isal_zlib.decompressobj(_RAW_DEFLATE_WBITS)
     try:
         decoded = inflater.decompress(data, size + 1)
@@ -277,15 +303,18 @@ def _decode_chunk(codec: str, data: memoryview, size: int, where: str) -> np.nda
         )
     if inflater.unused_data or inflater.unconsumed_tail:
         raise PlaneDecodeError(f"{where}: bytes after the end of its DEFLATE stream")
-    return np.frombuffer(decoded, dtype=np.uint8)
+    return np.frombuffer(decoded, dtype=np.uint8), 0
 
 
 def _decode_huffman(data: memoryview, size: int, where: str) -> np.ndarray:
     frame = data[1:]
     try:
+        frame_bytes = lossless_huffman.frame_size(frame)
         content_size = zstandard.frame_content_size(frame)
-    except zstandard.ZstdError as exc:
-        raise PlaneDecodeError(f"{where}: not a zstd frame: {exc}") from exc
+    except (ValueError, zstandard.ZstdError) as exc:
+        raise PlaneDecodeError(f"{where}: {exc}") from exc
+    if frame_bytes != len(frame):
+        raise PlaneDecodeError(f"{where}: {len(frame) - frame_bytes} bytes too many")
     if content_size != size:
         raise PlaneDecodeError(
             f"{where}: zstd frame of {content_size} bytes, {size} expected"
@@ -299,8 +328,7 @@ def _decode_huffman(data: memoryview, size: int, where: str) -> np.ndarray:
         raise PlaneDecodeError(f"{where}: corrupt zstd frame: {exc}") from exc
     if len(decoded) != size:
         raise PlaneDecodeError(f"{where}: decodes to {len(decoded)} of {size} bytes")
-    symbols = np.frombuffer(decoded, dtype=np.uint8)
-    return symbols + np.uint8(data[0]) if data[0] else symbols
+    return np.frombuffer(decoded, dtype=np.uint8)
 
 
 def _offsets(sizes: Iterable[int]) -> list[int]:

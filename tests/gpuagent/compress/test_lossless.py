@@ -269,3 +269,31 @@ def test_it_reports_sizes_that_add_up():
     assert np.isclose(
         encoded.compressed_bytes / encoded.original_bytes, 0.67, atol=0.05
     )
+
+
+def test_it_refuses_bytes_after_a_coded_chunk_and_corrupt_frames():
+    from dataclasses import replace
+
+    tensor = (torch.randn(20_000) * 0.02).to(torch.bfloat16)
+    encoded = compress_tensor(tensor, chunk_elements=8192)
+    exponent = encoded.planes.exponent
+    assert exponent.codecs == "hhh"
+    longer = replace(
+        exponent,
+        chunk_bytes=(exponent.chunk_bytes[0] + 1, *exponent.chunk_bytes[1:]),
+        data=exponent.data[: exponent.chunk_bytes[0]]
+        + b"\x00"
+        + exponent.data[exponent.chunk_bytes[0] :],
+    )
+    flipped = bytearray(exponent.data)
+    flipped[30] ^= 0xFF  # inside chunk 0's Huffman streams
+
+    with pytest.raises(LosslessFormatError, match="exponent chunk 0: 1 bytes too many"):
+        decompress_tensor(
+            replace(encoded, planes=replace(encoded.planes, exponent=longer))
+        )
+    with pytest.raises(LosslessFormatError, match="exponent chunk 0|blake3"):
+        corrupt = replace(exponent, data=bytes(flipped))
+        decompress_tensor(
+            replace(encoded, planes=replace(encoded.planes, exponent=corrupt))
+        )
