@@ -297,3 +297,19 @@ def test_it_refuses_bytes_after_a_coded_chunk_and_corrupt_frames():
         decompress_tensor(
             replace(encoded, planes=replace(encoded.planes, exponent=corrupt))
         )
+
+
+def test_it_compresses_a_sharded_source_into_one_container(tmp_path, bf16_demo_folder):
+    import transformers
+
+    source = tmp_path / "sharded"
+    model = transformers.LlamaForCausalLM.from_pretrained(bf16_demo_folder)
+    model.save_pretrained(source, safe_serialization=True, max_shard_size="2MB")
+    shards = sorted(p.name for p in source.glob("model-*.safetensors"))
+
+    result = compress_folder(source, tmp_path / "lossless")
+
+    names = sorted(p.name for p in (tmp_path / "lossless").iterdir())
+    assert len(shards) > 1 and not set(shards) & set(names)
+    assert "model.safetensors.index.json" not in names and CONTAINER_FILE in names
+    assert result.tensors_blake3 == tensors_digest(read_weights(source))
