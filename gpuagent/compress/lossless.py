@@ -11,7 +11,7 @@ strictly. It holds two U8 tensors per original tensor, `<name>:exponent` and
 
     {"format": "releasegate.lossless", "version": 1, "chunk_elements": 262144,
      "tensors": {"<name>": {"dtype": "BF16", "shape": [576, 1536],
-                            "exponent": {"codecs": "dd..", "chunk_bytes": [..]},
+                            "exponent": {"codecs": "hh..", "chunk_bytes": [..]},
                             "rest": {"codecs": "rr..", "chunk_bytes": [..]},
                             "blake3": "<digest of the decoded tensor bytes>"}},
      "tensors_blake3": "<tensors_digest of all decoded tensors>"}
@@ -171,7 +171,11 @@ def decode_tensors(
     tensors = {}
     for name, _, words in items:
         e = encoded[name]
-        if verify and blake3.blake3(words.view(np.uint8)).hexdigest() != e.blake3:
+        if (
+            verify
+            and blake3.blake3(words.view(np.uint8), max_threads=threads).hexdigest()
+            != e.blake3
+        ):
             raise LosslessFormatError(
                 f"{name}: decoded bytes do not match the recorded blake3 digest"
             )

@@ -10,13 +10,18 @@ stored raw unless coding it saves at least `MIN_SAVING`. This is ZipNN's layout 
 where the sign bit sits (ZipNN keeps it as the top bit of the low byte); DFloat11
 likewise codes only the exponent and keeps sign and mantissa as they are.
 
-Both planes are cut into chunks of `chunk_elements` elements. A coded chunk is one raw
-DEFLATE stream (RFC 1951) written by zlib with `Z_HUFFMAN_ONLY`: dynamic Huffman
-blocks and no back-references, which is order-0 entropy coding of the bytes (zstd's
-match finder cost 8-15% on exponent bytes, whose short repeats are not worth an
-offset). Any inflater reads it; ISA-L's, the fastest here, decodes. Chunks are coded
-and decoded on a thread pool (zlib, ISA-L and numpy release the GIL), and each chunk
-is merged back into its output words while still in cache.
+Both planes are cut into chunks of `chunk_elements` elements, each coded on its own:
+- "h": a zstd frame of Huffman-coded literals written by `lossless_huffman` (order-0
+  entropy coding; libzstd decodes its 4 interleaved streams, the coder ZipNN runs);
+  the chunk's bytes are coded minus their smallest value, kept in a leading byte;
+- "d": a raw DEFLATE stream written by zlib with `Z_HUFFMAN_ONLY`, read by ISA-L,
+  for chunks "h" cannot take (bytes spanning more than 129 values, NaN/inf beside
+  weights, a single value, under 1024 bytes);
+- "r": raw, when order-0 entropy promises less than `MIN_SAVING`.
+zstd's own compressor was not used: its match finder cost 8-15% over order-0 entropy
+on exponent bytes, whose short repeats are not worth an offset. Chunks are coded on a
+thread pool and decoded in one contiguous run of chunks per thread (zlib, zstd, ISA-L
+and numpy release the GIL); each chunk is merged into its output words while in cache.
 """
 
 from __future__ import annotations
