@@ -50,7 +50,6 @@ from gpuagent.compress.lossless_planes import (
     CodedWords,
     PlaneDecodeError,
     check_plane,
-    chunk_bounds,
     decode_words,
     default_threads,
     encode_words,
@@ -186,20 +185,25 @@ def decode_tensors(
 
 
 def _check_planes(encoded: EncodedTensor) -> None:
-    count = math.prod(encoded.shape)
-    chunks = [e - b for b, e in chunk_bounds(count, encoded.chunk_elements)]
-    itemsize = WORD_TYPES[encoded.dtype].itemsize
+    _check_chunk_elements(encoded.chunk_elements)
     for name in PLANES:
         plane: CodedPlane = getattr(encoded.planes, name)
-        per_element = 1 if name == "exponent" else itemsize - 1
         check_plane(
-            plane.codecs, list(plane.chunk_bytes), [c * per_element for c in chunks]
+            plane.codecs,
+            list(plane.chunk_bytes),
+            count=math.prod(encoded.shape),
+            chunk_elements=encoded.chunk_elements,
+            bytes_per_element=_plane_bytes_per_element(encoded.dtype, name),
         )
         if sum(plane.chunk_bytes) != len(plane.data):
             raise PlaneDecodeError(
                 f"chunk sizes add up to {sum(plane.chunk_bytes)}, "
                 f"plane holds {len(plane.data)} bytes"
             )
+
+
+def _plane_bytes_per_element(dtype: str, plane: str) -> int:
+    return 1 if plane == "exponent" else WORD_TYPES[dtype].itemsize - 1
 
 
 def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -256,6 +260,11 @@ def encode_checkpoint(
     bad = [n for n in tensors if not n or ":" in n]
     if bad:
         raise LosslessFormatError(f"tensor names empty or holding ':': {bad}")
+    bad = {n: str(t.dtype) for n, t in tensors.items() if t.dtype not in DTYPE_NAMES}
+    if bad:
+        raise LosslessFormatError(
+            f"tensors not coded losslessly (bf16, fp16, fp32 are): {bad}"
+        )
     with thread_pool(threads) as pool:
         encoded = {
             name: compress_tensor(t, chunk_elements=chunk_elements, pool=pool)
@@ -414,8 +423,6 @@ def _read_tensor_entry(name: str, entry: Any, chunk_elements: int) -> EncodedTen
     ):
         raise LosslessFormatError(f"{where}: shape {shape!r} is not a valid shape")
     _check_hex(f"{where}: blake3", entry["blake3"])
-    count = math.prod(shape)
-    chunks = [e - b for b, e in chunk_bounds(count, chunk_elements)]
     for plane in PLANES:
         _check_fields(f"{where} {plane}", entry[plane], PLANE_FIELDS)
         codecs, chunk_bytes = entry[plane]["codecs"], entry[plane]["chunk_bytes"]
@@ -425,9 +432,14 @@ def _read_tensor_entry(name: str, entry: Any, chunk_elements: int) -> EncodedTen
             raise LosslessFormatError(
                 f"{where} {plane}: chunk_bytes are not non-negative integers"
             )
-        per_element = 1 if plane == "exponent" else WORD_TYPES[dtype].itemsize - 1
         try:
-            check_plane(codecs, chunk_bytes, [c * per_element for c in chunks])
+            check_plane(
+                codecs,
+                chunk_bytes,
+                count=math.prod(shape),
+                chunk_elements=chunk_elements,
+                bytes_per_element=_plane_bytes_per_element(dtype, plane),
+            )
         except PlaneDecodeError as exc:
             raise LosslessFormatError(f"{where} {plane}: {exc}") from exc
     empty = CodedPlane("", (), b"")

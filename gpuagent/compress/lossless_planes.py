@@ -264,20 +264,30 @@ def _deal(jobs: list[tuple[int, int, int, int]], parts: int) -> list[list]:
     return runs
 
 
-def check_plane(codecs: str, chunk_bytes: list[int], chunks: list[int]) -> None:
-    """Raises PlaneDecodeError unless a plane of these chunk element counts (times
-    bytes per element) can have these codecs and sizes: one valid codec letter and
-    one size per chunk, and a raw chunk exactly its size."""
-    if len(codecs) != len(chunks) or len(chunk_bytes) != len(chunks):
+def check_plane(
+    codecs: str,
+    chunk_bytes: list[int],
+    *,
+    count: int,
+    chunk_elements: int,
+    bytes_per_element: int,
+) -> None:
+    """Raises PlaneDecodeError unless a plane of `count` elements in chunks of
+    `chunk_elements` can have these codecs and sizes: one valid codec letter and
+    one size per chunk, and a raw chunk exactly its size. The chunk count is
+    compared first, so a huge `count` costs nothing."""
+    chunks = -(-count // chunk_elements)
+    if len(codecs) != chunks or len(chunk_bytes) != chunks:
         raise PlaneDecodeError(
             f"{len(codecs)} codecs and {len(chunk_bytes)} chunk sizes for "
-            f"{len(chunks)} chunks"
+            f"{chunks} chunks"
         )
-    for index, (codec, size, expected) in enumerate(
-        zip(codecs, chunk_bytes, chunks, strict=True)
+    for index, (codec, size, (begin, end)) in enumerate(
+        zip(codecs, chunk_bytes, chunk_bounds(count, chunk_elements), strict=True)
     ):
         if codec not in CODEC_LETTERS:
             raise PlaneDecodeError(f"chunk {index}: unknown codec {codec!r}")
+        expected = (end - begin) * bytes_per_element
         if codec == RAW and size != expected:
             raise PlaneDecodeError(
                 f"chunk {index}: raw chunk of {size} bytes, {expected} expected"

@@ -115,6 +115,8 @@ def test_it_round_trips_every_tensor_of_the_real_model_in_bf16(real_model_dir):
 def test_it_refuses_other_dtypes_and_bad_names():
     with pytest.raises(LosslessFormatError, match="torch.int8"):
         compress_tensor(torch.zeros(3, dtype=torch.int8))
+    with pytest.raises(LosslessFormatError, match="'ids': 'torch.int64'"):
+        encode_checkpoint({"ids": torch.zeros(3, dtype=torch.int64)})
     with pytest.raises(LosslessFormatError, match="':'"):
         encode_checkpoint({"a:b": torch.zeros(3, dtype=torch.bfloat16)})
 
@@ -168,6 +170,8 @@ def _flip_byte(data, entry_name, offset):
         (lambda h: h["tensors"]["w"].update(dtype="F64"), "dtype 'F64'"),
         (lambda h: h["tensors"]["w"].update(shape=[64, -300]), "shape"),
         (lambda h: h["tensors"]["w"].update(shape=[64, 301]), "chunk"),
+        # a vast shape is refused by its chunk count, before anything is built
+        (lambda h: h["tensors"]["w"].update(shape=[2**39] * 8), "chunk sizes for"),
         (lambda h: h["tensors"]["w"].update(blake3="00"), "hex digest"),
         (lambda h: h["tensors"]["w"]["rest"].update(codecs="x" * 5), "unknown codec"),
         (lambda h: h["tensors"]["w"]["exponent"]["chunk_bytes"].append(0), "chunk"),
