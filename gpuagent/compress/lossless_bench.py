@@ -20,6 +20,7 @@ import argparse
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -81,71 +82,69 @@ def lossless_rows(
 def _row(
     model_dir: Path, threads: int, repeats: int, chunk_elements: int
 ) -> LosslessRow:
+    from zipnn import ZipNN
+
     tensors = {
         name: t.to(torch.bfloat16) for name, t in read_weights(model_dir).items()
     }
     bf16_bytes = sum(t.numel() * 2 for t in tensors.values())
+    zipnn = ZipNN(bytearray_dtype="bfloat16", threads=threads)
+    raw = {n: t.view(torch.int16).numpy().tobytes() for n, t in tensors.items()}
 
-    compress_s, container = _best(
-        repeats,
-        lambda: encode_checkpoint(
-            tensors, chunk_elements=chunk_elements, threads=threads
-        ),
-    )
-    encoded = read_container(container).tensors
-    decompress_s, _ = _best(repeats, lambda: _decode_only(encoded, threads))
-    decompress_cpu_s = _best_cpu(repeats, lambda: _decode_only(encoded, threads))
-    load_s, decoded = _best(
-        repeats, lambda: decode_checkpoint(container, threads=threads)
-    )
+    encode = partial(encode_checkpoint, chunk_elements=chunk_elements, threads=threads)
+    load = partial(decode_checkpoint, threads=threads)
+    # The coders take turns within each repeat, so both see the same load.
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        container = _timed(best, "ours compress", encode, tensors)
+        # zipnn reorders its input buffer in place: hand it a copy each time.
+        inputs = {n: bytearray(b) for n, b in raw.items()}
+        compressed = _timed(best, "zipnn compress", _each, zipnn.compress, inputs)
+        encoded = read_container(container).tensors
+        _timed(best, "ours decompress", _decode_only, encoded, threads)
+        decompressed = _timed(
+            best, "zipnn decompress", _each, zipnn.decompress, compressed
+        )
+        decoded = _timed(best, "ours load", load, container)
     _check_same("ours", tensors, decoded)
+    bad = [n for n in raw if bytes(decompressed[n]) != raw[n]]
+    if bad:
+        raise AssertionError(f"zipnn did not round-trip {bad[:5]}")
 
-    zipnn_compress_s, zipnn_decompress_s, zipnn_cpu_s, zipnn_bytes = _zipnn(
-        tensors, threads, repeats
-    )
     gb = bf16_bytes / 1e9
     return LosslessRow(
         model=model_dir.name,
         tensors=len(tensors),
         bf16_bytes=bf16_bytes,
         ours_fraction=len(container) / bf16_bytes,
-        zipnn_fraction=zipnn_bytes / bf16_bytes,
-        ours_compress_gbps=gb / compress_s,
-        ours_decompress_gbps=gb / decompress_s,
-        ours_load_gbps=gb / load_s,
-        zipnn_compress_gbps=gb / zipnn_compress_s,
-        zipnn_decompress_gbps=gb / zipnn_decompress_s,
-        ours_decompress_cpu_gbps=gb / decompress_cpu_s,
-        zipnn_decompress_cpu_gbps=gb / zipnn_cpu_s,
+        zipnn_fraction=sum(len(c) for c in compressed.values()) / bf16_bytes,
+        ours_compress_gbps=gb / best["ours compress wall"],
+        ours_decompress_gbps=gb / best["ours decompress wall"],
+        ours_load_gbps=gb / best["ours load wall"],
+        zipnn_compress_gbps=gb / best["zipnn compress wall"],
+        zipnn_decompress_gbps=gb / best["zipnn decompress wall"],
+        ours_decompress_cpu_gbps=gb / best["ours decompress cpu"],
+        zipnn_decompress_cpu_gbps=gb / best["zipnn decompress cpu"],
     )
+
+
+def _timed(best: dict[str, float], what: str, run: Callable, *args):
+    """run(*args), keeping the least wall and CPU seconds (all threads of the
+    process) seen for `what` in `best`."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    result = run(*args)
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    best[f"{what} wall"] = min(best.get(f"{what} wall", wall), wall)
+    best[f"{what} cpu"] = min(best.get(f"{what} cpu", cpu), cpu)
+    return result
+
+
+def _each(code: Callable, buffers: dict) -> dict:
+    return {name: code(b) for name, b in buffers.items()}
 
 
 def _decode_only(encoded, threads: int) -> dict[str, torch.Tensor]:
     return decode_tensors(encoded, threads=threads, verify=False)
-
-
-def _zipnn(
-    tensors: dict[str, torch.Tensor], threads: int, repeats: int
-) -> tuple[float, float, int]:
-    from zipnn import ZipNN
-
-    coder = ZipNN(bytearray_dtype="bfloat16", threads=threads)
-    raw = {n: t.view(torch.int16).numpy().tobytes() for n, t in tensors.items()}
-    compress_s = decompress_s = cpu_s = float("inf")
-    for _ in range(repeats):
-        # zipnn reorders its input buffer in place: hand it a copy each time.
-        inputs = {n: bytearray(b) for n, b in raw.items()}
-        start = time.perf_counter()
-        compressed = {n: coder.compress(b) for n, b in inputs.items()}
-        compress_s = min(compress_s, time.perf_counter() - start)
-        start, start_cpu = time.perf_counter(), time.process_time()
-        decompressed = {n: coder.decompress(c) for n, c in compressed.items()}
-        decompress_s = min(decompress_s, time.perf_counter() - start)
-        cpu_s = min(cpu_s, time.process_time() - start_cpu)
-    bad = [n for n in raw if bytes(decompressed[n]) != raw[n]]
-    if bad:
-        raise AssertionError(f"zipnn did not round-trip {bad[:5]}")
-    return compress_s, decompress_s, cpu_s, sum(len(c) for c in compressed.values())
 
 
 def _check_same(
@@ -161,28 +160,9 @@ def _check_same(
         raise AssertionError(f"{who} did not round-trip {bad[:5]}")
 
 
-def _best(repeats: int, run: Callable):
-    best_s, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = run()
-        best_s = min(best_s, time.perf_counter() - start)
-    return best_s, result
-
-
-def _best_cpu(repeats: int, run: Callable) -> float:
-    """Least CPU seconds of the process (all threads) over `repeats` runs."""
-    best_s = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        run()
-        best_s = min(best_s, time.process_time() - start)
-    return best_s
-
-
 def format_rows(rows: Sequence[LosslessRow], threads: int) -> str:
     lines = [
-        f"lossless, bf16 weights, {threads} threads, GB/s of bf16 bytes "
+        f"lossless, bf16 weights, threads={threads}, GB/s of bf16 bytes "
         "(best of repeats)",
         f"{'model':<16}{'tensors':>8}{'bf16 MB':>9}{'ours':>8}{'zipnn':>8}"
         f"{'ours/zipnn':>11}  {'comp ours':>9}{'zipnn':>7}  {'decomp ours':>11}"
