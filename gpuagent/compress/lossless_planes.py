@@ -55,6 +55,7 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 18
 MAX_CHUNK_ELEMENTS = 1 << 24
 # A chunk is coded only when its order-0 entropy promises this fraction saved.
 MIN_SAVING = 0.02
+_ENTROPY_SAMPLE = 1 << 14
 _RAW_DEFLATE_WBITS = -15
 
 T = TypeVar("T")
@@ -156,7 +157,10 @@ def _entropy_bits(plane: np.ndarray) -> float:
 
 def _code_chunk(plane: np.ndarray) -> tuple[str, bytes]:
     raw = plane.tobytes()
-    if plane.size == 0 or _entropy_bits(plane) > 8 * (1 - MIN_SAVING):
+    # Judged on a strided sample: a full count cost 13% of coding time, spent
+    # mostly on near-random rest planes.
+    sample = plane.reshape(-1)[:: max(1, plane.size // _ENTROPY_SAMPLE)]
+    if plane.size == 0 or _entropy_bits(sample) > 8 * (1 - MIN_SAVING):
         return RAW, raw
     base = int(plane.min())
     if int(plane.max()) - base <= lossless_huffman.MAX_SYMBOL:
