@@ -22,6 +22,8 @@ from gpuagent.engine.model import LlamaConfig, Transformer
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# gpuagent.compress.lossless's container (exponent-coded bf16/fp16/fp32 weights)
+LOSSLESS_FILE = "model.lossless.safetensors"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Older transformers saved RoPE's inverse frequencies as a buffer; we recompute them.
@@ -83,7 +85,10 @@ def check_supported_config(hf_config: dict[str, Any]) -> None:
 
 
 def read_checkpoint(reader: _FileReader) -> dict[str, torch.Tensor]:
-    """All tensors of the single file or of every shard the index names."""
+    """All tensors of the single file, of every shard the index names, or of the
+    lossless container (decoded, each tensor checked against its recorded digest)."""
+    if reader.exists(LOSSLESS_FILE):
+        return _read_lossless(reader)
     if reader.exists(INDEX_FILE):
         return _read_sharded(reader)
     if reader.exists(WEIGHTS_FILE):
@@ -119,6 +124,19 @@ def _read_sharded(reader: _FileReader) -> dict[str, torch.Tensor]:
                 f"present but unlisted {sorted(set(shard_tensors) - listed)}"
             )
         tensors.update(shard_tensors)
+    return tensors
+
+
+def _read_lossless(reader: _FileReader) -> dict[str, torch.Tensor]:
+    from gpuagent.compress.lossless import LosslessFormatError, decode_checkpoint
+
+    present = [n for n in (WEIGHTS_FILE, INDEX_FILE) if reader.exists(n)]
+    if present:
+        raise ModelLoadError(f"both {LOSSLESS_FILE} and {present}: which is the model?")
+    try:
+        tensors = decode_checkpoint(reader.read(LOSSLESS_FILE))
+    except LosslessFormatError as exc:
+        raise ModelLoadError(f"{LOSSLESS_FILE}: {exc}") from exc
     return tensors
 
 

@@ -1,0 +1,1 @@
+"""Turning a source model folder into a candidate: lossy recipes and lossless coding."""

@@ -1,0 +1,15 @@
+"""gpuagent.compress.lossless_bench: rows from one run, no timing asserted."""
+
+from gpuagent.compress.lossless_bench import DEMO_MODEL_DIR, format_rows, lossless_rows
+
+
+def test_it_compares_both_coders_on_the_same_tensors():
+    (row,) = lossless_rows([DEMO_MODEL_DIR], threads=1, repeats=1)
+
+    assert row.model == "demo_model" and row.tensors == 38
+    assert row.bf16_bytes == 6_431_232
+    # both coders code the exponent: about two thirds of the bf16 bytes
+    assert 0.6 < row.ours_fraction < 0.7 and 0.6 < row.zipnn_fraction < 0.7
+    assert row.size_vs_zipnn == row.ours_fraction / row.zipnn_fraction
+    assert min(row.ours_decompress_gbps, row.zipnn_decompress_gbps) > 0
+    assert "demo_model" in format_rows([row], threads=1)
