@@ -227,6 +227,29 @@ class ReleaseOut(Schema):
     updated: datetime
 
 
+class StageTimingOut(Schema):
+    kind: str
+    state: JobState
+    agent: str | None
+    attempts: int
+    queued: datetime
+    started: datetime | None
+    finished: datetime | None
+    duration_s: float | None
+
+
+class TimingsOut(Schema):
+    stages: list[StageTimingOut] = Field(description="the latest pass, in order")
+    time_to_deploy_s: float | None = Field(
+        description="pipeline time: first job to gate decision, plus the deploy job "
+        "(the wait for approval excluded); null until the gate decided"
+    )
+    integrity_s: float | None
+    integrity_pct: float | None = Field(description="percent of time_to_deploy_s")
+    quality_load_s: float | None
+    quality_load_pct: float | None = Field(description="percent of time_to_deploy_s")
+
+
 class ReleaseDetailOut(ReleaseOut):
     signature: str
     artifacts: list[ArtifactOut]
@@ -234,6 +257,7 @@ class ReleaseDetailOut(ReleaseOut):
     gate_results: list[GateResultOut]
     approvals: list[ApprovalOut]
     deployments: list[DeploymentOut]
+    timings: TimingsOut
 
 
 class PromotionOut(Schema):
