@@ -240,13 +240,14 @@ class StageTimingOut(Schema):
 
 class TimingsOut(Schema):
     stages: list[StageTimingOut] = Field(description="the latest pass, in order")
-    time_to_deploy_s: float | None = Field(
-        description="pipeline time: first job to gate decision, plus the deploy job "
-        "(the wait for approval excluded); null until the gate decided"
+    time_to_deploy_s: float = Field(
+        description="machine time of the pipeline: the union of its jobs' intervals "
+        "up to the first successful deploy (or now); the wait for approval is not in it"
     )
-    integrity_s: float | None
+    deployed: bool = Field(description="false: the pipeline is still on its way")
+    integrity_s: float
     integrity_pct: float | None = Field(description="percent of time_to_deploy_s")
-    quality_load_s: float | None
+    quality_load_s: float
     quality_load_pct: float | None = Field(description="percent of time_to_deploy_s")
 
 

@@ -26,7 +26,11 @@ from django.utils import timezone
 from controlplane.audit.models import AuditEvent
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import IllegalTransition
-from controlplane.fleet.actions import do_set_agent_state, silent_agents
+from controlplane.fleet.actions import (
+    do_register_agent,
+    do_set_agent_state,
+    silent_agents,
+)
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases import actions, evidence, stages
 from controlplane.releases.models import Job, Release
@@ -67,7 +71,7 @@ def _entered(release: Release) -> datetime:
 
 
 def _live_agents():
-    cutoff = timezone.now() - timedelta(seconds=settings.RELEASEGATE_AGENT_TIMEOUT_S)
+    cutoff = timezone.now() - timedelta(seconds=settings.AGENT_DEAD_AFTER_S)
     return Agent.objects.filter(state="online", last_heartbeat__gte=cutoff)
 
 
@@ -312,8 +316,7 @@ def record_result(result: JobResult, attempt: int) -> str:
                 "ignored %s result of job %s (attempt %s)", result.kind, job.pk, attempt
             )
             return "ignored"
-        agent = Agent.objects.filter(name=result.agent).first()
-        stages.record(job, result, agent)
+        stages.record(job, result, agent_named(result.agent))
         _after(job)
         return job.state
 
@@ -328,11 +331,19 @@ def _after(job: Job) -> None:
         advance(job.release_id)
 
 
+def agent_named(name: str) -> Agent | None:
+    """The agent `name`, registered now if its first heartbeat is still on its way."""
+    if not name:
+        return None
+    agent = Agent.objects.filter(name=name).first()
+    return agent or do_register_agent(name, queue=f"agent.{name}")
+
+
 def record_progress(
     job_id: int, attempt: int, agent_name: str, progress: float
 ) -> bool:
     job = Job.objects.filter(pk=job_id).first()
-    agent = Agent.objects.filter(name=agent_name).first()
+    agent = agent_named(agent_name)
     if job is None or agent is None:
         return False
     return actions.do_mark_job_running(
@@ -363,7 +374,7 @@ def watch_jobs() -> dict[str, int]:
     """Beat: mark agents whose heartbeats stopped offline and retry their jobs;
     retry jobs past their time limit, and jobs no agent took in time."""
     now = timezone.now()
-    silent = list(silent_agents(settings.RELEASEGATE_AGENT_TIMEOUT_S))
+    silent = list(silent_agents(settings.AGENT_DEAD_AFTER_S))
     for agent in silent:
         do_set_agent_state(agent, "offline", actor="system:fleet")
     counts = {"agents_offline": len(silent), "retried": 0, "failed": 0}

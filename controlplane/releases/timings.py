@@ -1,96 +1,116 @@
-"""What the checks cost: every stage's start and end for a release's latest pass
-through the pipeline, and how much of the time to deploy went to integrity checks
-and to quality/load tests (seconds, and percent of the time to deploy).
+"""What the checks cost, one definition for the API and the dashboard.
 
-Time to deploy is the time the pipeline worked on the release: from its first job
-(the source inspection) to the gate's decision, plus from the deploy job's dispatch
-to its result. The wait for a person's approval is not in it."""
+Time to deploy is the machine time of the pipeline: the union of every job's interval
+on the way to the first successful deploy (or to now, while it runs). The wait for an
+approver is not in it: it measures people, not checks. The integrity share is the
+union of the integrity jobs' intervals over that time (inspection, signing, verifying
+on another agent); the test share likewise for quality regression and load tests,
+which run in parallel, so their union, not their sum, is what they add.
+Verify-on-load happens inside the deploy job and is counted there.
 
+`stage_timings(release)` reports every job's queued, started and finished times
+with those numbers (seconds and percent), for the release's API detail.
+"""
+
+from dataclasses import dataclass
 from datetime import datetime
 
-from controlplane.audit.models import AuditEvent
-from controlplane.releases.models import Job, Release
+from django.utils import timezone
 
-INTEGRITY_KINDS = ("verify_source", "inspect", "sign", "verify")
-QUALITY_LOAD_KINDS = ("evaluate", "load_test")
+from controlplane.releases import evidence
+
+INTEGRITY_KINDS = evidence.INTEGRITY_JOB_KINDS
+TEST_KINDS = (evidence.QUALITY_JOB_KIND, evidence.LOAD_TEST_JOB_KIND)
+AFTER_DEPLOY_KINDS = ("reverify",)
 
 
-def _pass_start(release: Release) -> datetime | None:
-    """When the release last entered verifying (the start of its latest pass)."""
-    return (
-        AuditEvent.objects.filter(
-            verb="release.transition",
-            object_type="release",
-            object_id=str(release.pk),
-            after__state="verifying",
+@dataclass(frozen=True)
+class Overhead:
+    time_to_deploy_s: float
+    integrity_s: float
+    tests_s: float
+    deployed: bool
+
+    @property
+    def integrity_share(self) -> float | None:
+        return (
+            self.integrity_s / self.time_to_deploy_s if self.time_to_deploy_s else None
         )
-        .order_by("-created", "-id")
-        .values_list("created", flat=True)
-        .first()
+
+    @property
+    def tests_share(self) -> float | None:
+        return self.tests_s / self.time_to_deploy_s if self.time_to_deploy_s else None
+
+
+def overhead(jobs, now: datetime) -> Overhead:
+    jobs = [j for j in jobs if j.started and j.kind not in AFTER_DEPLOY_KINDS]
+    deploys = [
+        j.finished for j in jobs if j.kind == "deploy" and j.state == "succeeded"
+    ]
+    end = min(deploys) if deploys else now
+
+    def spans(kinds=None) -> list[tuple[datetime, datetime]]:
+        return [
+            (j.started, min(j.finished or now, end))
+            for j in jobs
+            if j.started < end and (kinds is None or j.kind in kinds)
+        ]
+
+    return Overhead(
+        time_to_deploy_s=_union_s(spans()),
+        integrity_s=_union_s(spans(INTEGRITY_KINDS)),
+        tests_s=_union_s(spans(TEST_KINDS)),
+        deployed=bool(deploys),
     )
 
 
-def _union_s(intervals: list[tuple[datetime, datetime]]) -> float:
-    """Seconds covered by the intervals (parallel jobs count once)."""
-    total, end = 0.0, None
-    for start, finish in sorted(intervals):
-        if end is not None and start < end:
-            start = end
-        if finish > start:
-            total += (finish - start).total_seconds()
-            end = finish if end is None else max(end, finish)
+def _union_s(spans: list[tuple[datetime, datetime]]) -> float:
+    """Seconds covered by at least one of `spans` (overlaps counted once)."""
+    total = 0.0
+    current_start = current_end = None
+    for start, end in sorted(spans):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += (current_end - current_start).total_seconds()
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += (current_end - current_start).total_seconds()
     return total
 
 
-def _interval(job: Job) -> tuple[datetime, datetime] | None:
-    start = job.started or job.created
-    return (start, job.finished) if job.finished else None
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
 
 
-def stage_timings(release: Release) -> dict:
-    """{"stages": [...], "time_to_deploy_s", "integrity_s", "integrity_pct",
-    "quality_load_s", "quality_load_pct"}; the numbers are None until the
-    pipeline has decided its gate."""
-    since = _pass_start(release)
-    jobs = release.jobs.select_related("agent").order_by("created", "id")
-    if since is not None:
-        jobs = jobs.filter(created__gte=since)
-    jobs = list(jobs)
-    stages = [
-        {
-            "kind": job.kind,
-            "state": job.state,
-            "agent": job.agent.name if job.agent else None,
-            "attempts": job.attempts,
-            "queued": job.created.isoformat(),
-            "started": job.started.isoformat() if job.started else None,
-            "finished": job.finished.isoformat() if job.finished else None,
-            "duration_s": job.duration_s,
-        }
-        for job in jobs
-    ]
-    result = {
-        "stages": stages,
-        "time_to_deploy_s": None,
-        "integrity_s": None,
-        "integrity_pct": None,
-        "quality_load_s": None,
-        "quality_load_pct": None,
+def _pct(part: float, whole: float) -> float | None:
+    return round(100 * part / whole, 1) if whole else None
+
+
+def stage_timings(release) -> dict:
+    """{"stages": [every job, oldest first], "time_to_deploy_s", "deployed",
+    "integrity_s", "integrity_pct", "quality_load_s", "quality_load_pct"}."""
+    jobs = list(release.jobs.select_related("agent").order_by("created", "id"))
+    spent = overhead(jobs, timezone.now())
+    return {
+        "stages": [
+            {
+                "kind": job.kind,
+                "state": job.state,
+                "agent": job.agent.name if job.agent else None,
+                "attempts": job.attempts,
+                "queued": _iso(job.created),
+                "started": _iso(job.started),
+                "finished": _iso(job.finished),
+                "duration_s": job.duration_s,
+            }
+            for job in jobs
+        ],
+        "time_to_deploy_s": round(spent.time_to_deploy_s, 3),
+        "deployed": spent.deployed,
+        "integrity_s": round(spent.integrity_s, 3),
+        "integrity_pct": _pct(spent.integrity_s, spent.time_to_deploy_s),
+        "quality_load_s": round(spent.tests_s, 3),
+        "quality_load_pct": _pct(spent.tests_s, spent.time_to_deploy_s),
     }
-    gate = [j for j in jobs if j.kind == "gate" and j.finished]
-    if not jobs or not gate:
-        return result
-    total = (gate[-1].finished - jobs[0].created).total_seconds()
-    deploys = [j for j in jobs if j.kind == "deploy" and j.finished]
-    if deploys:
-        total += (deploys[-1].finished - deploys[-1].created).total_seconds()
-
-    def share(kinds: tuple[str, ...]) -> tuple[float, float | None]:
-        spans = [i for j in jobs if j.kind in kinds and (i := _interval(j))]
-        seconds = round(_union_s(spans), 3)
-        return seconds, (round(100 * seconds / total, 1) if total > 0 else None)
-
-    result["time_to_deploy_s"] = round(total, 3)
-    result["integrity_s"], result["integrity_pct"] = share(INTEGRITY_KINDS)
-    result["quality_load_s"], result["quality_load_pct"] = share(QUALITY_LOAD_KINDS)
-    return result

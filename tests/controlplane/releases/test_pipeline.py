@@ -108,7 +108,10 @@ def test_it_fails_a_release_whose_evidence_fails_its_gate(bf16_release, local_ag
 
     assert run_promotion(bf16_release.pk) == "failed"
 
-    assert "load:chat (ttft_p99_ms)" in Release.objects.get(pk=bf16_release.pk).failure_reason
+    assert (
+        "load:chat (ttft_p99_ms)"
+        in Release.objects.get(pk=bf16_release.pk).failure_reason
+    )
 
 
 def test_missing_evidence_is_inconclusive_and_pauses_in_gated(make_release):
@@ -278,9 +281,7 @@ def test_a_deploy_that_finds_other_bytes_fails_verification(approved, local_agen
     ]
 
 
-def test_reverification_of_a_tampered_copy_marks_the_deployment(
-    approved, local_agent
-):
+def test_reverification_of_a_tampered_copy_marks_the_deployment(approved, local_agent):
     run_deployment(approved.pk)
     local_agent.answer("deploy", DeployResult(ok=True, endpoint="http://x:1"))
     deployment = Deployment.objects.get(release=approved)
