@@ -10,10 +10,6 @@ from controlplane.releases import actions
 from controlplane.releases.models import Job, Release
 from gpuagent.protocol import HashResult, JobRequest, JobResult, Recipe
 
-# The job kinds that check a model's bytes; a failure of one of them is a failed
-# verification, not a broken run.
-VERIFYING_KINDS = ("verify_source", "verify", "deploy", "reverify")
-
 
 def _latest_result(release: Release, kind: str) -> dict:
     job = (
