@@ -355,7 +355,7 @@ def retry_or_fail(job: Job, reason: str) -> str:
     """Send `job` again to another agent, or, after RELEASEGATE_JOB_MAX_ATTEMPTS,
     fail it (and so its release or deployment) with `reason`."""
     with transaction.atomic():
-        job = Job.objects.select_for_update().select_related("agent").get(pk=job.pk)
+        job = Job.objects.select_for_update(of=("self",)).get(pk=job.pk)
         if job.state not in OPEN_STATES:
             return job.state
         if job.attempts >= settings.RELEASEGATE_JOB_MAX_ATTEMPTS:

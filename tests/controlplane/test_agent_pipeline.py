@@ -297,6 +297,11 @@ def test_it_takes_a_release_from_registration_to_live_on_agents(
 @pytest.mark.django_db(transaction=True)
 def test_it_retries_the_job_of_an_agent_killed_mid_job(cluster, demo_release, owner):
     release = demo_release
+    # This is about the retry: the load gate's evidence (valid only where the
+    # client kept its schedule) is judged in the test above.
+    do_set_gate_policy(
+        release.target_environment, {**POLICY, "load": None}, actor=owner
+    )
     cluster.start_controlplane()
     cluster.start_agent("signer", signer=True)
     cluster.start_agent("checker", signer=False)
