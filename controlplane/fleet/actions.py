@@ -83,9 +83,11 @@ def do_record_heartbeat(beat: Heartbeat) -> Agent:
 
 
 def silent_agents(timeout_s: float):
-    """Online agents whose last heartbeat is older than `timeout_s`."""
+    """Online or draining agents whose last heartbeat is older than `timeout_s`."""
     cutoff = timezone.now() - timedelta(seconds=timeout_s)
-    return Agent.objects.filter(state="online", last_heartbeat__lt=cutoff)
+    return Agent.objects.filter(
+        state__in=("online", "draining"), last_heartbeat__lt=cutoff
+    )
 
 
 def do_set_agent_state(agent: Agent, state: str, *, actor: Actor) -> Agent:
