@@ -138,3 +138,26 @@ def test_it_refuses_to_deploy_tampered_bytes(setup):
     assert not result.ok
     assert result.payload["changed"] == ["model.safetensors"], result.error
     assert not checker.deployments
+
+
+def test_it_reverifies_a_copy_and_names_what_changed(setup):
+    source, signer, checker = setup
+    made, signed = signed_candidate(source, signer)
+    req = request(
+        "reverify",
+        source,
+        candidate=made.candidate,
+        signature=signed.signature,
+        manifest_digest=signed.manifest_digest,
+        deployment_id=3,
+    )
+    assert tasks.execute(req, checker, started=None).ok
+    folder = checker.store.path_of(made.candidate)
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "extra.json").write_text("{}")
+
+    result = tasks.execute(req, checker, started=None)
+
+    assert not result.ok
+    assert result.payload["missing"] == ["tokenizer_config.json"]
+    assert result.payload["extra"] == ["extra.json"]
