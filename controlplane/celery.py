@@ -14,9 +14,12 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
 
-def worker_command(*extra_args: str) -> list[str]:
-    """The command line of one single-process worker for this app (the demo and the
-    worker integration test start it as a real subprocess)."""
+def worker_command(
+    *extra_args: str, pool: str = "solo", concurrency: int = 1
+) -> list[str]:
+    """The command line of one worker process for this app (the demo and the
+    worker integration tests start it as a real subprocess): single-threaded unless
+    `pool`/`concurrency` say otherwise."""
     return [
         sys.executable,
         "-m",
@@ -24,8 +27,8 @@ def worker_command(*extra_args: str) -> list[str]:
         "-A",
         "controlplane",
         "worker",
-        "--pool=solo",
-        "--concurrency=1",
+        f"--pool={pool}",
+        f"--concurrency={concurrency}",
         "--without-gossip",
         "--without-mingle",
         *extra_args,

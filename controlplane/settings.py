@@ -189,6 +189,8 @@ CELERY_BROKER_URL = os.getenv(
 CELERY_RESULT_BACKEND = os.getenv(
     "CELERY_RESULT_BACKEND", f"db+sqlite:///{DATA_DIR / 'celery-results.sqlite3'}"
 )
+# The queue tasks go to unless sent elsewhere (beat's too); a worker consumes it.
+CELERY_TASK_DEFAULT_QUEUE = os.getenv("CELERY_TASK_DEFAULT_QUEUE", "celery")
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -239,9 +241,24 @@ CELERY_BEAT_SCHEDULE = {
     },
 }
 
-# How long a running job's worker holds it without a heartbeat (tasks.py renews it
-# every third of this while a stage works). While held, a repeated task for the same
-# stage steps aside; once expired (the worker died), the next promote resumes the job.
+# Agents (gpuagent): jobs go to the pool's queue unless one agent must do them;
+# an agent silent for AGENT_DEAD_AFTER_S (below) is offline and its job is sent
+# again (up to RELEASEGATE_JOB_MAX_ATTEMPTS, then the release fails with why); a job
+# no agent took within RELEASEGATE_JOB_QUEUE_TIMEOUT_S, or without a result
+# RELEASEGATE_JOB_TIME_LIMIT_S after it started, likewise. The watch runs every
+# RELEASEGATE_AGENT_CHECK_S on beat.
+RELEASEGATE_AGENT_POOL_QUEUE = os.getenv("RELEASEGATE_AGENT_POOL_QUEUE", "agents")
+RELEASEGATE_AGENT_CHECK_S = envfloat("RELEASEGATE_AGENT_CHECK_S", "10")
+RELEASEGATE_JOB_MAX_ATTEMPTS = envint("RELEASEGATE_JOB_MAX_ATTEMPTS", "3")
+RELEASEGATE_JOB_QUEUE_TIMEOUT_S = envfloat("RELEASEGATE_JOB_QUEUE_TIMEOUT_S", "900")
+RELEASEGATE_JOB_TIME_LIMIT_S = envfloat("RELEASEGATE_JOB_TIME_LIMIT_S", "900")
+CELERY_BEAT_SCHEDULE["watch-agent-jobs"] = {
+    "task": "controlplane.releases.watch_jobs",
+    "schedule": RELEASEGATE_AGENT_CHECK_S,
+}
+
+# How long a control-plane job (the gate) holds its row while it runs: while held, a
+# repeated task for the same stage steps aside.
 RELEASEGATE_JOB_LEASE_S = envint("RELEASEGATE_JOB_LEASE_S", "900")
 if RELEASEGATE_JOB_LEASE_S < 1:
     raise ImproperlyConfigured("RELEASEGATE_JOB_LEASE_S must be at least 1")

@@ -27,9 +27,14 @@ JobKind = Literal[
     "load_test",
     "gate",
     "deploy",
+    "undeploy",
     "reverify",
 ]
 JOB_KINDS: tuple[str, ...] = JobKind.__args__  # type: ignore[attr-defined]
+# The jobs whose results are the gates' evidence: a QualityReport and a
+# LoadTestReport as their JobResult payloads.
+QUALITY_JOB_KIND = "evaluate"
+LOAD_TEST_JOB_KIND = "load_test"
 
 
 class _Message(BaseModel):
@@ -72,14 +77,53 @@ class FileDigest(_Message):
 
 
 class JobRequest(_Message):
-    """What the control plane sends to an agent task."""
+    """What the control plane sends to an agent task (`gpuagent.run_job`).
+
+    `attempt` counts the control plane's dispatches of this job: a result is recorded
+    only for the attempt in force, so a redelivered old message changes nothing.
+    `candidate` is the candidate folder relative to the artifact store (shared by
+    the agents), empty until the compress job made one. `signature` is the
+    candidate's signature file (JSON text) for verify and deploy."""
 
     job_id: int
     release_id: int
     kind: JobKind
+    attempt: int = Field(1, ge=1)
     source_uri: str
     recipe: Recipe | None = None
     manifest_digest: str = ""
+    model: str = ""
+    version: str = ""
+    candidate: str = ""
+    signature: str = ""
+    deployment_id: int | None = None
+
+
+class Heartbeat(_Message):
+    """What an agent says about itself every few seconds."""
+
+    agent: str
+    queue: str
+    pool_queue: str
+    device: Literal["cuda", "cpu"]
+    gpu_model: str = Field(description="the GPU's name, or the CPU's on a CPU agent")
+    memory_total_bytes: int = Field(ge=0)
+    memory_free_bytes: int = Field(ge=0)
+    running_jobs: list[int] = []
+    deployments: list[int] = Field(default=[], description="deployment ids served")
+    can_sign: bool = False
+
+
+class CompressResult(_Message):
+    """The candidate the compress job made: where in the artifact store, in which
+    weight format, and the source's manifest digest (its parent)."""
+
+    candidate: str
+    weights: str
+    kv_cache_dtype: str
+    source_manifest_digest: str
+    size_bytes: int = Field(ge=0)
+    source_size_bytes: int = Field(ge=0)
 
 
 class InspectResult(_Message):
@@ -88,21 +132,27 @@ class InspectResult(_Message):
     ok: bool
     files: list[FileDigest] = []
     problems: list[str] = []
+    manifest_digest: str = ""
 
 
 class HashResult(_Message):
-    """A manifest over the candidate's files; `manifest_digest` names the algorithm."""
+    """A manifest over the candidate's files; `manifest_digest` names the algorithm.
+    `signature` is the signature file's text, `signer` the signing key's
+    fingerprint."""
 
     manifest_digest: str
     files: list[FileDigest]
     signature: str = ""
+    signer: str = ""
 
 
 class VerifyResult(_Message):
-    """Outcome of re-hashing a copy against an expected manifest digest."""
+    """Outcome of re-hashing a copy against an expected manifest digest (and, for
+    the verify job, its signature: `signer` is who signed it)."""
 
     ok: bool
     manifest_digest: str
+    signer: str = ""
     missing: list[str] = []
     extra: list[str] = []
     changed: list[str] = []
@@ -193,6 +243,7 @@ class DeployResult(_Message):
     missing: list[str] = []
     extra: list[str] = []
     changed: list[str] = []
+    pid: int | None = None
 
 
 class DeploymentInfo(_Message):
@@ -216,6 +267,11 @@ class RollbackCheck(_Message):
     reason: str = ""
     verify: VerifyResult | None = None
     healthy: bool = False
+
+
+class UndeployResult(_Message):
+    deployment_id: int
+    stopped: bool = Field(description="False when nothing was running for it")
 
 
 class JobResult(_Message):

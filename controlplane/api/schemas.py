@@ -227,6 +227,30 @@ class ReleaseOut(Schema):
     updated: datetime
 
 
+class StageTimingOut(Schema):
+    kind: str
+    state: JobState
+    agent: str | None
+    attempts: int
+    queued: datetime
+    started: datetime | None
+    finished: datetime | None
+    duration_s: float | None
+
+
+class TimingsOut(Schema):
+    stages: list[StageTimingOut] = Field(description="the latest pass, in order")
+    time_to_deploy_s: float = Field(
+        description="machine time of the pipeline: the union of its jobs' intervals "
+        "up to the first successful deploy (or now); the wait for approval is not in it"
+    )
+    deployed: bool = Field(description="false: the pipeline is still on its way")
+    integrity_s: float
+    integrity_pct: float | None = Field(description="percent of time_to_deploy_s")
+    quality_load_s: float
+    quality_load_pct: float | None = Field(description="percent of time_to_deploy_s")
+
+
 class ReleaseDetailOut(ReleaseOut):
     signature: str
     artifacts: list[ArtifactOut]
@@ -234,6 +258,7 @@ class ReleaseDetailOut(ReleaseOut):
     gate_results: list[GateResultOut]
     approvals: list[ApprovalOut]
     deployments: list[DeploymentOut]
+    timings: TimingsOut
 
 
 class PromotionOut(Schema):

@@ -1,14 +1,6 @@
-"""A release's pipeline as stages with dates and durations, and what the checks cost.
-
-Time to deploy is the machine time of the pipeline: the union of every job's interval
-on the way to the first successful deploy (or to now, while it runs). The wait for an
-approver is not in it: it measures people, not checks. The integrity share is the
-union of the integrity jobs' intervals over that time (inspection, signing, verifying
-on another agent); the test share likewise for quality regression and load tests,
-which run in parallel, so their union, not their sum, is what they add.
-Verify-on-load happens inside the deploy job and is counted there until the agent
-reports it apart. A job that did no work (its result says `{"skipped": why}`) took
-time but checked nothing, so it counts in the time to deploy and in no check's share.
+"""A release's pipeline as stages with dates and durations. What the checks cost
+(time to deploy, integrity and test shares) is controlplane.releases.timings, one
+definition shared with the API.
 
 What a stage shows is its outcome, not only its job's state: a job that skipped its
 work is "skipped" with why, never "succeeded"; the gate stage shows pass, fail or
@@ -20,14 +12,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from controlplane.dashboard.health import JobHealth, job_health
-from controlplane.releases import evidence
 from controlplane.releases.gates import evaluate_gates
 from controlplane.releases.models import GATE_OUTCOMES
+from controlplane.releases.timings import skipped_reason
 from gpuagent.protocol import JOB_KINDS
 
-INTEGRITY_KINDS = evidence.INTEGRITY_JOB_KINDS
-TEST_KINDS = (evidence.QUALITY_JOB_KIND, evidence.LOAD_TEST_JOB_KIND)
-AFTER_DEPLOY_KINDS = ("reverify",)
 GATE_JOB_KIND = "gate"
 FINISHED_JOB_STATES = ("succeeded", "failed")
 
@@ -48,14 +37,6 @@ class Stage:
     @property
     def kind(self) -> str:
         return self.job.kind
-
-
-def skipped_reason(job) -> str | None:
-    """Why `job` did no work, or None when it did (or has not finished)."""
-    result = job.result if isinstance(job.result, dict) else {}
-    if job.state != "succeeded" or "skipped" not in result:
-        return None
-    return str(result["skipped"] or "no reason given")
 
 
 def outcome(job, gate_results=None, *, newest_gate: bool = True) -> Outcome:
@@ -90,24 +71,6 @@ def _newest_gate_pk(jobs) -> int | None:
     return max(gates, key=lambda j: j.pk).pk if gates else None
 
 
-@dataclass(frozen=True)
-class Overhead:
-    time_to_deploy_s: float
-    integrity_s: float
-    tests_s: float
-    deployed: bool
-
-    @property
-    def integrity_share(self) -> float | None:
-        return (
-            self.integrity_s / self.time_to_deploy_s if self.time_to_deploy_s else None
-        )
-
-    @property
-    def tests_share(self) -> float | None:
-        return self.tests_s / self.time_to_deploy_s if self.time_to_deploy_s else None
-
-
 def stages(jobs, now: datetime, gate_results=None) -> list[Stage]:
     """Every job of the release in the order they started (queued ones last)."""
     jobs = list(jobs)
@@ -137,47 +100,7 @@ def paused_at_gate(jobs) -> bool:
     )
 
 
-def overhead(jobs, now: datetime) -> Overhead:
-    jobs = [j for j in jobs if j.started and j.kind not in AFTER_DEPLOY_KINDS]
-    deploys = [
-        j.finished for j in jobs if j.kind == "deploy" and j.state == "succeeded"
-    ]
-    end = min(deploys) if deploys else now
-
-    def spans(kinds=None) -> list[tuple[datetime, datetime]]:
-        # A check that skipped its work added no checking, only time to deploy.
-        return [
-            (j.started, min(j.finished or now, end))
-            for j in jobs
-            if j.started < end
-            and (kinds is None or (j.kind in kinds and skipped_reason(j) is None))
-        ]
-
-    return Overhead(
-        time_to_deploy_s=_union_s(spans()),
-        integrity_s=_union_s(spans(INTEGRITY_KINDS)),
-        tests_s=_union_s(spans(TEST_KINDS)),
-        deployed=bool(deploys),
-    )
-
-
 def _duration_s(job, now: datetime) -> float | None:
     if job.started is None:
         return None
     return ((job.finished or now) - job.started).total_seconds()
-
-
-def _union_s(spans: list[tuple[datetime, datetime]]) -> float:
-    """Seconds covered by at least one of `spans` (overlaps counted once)."""
-    total = 0.0
-    current_start = current_end = None
-    for start, end in sorted(spans):
-        if current_end is None or start > current_end:
-            if current_end is not None:
-                total += (current_end - current_start).total_seconds()
-            current_start, current_end = start, end
-        else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        total += (current_end - current_start).total_seconds()
-    return total

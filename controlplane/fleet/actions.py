@@ -1,9 +1,12 @@
+from datetime import timedelta
+
 from django.db import transaction
 from django.utils import timezone
 
 from controlplane.audit.actions import Actor, do_record_event
 from controlplane.errors import ValidationFailed
 from controlplane.fleet.models import AGENT_STATES, Agent
+from gpuagent.protocol import Heartbeat
 
 
 def do_register_agent(
@@ -40,12 +43,51 @@ def do_register_agent(
     return agent
 
 
-def do_record_agent_heartbeat(agent: Agent) -> Agent:
+def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Agent:
+    """The agent is alive now; with `beat`, also what it reports about itself."""
     # Not audited: heartbeats are frequent bookkeeping, not decisions.
     now = timezone.now()
-    Agent.objects.filter(pk=agent.pk).update(last_heartbeat=now, state="online")
-    agent.last_heartbeat, agent.state = now, "online"
+    fields = {"last_heartbeat": now}
+    # A draining agent stays draining; an offline one is back.
+    Agent.objects.filter(pk=agent.pk, state="offline").update(state="online")
+    if beat is not None:
+        fields.update(
+            queue=beat.queue,
+            device=beat.device,
+            gpu_model=beat.gpu_model[:100],
+            gpu_memory_bytes=beat.memory_total_bytes,
+            gpu_memory_free_bytes=beat.memory_free_bytes,
+            running_jobs=beat.running_jobs,
+            loaded_deployments=beat.deployments,
+            capabilities={"can_sign": beat.can_sign, "pool_queue": beat.pool_queue},
+        )
+    Agent.objects.filter(pk=agent.pk).update(**fields)
+    for name, value in fields.items():
+        setattr(agent, name, value)
+    agent.state = Agent.objects.values_list("state", flat=True).get(pk=agent.pk)
     return agent
+
+
+def do_record_heartbeat(beat: Heartbeat) -> Agent:
+    """A heartbeat from the agent named in it: registered on its first beat (and
+    after being marked offline it is online again)."""
+    agent = Agent.objects.filter(name=beat.agent).first()
+    if agent is None:
+        agent = do_register_agent(
+            beat.agent,
+            queue=beat.queue,
+            gpu_model=beat.gpu_model[:100],
+            gpu_memory_bytes=beat.memory_total_bytes,
+        )
+    return do_record_agent_heartbeat(agent, beat)
+
+
+def silent_agents(timeout_s: float):
+    """Online or draining agents whose last heartbeat is older than `timeout_s`."""
+    cutoff = timezone.now() - timedelta(seconds=timeout_s)
+    return Agent.objects.filter(
+        state__in=("online", "draining"), last_heartbeat__lt=cutoff
+    )
 
 
 def do_set_agent_state(agent: Agent, state: str, *, actor: Actor) -> Agent:

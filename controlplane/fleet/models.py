@@ -55,6 +55,13 @@ class Agent(models.Model):
     queue = models.CharField(max_length=100)
     gpu_model = models.CharField(max_length=100, blank=True)
     gpu_memory_bytes = models.BigIntegerField(default=0)
+    # From the latest heartbeat: "cuda" or "cpu" (a CPU agent reports host memory
+    # in the gpu_memory fields), free memory, the job ids it runs and the
+    # deployment ids it serves.
+    device = models.CharField(max_length=10, blank=True)
+    gpu_memory_free_bytes = models.BigIntegerField(default=0)
+    running_jobs = models.JSONField(default=list, blank=True)
+    loaded_deployments = models.JSONField(default=list, blank=True)
     capabilities = models.JSONField(default=dict, blank=True)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=20, choices=STATE_CHOICES, default="offline")
@@ -72,6 +79,10 @@ class Agent(models.Model):
             "queue": self.queue,
             "gpu_model": self.gpu_model,
             "gpu_memory_bytes": self.gpu_memory_bytes,
+            "device": self.device,
+            "gpu_memory_free_bytes": self.gpu_memory_free_bytes,
+            "running_jobs": self.running_jobs,
+            "loaded_deployments": self.loaded_deployments,
             "capabilities": self.capabilities,
             "last_heartbeat": _iso(self.last_heartbeat),
             "state": self.state,

@@ -569,7 +569,11 @@ def do_start_deployment(
 
 
 def do_complete_deployment(
-    deployment: Deployment, *, actor: Actor, endpoint: str = ""
+    deployment: Deployment,
+    *,
+    actor: Actor,
+    endpoint: str = "",
+    agent: Agent | None = None,
 ) -> Deployment:
     """deploying -> live; whatever was live in the environment becomes superseded
     (and stays warm as the rollback target)."""
@@ -595,7 +599,8 @@ def do_complete_deployment(
                 do_transition_release(old.release, "superseded", actor=actor)
         deployment.state = "live"
         deployment.endpoint = endpoint or deployment.endpoint
-        deployment.save(update_fields=["state", "endpoint"])
+        deployment.agent = agent or deployment.agent
+        deployment.save(update_fields=["state", "endpoint", "agent"])
         do_transition_release(deployment.release, "live", actor=actor)
         do_record_event(
             actor,
@@ -737,6 +742,70 @@ def do_start_job(release: Release, kind: str, *, agent: Agent | None = None) -> 
         job.lease_expires = _lease_until(now)
         job.error = ""
         job.save()
+    return job
+
+
+def do_dispatch_job(release: Release, kind: str) -> Job:
+    """A new job for an agent, queued (attempt 1); the caller sends its request."""
+    if kind not in JOB_KINDS:
+        raise ValidationFailed(f"unknown job kind {kind!r}", field="kind")
+    # Until when an agent must have taken it (pipeline.watch_jobs retries it then).
+    deadline = timezone.now() + timedelta(
+        seconds=settings.RELEASEGATE_JOB_QUEUE_TIMEOUT_S
+    )
+    return Job.objects.create(
+        release=release, kind=kind, state="queued", attempts=1, lease_expires=deadline
+    )
+
+
+def do_mark_job_running(job: Job, *, attempt: int, agent: Agent, progress: float):
+    """An agent reports it runs `attempt` of `job` (progress in 0..1). False, and
+    nothing changed, for a finished job or an attempt no longer in force."""
+    progress = min(max(progress, 0.0), 1.0)
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.state not in ("queued", "running") or locked.attempts != attempt:
+            return False
+        if locked.state == "queued":  # taken now: the time limit starts
+            locked.started = now
+            locked.lease_expires = now + timedelta(
+                seconds=settings.RELEASEGATE_JOB_TIME_LIMIT_S
+            )
+        locked.state = "running"
+        locked.agent = agent
+        locked.progress = progress
+        locked.save(
+            update_fields=["state", "agent", "progress", "started", "lease_expires"]
+        )
+    return True
+
+
+def do_retry_job(job: Job, *, reason: str) -> Job:
+    """Send `job` again (attempt + 1) after its agent went silent: the result of
+    the earlier attempt, should it still come, no longer counts."""
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        before = locked.to_dict()
+        locked.attempts += 1
+        locked.state = "queued"
+        locked.agent = None
+        locked.progress = 0.0
+        locked.started = None
+        locked.lease_expires = timezone.now() + timedelta(
+            seconds=settings.RELEASEGATE_JOB_QUEUE_TIMEOUT_S
+        )
+        locked.error = reason
+        locked.save()
+        do_record_event(
+            "system:worker",
+            "job.retried",
+            locked,
+            before={"attempts": before["attempts"], "agent": before["agent"]},
+            after={"attempts": locked.attempts, "reason": reason},
+            team=locked.release.team,
+        )
+    job.refresh_from_db()
     return job
 
 

@@ -19,10 +19,13 @@ from datetime import datetime
 from pydantic import BaseModel, ValidationError
 
 from controlplane.releases.models import Job, Release
-from gpuagent.protocol import LoadTestReport, QualityReport
+from gpuagent.protocol import (
+    LOAD_TEST_JOB_KIND,
+    QUALITY_JOB_KIND,
+    LoadTestReport,
+    QualityReport,
+)
 
-QUALITY_JOB_KIND = "evaluate"
-LOAD_TEST_JOB_KIND = "load_test"
 # Jobs that check a model's bytes on the way to deploy: inspecting the source,
 # hashing and signing the candidate, verifying it on another agent.
 INTEGRITY_JOB_KINDS = ("inspect", "verify_source", "sign", "verify")

@@ -163,6 +163,9 @@ class Release(models.Model):
             data["gate_results"] = [g.to_dict() for g in self.gate_results.all()]
             data["approvals"] = [a.to_dict() for a in self.approvals.all()]
             data["deployments"] = [d.to_dict() for d in self.deployments.all()]
+            from controlplane.releases.timings import stage_timings
+
+            data["timings"] = stage_timings(self)
         return data
 
 

@@ -272,3 +272,101 @@ def unreachable_broker_url() -> str:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return f"redis://127.0.0.1:{port}/12"  # closed again: connections are refused
+
+
+class LocalAgent:
+    """An agent in the test process: takes the gpuagent.run_job messages the code
+    under test queued (outbox rows) and runs them through gpuagent.tasks.execute,
+    the task's own code, then hands the JobResult to the record_job_result task.
+    `answer(kind, ...)` instead records a result as an agent would send it (for
+    the evaluate and load-test jobs, whose real runs the process tests do)."""
+
+    def __init__(self, tmp_path: Path):
+        from controlplane.fleet.actions import do_record_heartbeat
+        from gpuagent import tasks
+        from gpuagent.artifacts import ArtifactStore
+        from gpuagent.integrity.keys import ensure_key_pair
+        from gpuagent.protocol import Heartbeat
+
+        key = tmp_path / "keys" / "local.pem"
+        ensure_key_pair(key)
+        self.tasks = tasks
+        self.agent = tasks.Agent(
+            name="local",
+            store=ArtifactStore(tmp_path / "artifacts"),
+            signing_key=key,
+            trusted_keys=(),
+            controlplane_queue="celery",
+            pool_queue="agents",
+            threads=1,
+        )
+        self.row = do_record_heartbeat(
+            Heartbeat(
+                agent="local",
+                queue="agent.local",
+                pool_queue="agents",
+                device="cpu",
+                gpu_model="CPU test",
+                memory_total_bytes=2**30,
+                memory_free_bytes=2**29,
+                can_sign=True,
+            )
+        )
+        self.taken: set[int] = set()
+
+    def pending(self, kind: str | None = None):
+        from gpuagent.protocol import JobRequest
+
+        messages = OutboxMessage.objects.filter(task="gpuagent.run_job").order_by("id")
+        found = []
+        for message in messages.exclude(pk__in=self.taken):
+            request = JobRequest.model_validate(message.args[0])
+            if kind is None or request.kind == kind:
+                found.append((message, request))
+        return found
+
+    def record(self, message, request, result) -> str:
+        from controlplane.releases.tasks import record_job_result
+
+        self.taken.add(message.pk)
+        return record_job_result(result.model_dump(mode="json"), request.attempt)
+
+    def work(self, kinds=("verify_source", "compress", "sign", "verify", "deploy")):
+        """Run queued jobs of `kinds` until none is left; returns their results."""
+        results = []
+        while batch := [p for p in self.pending() if p[1].kind in kinds]:
+            for message, request in batch:
+                result = self.tasks.execute(request, self.agent, timezone.now())
+                results.append(result)
+                self.record(message, request, result)
+        return results
+
+    def answer(self, kind: str, payload=None, *, error: str = "") -> str:
+        from gpuagent.protocol import JobResult
+
+        (message, request), *_ = self.pending(kind)
+        result = JobResult(
+            job_id=request.job_id,
+            kind=kind,
+            ok=not error,
+            agent="local",
+            started=timezone.now(),
+            finished=timezone.now(),
+            error=error,
+            payload=payload.model_dump(mode="json") if payload is not None else {},
+        )
+        return self.record(message, request, result)
+
+
+@pytest.fixture
+def local_agent(db, tmp_path, queued, monkeypatch) -> LocalAgent:
+    from gpuagent import tasks
+
+    # Progress goes to the control plane's task directly, not through a broker.
+    def progress(request, fraction):
+        from controlplane.releases.tasks import record_job_progress
+
+        record_job_progress(request.job_id, request.attempt, "local", fraction)
+
+    monkeypatch.setattr(tasks, "report_progress", progress)
+    return LocalAgent(tmp_path)

@@ -1,11 +1,10 @@
-"""A real `celery -A controlplane worker` process runs the pipeline against the
-database and broker the test settings point at: PostgreSQL + Redis when
+"""A real `celery -A controlplane worker` process runs the control plane's tasks
+against the database and broker the test settings point at: PostgreSQL + Redis when
 DATABASE_URL/CELERY_BROKER_URL say so (as .ci/run sets), else the embedded defaults
 (SQLite file + SQLAlchemy transport). A queue of its own keeps other workers on the
 same broker from taking this test's tasks."""
 
 import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -16,10 +15,11 @@ import pytest
 from django.conf import settings
 
 from controlplane import celery_app
-from controlplane.accounts.models import ApiToken
 from controlplane.celery import worker_command
-from controlplane.releases.actions import do_approve_release, do_request_promotion
-from controlplane.releases.models import Release
+from controlplane.fleet.models import Agent
+from controlplane.releases.actions import do_request_promotion
+from controlplane.releases.models import Job
+from gpuagent.protocol import Heartbeat, InspectResult, JobResult
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 90
@@ -78,102 +78,66 @@ def worker(tmp_path):
             process.wait()
 
 
-def wait_for_job(release: Release, kind: str, worker) -> None:
-    """Until a `kind` job of the release has finished."""
+def wait_for(predicate, worker, what: str) -> None:
     process, log_path = worker
     deadline = time.monotonic() + WAIT_S
-    while not release.jobs.filter(kind=kind, finished__isnull=False).exists():
+    while not predicate():
         assert process.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, log_path.read_text()
+        assert time.monotonic() < deadline, f"{what}\n" + log_path.read_text()
         time.sleep(0.2)
-
-
-def wait_for_state(release: Release, state: str, worker) -> None:
-    process, log_path = worker
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        release.refresh_from_db()
-        if release.state == state:
-            return
-        assert process.poll() is None, log_path.read_text()
-        time.sleep(0.2)
-    pytest.fail(
-        f"{release} still {release.state}, wanted {state}:\n" + log_path.read_text()
-    )
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.django_db(transaction=True)
-def test_it_promotes_and_deploys_in_a_real_worker(
-    worker, release, owner, teammate, pass_gates
-):
+def test_it_records_agent_messages_in_a_real_worker(worker, make_release, owner):
+    """What agents send (heartbeat, progress, result) goes through the broker to
+    the control plane's tasks in a worker process, which move the release on and
+    send the next job to the agents' pool queue; a duplicate result is ignored."""
     backend = (settings.DATABASES["default"]["ENGINE"], celery_app.conf.broker_url)
     print("worker integration against", backend)
-
-    do_request_promotion(release, owner)  # autocommit: queued right away
-
-    wait_for_state(release, "gated", worker)  # no evidence: the gate pauses
-    wait_for_job(release, "gate", worker)
-    kinds = list(release.jobs.order_by("id").values_list("kind", flat=True))
-    assert kinds == ["verify_source", "compress", "sign", "evaluate", "gate"]
-    pass_gates(release)
-    do_request_promotion(release, owner)  # evidence in: the gate runs again
-    wait_for_state(release, "awaiting_approval", worker)
-
-    do_approve_release(release, teammate)
-
-    wait_for_state(release, "live", worker)
-    assert release.deployments.get().state == "live"
-    assert b"run_deployment" in worker[1].read_bytes()
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-@pytest.mark.django_db(transaction=True)
-def test_it_promotes_through_the_api_in_a_real_worker(
-    worker, client, make_release, owner, teammate, make_source, pass_gates
-):
-    # A local source, so verify_source and sign run for real and record a digest.
-    source = make_source("m")
-    source.rmdir()
-    shutil.copytree(ROOT / "gpuagent" / "engine" / "demo_model", source)
-    release = make_release(source_uri=source.as_uri())
-    _, ci_token = ApiToken.create(owner, release.team, "ci", ["read", "promote"])
-    _, approver_token = ApiToken.create(
-        teammate, release.team, "approver", ["read", "approve"]
+    release = make_release()
+    celery_app.send_task(
+        "controlplane.fleet.record_heartbeat",
+        args=[
+            Heartbeat(
+                agent="cpu-1",
+                queue="agent.cpu-1",
+                pool_queue="agents",
+                device="cpu",
+                gpu_model="CPU",
+                memory_total_bytes=2**30,
+                memory_free_bytes=2**29,
+                running_jobs=[],
+            ).model_dump(mode="json")
+        ],
     )
+    wait_for(lambda: Agent.objects.filter(name="cpu-1").exists(), worker, "beat")
+    assert Agent.objects.get(name="cpu-1").gpu_memory_free_bytes == 2**29
 
-    response = client.post(
-        f"/api/v1/releases/{release.pk}/promote",
-        headers={"authorization": f"Bearer {ci_token}"},
+    do_request_promotion(release, owner)
+    wait_for(lambda: release.jobs.filter(kind="verify_source").exists(), worker, "job")
+    job = release.jobs.get(kind="verify_source")
+    celery_app.send_task(
+        "controlplane.releases.record_job_progress", args=[job.pk, 1, "cpu-1", 0.5]
     )
-
-    assert response.status_code == 202, response.content
-    status_url = response.json()["status_url"]
-    wait_for_state(release, "gated", worker)
-    wait_for_job(release, "gate", worker)
-    pass_gates(release)
-    again = client.post(
-        f"/api/v1/releases/{release.pk}/promote",
-        headers={"authorization": f"Bearer {ci_token}"},
+    wait_for(
+        lambda: Job.objects.filter(pk=job.pk, state="running").exists(), worker, "run"
     )
-    assert again.status_code == 202, again.content
-    wait_for_state(release, "awaiting_approval", worker)
-    seen = client.get(status_url, headers={"authorization": f"Bearer {ci_token}"})
-    assert seen.json()["state"] == "awaiting_approval"
-    digest = seen.json()["manifest_digest"]
-    assert digest == release.manifest_digest and digest
+    result = JobResult(
+        job_id=job.pk,
+        kind="verify_source",
+        ok=True,
+        agent="cpu-1",
+        payload=InspectResult(ok=True).model_dump(mode="json"),
+    ).model_dump(mode="json")
+    for _ in range(2):  # the second is a duplicate
+        celery_app.send_task("controlplane.releases.record_job_result", [result, 1])
 
-    approved = client.post(
-        f"/api/v1/releases/{release.pk}/approve",
-        {"manifest_digest": digest, "comment": "looks good"},
-        content_type="application/json",
-        headers={"authorization": f"Bearer {approver_token}"},
-    )
-
-    assert approved.status_code == 200, approved.content
-    wait_for_state(release, "live", worker)
-    final = client.get(status_url, headers={"authorization": f"Bearer {ci_token}"})
-    assert final.json()["state"] == "live"
-    assert [d["state"] for d in final.json()["deployments"]] == ["live"]
+    wait_for(lambda: release.jobs.filter(kind="compress").exists(), worker, "next")
+    worker_log = worker[1]
+    wait_for(lambda: b"'ignored'" in worker_log.read_bytes(), worker, "duplicate")
+    release.refresh_from_db()
+    assert release.state == "compressing"
+    assert release.jobs.filter(kind="compress").count() == 1
+    assert Job.objects.get(pk=job.pk).agent.name == "cpu-1"

@@ -8,6 +8,7 @@ from controlplane.audit.models import AuditEvent
 from controlplane.dashboard import access, charts, timeline
 from controlplane.dashboard.forms import filter_releases
 from controlplane.dashboard.release_page import release_evidence
+from controlplane.releases import timings
 from controlplane.releases.models import Job, Release
 
 RELEASES_PER_PAGE = 25
@@ -71,7 +72,7 @@ def _status_context(release: Release) -> dict:
     return {
         "release": release,
         "stages": timeline.stages(jobs, now, list(release.gate_results.all())),
-        "overhead": timeline.overhead(jobs, now),
+        "overhead": timings.overhead(jobs, now),
     }
 
 

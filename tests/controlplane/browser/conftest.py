@@ -109,16 +109,42 @@ def outbox(settings) -> Callable[[], list[tuple[str, tuple]]]:
     return pending
 
 
+def _agent_deployed(request: dict) -> str:
+    """What an agent answers a deploy job with once it verified the candidate and
+    its server answers /health (these releases have no files: their evidence is
+    built); returns the release's state after the control plane recorded it."""
+    from controlplane.releases.models import Release
+    from controlplane.releases.tasks import record_job_result
+    from gpuagent.protocol import DeployResult, JobRequest, JobResult
+
+    job = JobRequest.model_validate(request)
+    assert job.kind == "deploy", job.kind
+    result = JobResult(
+        job_id=job.job_id,
+        kind=job.kind,
+        ok=True,
+        agent="gpu-1",
+        payload=DeployResult(ok=True, endpoint="http://127.0.0.1:8100").model_dump(),
+    )
+    record_job_result(result.model_dump(mode="json"), job.attempt)
+    return Release.objects.get(pk=job.release_id).state
+
+
 @pytest.fixture
 def run_queued(outbox):
-    """Run what was queued, oldest first, through the real task code."""
+    """Run what was queued, oldest first, through the real task code; agent jobs
+    are answered as an agent would (`_agent_deployed`). Returns the outcome of each
+    control-plane task."""
 
     def run() -> list[str]:
         celery_app.loader.import_default_modules()  # registers the tasks by name
         outcomes = []
         while message := OutboxMessage.objects.filter(sent__isnull=True).first():
             OutboxMessage.objects.filter(pk=message.pk).update(sent=timezone.now())
-            outcomes.append(celery_app.tasks[message.task](*message.args))
+            if message.task == "gpuagent.run_job":
+                outcomes.append(_agent_deployed(*message.args))
+            else:
+                outcomes.append(celery_app.tasks[message.task](*message.args))
         return outcomes
 
     return run

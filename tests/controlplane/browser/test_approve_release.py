@@ -46,7 +46,7 @@ def test_it_approves_the_full_digest_after_confirming_and_shows_it_go_live(
     assert Release.objects.get(pk=release.pk).state == "approved"
     assert outbox() == [("run_deployment", (release.pk,))]
 
-    assert run_queued() == ["live"]
+    assert run_queued() == ["deploying", "live"]  # task, then the agent's answer
 
     # No reload: the page follows the release by itself.
     expect(page.locator("h1 .state")).to_have_text("live", timeout=LIVE_TIMEOUT_MS)

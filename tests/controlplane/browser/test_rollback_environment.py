@@ -18,7 +18,7 @@ def broken(awaiting_approval, teammate, outbox, run_queued):
     do_approve_release(old, teammate, manifest_digest=old.manifest_digest)
     new = awaiting_approval("1.0.2")
     do_approve_release(new, teammate, manifest_digest=new.manifest_digest)
-    assert run_queued() == ["live", "live"]
+    assert run_queued() == ["deploying", "deploying", "live", "live"]
     deployment = Deployment.objects.get(release=new, state="live")
     do_fail_deployment(
         deployment, actor="system:worker", reason=REASON, verification=True
@@ -41,8 +41,9 @@ def test_it_rolls_back_to_the_previous_verified_release(
     expect(section.locator("tr.live-release")).to_contain_text(
         f"{new} failed_verification"
     )
+    # Its deploy job verified the bytes on load (after the verify job did).
     expect(section.locator("tr.rollback-target")).to_contain_text(
-        f"{old}: verified by its verify job"
+        f"{old}: verified by its deploy job"
     )
 
     section.get_by_role("button", name=f"Roll back to {old}…").click()
@@ -61,7 +62,7 @@ def test_it_rolls_back_to_the_previous_verified_release(
     assert Deployment.objects.get(release=new).state == "rolled_back"
     assert outbox() == [("run_deployment", (old.pk,))]
 
-    assert run_queued() == ["live"]
+    assert run_queued() == ["deploying", "live"]
 
     # No reload: the environments page follows the deployment by itself.
     live_row = _section(page, environment).locator("tr.live-release")

@@ -3,12 +3,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from controlplane.dashboard.timeline import (
-    latest_per_kind,
-    overhead,
-    paused_at_gate,
-    stages,
-)
+from controlplane.dashboard.timeline import latest_per_kind, paused_at_gate, stages
+from controlplane.releases.timings import overhead
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

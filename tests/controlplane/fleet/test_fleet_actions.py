@@ -54,3 +54,51 @@ def test_it_drains_an_agent(db, owner):
     assert Agent.objects.get(pk=agent.pk).state == "draining"
     with pytest.raises(ValidationFailed):
         do_set_agent_state(agent, "asleep", actor=owner)
+
+
+def beat(**overrides):
+    from gpuagent.protocol import Heartbeat
+
+    fields = dict(
+        agent="gpu-1",
+        queue="agent.gpu-1",
+        pool_queue="agents",
+        device="cuda",
+        gpu_model="NVIDIA H200",
+        memory_total_bytes=141 * 2**30,
+        memory_free_bytes=100 * 2**30,
+        running_jobs=[7],
+        deployments=[3],
+        can_sign=True,
+    )
+    fields.update(overrides)
+    return Heartbeat(**fields)
+
+
+def test_it_registers_an_agent_on_its_first_heartbeat_with_what_it_reports(db):
+    from controlplane.fleet.actions import do_record_heartbeat
+
+    agent = do_record_heartbeat(beat())
+
+    stored = Agent.objects.get(pk=agent.pk)
+    assert (stored.state, stored.device, stored.gpu_model) == (
+        "online",
+        "cuda",
+        "NVIDIA H200",
+    )
+    assert stored.gpu_memory_bytes == 141 * 2**30
+    assert stored.gpu_memory_free_bytes == 100 * 2**30
+    assert (stored.running_jobs, stored.loaded_deployments) == ([7], [3])
+    assert stored.capabilities == {"can_sign": True, "pool_queue": "agents"}
+
+
+def test_a_heartbeat_brings_an_offline_agent_back_but_not_a_draining_one(db, owner):
+    from controlplane.fleet.actions import do_record_heartbeat
+
+    agent = do_record_heartbeat(beat())
+    Agent.objects.filter(pk=agent.pk).update(state="offline")
+    assert do_record_heartbeat(beat(running_jobs=[])).state == "online"
+
+    do_set_agent_state(agent, "draining", actor=owner)
+
+    assert do_record_heartbeat(beat()).state == "draining"

@@ -11,6 +11,7 @@ from controlplane.releases.actions import (
     do_start_deployment,
 )
 from controlplane.releases.models import Release
+from gpuagent.protocol import DeployResult
 
 
 def go_live(release, actor):
@@ -59,13 +60,20 @@ def test_it_rolls_back_after_failed_verification_and_quarantines(
     assert event.after["release_id"] == old.pk
 
 
+def rolled_forward(release, local_agent) -> str:
+    """The deployment task sends the rollback's deploy job; the agent answers."""
+    assert tasks.run_deployment(release.pk) == "deploying"
+    local_agent.answer("deploy", DeployResult(ok=True, endpoint="http://a:8000"))
+    return Release.objects.get(pk=release.pk).state
+
+
 def test_it_finishes_the_rollback_in_the_deployment_task(
-    history, environment, teammate, deploys
+    history, environment, teammate, deploys, local_agent
 ):
     old, _, new, _ = history
     do_rollback_environment(environment, teammate)
 
-    assert tasks.run_deployment(old.pk) == "live"
+    assert rolled_forward(old, local_agent) == "live"
     assert Release.objects.get(pk=new.pk).state == "rolled_back"
     assert environment.live_deployment.release == old
 
@@ -86,7 +94,7 @@ def test_it_keeps_the_verification_failure_when_it_quarantines(
 
 
 def test_it_never_reports_a_replaced_tampered_release_as_live_again(
-    history, make_release, environment, owner, teammate, deploys
+    history, make_release, environment, owner, teammate, deploys, local_agent
 ):
     """1.0.2 fails verification, 1.0.3 replaces it, 1.0.3 is rolled back to 1.0.1:
     1.0.2 stays out of the picture throughout."""
@@ -104,7 +112,7 @@ def test_it_never_reports_a_replaced_tampered_release_as_live_again(
     do_rollback_environment(environment, teammate)
 
     assert environment.live_deployment is None  # 1.0.1 is deploying
-    assert tasks.run_deployment(old.pk) == "live"
+    assert rolled_forward(old, local_agent) == "live"
     assert environment.live_deployment.release == old
     assert Release.objects.get(pk=tampered.pk).state == "failed_verification"
 

@@ -1,9 +1,14 @@
 """`python manage.py demo`: the embedded default, end to end.
 
 Migrates, creates a demo team with a registrant and an approver, registers the demo
-model as a release, promotes it through the real Celery task code in a worker process
-on the configured (by default embedded) transport, approves it as the approver, waits
-until it is live, then serves the dashboard and API (unless --no-serve).
+model as a release (bf16 weights, int8 KV cache), and promotes it through the real
+Celery task code in one worker process on the configured (by default embedded)
+transport. That worker is also the local CPU agent: it consumes the agent queues and
+runs gpuagent.tasks (inspect, compress, sign, verify, evaluate, load test, deploy)
+with a signing key of its own under the data folder. The command shows the gate
+table, approves as the approver, waits until the release is live, prints the
+endpoint and the stage timings, then serves the dashboard and API (unless
+--no-serve).
 """
 
 import os
@@ -27,15 +32,24 @@ from controlplane.celery import worker_command
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions import (
     do_approve_release,
-    do_evaluate_release_gates,
     do_register_release,
     do_request_promotion,
     do_set_gate_policy,
 )
 from controlplane.releases.models import ModelFamily, Release
+from controlplane.releases.timings import stage_timings
+from gpuagent.integrity.keys import ensure_key_pair
 
 DEMO_MODEL = Path(settings.BASE_DIR) / "gpuagent" / "engine" / "demo_model"
-DEMO_RECIPE = {"weights": "int8", "kv_cache_dtype": "int8"}
+# bf16 weights until the compression package lands (the agent refuses other
+# weight formats rather than pretend), with an int8 KV cache.
+DEMO_RECIPE = {"weights": "bf16", "kv_cache_dtype": "int8"}
+LOCAL_AGENT = "local"
+# The default gate policy (gates.GatePolicy()): every quality slice and workload
+# must be reported and within its thresholds, integrity must pass; except that the
+# 3.2M-parameter demo model retrieves no planted long-context fact (nor does its
+# parent), so retrieval is not required of it.
+DEMO_POLICY: dict = {"quality": {"require_retrieval": False}}
 
 
 class Command(BaseCommand):
@@ -45,7 +59,7 @@ class Command(BaseCommand):
         parser.add_argument("--no-serve", action="store_true", help="stop when live")
         parser.add_argument("--addr", default="127.0.0.1:8000", help="host:port")
         parser.add_argument("--source", default=str(DEMO_MODEL), help="model folder")
-        parser.add_argument("--timeout", type=float, default=120.0, help="seconds")
+        parser.add_argument("--timeout", type=float, default=600.0, help="seconds")
 
     def handle(self, *args, **options):
         call_command("migrate", interactive=False, verbosity=0)
@@ -70,10 +84,13 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             do_request_promotion(release, registrant)
-            self.stdout.write("promotion queued; waiting for the worker ...")
-            self.wait_for(release, ("gated",), worker, log_path, options)
-            self.gate_on_integrity(release, registrant)
-            self.wait_for(release, ("awaiting_approval",), worker, log_path, options)
+            self.stdout.write("promotion queued; the local agent works ...")
+            self.wait_for(
+                release, ("awaiting_approval", "gated"), worker, log_path, options
+            )
+            self.print_gates(release)
+            if release.state != "awaiting_approval":
+                raise CommandError(f"{release} is gated: see the table above")
             do_approve_release(
                 release,
                 approver,
@@ -82,15 +99,17 @@ class Command(BaseCommand):
             )
             self.stdout.write(f"approved by {approver.username}; deploying ...")
             self.wait_for(release, ("live",), worker, log_path, options)
-            self.stdout.write("stage timings (Job rows, recorded by the worker):")
-            self.print_jobs(release)
+            self.print_timings(release)
+            deployment = release.deployments.get(state="live")
             self.stdout.write(self.style.SUCCESS(f"{release} is live in {environment}"))
+            self.stdout.write(f"Endpoint:   {deployment.endpoint}/v1/chat/completions")
             self.print_login(options["addr"], password)
             if not options["no_serve"]:
                 # The worker keeps running so approvals made in the dashboard deploy.
                 call_command("runserver", options["addr"], use_reloader=False)
         finally:
             self.stop_worker(worker)
+            self.stop_engine_servers(release)
 
     def cast(self, password: str):
         team, _ = Team.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
@@ -105,7 +124,7 @@ class Command(BaseCommand):
             )
             users.append(user)
         environment, _ = Environment.objects.get_or_create(team=team, name="staging")
-        do_set_gate_policy(environment, {"quality": None, "load": None}, actor=users[0])
+        do_set_gate_policy(environment, DEMO_POLICY, actor=users[0])
         family, _ = ModelFamily.objects.get_or_create(
             team=team,
             name="demo-llama",
@@ -124,43 +143,60 @@ class Command(BaseCommand):
         shutil.copytree(source, target)
         return target
 
-    def gate_on_integrity(self, release, registrant) -> None:
-        """The pipeline pauses at the gate: it records no evidence yet. Hold what
-        it checked (source inspected, candidate hashed) against the demo
-        environment's policy, which gates integrity only until the evaluate and
-        load-test jobs exist, and promote again to re-run the gate."""
-        while not release.jobs.filter(kind="gate", finished__isnull=False).exists():
-            time.sleep(0.2)  # the gate job is finishing (wait_for bounds the rest)
-        release.refresh_from_db()
-        integrity_ok = bool(release.manifest_digest) and (
-            release.jobs.filter(kind="verify_source", state="succeeded").exists()
-        )
-        decision = do_evaluate_release_gates(
-            release, quality=None, load=None, integrity_ok=integrity_ok
-        )
-        self.stdout.write(f"gate: {decision.outcome} ({decision.reason})")
-        if not decision.ok:
-            raise CommandError(f"{release} is gated: {decision.reason}")
-        do_request_promotion(release, registrant)
-
     def start_worker(self) -> tuple[subprocess.Popen, Path]:
         log_path = Path(
             tempfile.mkstemp(prefix="releasegate-worker-", suffix=".log")[1]
         )
-        command = worker_command()
+        data = Path(settings.DATA_DIR)
+        key = data / "agent" / "keys" / f"{LOCAL_AGENT}.pem"
+        ensure_key_pair(key)
+        # The control plane's worker is also the local agent: it runs
+        # gpuagent.tasks from the agent queues, with threads so that the control
+        # plane's tasks (results, heartbeats) are taken while a job runs; beat
+        # runs in it too (the watch of silent agents, the outbox relay).
+        pool = settings.RELEASEGATE_AGENT_POOL_QUEUE
+        command = worker_command(
+            "--include=gpuagent.tasks",
+            f"--queues=celery,{pool},agent.{LOCAL_AGENT}",
+            "--beat",
+            f"--schedule={data / 'celerybeat-schedule'}",
+            pool="threads",
+            concurrency=4,
+        )
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            "GPUAGENT_NAME": LOCAL_AGENT,
+            "GPUAGENT_ARTIFACTS": str(settings.ARTIFACT_ROOT),
+            "GPUAGENT_SIGNING_KEY": str(key),
+            "GPUAGENT_POOL": pool,
+            "GPUAGENT_CONTROLPLANE_QUEUE": "celery",
+            "GPUAGENT_THREADS": "1",
+        }
         with open(log_path, "wb") as log:
             worker = subprocess.Popen(
                 command,
                 cwd=settings.BASE_DIR,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"},
+                env=env,
             )
         self.stdout.write(
             f"celery worker pid {worker.pid} on {settings.CELERY_BROKER_URL} "
             f"(log {log_path})"
         )
         return worker, log_path
+
+    def stop_engine_servers(self, release: Release) -> None:
+        """The engine servers the local agent started for this run's deployments
+        live in their own sessions; they go with the demo."""
+        for job in release.jobs.filter(kind="deploy", state="succeeded"):
+            pid = job.result.get("pid")
+            if pid:
+                try:
+                    os.kill(int(pid), signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
     def stop_worker(self, worker: subprocess.Popen) -> None:
         if worker.poll() is None:
@@ -178,6 +214,7 @@ class Command(BaseCommand):
             if release.state in states:
                 return
             if release.state in ("failed", "failed_verification", "rejected"):
+                self.print_timings(release)
                 raise CommandError(
                     f"{release} is {release.state}: {release.failure_reason}"
                 )
@@ -190,10 +227,33 @@ class Command(BaseCommand):
             f"(worker log: {log_path})"
         )
 
-    def print_jobs(self, release: Release) -> None:
-        for job in release.jobs.order_by("id"):
-            duration = f"{job.duration_s * 1000:8.1f} ms" if job.duration_s else "-"
-            self.stdout.write(f"  {job.kind:<14} {job.state:<10} {duration}")
+    def print_gates(self, release: Release) -> None:
+        release.refresh_from_db()
+        self.stdout.write(f"gates ({release.state}):")
+        for gate in release.gate_results.order_by("id"):
+            observed = "-" if gate.observed is None else f"{gate.observed:.4g}"
+            threshold = "-" if gate.threshold is None else f"{gate.threshold:.4g}"
+            self.stdout.write(
+                f"  {gate.outcome:<12} {gate.gate:<22} {gate.metric:<22} "
+                f"{observed:>10} / {threshold:<10} {gate.reason}"
+            )
+
+    def print_timings(self, release: Release) -> None:
+        timings = stage_timings(release)
+        self.stdout.write("stage timings (Job rows: queued -> started -> finished):")
+        for stage in timings["stages"]:
+            duration = stage["duration_s"]
+            shown = f"{duration:8.2f} s" if duration is not None else "       -"
+            self.stdout.write(
+                f"  {stage['kind']:<14} {stage['state']:<10} {shown}  "
+                f"agent {stage['agent'] or '-'}  attempts {stage['attempts']}"
+            )
+        self.stdout.write(
+            f"time to deploy {timings['time_to_deploy_s']} s; integrity checks "
+            f"{timings['integrity_s']} s ({timings['integrity_pct']}%), quality and "
+            f"load tests {timings['quality_load_s']} s "
+            f"({timings['quality_load_pct']}%)"
+        )
 
     def print_login(self, addr: str, password: str) -> None:
         url = f"http://{addr}/"

@@ -1,0 +1,396 @@
+"""The promotion and deployment pipeline: which jobs each release state runs, on
+which agent, and where the release goes once they have answered.
+
+Agents do the work (gpuagent.tasks, by task name on their queues); this module
+dispatches their jobs through the outbox, and moves releases when results arrive
+(`record_result`, from the record_job_result task) or when the watch finds a job
+whose agent went silent or that ran past its time limit (`watch_jobs`, beat).
+Every step re-reads the state and continues from there, so repeating one (a
+redelivered task, a duplicate result) does no harm: a result counts once, for the
+attempt in force.
+
+    verifying:   verify_source                      -> compressing
+    compressing: compress, then sign, then verify   -> evaluating
+    evaluating:  evaluate and load_test in parallel -> gated
+    gated:       gates (here) -> awaiting_approval | failed | stays (inconclusive)
+    approved -> deploying: deploy -> live
+"""
+
+import logging
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.audit.models import AuditEvent
+from controlplane.dispatch.actions import do_enqueue_task
+from controlplane.errors import IllegalTransition
+from controlplane.fleet.actions import (
+    do_register_agent,
+    do_set_agent_state,
+    silent_agents,
+)
+from controlplane.fleet.models import Agent, Deployment
+from controlplane.releases import actions, evidence, stages
+from controlplane.releases.models import Job, Release
+from gpuagent.protocol import JobResult
+
+log = logging.getLogger(__name__)
+WORKER = "system:worker"
+RUN_JOB = "gpuagent.run_job"
+
+PROMOTION: dict[str, tuple[tuple[tuple[str, ...], ...], str]] = {
+    "verifying": ((("verify_source",),), "compressing"),
+    "compressing": ((("compress",), ("sign",), ("verify",)), "evaluating"),
+    "evaluating": ((("evaluate", "load_test"),), "gated"),
+}
+FAILURE_STATE = {"verify_source": "failed_verification"}
+INTEGRITY_KINDS = ("verify_source", "sign", "verify")
+AGENT_KINDS = tuple(k for groups, _ in PROMOTION.values() for g in groups for k in g)
+AGENT_KINDS += ("deploy", "reverify", "undeploy")
+OPEN_STATES = ("queued", "running")
+
+
+def _entered(release: Release) -> datetime:
+    """When the release last moved into its current state."""
+    event = (
+        AuditEvent.objects.filter(
+            verb="release.transition",
+            object_type="release",
+            object_id=str(release.pk),
+            after__state=release.state,
+        )
+        .order_by("-created", "-id")
+        .first()
+    )
+    return event.created if event else release.created
+
+
+# -- sending jobs ----------------------------------------------------------------------
+
+
+def _live_agents():
+    cutoff = timezone.now() - timedelta(seconds=settings.AGENT_DEAD_AFTER_S)
+    return Agent.objects.filter(state="online", last_heartbeat__gte=cutoff)
+
+
+def queue_for(job: Job, exclude: Agent | None = None) -> str:
+    """Where `job` goes: signing to an agent that holds a signing key; verify to
+    another agent than the one that signed, when one is alive; a live copy's
+    re-verification to the agent that serves it; the rest to the pool."""
+    agents = _live_agents()
+    if exclude is not None:
+        agents = agents.exclude(pk=exclude.pk)
+    agents = list(agents.order_by("name"))
+    pool = settings.RELEASEGATE_AGENT_POOL_QUEUE
+    if job.kind == "sign":
+        signers = [a for a in agents if a.capabilities.get("can_sign")]
+        return signers[0].queue if signers else pool
+    if job.kind == "verify":
+        signer = (
+            job.release.jobs.filter(kind="sign", state="succeeded")
+            .order_by("-finished", "-id")
+            .values_list("agent_id", flat=True)
+            .first()
+        )
+        others = [a for a in agents if a.pk != signer]
+        return others[0].queue if others else pool
+    if job.kind in ("reverify", "undeploy"):
+        deployment = stages.deployment_of(job)
+        if deployment is not None and deployment.agent is not None:
+            return deployment.agent.queue
+    return pool
+
+
+def _send(job: Job, exclude: Agent | None = None) -> None:
+    request = stages.request_for(job)
+    do_enqueue_task(
+        RUN_JOB, request.model_dump(mode="json"), queue=queue_for(job, exclude)
+    )
+
+
+def dispatch(release: Release, kind: str) -> Job:
+    job = actions.do_dispatch_job(release, kind)
+    _send(job)
+    return job
+
+
+# -- promotion ---------------------------------------------------------------------
+
+
+def advance(release_id: int) -> str:
+    """Move the release as far as its recorded jobs allow, sending the jobs of the
+    stage it reaches; returns its state ("missing" for no such release)."""
+    with transaction.atomic():
+        release = Release.objects.select_for_update().filter(pk=release_id).first()
+        if release is None:
+            return "missing"
+        try:
+            if release.state == "registered":
+                actions.do_transition_release(release, "verifying", actor=WORKER)
+            while release.state in PROMOTION and _advance_stage(release):
+                pass
+            if release.state == "gated":
+                run_gate(release)
+        except IllegalTransition:
+            release.refresh_from_db()
+            log.info("release %s moved concurrently; now %s", release.pk, release.state)
+        return release.state
+
+
+def _advance_stage(release: Release) -> bool:
+    """True when the release moved to the next state."""
+    groups, next_state = PROMOTION[release.state]
+    entered = _entered(release)
+    for group in groups:
+        jobs = {
+            kind: release.jobs.filter(kind=kind, created__gte=entered)
+            .order_by("-id")
+            .first()
+            for kind in group
+        }
+        missing = [kind for kind, job in jobs.items() if job is None]
+        for kind in missing:
+            dispatch(release, kind)
+        if missing or any(job.state in OPEN_STATES for job in jobs.values()):
+            return False
+        failed = [job for job in jobs.values() if job.state == "failed"]
+        if failed:
+            job = failed[0]
+            actions.do_transition_release(
+                release,
+                FAILURE_STATE.get(job.kind, "failed"),
+                actor=WORKER,
+                reason=f"{job.kind}: {job.error}",
+            )
+            return False
+    actions.do_transition_release(release, next_state, actor=WORKER)
+    return True
+
+
+def integrity_ok(release: Release) -> bool | None:
+    """The newest source inspection, signing and verification all succeeded (and a
+    manifest and signature are recorded): True; one failed: False; one never
+    ran: None."""
+    outcomes = []
+    for kind in INTEGRITY_KINDS:
+        job = release.jobs.filter(kind=kind).exclude(state__in=OPEN_STATES)
+        latest = job.order_by("-finished", "-id").first()
+        outcomes.append(None if latest is None else latest.state == "succeeded")
+    if False in outcomes:
+        return False
+    if None in outcomes or not (release.manifest_digest and release.signature):
+        return None
+    return True
+
+
+def run_gate(release: Release) -> bool:
+    """Hold the recorded evidence against the environment's policy; pass moves to
+    awaiting_approval, fail to failed, inconclusive pauses in gated."""
+    job = actions.do_start_job(release, "gate")
+    try:
+        quality, load = evidence.quality_report(release), evidence.load_report(release)
+    except evidence.EvidenceUnreadable as exc:
+        actions.do_finish_job(job, error=exc.message)
+        actions.do_transition_release(
+            release, "failed", actor=WORKER, reason=exc.message
+        )
+        return False
+    decision = actions.do_evaluate_release_gates(
+        release, quality=quality, load=load, integrity_ok=integrity_ok(release)
+    )
+    result = {"outcome": decision.outcome, "reason": decision.reason}
+    if decision.outcome == "inconclusive":
+        actions.do_finish_job(job, result=result)
+        return False
+    actions.do_finish_job(
+        job, result=result, error="" if decision.ok else decision.reason
+    )
+    if decision.ok:
+        actions.do_transition_release(release, "awaiting_approval", actor=WORKER)
+    else:
+        actions.do_transition_release(
+            release, "failed", actor=WORKER, reason=decision.reason
+        )
+    return decision.ok
+
+
+# -- deployment -------------------------------------------------------------------
+
+
+def deploy(release_id: int) -> str:
+    """approved -> deploying with a deploy job on an agent; also sends the deploy
+    job of a rollback (release already deploying). Returns the release's state."""
+    with transaction.atomic():
+        release = Release.objects.select_for_update().filter(pk=release_id).first()
+        if release is None:
+            return "missing"
+        if release.state == "approved":
+            actions.do_start_deployment(release, actor=WORKER)
+        if release.state != "deploying":
+            return release.state
+        deployment = (
+            Deployment.objects.filter(release=release, state="deploying")
+            .order_by("-started", "-id")
+            .first()
+        )
+        if deployment is None:
+            deployment = actions.do_start_deployment(
+                release, actor=WORKER, environment=release.target_environment
+            )
+        sent = release.jobs.filter(kind="deploy", created__gte=deployment.started)
+        if not sent.exists():
+            dispatch(release, "deploy")
+        return release.state
+
+
+def _deployment_done(job: Job) -> None:
+    deployment = stages.deployment_of(job)
+    if deployment is None:
+        return
+    if job.state == "succeeded":
+        actions.do_complete_deployment(
+            deployment,
+            actor=WORKER,
+            endpoint=str(job.result.get("endpoint", "")),
+            agent=job.agent,
+        )
+    else:
+        verification = any(job.result.get(k) for k in ("missing", "extra", "changed"))
+        verification = verification or "refused to serve" in job.error
+        verification = verification or "mismatch" in job.error.lower()
+        actions.do_fail_deployment(
+            deployment, actor=WORKER, reason=job.error, verification=verification
+        )
+
+
+def reverify(deployment_id: int) -> str:
+    """Send a re-verification of a live deployment's copy to the agent serving it."""
+    with transaction.atomic():
+        deployment = (
+            Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        )
+        if deployment is None:
+            return "missing"
+        if deployment.state != "live":
+            return deployment.state
+        release = deployment.release
+        if release.jobs.filter(kind="reverify", state__in=OPEN_STATES).exists():
+            return "busy"
+        dispatch(release, "reverify")
+        return deployment.state
+
+
+def _reverified(job: Job) -> None:
+    deployment = stages.deployment_of(job)
+    if deployment is None or job.state == "succeeded":
+        return
+    try:
+        actions.do_fail_deployment(
+            deployment, actor=WORKER, reason=job.error, verification=True
+        )
+    except IllegalTransition:
+        pass  # no longer live (superseded, rolled back) meanwhile
+
+
+# -- results and the watch ------------------------------------------------------------
+
+
+def record_result(result: JobResult, attempt: int) -> str:
+    """Record an agent's answer and move the release on. A result for a finished
+    job, or from an attempt no longer in force (a retried job's old agent), changes
+    nothing: returns "ignored"."""
+    with transaction.atomic():
+        job = (
+            Job.objects.select_for_update()
+            .select_related("release")
+            .filter(pk=result.job_id)
+            .first()
+        )
+        if job is None:
+            return "missing"
+        stale = job.state not in OPEN_STATES or job.attempts != attempt
+        if stale or job.kind != result.kind:
+            log.info(
+                "ignored %s result of job %s (attempt %s)", result.kind, job.pk, attempt
+            )
+            return "ignored"
+        stages.record(job, result, agent_named(result.agent))
+        _after(job)
+        return job.state
+
+
+def _after(job: Job) -> None:
+    """What a finished job moves: its release's promotion, deployment or copy."""
+    if job.kind == "deploy":
+        _deployment_done(job)
+    elif job.kind == "reverify":
+        _reverified(job)
+    elif job.kind in AGENT_KINDS:
+        advance(job.release_id)
+
+
+def agent_named(name: str) -> Agent | None:
+    """The agent `name`, registered now if its first heartbeat is still on its way."""
+    if not name:
+        return None
+    agent = Agent.objects.filter(name=name).first()
+    return agent or do_register_agent(name, queue=f"agent.{name}")
+
+
+def record_progress(
+    job_id: int, attempt: int, agent_name: str, progress: float
+) -> bool:
+    job = Job.objects.filter(pk=job_id).first()
+    agent = agent_named(agent_name)
+    if job is None or agent is None:
+        return False
+    return actions.do_mark_job_running(
+        job, attempt=attempt, agent=agent, progress=progress
+    )
+
+
+def retry_or_fail(job: Job, reason: str) -> str:
+    """Send `job` again to another agent, or, after RELEASEGATE_JOB_MAX_ATTEMPTS,
+    fail it (and so its release or deployment) with `reason`."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update(of=("self",)).get(pk=job.pk)
+        if job.state not in OPEN_STATES:
+            return job.state
+        if job.attempts >= settings.RELEASEGATE_JOB_MAX_ATTEMPTS:
+            actions.do_finish_job(
+                job, error=f"{reason}; gave up after {job.attempts} attempt(s)"
+            )
+            _after(job)
+            return "failed"
+        previous = job.agent
+        actions.do_retry_job(job, reason=reason)
+        _send(job, exclude=previous)
+        return "retried"
+
+
+def watch_jobs() -> dict[str, int]:
+    """Beat: mark agents whose heartbeats stopped offline and retry their jobs;
+    retry jobs past their time limit, and jobs no agent took in time."""
+    now = timezone.now()
+    silent = list(silent_agents(settings.AGENT_DEAD_AFTER_S))
+    for agent in silent:
+        do_set_agent_state(agent, "offline", actor="system:fleet")
+    counts = {"agents_offline": len(silent), "retried": 0, "failed": 0}
+    open_jobs = Job.objects.filter(kind__in=AGENT_KINDS, state__in=OPEN_STATES)
+    for job in open_jobs.select_related("agent"):
+        if job.agent is not None and job.agent.state == "offline":
+            reason = f"agent {job.agent.name} stopped sending heartbeats"
+        elif job.lease_expires is not None and job.lease_expires < now:
+            reason = (
+                f"no result within {settings.RELEASEGATE_JOB_TIME_LIMIT_S:.0f} s"
+                if job.state == "running"
+                else f"no agent took it within "
+                f"{settings.RELEASEGATE_JOB_QUEUE_TIMEOUT_S:.0f} s"
+            )
+        else:
+            continue
+        outcome = retry_or_fail(job, reason)
+        counts["retried" if outcome == "retried" else "failed"] += 1
+    return counts

@@ -1,0 +1,530 @@
+"""The agent's Celery task and one handler per job kind.
+
+The control plane sends `gpuagent.run_job(JobRequest)` to an agent's own queue or
+its pool's queue; the task runs the kind's handler, which returns the kind's result
+model, and sends the `JobResult` back to the control plane's queue by task name
+(`controlplane.releases.record_job_result`), with progress reports on the way
+(`controlplane.releases.record_job_progress`). Agents never touch the database.
+
+Handlers call the real packages: gpuagent.integrity (inspect, hash, sign, verify),
+gpuagent.evaluate (in-process quality regression of candidate vs parent),
+gpuagent.loadtest (against an engine server started for the candidate) and
+gpuagent.serve_local (deploy: verify, then serve). A handler that can't do what the
+request asks raises JobFailed (with a payload where it has one): never a success
+that did no work.
+
+Configuration (set by `python -m gpuagent run`, or the environment of the embedded
+worker): GPUAGENT_NAME, GPUAGENT_ARTIFACTS, GPUAGENT_SIGNING_KEY (a PEM private
+key: only the agent that signs holds it), GPUAGENT_TRUSTED_KEYS (PEM public keys,
+comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from celery import current_app, shared_task
+from celery.signals import worker_ready
+from pydantic import BaseModel
+
+from gpuagent.artifacts import ArtifactStore, candidate_key
+from gpuagent.protocol import (
+    CompressResult,
+    DeployResult,
+    FileDigest,
+    HashResult,
+    InspectResult,
+    JobRequest,
+    JobResult,
+    UndeployResult,
+    VerifyResult,
+)
+
+log = logging.getLogger(__name__)
+
+RECORD_RESULT = "controlplane.releases.record_job_result"
+RECORD_PROGRESS = "controlplane.releases.record_job_progress"
+# Small, bounded settings: the gate's evidence on the agent's own hardware in
+# seconds for the demo model (a GPU agent runs the same code, faster).
+EVAL_ITEMS_PER_SLICE = 2
+LOAD_REQUESTS = 4
+LOAD_CONCURRENCY = 2
+LOAD_MAX_SECONDS = 60.0
+LOAD_PROMPT_TOKENS = 160  # room for the longest profile instruction + template
+
+
+class JobFailed(Exception):
+    """The job ran and the answer is no (a rejected source, a mismatch, a format
+    this agent can't make); `payload` says what it found."""
+
+    def __init__(self, message: str, payload: BaseModel | None = None):
+        super().__init__(message)
+        self.payload = payload
+
+
+@dataclass
+class Agent:
+    """This agent: who it is, where its artifacts live, which keys it holds."""
+
+    name: str
+    store: ArtifactStore
+    signing_key: Path | None
+    trusted_keys: tuple[Path, ...]
+    controlplane_queue: str
+    pool_queue: str
+    threads: int
+    running_jobs: set[int] = field(default_factory=set)
+    deployments: dict[int, dict] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def queue(self) -> str:
+        return f"agent.{self.name}"
+
+    def public_keys(self) -> tuple[Path, ...]:
+        """Keys a signature may be made with: the trusted ones, and this agent's
+        own signing key's public half."""
+        keys = list(self.trusted_keys)
+        if self.signing_key is not None:
+            public = self.store.root / "keys" / f"{self.name}.pub.pem"
+            if not public.is_file():
+                public.parent.mkdir(exist_ok=True)
+                public.write_bytes(public_key_pem(self.signing_key))
+            keys.append(public)
+        return tuple(keys)
+
+
+_agent: Agent | None = None
+
+
+def agent() -> Agent:
+    """This process's agent, from the environment (once)."""
+    global _agent
+    if _agent is None:
+        env = os.environ
+        key = env.get("GPUAGENT_SIGNING_KEY") or None
+        trusted = tuple(
+            Path(p) for p in env.get("GPUAGENT_TRUSTED_KEYS", "").split(",") if p
+        )
+        _agent = Agent(
+            name=env.get("GPUAGENT_NAME", "local"),
+            store=ArtifactStore(env.get("GPUAGENT_ARTIFACTS", "var/artifacts")),
+            signing_key=Path(key) if key else None,
+            trusted_keys=trusted,
+            controlplane_queue=env.get("GPUAGENT_CONTROLPLANE_QUEUE", "celery"),
+            pool_queue=env.get("GPUAGENT_POOL", "agents"),
+            threads=int(env.get("GPUAGENT_THREADS", "1")),
+        )
+    return _agent
+
+
+def public_key_pem(private_key_path: Path) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(private_key_path.read_bytes(), None)
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+# -- the task ------------------------------------------------------------------------
+
+
+@shared_task(name="gpuagent.run_job", acks_late=True)
+def run_job(request: dict) -> dict:
+    """Run one job and send its JobResult to the control plane; returns it."""
+    me = agent()
+    started = datetime.now(UTC)
+    req = JobRequest.model_validate(request)
+    with me.lock:
+        me.running_jobs.add(req.job_id)
+    try:
+        report_progress(req, 0.0)
+        result = execute(req, me, started)
+    finally:
+        with me.lock:
+            me.running_jobs.discard(req.job_id)
+    send_to_controlplane(RECORD_RESULT, result.model_dump(mode="json"), req.attempt)
+    return result.model_dump(mode="json")
+
+
+def execute(req: JobRequest, me: Agent, started: datetime) -> JobResult:
+    """The JobResult of `req`: a stored output of an earlier delivery, or the
+    handler's. A crash is a failed result naming it, never a lost job."""
+    ok, error, payload = True, "", me.store.stored_output(req)
+    if payload is None:
+        try:
+            model = HANDLERS[req.kind](req, me)
+            payload = model.model_dump(mode="json")
+            me.store.store_output(req, payload)
+        except JobFailed as exc:
+            ok, error = False, str(exc)
+            payload = exc.payload.model_dump(mode="json") if exc.payload else {}
+        except Exception as exc:  # a bug or an unreadable file: the job failed
+            log.exception("%s job %s crashed", req.kind, req.job_id)
+            ok, error, payload = False, f"{type(exc).__name__}: {exc}", {}
+    return JobResult(
+        job_id=req.job_id,
+        kind=req.kind,
+        ok=ok,
+        agent=me.name,
+        started=started,
+        finished=datetime.now(UTC),
+        error=error,
+        payload=payload,
+    )
+
+
+def send_to_controlplane(task: str, *args) -> None:
+    current_app.send_task(task, args=list(args), queue=agent().controlplane_queue)
+
+
+def report_progress(req: JobRequest, fraction: float) -> None:
+    """Tell the control plane how far the job is (also: which agent runs it)."""
+    try:
+        send_to_controlplane(
+            RECORD_PROGRESS, req.job_id, req.attempt, agent().name, fraction
+        )
+    except Exception:  # progress is advisory: a lost report never fails the job
+        log.warning("progress report of job %s not sent", req.job_id, exc_info=True)
+
+
+# -- handlers ------------------------------------------------------------------------
+
+
+def source_folder(source_uri: str) -> Path:
+    """The local folder a file:// URI or absolute path names."""
+    parts = urlsplit(source_uri)
+    if parts.scheme not in ("", "file"):
+        raise JobFailed(f"this agent reads local sources only, not {parts.scheme}://")
+    folder = Path(unquote(parts.path) if parts.scheme else source_uri)
+    if not folder.is_dir():
+        raise JobFailed(f"source folder {folder} does not exist")
+    return folder
+
+
+def file_digests(folder: Path):
+    """(manifest, [FileDigest]) of a folder, through gpuagent.integrity."""
+    from gpuagent.integrity import hash_model
+
+    manifest = hash_model(folder)
+    files = []
+    for relpath, resources in manifest.files().items():
+        digest = (
+            f"{resources[0].algorithm}:{resources[0].digest}"
+            if len(resources) == 1
+            else f"shards:{len(resources)}"
+        )
+        size = (folder / relpath).stat().st_size
+        files.append(FileDigest(path=relpath, size_bytes=size, digest=digest))
+    return manifest, files
+
+
+def inspect_source(req: JobRequest, me: Agent) -> InspectResult:
+    """Structure and content checks of the source (no pickles, no code, valid
+    safetensors), then its manifest digest: the candidate's parent."""
+    from gpuagent.integrity import IntegrityError, inspect_model
+
+    folder = source_folder(req.source_uri)
+    try:
+        inspect_model(folder)
+    except IntegrityError as exc:
+        report = getattr(exc, "report", None)
+        problems = [
+            f"{f.path}: {finding.code}: {finding.detail}"
+            for f in (report.files if report else [])
+            for finding in f.findings
+        ]
+        raise JobFailed(str(exc), InspectResult(ok=False, problems=problems)) from exc
+    manifest, files = file_digests(folder)
+    return InspectResult(ok=True, files=files, manifest_digest=manifest.digest)
+
+
+def compress(req: JobRequest, me: Agent) -> CompressResult:
+    """Make the candidate in the recipe's weight format. bf16 is a cast of every
+    floating tensor (config's torch_dtype follows); other formats need
+    gpuagent.compress, which this agent does not have: the job fails saying so."""
+    assert req.recipe is not None, "compress needs a recipe"
+    weights = req.recipe.weights
+    if weights != "bf16":
+        raise JobFailed(
+            f"weight format {weights!r} is not supported by this agent (it makes "
+            "bf16 candidates only until gpuagent.compress lands); register the "
+            "release with weights=bf16"
+        )
+    folder = source_folder(req.source_uri)
+    manifest, files = file_digests(folder)
+    report_progress(req, 0.2)
+    key = candidate_key(manifest.digest, weights)
+    candidate = me.store.candidate(key, lambda tmp: _cast_to_bf16(folder, tmp))
+    return CompressResult(
+        candidate=me.store.relative(candidate),
+        weights=weights,
+        kv_cache_dtype=req.recipe.kv_cache_dtype,
+        source_manifest_digest=manifest.digest,
+        size_bytes=sum(p.stat().st_size for p in candidate.iterdir()),
+        source_size_bytes=sum(f.size_bytes for f in files),
+    )
+
+
+def _cast_to_bf16(source: Path, target: Path) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in sorted(source.iterdir()):
+        if not path.is_file():
+            raise JobFailed(f"{path.name} in the source is not a file")
+        if path.suffix == ".safetensors":
+            with safe_open(path, "pt") as f:
+                metadata = f.metadata()
+                tensors = {
+                    name: (
+                        t.to(torch.bfloat16) if t.is_floating_point() else t
+                    ).contiguous()
+                    for name in f.keys()
+                    for t in (f.get_tensor(name),)
+                }
+            save_file(tensors, target / path.name, metadata=metadata)
+        elif path.name == "config.json":
+            config = json.loads(path.read_text())
+            config["torch_dtype"] = "bfloat16"
+            (target / path.name).write_text(json.dumps(config, indent=2) + "\n")
+        else:
+            shutil.copyfile(path, target / path.name)
+
+
+def _candidate(req: JobRequest, me: Agent) -> Path:
+    if not req.candidate:
+        raise JobFailed(f"{req.kind} needs a candidate; none was made")
+    folder = me.store.path_of(req.candidate)
+    if not folder.is_dir():
+        raise JobFailed(f"candidate {req.candidate} is not in this agent's store")
+    return folder
+
+
+def recipe_text(req: JobRequest) -> str:
+    assert req.recipe is not None
+    return f"weights={req.recipe.weights},kv={req.recipe.kv_cache_dtype}"
+
+
+def _binding(req: JobRequest):
+    from gpuagent.integrity import ReleaseBinding
+
+    return ReleaseBinding(model=req.model, version=req.version, recipe=recipe_text(req))
+
+
+def sign(req: JobRequest, me: Agent) -> HashResult:
+    """Hash the candidate and sign its manifest bound to model, version, recipe."""
+    from gpuagent.integrity import key_fingerprint, sign_model
+
+    if me.signing_key is None:
+        raise JobFailed(f"agent {me.name} holds no signing key; it cannot sign")
+    folder = _candidate(req, me)
+    signature = me.store.root / "signatures" / f"release-{req.release_id}.sig"
+    signed = sign_model(
+        folder, signature, release=_binding(req), private_key=me.signing_key
+    )
+    _, files = file_digests(folder)
+    return HashResult(
+        manifest_digest=signed.manifest.digest,
+        files=files,
+        signature=signature.read_text(),
+        signer=key_fingerprint(public_key_pem(me.signing_key)),
+    )
+
+
+def verify_candidate(folder: Path, req: JobRequest, me: Agent) -> VerifyResult:
+    """Verify `folder` against the request's signature (trusted keys, release
+    binding, every file re-hashed) and approved manifest digest; JobFailed naming
+    the missing, extra and changed files otherwise."""
+    from gpuagent.integrity import IntegrityError, ManifestMismatchError, verify_model
+    from gpuagent.integrity.policy import Policy
+
+    if not req.signature:
+        raise JobFailed(f"{req.kind} needs the candidate's signature; none recorded")
+    keys = me.public_keys()
+    if not keys:
+        raise JobFailed(f"agent {me.name} trusts no signing key")
+    with tempfile.TemporaryDirectory(dir=me.store.root / "tmp") as tmp:
+        sig = Path(tmp) / "model.sig"
+        sig.write_text(req.signature)
+        policy = Policy(
+            public_keys_pem=tuple(k.read_bytes() for k in keys), release=_binding(req)
+        )
+        try:
+            report = verify_model(folder, sig, policy)
+        except ManifestMismatchError as exc:
+            raise JobFailed(
+                str(exc),
+                VerifyResult(
+                    ok=False,
+                    manifest_digest="",
+                    missing=exc.missing,
+                    extra=exc.extra,
+                    changed=exc.changed,
+                ),
+            ) from exc
+        except IntegrityError as exc:
+            raise JobFailed(str(exc)) from exc
+    if req.manifest_digest and report.manifest_digest != req.manifest_digest:
+        raise JobFailed(
+            f"signed manifest {report.manifest_digest} is not the approved "
+            f"{req.manifest_digest}",
+            VerifyResult(ok=False, manifest_digest=report.manifest_digest),
+        )
+    return VerifyResult(
+        ok=True, manifest_digest=report.manifest_digest, signer=report.signer
+    )
+
+
+def verify(req: JobRequest, me: Agent) -> VerifyResult:
+    return verify_candidate(_candidate(req, me), req, me)
+
+
+def evaluate(req: JobRequest, me: Agent):
+    """QualityReport of the candidate (recipe's KV dtype) vs the source (bf16 KV),
+    in-process, on a bounded slice of the shipped eval sets."""
+    import torch
+
+    from gpuagent.evaluate import EngineModel, Settings, evaluate_quality
+
+    torch.set_num_threads(me.threads)
+    candidate = EngineModel(_candidate(req, me), req.recipe.kv_cache_dtype, 512)
+    report_progress(req, 0.1)
+    reference = EngineModel(source_folder(req.source_uri), "bf16", 512)
+    settings = Settings(
+        seed=req.release_id,
+        continuation_tokens=4,
+        passage_tokens=96,
+        long_context_tokens=480,
+        max_items=EVAL_ITEMS_PER_SLICE,
+    )
+    report = evaluate_quality(candidate, reference, settings)
+    # The labels hold host paths: name the sides by what they are instead.
+    return report.model_copy(
+        update={
+            "candidate": f"candidate ({recipe_text(req)})",
+            "reference": "source (kv bf16)",
+        }
+    )
+
+
+def load_test(req: JobRequest, me: Agent):
+    """LoadTestReport of an engine server started for the candidate with the
+    recipe's KV dtype, closed loop, few requests, every shipped profile."""
+    from gpuagent.loadtest import Bounds, Costs, Plan, load_profiles, run_load_test
+    from gpuagent.serve_local import start_engine_server, stop_server
+
+    folder = _candidate(req, me)
+    log_path = me.store.root / "deployments" / f"loadtest-{req.job_id}.log"
+    server = start_engine_server(
+        folder,
+        kv_cache_dtype=req.recipe.kv_cache_dtype,
+        manifest_digest=req.manifest_digest,
+        log_path=log_path,
+        threads=me.threads,
+    )
+    report_progress(req, 0.2)
+    try:
+        profiles = [
+            p.with_lengths(prompt_tokens=LOAD_PROMPT_TOKENS, output_tokens=8)
+            for p in load_profiles().values()
+        ]
+        plan = Plan(
+            concurrency=[LOAD_CONCURRENCY],
+            bounds=Bounds(requests=LOAD_REQUESTS, max_seconds=LOAD_MAX_SECONDS),
+            seed=req.release_id,
+        )
+        return asyncio.run(run_load_test(server.endpoint, profiles, plan, Costs()))
+    finally:
+        stop_server(server.pid)
+
+
+def deploy(req: JobRequest, me: Agent) -> DeployResult:
+    """Verify the candidate against the approved digest and signature, then start
+    its engine server (verify-on-load again) and wait for /health. A redelivered
+    deploy finds its server still healthy and returns it."""
+    from gpuagent.serve_local import ServeError, healthy, start_engine_server
+
+    assert req.deployment_id is not None, "deploy needs a deployment id"
+    running = me.deployments.get(req.deployment_id)
+    if running and healthy(running["endpoint"]):
+        return DeployResult(ok=True, **running)
+    folder = _candidate(req, me)
+    verify_candidate(folder, req, me)
+    with tempfile.NamedTemporaryFile(
+        "w", suffix=".sig", dir=me.store.root / "signatures", delete=False
+    ) as sig:
+        sig.write(req.signature)
+    try:
+        server = start_engine_server(
+            folder,
+            kv_cache_dtype=req.recipe.kv_cache_dtype,
+            manifest_digest=req.manifest_digest,
+            log_path=me.store.root / "deployments" / f"{req.deployment_id}.log",
+            signature_path=Path(sig.name),
+            public_keys=me.public_keys(),
+            binding=(req.model, req.version, recipe_text(req)),
+            threads=me.threads,
+        )
+    except ServeError as exc:
+        raise JobFailed(str(exc)) from exc
+    entry = {
+        "endpoint": server.endpoint,
+        "manifest_digest": req.manifest_digest,
+        "pid": server.pid,
+    }
+    with me.lock:
+        me.deployments[req.deployment_id] = entry
+    return DeployResult(ok=True, **entry)
+
+
+def undeploy(req: JobRequest, me: Agent) -> UndeployResult:
+    from gpuagent.serve_local import stop_server
+
+    assert req.deployment_id is not None, "undeploy needs a deployment id"
+    with me.lock:
+        entry = me.deployments.pop(req.deployment_id, None)
+    stopped = bool(entry) and stop_server(entry["pid"])
+    return UndeployResult(deployment_id=req.deployment_id, stopped=stopped)
+
+
+def reverify(req: JobRequest, me: Agent) -> VerifyResult:
+    """Re-hash the deployed copy against its signature and approved digest."""
+    return verify_candidate(_candidate(req, me), req, me)
+
+
+HANDLERS: dict[str, Callable[[JobRequest, Agent], BaseModel]] = {
+    "verify_source": inspect_source,
+    "inspect": inspect_source,
+    "compress": compress,
+    "sign": sign,
+    "verify": verify,
+    "evaluate": evaluate,
+    "load_test": load_test,
+    "deploy": deploy,
+    "undeploy": undeploy,
+    "reverify": reverify,
+}
+
+
+@worker_ready.connect
+def _start_heartbeat(sender=None, **_) -> None:
+    """Any worker that runs these tasks as an agent (GPUAGENT_NAME set: `python -m
+    gpuagent run`, or the embedded control-plane worker) sends heartbeats."""
+    if os.environ.get("GPUAGENT_NAME"):
+        from gpuagent.worker import start_heartbeat
+
+        start_heartbeat(sender.app if sender is not None else None)

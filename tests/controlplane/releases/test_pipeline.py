@@ -1,0 +1,301 @@
+"""The pipeline (controlplane.releases.pipeline) through its Celery tasks, with the
+agent's jobs run by gpuagent.tasks in the test process (conftest.LocalAgent): real
+inspection, compression, signing and verification of a small model folder; the
+evaluate and load-test jobs answered with reports shaped as gpuagent.protocol
+fixes them (their real runs are in tests/controlplane/test_agent_pipeline.py)."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from controlplane.audit.models import AuditEvent
+from controlplane.fleet.models import Agent, Deployment
+from controlplane.releases.actions import do_approve_release, do_set_gate_policy
+from controlplane.releases.models import Job, Release
+from controlplane.releases.tasks import (
+    record_job_result,
+    run_deployment,
+    run_promotion,
+    run_reverification,
+    watch_jobs,
+)
+from controlplane.releases.timings import stage_timings
+from gpuagent.protocol import DeployResult, VerifyResult
+from tests.controlplane.releases.test_evaluate_policy import load_report, quality_report
+
+BF16 = {"weights": "bf16", "kv_cache_dtype": "int8"}
+
+
+@pytest.fixture
+def model_folder(make_source):
+    return make_source(
+        "model",
+        {"config.json": '{"model_type": "llama"}', "tokenizer_config.json": "{}"},
+    )
+
+
+@pytest.fixture
+def bf16_release(make_release, model_folder):
+    return make_release(source_uri=model_folder.as_uri(), recipe=BF16)
+
+
+def promote_to_tests(release, local_agent) -> None:
+    assert run_promotion(release.pk) == "verifying"
+    local_agent.work()
+    release.refresh_from_db()
+    assert release.state == "evaluating", release.failure_reason
+
+
+def promote_to_approval(release, local_agent) -> None:
+    promote_to_tests(release, local_agent)
+    local_agent.answer("evaluate", quality_report())
+    local_agent.answer("load_test", load_report())
+    release.refresh_from_db()
+    assert release.state == "awaiting_approval", release.failure_reason
+
+
+def test_it_runs_integrity_stages_on_the_agent_then_both_tests_in_parallel(
+    bf16_release, local_agent
+):
+    promote_to_tests(bf16_release, local_agent)
+
+    kinds = [j.kind for j in Job.objects.filter(release=bf16_release).order_by("id")]
+    assert kinds == [
+        "verify_source",
+        "compress",
+        "sign",
+        "verify",
+        "evaluate",
+        "load_test",
+    ]
+    assert {r.kind for _, r in local_agent.pending()} == {"evaluate", "load_test"}
+    assert bf16_release.manifest_digest.startswith("sha256:")
+    assert bf16_release.signature.startswith("{")  # the signature file itself
+    assert bf16_release.artifacts.count() == 2
+    done = Job.objects.filter(release=bf16_release, state="succeeded")
+    assert all(j.agent.name == "local" and j.started and j.finished for j in done)
+
+
+def test_it_gates_on_the_recorded_evidence_then_waits_for_approval(
+    bf16_release, local_agent
+):
+    promote_to_approval(bf16_release, local_agent)
+
+    gates = {(g.gate, g.outcome) for g in bf16_release.gate_results.all()}
+    assert ("integrity", "pass") in gates
+    assert ("quality:korean", "pass") in gates
+    assert ("load:rag-ko", "pass") in gates
+    assert {outcome for _, outcome in gates} == {"pass"}
+    timings = stage_timings(bf16_release)
+    assert timings["time_to_deploy_s"] > 0
+    assert 0 <= timings["integrity_pct"] <= 100
+
+
+def test_it_fails_a_release_whose_evidence_fails_its_gate(bf16_release, local_agent):
+    promote_to_tests(bf16_release, local_agent)
+    local_agent.answer("evaluate", quality_report())
+
+    local_agent.answer("load_test", load_report(kv_bytes_per_token=1))
+    do_set_gate_policy(
+        bf16_release.target_environment,
+        {"load": {"thresholds": {"max_ttft_p99_ms": 1}}},
+        actor=bf16_release.created_by,
+    )
+    bf16_release.refresh_from_db()
+    # the policy changed after the gate: a promote re-runs it
+    Release.objects.filter(pk=bf16_release.pk).update(state="gated")
+
+    assert run_promotion(bf16_release.pk) == "failed"
+
+    assert (
+        "load:chat (ttft_p99_ms)"
+        in Release.objects.get(pk=bf16_release.pk).failure_reason
+    )
+
+
+def test_missing_evidence_is_inconclusive_and_pauses_in_gated(make_release):
+    release = make_release(state="gated")
+
+    assert run_promotion(release.pk) == "gated"
+
+    outcomes = {g.gate: g.outcome for g in release.gate_results.all()}
+    assert outcomes == {
+        "integrity": "inconclusive",
+        "quality": "inconclusive",
+        "load": "inconclusive",
+    }
+    gate = Job.objects.get(release=release, kind="gate")
+    assert gate.result["outcome"] == "inconclusive"
+
+
+def test_a_duplicate_result_message_changes_nothing(bf16_release, local_agent):
+    run_promotion(bf16_release.pk)
+    (message, request), *_ = local_agent.pending("verify_source")
+    result = local_agent.tasks.execute(request, local_agent.agent, timezone.now())
+    local_agent.record(message, request, result)
+    before = (
+        list(Job.objects.order_by("id").values()),
+        AuditEvent.objects.count(),
+        Release.objects.get(pk=bf16_release.pk).state,
+    )
+
+    again = record_job_result(result.model_dump(mode="json"), request.attempt)
+
+    assert again == "ignored"
+    after = (
+        list(Job.objects.order_by("id").values()),
+        AuditEvent.objects.count(),
+        Release.objects.get(pk=bf16_release.pk).state,
+    )
+    assert after == before
+
+
+def test_it_fails_verification_on_a_pickle_and_names_the_file(
+    make_release, model_folder, local_agent
+):
+    (model_folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 64)
+    release = make_release(source_uri=model_folder.as_uri(), recipe=BF16)
+    run_promotion(release.pk)
+
+    local_agent.work()
+
+    stored = Release.objects.get(pk=release.pk)
+    assert stored.state == "failed_verification"
+    assert "pytorch_model.bin" in stored.failure_reason
+    assert str(model_folder) not in stored.failure_reason  # no host paths
+    assert not Job.objects.filter(release=release, kind="compress").exists()
+
+
+def test_it_fails_a_release_whose_weight_format_the_agent_cannot_make(
+    make_release, model_folder, local_agent
+):
+    release = make_release(source_uri=model_folder.as_uri())  # int4-g128
+    run_promotion(release.pk)
+
+    local_agent.work()
+
+    stored = Release.objects.get(pk=release.pk)
+    assert stored.state == "failed"
+    assert "weight format 'int4-g128' is not supported" in stored.failure_reason
+    assert Job.objects.get(release=release, kind="compress").state == "failed"
+
+
+def silence(agent: Agent) -> None:
+    Agent.objects.filter(pk=agent.pk).update(
+        last_heartbeat=timezone.now() - timedelta(minutes=5)
+    )
+
+
+def test_the_watch_resends_the_job_of_a_silent_agent_and_ignores_its_late_result(
+    bf16_release, local_agent
+):
+    run_promotion(bf16_release.pk)
+    (message, request), *_ = local_agent.pending("verify_source")
+    local_agent.tasks.report_progress(request, 0.1)  # taken by "local"
+    late = local_agent.tasks.execute(request, local_agent.agent, timezone.now())
+    silence(local_agent.row)
+
+    assert watch_jobs()["retried"] == 1
+
+    job = Job.objects.get(release=bf16_release, kind="verify_source")
+    assert (job.state, job.attempts, job.agent) == ("queued", 2, None)
+    assert "agent local stopped sending heartbeats" in job.error
+    assert Agent.objects.get(pk=local_agent.row.pk).state == "offline"
+    assert local_agent.record(message, request, late) == "ignored"
+    (_, resent), *_ = local_agent.pending("verify_source")
+    assert resent.attempt == 2
+
+
+def test_the_watch_fails_the_release_after_the_last_attempt(
+    bf16_release, local_agent, settings
+):
+    settings.RELEASEGATE_JOB_MAX_ATTEMPTS = 2
+    run_promotion(bf16_release.pk)
+    for _ in range(2):
+        (_, request), *_ = local_agent.pending("verify_source")
+        local_agent.tasks.report_progress(request, 0.1)
+        local_agent.taken.update(m.pk for m, _ in local_agent.pending())
+        silence(local_agent.row)
+        watch_jobs()
+        Agent.objects.filter(pk=local_agent.row.pk).update(state="online")
+
+    stored = Release.objects.get(pk=bf16_release.pk)
+    assert stored.state == "failed_verification"
+    assert "stopped sending heartbeats; gave up after 2 attempt(s)" in (
+        stored.failure_reason
+    )
+
+
+def test_the_watch_resends_a_job_no_agent_took_in_time(bf16_release, local_agent):
+    run_promotion(bf16_release.pk)
+    Job.objects.filter(release=bf16_release).update(
+        lease_expires=timezone.now() - timedelta(seconds=1)
+    )
+
+    assert watch_jobs()["retried"] == 1
+
+    assert "no agent took it within" in Job.objects.get(release=bf16_release).error
+
+
+@pytest.fixture
+def approved(bf16_release, local_agent, teammate):
+    promote_to_approval(bf16_release, local_agent)
+    do_approve_release(bf16_release, teammate)
+    return bf16_release
+
+
+def test_it_deploys_through_the_agent_and_goes_live(approved, local_agent):
+    assert run_deployment(approved.pk) == "deploying"
+    (_, request), *_ = local_agent.pending("deploy")
+    assert request.manifest_digest == approved.approvals.get().manifest_digest
+
+    local_agent.answer(
+        "deploy",
+        DeployResult(ok=True, endpoint="http://127.0.0.1:9", pid=1),
+    )
+
+    deployment = Deployment.objects.get(release=approved)
+    assert (deployment.state, deployment.endpoint) == ("live", "http://127.0.0.1:9")
+    assert deployment.agent.name == "local"
+    assert Release.objects.get(pk=approved.pk).state == "live"
+    assert run_deployment(approved.pk) == "live"  # idempotent
+    assert Job.objects.filter(release=approved, kind="deploy").count() == 1
+
+
+def test_a_deploy_that_finds_other_bytes_fails_verification(approved, local_agent):
+    run_deployment(approved.pk)
+    candidate = local_agent.agent.store.path_of(
+        Job.objects.get(release=approved, kind="compress").result["candidate"]
+    )
+    (candidate / "config.json").write_text('{"model_type": "evil"}')
+
+    local_agent.work(kinds=("deploy",))  # the real handler: refuses before serving
+
+    stored = Release.objects.get(pk=approved.pk)
+    assert stored.state == "failed_verification"
+    assert "config.json" in stored.failure_reason
+    assert Deployment.objects.get(release=approved).state == "failed_verification"
+    assert Job.objects.get(release=approved, kind="deploy").result["changed"] == [
+        "config.json"
+    ]
+
+
+def test_reverification_of_a_tampered_copy_marks_the_deployment(approved, local_agent):
+    run_deployment(approved.pk)
+    local_agent.answer("deploy", DeployResult(ok=True, endpoint="http://x:1"))
+    deployment = Deployment.objects.get(release=approved)
+
+    run_reverification(deployment.pk)
+    assert run_reverification(deployment.pk) == "busy"  # one re-hash at a time
+    local_agent.answer(
+        "reverify",
+        VerifyResult(ok=False, manifest_digest="", changed=["config.json"]),
+        error="manifest mismatch; changed: config.json",
+    )
+
+    deployment.refresh_from_db()
+    assert deployment.state == "failed_verification"
+    stored = Release.objects.get(pk=approved.pk)
+    assert stored.state == "failed_verification"
+    assert "changed: config.json" in stored.failure_reason

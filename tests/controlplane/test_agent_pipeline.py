@@ -1,0 +1,347 @@
+"""The pipeline across real processes: a control-plane Celery worker (with beat)
+and two agents started as `python -m gpuagent run` (separate processes), against
+the database and broker the test settings point at (PostgreSQL + Redis when
+DATABASE_URL/CELERY_BROKER_URL say so, else the embedded SQLite + SQLAlchemy
+transport). The "signer" agent holds the signing key, the "checker" only its public
+key, so verification runs on another agent than signing. Queues are the test's
+own, so other workers on the same broker take nothing of it."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+
+from controlplane import celery_app
+from controlplane.accounts.models import ApiToken
+from controlplane.celery import worker_command
+from controlplane.fleet.models import Agent
+from controlplane.releases.actions import do_set_gate_policy
+from controlplane.releases.models import Release
+from gpuagent.integrity.keys import ensure_key_pair
+from tests.controlplane.test_worker_integration import database_url
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_MODEL = ROOT / "gpuagent" / "engine" / "demo_model"
+RECIPE = {"weights": "bf16", "kv_cache_dtype": "int8"}
+AGENT_TIMEOUT_S = 6
+AGENT_CHECK_S = 2
+# Gate on every slice and workload the default policy names. The latency limits
+# are loose because this checks the pipeline on a shared CPU, not the CPU's speed;
+# the 3.2M-parameter demo model retrieves no planted fact (its parent neither), so
+# retrieval is not required of it.
+POLICY = {
+    "quality": {"require_retrieval": False},
+    "load": {"thresholds": {"max_ttft_p99_ms": 60000, "max_tpot_p99_ms": 10000}},
+}
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path):
+        self.tmp = tmp_path
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self.artifacts = tmp_path / "artifacts"
+        self.key = tmp_path / "keys" / "signer.pem"
+        self.public_key = ensure_key_pair(self.key)
+        suffix = uuid.uuid4().hex[:8]
+        self.queue = f"cp-{suffix}"
+        self.pool = f"pool-{suffix}"
+
+    def env(self) -> dict:
+        return {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            "DATABASE_URL": database_url(),
+            "CELERY_BROKER_URL": celery_app.conf.broker_url,
+            "CELERY_RESULT_BACKEND": str(celery_app.conf.result_backend),
+            "RELEASEGATE_SOURCE_ROOTS": ",".join(
+                str(r) for r in settings.RELEASEGATE_SOURCE_ROOTS
+            ),
+            "RELEASEGATE_AGENT_POOL_QUEUE": self.pool,
+            "CELERY_TASK_DEFAULT_QUEUE": self.queue,  # beat's tasks too
+            "AGENT_DEAD_AFTER_S": str(AGENT_TIMEOUT_S),
+            "RELEASEGATE_AGENT_CHECK_S": str(AGENT_CHECK_S),
+            "GPUAGENT_HEARTBEAT_S": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+
+    def start(self, name: str, command: list[str], ready: bytes) -> None:
+        log_path = self.tmp / f"{name}.log"
+        with open(log_path, "wb") as log:
+            self.processes[name] = subprocess.Popen(
+                command, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            )
+        self.logs[name] = log_path
+        deadline = time.monotonic() + 90
+        while ready not in log_path.read_bytes():
+            assert self.processes[name].poll() is None, self.log_tail()
+            assert time.monotonic() < deadline, self.log_tail()
+            time.sleep(0.2)
+
+    def start_controlplane(self) -> None:
+        command = worker_command(
+            "--without-heartbeat",
+            f"--queues={self.queue}",
+            "--beat",
+            f"--schedule={self.tmp / 'beat-schedule'}",
+        )
+        self.start("controlplane", command, b"ready.")
+
+    def start_agent(self, name: str, *, signer: bool) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "gpuagent",
+            "run",
+            "--name",
+            name,
+            "--broker",
+            celery_app.conf.broker_url,
+            "--artifacts",
+            str(self.artifacts),
+            "--pool",
+            self.pool,
+            "--controlplane-queue",
+            self.queue,
+            *(("--signing-key", str(self.key)) if signer else ()),
+            "--trusted-key",
+            str(self.public_key),
+        ]
+        self.start(name, command, b"ready.")
+
+    def wait_for_agents(self, *names: str) -> None:
+        deadline = time.monotonic() + 60
+        while set(
+            Agent.objects.filter(name__in=names, state="online").values_list(
+                "name", flat=True
+            )
+        ) != set(names):
+            assert time.monotonic() < deadline, self.log_tail()
+            time.sleep(0.2)
+
+    def kill(self, name: str) -> None:
+        self.processes[name].send_signal(signal.SIGKILL)
+        self.processes[name].wait()
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def log_tail(self) -> str:
+        return "\n".join(
+            f"--- {name}\n{path.read_text(errors='replace')[-3000:]}"
+            for name, path in self.logs.items()
+        )
+
+
+def stop_servers(release: Release) -> None:
+    """The engine servers the deploy jobs started outlive their agents."""
+    for job in release.jobs.filter(kind="deploy", state="succeeded"):
+        pid = job.result.get("pid")
+        if pid:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def cluster(tmp_path, settings):
+    cluster = Cluster(tmp_path)
+    default_queue = celery_app.conf.task_default_queue
+    celery_app.conf.task_default_queue = cluster.queue
+    settings.RELEASEGATE_AGENT_POOL_QUEUE = cluster.pool
+    settings.AGENT_DEAD_AFTER_S = AGENT_TIMEOUT_S
+    try:
+        yield cluster
+    finally:
+        celery_app.conf.task_default_queue = default_queue
+        cluster.stop()
+
+
+def wait_for_state(release, states, cluster, timeout_s=300) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        release.refresh_from_db()
+        if release.state in states:
+            return time.monotonic() - started
+        time.sleep(0.3)
+    jobs = list(release.jobs.values_list("kind", "state", "attempts", "error"))
+    pytest.fail(f"{release} still {release.state}; jobs {jobs}\n{cluster.log_tail()}")
+
+
+@pytest.fixture
+def demo_release(make_release, make_source, owner):
+    source = make_source("demo")
+    source.rmdir()
+    shutil.copytree(DEMO_MODEL, source)
+    release = make_release(source_uri=source.as_uri(), recipe=RECIPE)
+    do_set_gate_policy(release.target_environment, POLICY, actor=owner)
+    return release
+
+
+def api(client, token, method, path, body=None):
+    kwargs = {"headers": {"authorization": f"Bearer {token}"}}
+    if body is not None:
+        kwargs.update(data=body, content_type="application/json")
+    return getattr(client, method)(f"/api/v1{path}", **kwargs)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.django_db(transaction=True)
+def test_it_takes_a_release_from_registration_to_live_on_agents(
+    cluster, demo_release, client, owner, teammate
+):
+    release = demo_release
+    cluster.start_controlplane()
+    cluster.start_agent("signer", signer=True)
+    cluster.start_agent("checker", signer=False)
+    cluster.wait_for_agents("signer", "checker")
+    _, ci = ApiToken.create(owner, release.team, "ci", ["read", "promote"])
+    _, approver = ApiToken.create(teammate, release.team, "ap", ["read", "approve"])
+
+    promoted = api(client, ci, "post", f"/releases/{release.pk}/promote")
+    assert promoted.status_code == 202, promoted.content
+    try:
+        wait_for_state(release, ("awaiting_approval", "failed", "gated"), cluster)
+        detail = api(client, ci, "get", f"/releases/{release.pk}").json()
+        if release.state == "gated":
+            # On a loaded machine the load client may fall behind its schedule:
+            # no evidence, inconclusive, never a pass. The operator takes load off
+            # this environment's gates and promotes again: the gate runs again.
+            open_gates = [g for g in detail["gate_results"] if g["outcome"] != "pass"]
+            assert all(
+                g["gate"].startswith("load:")
+                and g["outcome"] == "inconclusive"
+                and "fell behind" in g["reason"]
+                for g in open_gates
+            ), open_gates
+            do_set_gate_policy(
+                release.target_environment, {**POLICY, "load": None}, actor=owner
+            )
+            again = api(client, ci, "post", f"/releases/{release.pk}/promote")
+            assert again.status_code == 202, again.content
+            wait_for_state(release, ("awaiting_approval", "failed"), cluster, 60)
+        first_gates = {g["gate"] for g in detail["gate_results"]}
+        detail = api(client, ci, "get", f"/releases/{release.pk}").json()
+        assert release.state == "awaiting_approval", (
+            release.failure_reason,
+            [g for g in detail["gate_results"] if g["outcome"] != "pass"],
+        )
+        assert {g["outcome"] for g in detail["gate_results"]} == {"pass"}
+        jobs = {job["kind"]: job for job in detail["jobs"]}
+        assert set(jobs) == {
+            "verify_source",
+            "compress",
+            "sign",
+            "verify",
+            "evaluate",
+            "load_test",
+            "gate",
+        }
+        assert jobs["sign"]["agent"] == "signer"
+        assert jobs["verify"]["agent"] == "checker"
+        gates = {g["gate"]: g["outcome"] for g in detail["gate_results"]}
+        assert gates["integrity"] == "pass"
+        assert any(g.startswith("quality:") for g in gates), gates
+        assert any(g.startswith("load:") for g in first_gates), first_gates
+
+        approved = api(
+            client,
+            approver,
+            "post",
+            f"/releases/{release.pk}/approve",
+            {"manifest_digest": detail["manifest_digest"], "comment": "ok"},
+        )
+        assert approved.status_code == 200, approved.content
+        wait_for_state(release, ("live", "failed", "failed_verification"), cluster)
+        assert release.state == "live", release.failure_reason
+        deployment = release.deployments.get()
+        completion = httpx.post(
+            f"{deployment.endpoint}/v1/chat/completions",
+            json={
+                "model": "candidate",
+                "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 4,
+            },
+            timeout=60,
+        )
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["usage"]["completion_tokens"] >= 1
+        timings = api(client, ci, "get", f"/releases/{release.pk}").json()["timings"]
+        assert timings["time_to_deploy_s"] > 0
+        assert 0 < timings["integrity_pct"] < 100
+        assert 0 < timings["quality_load_pct"] < 100
+    finally:
+        stop_servers(release)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.django_db(transaction=True)
+def test_it_retries_the_job_of_an_agent_killed_mid_job(cluster, demo_release, owner):
+    release = demo_release
+    # This is about the retry: the load gate's evidence (valid only where the
+    # client kept its schedule) is judged in the test above.
+    do_set_gate_policy(
+        release.target_environment, {**POLICY, "load": None}, actor=owner
+    )
+    cluster.start_controlplane()
+    cluster.start_agent("signer", signer=True)
+    cluster.start_agent("checker", signer=False)
+    cluster.wait_for_agents("signer", "checker")
+    from controlplane.releases.actions import do_request_promotion
+
+    do_request_promotion(release, owner)
+    deadline = time.monotonic() + 300
+    while True:  # an evaluate or load-test job running on some agent
+        job = release.jobs.filter(
+            kind__in=("evaluate", "load_test"), state="running", agent__isnull=False
+        ).first()
+        if job is not None:
+            break
+        release.refresh_from_db()
+        assert release.state not in ("failed", "failed_verification"), (
+            release.failure_reason
+        )
+        assert time.monotonic() < deadline, cluster.log_tail()
+        time.sleep(0.1)
+    victim = job.agent.name
+    killed_at = time.monotonic()
+    cluster.kill(victim)
+
+    # Noticed within the heartbeat timeout plus one watch interval (and slack for
+    # a loaded machine), and sent again to the agent left.
+    while True:
+        job.refresh_from_db()
+        if job.attempts >= 2:
+            break
+        assert time.monotonic() - killed_at < 3 * (AGENT_TIMEOUT_S + AGENT_CHECK_S), (
+            cluster.log_tail()
+        )
+        time.sleep(0.2)
+    noticed_s = time.monotonic() - killed_at
+    assert noticed_s < 60
+    assert Agent.objects.get(name=victim).state == "offline"
+    wait_for_state(release, ("awaiting_approval", "failed", "gated"), cluster, 300)
+    job.refresh_from_db()
+    assert job.state == "succeeded", job.error
+    assert job.agent.name != victim
+    assert release.state == "awaiting_approval", release.failure_reason
+    print(f"agent death noticed and job re-sent {noticed_s:.1f} s after kill -9")

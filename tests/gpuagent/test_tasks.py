@@ -1,0 +1,163 @@
+"""The agent's job handlers (gpuagent.tasks) in-process on the demo model: real
+inspection, bf16 compression, signatures, verification on an agent holding only
+the public key, and the refusals (tampered bytes, unsupported formats)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import gpuagent.engine
+from gpuagent import tasks
+from gpuagent.artifacts import ArtifactStore
+from gpuagent.integrity.keys import ensure_key_pair
+from gpuagent.protocol import JobRequest, Recipe
+
+DEMO = Path(gpuagent.engine.__file__).parent / "demo_model"
+
+
+def make_agent(name, store, *, signing_key=None, trusted=()):
+    return tasks.Agent(
+        name=name,
+        store=store,
+        signing_key=signing_key,
+        trusted_keys=tuple(trusted),
+        controlplane_queue="celery",
+        pool_queue="agents",
+        threads=1,
+    )
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setattr(tasks, "report_progress", lambda *a: None)
+    source = tmp_path / "src"
+    shutil.copytree(DEMO, source)
+    store = ArtifactStore(tmp_path / "artifacts")
+    key = tmp_path / "keys" / "signer.pem"
+    public = ensure_key_pair(key)
+    signer = make_agent("signer", store, signing_key=key)
+    checker = make_agent("checker", store, trusted=[public])
+    return source, signer, checker
+
+
+def request(kind, source, job_id=1, **fields):
+    return JobRequest(
+        job_id=job_id,
+        release_id=7,
+        kind=kind,
+        source_uri=source.as_uri(),
+        recipe=Recipe(weights="bf16", kv_cache_dtype="int8"),
+        model="demo",
+        version="1.0",
+        **fields,
+    )
+
+
+def signed_candidate(source, signer):
+    made = tasks.compress(request("compress", source), signer)
+    signed = tasks.sign(request("sign", source, candidate=made.candidate), signer)
+    return made, signed
+
+
+def test_it_makes_signs_and_verifies_a_bf16_candidate_on_another_agent(setup):
+    source, signer, checker = setup
+    inspected = tasks.inspect_source(request("verify_source", source), signer)
+
+    made, signed = signed_candidate(source, signer)
+    verified = tasks.verify(
+        request(
+            "verify",
+            source,
+            candidate=made.candidate,
+            signature=signed.signature,
+            manifest_digest=signed.manifest_digest,
+        ),
+        checker,
+    )
+
+    assert inspected.ok and inspected.manifest_digest == made.source_manifest_digest
+    assert made.size_bytes < 0.6 * made.source_size_bytes  # f32 -> bf16 halves it
+    assert verified.ok and verified.manifest_digest == signed.manifest_digest
+    assert verified.signer and signed.signer
+
+
+def test_it_finds_a_redelivered_jobs_output(setup):
+    source, signer, _ = setup
+    req = request("compress", source)
+    first = tasks.execute(req, signer, started=None)
+    again = tasks.execute(req.model_copy(update={"attempt": 2}), signer, started=None)
+
+    assert first.ok and again.payload == first.payload
+
+
+def test_it_refuses_a_weight_format_it_cannot_make(setup):
+    source, signer, _ = setup
+    req = request("compress", source).model_copy(
+        update={"recipe": Recipe(weights="int4-g128", kv_cache_dtype="int8")}
+    )
+
+    result = tasks.execute(req, signer, started=None)
+
+    assert not result.ok
+    assert "weight format 'int4-g128' is not supported by this agent" in result.error
+
+
+def test_it_refuses_to_sign_without_a_key(setup):
+    source, signer, checker = setup
+    made = tasks.compress(request("compress", source), signer)
+
+    result = tasks.execute(
+        request("sign", source, candidate=made.candidate), checker, started=None
+    )
+
+    assert not result.ok and "holds no signing key" in result.error
+
+
+def test_it_refuses_to_deploy_tampered_bytes(setup):
+    source, signer, checker = setup
+    made, signed = signed_candidate(source, signer)
+    weights = checker.store.path_of(made.candidate) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of one weight, after the approval
+    weights.write_bytes(bytes(data))
+
+    result = tasks.execute(
+        request(
+            "deploy",
+            source,
+            candidate=made.candidate,
+            signature=signed.signature,
+            manifest_digest=signed.manifest_digest,
+            deployment_id=3,
+        ),
+        checker,
+        started=None,
+    )
+
+    assert not result.ok
+    assert result.payload["changed"] == ["model.safetensors"], result.error
+    assert not checker.deployments
+
+
+def test_it_reverifies_a_copy_and_names_what_changed(setup):
+    source, signer, checker = setup
+    made, signed = signed_candidate(source, signer)
+    req = request(
+        "reverify",
+        source,
+        candidate=made.candidate,
+        signature=signed.signature,
+        manifest_digest=signed.manifest_digest,
+        deployment_id=3,
+    )
+    assert tasks.execute(req, checker, started=None).ok
+    folder = checker.store.path_of(made.candidate)
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "extra.json").write_text("{}")
+
+    result = tasks.execute(req, checker, started=None)
+
+    assert not result.ok
+    assert result.payload["missing"] == ["tokenizer_config.json"]
+    assert result.payload["extra"] == ["extra.json"]
