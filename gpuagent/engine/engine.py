@@ -42,14 +42,14 @@ DEFAULT_KV_MEMORY_BYTES = 256 * 2**20
 DEFAULT_MAX_NUM_SEQS = 64
 # Newest tokens per sequence kept in bf16 beside a quantized cache, by default. Each
 # fits its layout's memory target over a 2k-token sequence (int4: 0.2656 + 18/2048 =
-# 0.2744 <= 0.28 of bf16; fp8-static: 0.5 + 16/2048 = 0.5078 <= 0.52) and keeps the
+# 0.2744 <= 0.28 of bf16; fp8: 0.5 + 16/2048 = 0.5078 <= 0.52) and keeps the
 # capacity ratios (>= 3.6x, >= 1.9x) with one row reserved per max_num_seqs (64).
 # Measured on SmolLM2-135M, rotated K/V, 6 passages x 256 tokens vs bf16 KV: int4
 # KLD / top-1 0.029 / 91.9% at w16, 0.0174 / 92.55% at w18 (every slice >= 92.4%),
 # 0.0149 / 93.0% at w22, 0.012 / 94.0% at w28;
-# fp8-static+w16 0.0019 / 97.3% (w32 0.0007 / 98.3%); int8 without one 0.00035 /
+# fp8+w16 0.0019 / 97.3% (w32 0.0007 / 98.3%); int8 without one 0.00035 /
 # 99.1%.
-DEFAULT_KV_WINDOW = {"int4": 18, "fp8-static": 16}
+DEFAULT_KV_WINDOW = {"int4": 18, "fp8": 16}
 
 
 def default_kv_window(kv_cache_dtype: str) -> int:
@@ -303,7 +303,7 @@ class LLMEngine:
             kv_window=kv_window,
             device=self.device,
         )
-        # fp8-static: per-head scales from the built-in calibration text
+        # fp8: per-head scales from the built-in calibration text
         calibrate_kv_caches(model, tokenizer, self.kv.kv_caches)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.scheduler = Scheduler(

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.kv_quant import allocate_kv_cache, hadamard, write_kv
+from kernels.kv_quant import allocate_kv_cache, hadamard, write_kv, write_window
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
 if TYPE_CHECKING:
@@ -363,8 +363,14 @@ class Attention(nn.Module):
             # q.k and the attention-weighted sum of V are the same there.
             rotation = _rotation(self.head_dim, q.device, q.dtype)  # [D, D]
             q, k, v = q @ rotation, k @ rotation, v @ rotation
-        write_kv(cache, k, v, attn.slot_mapping, attn.window_slots)
-        if out_rows is not None or attn.decode_only:
+        decode = out_rows is not None or attn.decode_only
+        if cache.window and not decode:
+            # Prefill reads the window row as it was before the chunk (each query
+            # takes the chunk's own K/V from k, v): the row is written after.
+            write_kv(cache, k, v, attn.slot_mapping, blocks_only=True)
+        else:
+            write_kv(cache, k, v, attn.slot_mapping, attn.window_slots)
+        if decode:
             # Each kept row is its sequence's last new token, which sees the whole
             # context: that is decode attention. [B, H, D]
             out = paged_decode_attention(
@@ -384,7 +390,11 @@ class Attention(nn.Module):
                 attn.context_lens,
                 self.softmax_scale,
                 attn.window_rows,
+                k if cache.window else None,
+                v if cache.window else None,
             )
+            if cache.window:
+                write_window(cache, k, v, attn.window_slots)
         if rotation is not None:
             out = out.to(x.dtype) @ rotation.T  # back from the rotated basis
         out = out.to(x.dtype).flatten(-2)  # [T or B, H, D] -> [T or B, H * D]
@@ -466,6 +476,10 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     """Llama decoder: `forward` over the paged KV cache, `forward_dense` without one."""
+
+    # fp8 KV scales the checkpoint carries, (key_scale [KVH], value_scale [KVH]) per
+    # layer (set by the loader; engine.kv_calibration), or None
+    checkpoint_kv_scales: list[tuple[Tensor, Tensor]] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
