@@ -284,9 +284,9 @@ class LLMEngine:
         quantized cache (default: `DEFAULT_KV_WINDOW`); one window row per
         `max_num_seqs`, taken out of `kv_memory_bytes`.
 
-        On a CPU, `prepack_weights` lays the model's float32 projections out once for
-        oneDNN (`model.Linear`), which makes decode GEMMs 2x faster; the weights must
-        not change afterwards."""
+        On a CPU, `prepack_weights` lays the model's float32 (or bf16, where oneDNN
+        has bf16 kernels) projections out once for oneDNN (`model.Linear`), which
+        makes decode GEMMs 2x faster; the weights must not change afterwards."""
         self.model = model.eval()
         if prepack_weights and hasattr(model, "prepack_cpu_weights"):
             model.prepack_cpu_weights()
