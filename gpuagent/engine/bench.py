@@ -353,19 +353,25 @@ def _sync(device: str | torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def throughput_engine(model, tokenizer, num_seqs: int) -> LLMEngine:
+    """The engine the throughput sections time: bf16 KV, room for `num_seqs`
+    sequences of up to 128 tokens at once."""
+    return LLMEngine(
+        model,
+        tokenizer,
+        kv_cache_dtype="bf16",
+        num_blocks=num_seqs * 8,
+        block_size=16,
+        max_num_seqs=num_seqs,
+    )
+
+
 def throughput_rows(
     model_dir: Path, model, tokenizer, device: str, max_tokens: int, repeats: int
 ) -> list[Row]:
     """Aggregate output tok/s: 16 concurrent vs 16 sequential vs transformers."""
     prompts = THROUGHPUT_PROMPTS
-    engine = LLMEngine(
-        model,
-        tokenizer,
-        kv_cache_dtype="bf16",
-        num_blocks=len(prompts) * 8,
-        block_size=16,
-        max_num_seqs=len(prompts),
-    )
+    engine = throughput_engine(model, tokenizer, len(prompts))
     total = len(prompts) * max_tokens
     time_engine(engine, prompts[:2], 4, concurrent=True)  # warm-up
     has_transformers = importlib.util.find_spec("transformers") is not None
@@ -445,6 +451,101 @@ def throughput_rows(
         ),
     ]
     return rows
+
+
+def mixed_lengths(count: int, max_tokens: int) -> list[int]:
+    """Output lengths of `count` requests: a quarter, half, three quarters and all
+    of `max_tokens`, in turn (mixed, as concurrent serving sees them)."""
+    return [max(1, max_tokens * (1 + i % 4) // 4) for i in range(count)]
+
+
+def serving_rows(
+    model_dir: Path, model, tokenizer, device: str, max_tokens: int, repeats: int
+) -> list[Row]:
+    """Useful output tok/s of the engine vs `transformers` generate on the same
+    model, prompts, dtype and threads, runs interleaved (best of `repeats` each):
+    one request alone, and 16 concurrent ones with mixed output lengths, which
+    transformers runs as one left-padded batch to the longest (its extra tokens
+    are not counted)."""
+    prompts = THROUGHPUT_PROMPTS
+    lengths = mixed_lengths(len(prompts), max_tokens)
+    engine = throughput_engine(model, tokenizer, len(prompts))
+    prompt_ids = [engine.encode_prompt(p) for p in prompts]
+    pad_id = 258 if model.config.vocab_size > 258 else 0
+    time_engine(engine, prompts[:2], 4, concurrent=True)  # warm-up
+
+    def engine_mixed() -> float:
+        params = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            for n in lengths
+        ]
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        assert [len(o.token_ids) for o in outs] == lengths
+        return seconds
+
+    has_transformers = importlib.util.find_spec("transformers") is not None
+    best = dict.fromkeys(("e1", "t1", "e16", "t16"), math.inf)
+    for _ in range(repeats):
+        best["e1"] = min(
+            best["e1"], time_engine(engine, prompts[:1], max_tokens, True)[0]
+        )
+        if has_transformers:
+            seconds = time_transformers(
+                model_dir, prompt_ids[:1], max_tokens, pad_id, device, batched=True
+            )
+            best["t1"] = min(best["t1"], seconds)
+        best["e16"] = min(best["e16"], engine_mixed())
+        if has_transformers:
+            seconds = time_transformers(
+                model_dir, prompt_ids, max(lengths), pad_id, device, batched=True
+            )
+            best["t16"] = min(best["t16"], seconds)
+    useful = sum(lengths)
+    rows = [
+        Row(
+            f"engine tok/s, batch 1 ({max_tokens} tok)",
+            f"{max_tokens / best['e1']:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            f"engine tok/s, 16 concurrent, mixed lengths {min(lengths)}-{max(lengths)}",
+            f"{useful / best['e16']:.1f}",
+            "",
+            None,
+        ),
+    ]
+    if not has_transformers:
+        return rows + [Row("transformers generate", "missing", ">= 2x", False)]
+    return rows + [
+        Row(
+            "transformers tok/s, batch 1",
+            f"{max_tokens / best['t1']:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "engine / transformers, batch 1",
+            f"{best['t1'] / best['e1']:.2f}x",
+            "",
+            None,
+        ),
+        Row(
+            "transformers tok/s, 16 padded to the longest (useful tokens)",
+            f"{useful / best['t16']:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "engine / transformers, 16 concurrent mixed lengths",
+            f"{best['t16'] / best['e16']:.2f}x",
+            ">= 2x",
+            best["t16"] / best["e16"] >= 2,
+        ),
+    ]
 
 
 # ------------------------------------------------------------------------ quality
@@ -986,6 +1087,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="only the KV quality table and the attention diagnostic",
     )
     parser.add_argument(
+        "--serving-only",
+        action="store_true",
+        help="only batch-1 and batch-16 tok/s vs transformers generate",
+    )
+    parser.add_argument(
         "--no-demo",
         action="store_true",
         help="with --model-dir: skip the demo model's quality rows",
@@ -1028,8 +1134,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats = 2 if args.quick else 3
     is_demo = model_dir.resolve() == DEMO_MODEL_DIR.resolve()
 
+    serving = (
+        "serving vs transformers generate (same process and threads, interleaved)",
+        lambda: serving_rows(
+            model_dir, model, tokenizer, args.device, max_tokens, repeats
+        ),
+    )
     sections: list[tuple[str, Callable[[], list[Row | str]]]] = []
-    if not args.quality_only:
+    if args.serving_only:
+        sections.append(serving)
+    elif not args.quality_only:
         sections += [
             ("memory", lambda: memory_rows(c) + capacity_rows(c)),
             (
@@ -1038,11 +1152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     model_dir, model, tokenizer, args.device, max_tokens, repeats
                 ),
             ),
+            serving,
         ]
-    sections += model_quality_sections(
-        model_dir, model, tokenizer, args.quick, judge_attention=is_demo
-    )
-    if not is_demo and not args.no_demo and (DEMO_MODEL_DIR / "config.json").exists():
+    if not args.serving_only:
+        sections += model_quality_sections(
+            model_dir, model, tokenizer, args.quick, judge_attention=is_demo
+        )
+    demo_rows = not (args.serving_only or is_demo or args.no_demo)
+    if demo_rows and (DEMO_MODEL_DIR / "config.json").exists():
         demo = load_model(DEMO_MODEL_DIR, dtype=torch.float32, device=args.device)
         sections += model_quality_sections(
             DEMO_MODEL_DIR,

@@ -409,3 +409,28 @@ def test_it_captures_the_queries_keys_and_values_the_model_attends_with(
     for acts, dense in zip(layers, o_proj_inputs, strict=True):
         out = bench.decode_attention_outputs(acts, "fp32", picks)  # [P, H, D]
         torch.testing.assert_close(out.flatten(-2), dense[picks], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------- serving
+
+
+def test_mixed_lengths_cycle_through_quarters_of_the_longest():
+    assert bench.mixed_lengths(6, 16) == [4, 8, 12, 16, 4, 8]
+    assert bench.mixed_lengths(4, 2) == [1, 1, 1, 2]
+
+
+def test_serving_rows_compare_the_engine_with_transformers_on_useful_tokens(
+    tiny_model_dir, tiny_model_and_tokenizer
+):
+    model, tokenizer = tiny_model_and_tokenizer
+
+    rows = bench.serving_rows(tiny_model_dir, model, tokenizer, "cpu", 4, repeats=1)
+
+    names = [r.name for r in rows]
+    assert names[0].startswith("engine tok/s, batch 1")
+    assert names[1].startswith("engine tok/s, 16 concurrent, mixed lengths 1-4")
+    ratio = the_row(rows, "engine / transformers, 16 concurrent")
+    engine = number(the_row(rows, "engine tok/s, 16 concurrent").value)
+    hf = number(the_row(rows, "transformers tok/s, 16 padded").value)
+    assert number(ratio.value) == pytest.approx(engine / hf, rel=0.02)
+    assert_verdicts_match_targets(rows)
