@@ -44,11 +44,13 @@ DEFAULT_MAX_NUM_SEQS = 64
 # fits its layout's memory target over a 2k-token sequence (int4: 0.2656 + 18/2048 =
 # 0.2744 <= 0.28 of bf16; fp8: 0.5 + 16/2048 = 0.5078 <= 0.52) and keeps the
 # capacity ratios (>= 3.6x, >= 1.9x) with one row reserved per max_num_seqs (64).
-# Measured on SmolLM2-135M, rotated K/V, 6 passages x 256 tokens vs bf16 KV: int4
-# KLD / top-1 0.029 / 91.9% at w16, 0.0174 / 92.55% at w18 (every slice >= 92.4%),
-# 0.0149 / 93.0% at w22, 0.012 / 94.0% at w28;
-# fp8+w16 0.0019 / 97.3% (w32 0.0007 / 98.3%); int8 without one 0.00035 /
-# 99.1%.
+# Measured on SmolLM2-135M, rotated K/V, vs bf16 KV over the eval sets' English,
+# code and Korean passages (4206 positions; `python -m gpuagent.engine.bench
+# --model-dir var/models/smollm2-135m --quality-only`), each query reading its own
+# newest W tokens in bf16: int4+w18 KLD / top-1 0.0089 / 95.1%, fp8+w16 0.00094 /
+# 98.6%, int8 without one 0.00035 / 98.8%. (With the window of the chunk's end
+# instead, on 6 passages: int4 w16 0.029 / 91.9%, w18 0.0174 / 92.55%, fp8 w16
+# 0.0019 / 97.3%.)
 DEFAULT_KV_WINDOW = {"int4": 18, "fp8": 16}
 
 
