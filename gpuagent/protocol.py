@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4")
 # Weight formats a recipe may ask for; int4 carries its quantization group size.
 WEIGHT_FORMAT_PATTERN = re.compile(r"^(bf16|fp16|int8|int4-g(32|64|128))$")
 

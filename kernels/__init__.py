@@ -20,6 +20,7 @@ from kernels.kv_quant import (
     quantize_kv,
     set_static_scales,
     write_kv,
+    write_window,
 )
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.weight_matmul import (
@@ -56,4 +57,5 @@ __all__ = [
     "weight_int4_matmul",
     "weight_int8_matmul",
     "write_kv",
+    "write_window",
 ]

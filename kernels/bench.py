@@ -20,7 +20,7 @@ from kernels import kv_quant, paged_attention, weight_matmul
 from kernels._triton import HAS_TRITON, triton
 
 HBM_BYTES_PER_S = 4.8e12  # H200
-KV_DTYPES = ("bf16", "fp8", "int8", "int4")
+KV_DTYPES = ("bf16", "fp8-per-token", "int8", "int4")
 # Attention rows: (label, cache dtype, full-precision window); int4+w16 is int4 as
 # the engine serves it, with each sequence's newest 16 tokens in bf16.
 ATTENTION_CACHES = tuple((d, d, 0) for d in KV_DTYPES) + (("int4+w16", "int4", 16),)
@@ -68,7 +68,7 @@ def fill_random(cache: kv_quant.PagedKVCache) -> None:
         for rows in torch.split(flat, 1 << 20):  # bounded temporaries
             if cache.dtype in ("bf16", "fp16"):
                 rows.normal_()
-            elif cache.dtype == "fp8":
+            elif cache.dtype == "fp8-per-token":
                 rows.copy_(torch.randn(rows.shape, device=rows.device))
             elif cache.dtype == "int8":
                 rows.copy_(torch.randint_like(rows, -127, 128))

@@ -63,6 +63,12 @@ _PREFILL_SIG = {
     "window_rows_ptr": "*i32",
     "k_window_ptr": "*bf16",
     "v_window_ptr": "*bf16",
+    "k_new_ptr": "*bf16",
+    "v_new_ptr": "*bf16",
+    "stride_knt": "i32",
+    "stride_knh": "i32",
+    "stride_vnt": "i32",
+    "stride_vnh": "i32",
     "tile_seq_ptr": "*i32",
     "tile_start_ptr": "*i32",
     "out_ptr": "*bf16",
@@ -112,11 +118,11 @@ def _configs(module: str):
                 consts = dict(consts, WINDOW=window, STATIC_SCALES=False)
                 name = f"write_kv[{code},W{window}]"
                 yield name, kv_quant._write_kv_kernel, sig, consts, 1
-        # fp8-static: one float32 scale per head, read, never written
+        # fp8: one float32 scale per head, read, never written
         sig = dict(_WRITE_SIG, key_cache_ptr=_STORAGE[1], value_cache_ptr=_STORAGE[1])
         sig.update(key_scale_ptr="*fp32", value_scale_ptr="*fp32")
         consts = dict(consts, KV_DTYPE=1, QMAX=448.0, STATIC_SCALES=True)
-        yield "write_kv[fp8-static]", kv_quant._write_kv_kernel, sig, consts, 1
+        yield "write_kv[fp8]", kv_quant._write_kv_kernel, sig, consts, 1
         # fp32 storage: code 0 without the bf16 rounding, a plain float32 store.
         sig = dict(_WRITE_SIG, key_cache_ptr="*fp32", value_cache_ptr="*fp32")
         consts = {"HEAD_DIM": 128, "STORED_DIM": 128, "KV_DTYPE": 0, "QMAX": 1.0}
@@ -202,13 +208,13 @@ def _configs(module: str):
         }
         kernel = paged_attention._paged_prefill_kernel
         yield "prefill[fp32,G4,D64]", kernel, dict(_PREFILL_SIG, **fp32), consts, 4
-        # fp8-static: fp8 storage, one float32 scale per kv head, with its window
+        # fp8: fp8 storage, one float32 scale per kv head, with its window
         static = {"k_cache_ptr": _STORAGE[1], "v_cache_ptr": _STORAGE[1]}
         static.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
         consts = dict(consts, KV_DTYPE=1, DOT_PRECISION="tf32", WINDOW=_WINDOW)
         consts["STATIC_SCALES"] = True
         sig = dict(_PREFILL_SIG, **static)
-        yield "prefill[fp8-static,G4,D64,W]", kernel, sig, consts, 4
+        yield "prefill[fp8,G4,D64,W]", kernel, sig, consts, 4
         consts = {
             "GROUP": 3,
             "GROUP_PAD": 16,
@@ -224,7 +230,7 @@ def _configs(module: str):
         }
         kernel = paged_attention._paged_decode_kernel
         sig = dict(_DECODE_SIG, **static)
-        yield "decode[fp8-static,G3,D64,W]", kernel, sig, consts, 4
+        yield "decode[fp8,G3,D64,W]", kernel, sig, consts, 4
         consts = {"HEAD_DIM": 128, "PARTS_BLOCK": 32}
         yield (
             "reduce",

@@ -19,11 +19,15 @@ sequence, query head), K/V tiles gathered through the block table up to the tile
 last position, causal mask by absolute position. The query heads of a GQA group each
 read their kv head (from L2 after the first).
 
-Full-precision window (kernels/kv_quant.py): with a window, every position
-p >= context_lens[b] - window of sequence b (for prefill, the context after the
-chunk, for every query of the chunk) is read in bfloat16 from the sequence's window
-row instead of its quantized block; the kernels load both sources under complementary
-masks and select per token, and compile the old code when WINDOW == 0.
+Full-precision window (kernels/kv_quant.py), per query: the query at position p
+reads positions p - window + 1 .. p in full precision and every older one from its
+quantized block, whatever the chunk it comes in. Decode (p = context_lens[b] - 1)
+reads them from the sequence's window row, written before attention. Prefill takes
+the chunk's own K/V (`key`/`value`, as written) for the positions of the chunk and
+the window row, written *after* prefill attention (`kv_quant.write_window`), for the
+window - 1 positions before it; the kernels load both precisions of a tile and
+select per (query, key) pair, and compile the old code when WINDOW == 0. So
+chunked and unchunked prefill give the same logprobs.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ import torch.nn.functional as F
 from kernels._triton import check, tl, triton, use_triton
 from kernels.kv_quant import (
     KV_DTYPE_CODES,
+    WINDOW_DTYPE,
     PagedKVCache,
     dequantize_kv,
+    fp32_to_bf16_rne,
     overlay_window,
     window_kernel_args,
 )
@@ -68,7 +74,8 @@ def _gather_context(
 ):
     """Dequantized K, V [B, max_blocks * block_size, Hkv, D] float32: every position
     the block tables [B, max_blocks] cover, gathered a whole block at a time, with
-    each sequence's newest positions from its full-precision window, if any."""
+    each sequence's newest positions (before context_lens) from its full-precision
+    window when `window_rows` is given."""
     batch = block_tables.shape[0]
     # Padding entries of a block table may be -1; they are masked out by length.
     blocks = block_tables.reshape(-1).clamp_min(0)  # [B * max_blocks]
@@ -90,7 +97,7 @@ def _gather_context(
         x = dequantize_kv(rows, s, cache.dtype)  # [B * max_blocks, bs, Hkv, D]
         out.append(x.view(batch, -1, cache.num_kv_heads, cache.head_dim))
     key, value = out
-    if cache.window:
+    if cache.window and window_rows is not None:
         overlay_window(cache, key, value, context_lens, window_rows)
     return key, value
 
@@ -135,9 +142,13 @@ def paged_prefill_attention_reference(
     context_lens: torch.Tensor,
     softmax_scale: float,
     window_rows: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of `paged_prefill_attention` (float32, one SDPA for the whole
-    batch: queries padded to [B, max_new], K/V to [B, max_blocks * block_size])."""
+    batch: queries padded to [B, max_new], K/V to [B, max_blocks * block_size]; with
+    a window, the full-precision copy of the context follows the quantized one, and
+    each (query, key) pair is masked into exactly one of the two)."""
     num_tokens, num_heads, head_dim = query.shape
     device = query.device
     batch = context_lens.shape[0]
@@ -152,20 +163,36 @@ def paged_prefill_attention_reference(
     row = torch.arange(num_tokens, device=device) - qsl[seq]  # [T]
     q = query.new_zeros((batch, max_new, num_heads, head_dim), dtype=torch.float32)
     q[seq, row] = query.float()
-    key, value = _gather_context(
-        cache, block_tables.to(device), ctx, window_rows
+    keys, values = _gather_context(
+        cache, block_tables.to(device), ctx, None
     )  # [B, L, Hkv, D]
     # New token i of seq b sits at ctx[b] - num_new[b] + i; it sees positions up to
     # its own. Padding rows see something harmless and are dropped below.
-    q_pos = (ctx - num_new)[:, None] + torch.arange(max_new, device=device)  # [B, N]
-    k_pos = torch.arange(key.shape[1], device=device)  # [L]
+    start = ctx - num_new  # [B] position of each chunk's first token
+    q_pos = start[:, None] + torch.arange(max_new, device=device)  # [B, N]
+    k_pos = torch.arange(keys.shape[1], device=device)  # [L]
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
         k_pos[None, None, :] < ctx[:, None, None]
     )  # [B, N, L]
+    if cache.window:
+        # Full precision: the window row holds the positions before the chunk (it is
+        # written after this), `key`/`value` the chunk's own.
+        full_k, full_v = keys.clone(), values.clone()
+        overlay_window(cache, full_k, full_v, start, window_rows)
+        # rounded to the window's bf16, as the window row will hold them
+        full_k[seq, start[seq] + row] = key.to(WINDOW_DTYPE).float()
+        full_v[seq, start[seq] + row] = value.to(WINDOW_DTYPE).float()
+        recent = (q_pos[:, :, None] - k_pos[None, None, :]) < cache.window  # [B,N,L]
+        # Position j's two copies side by side (2j quantized, 2j + 1 full), each
+        # query masked to one: where a position sits doesn't depend on how far the
+        # block tables reach, so neither does SDPA's summation order.
+        mask = torch.stack((mask & ~recent, mask & recent), dim=-1).flatten(-2)
+        keys = torch.stack((keys, full_k), dim=2).flatten(1, 2)  # [B, 2L, Hkv, D]
+        values = torch.stack((values, full_v), dim=2).flatten(1, 2)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [B, H, N, D]
-        key.transpose(1, 2),  # [B, Hkv, L, D]
-        value.transpose(1, 2),
+        keys.transpose(1, 2),  # [B, Hkv, L, D]
+        values.transpose(1, 2),
         attn_mask=mask[:, None],  # [B, 1, N, L]
         scale=softmax_scale,
         enable_gqa=cache.num_kv_heads != num_heads,
@@ -243,7 +270,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     SINGLE_PART: tl.constexpr,
     WINDOW: tl.constexpr,  # full-precision window length; 0 = none
-    STATIC_SCALES: tl.constexpr,  # one scale per kv head (fp8-static)
+    STATIC_SCALES: tl.constexpr,  # one scale per kv head (fp8)
 ):
     # kv heads vary fastest across programs: the heads of one token share DRAM pages
     # and the 32-byte sectors of their scales.
@@ -628,6 +655,26 @@ def _load_int4_tile_interleaved(
 
 
 @triton.jit
+def _load_full_tile(
+    window_ptr,  # [num_windows * WINDOW * Hkv, HEAD_DIM] bfloat16 ring of K or V
+    ring,  # [BLOCK_N] int64 ring row of each token
+    old,  # [BLOCK_N] tokens read from the ring (before the chunk)
+    new_ptr,  # the chunk's own K or V of this kv head, head_dim contiguous
+    new_offset,  # [BLOCK_N] int64 offset of each token's vector from new_ptr
+    own,  # [BLOCK_N] tokens of the chunk itself
+    HEAD_DIM: tl.constexpr,
+):
+    """A K or V tile in full precision: the ring's before the chunk, the chunk's own
+    rounded to bf16 as the ring will hold them (float32, 0 elsewhere)."""
+    full = _load_window_tile(window_ptr, ring, old, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = new_ptr + new_offset[:, None] + offs_d[None, :]
+    x = tl.load(ptrs, mask=own[:, None], other=0.0).to(tl.float32)
+    x = fp32_to_bf16_rne(x).to(tl.float32)
+    return tl.where(own[:, None], x, full)
+
+
+@triton.jit
 def _paged_prefill_kernel(
     q_ptr,  # [T, num_heads, HEAD_DIM] queries of the new tokens, contiguous
     k_cache_ptr,  # key storage, [num_slots, Hkv, HEAD_DIM or HEAD_DIM//2]
@@ -640,6 +687,12 @@ def _paged_prefill_kernel(
     window_rows_ptr,  # [B] int32 window row of each sequence (dummy: WINDOW == 0)
     k_window_ptr,  # [num_windows * WINDOW, Hkv, HEAD_DIM] bfloat16 keys (dummy)
     v_window_ptr,  # [num_windows * WINDOW, Hkv, HEAD_DIM] bfloat16 values (dummy)
+    k_new_ptr,  # [T, Hkv, HEAD_DIM] the chunks' own keys, full precision (dummy)
+    v_new_ptr,  # [T, Hkv, HEAD_DIM] the chunks' own values (dummy: WINDOW == 0)
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     tile_seq_ptr,  # [num_tiles] int32 sequence of each query tile, -1 = no tile
     tile_start_ptr,  # [num_tiles] int32 first new-token index of the tile in its seq
     out_ptr,  # [T, num_heads, HEAD_DIM] output (query dtype)
@@ -654,7 +707,7 @@ def _paged_prefill_kernel(
     KV_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,  # full-precision window length; 0 = none
-    STATIC_SCALES: tl.constexpr,  # one scale per kv head (fp8-static)
+    STATIC_SCALES: tl.constexpr,  # one scale per kv head (fp8)
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -682,36 +735,41 @@ def _paged_prefill_kernel(
         end = tl.minimum(tl.max(q_pos, axis=0) + 1, context_len)
         if WINDOW > 0:
             window_row = tl.load(window_rows_ptr + seq).to(tl.int64)
+            chunk_start = context_len - num_new
         for tok0 in range(0, end, BLOCK_N):
             offs_n = tok0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            paged = n_mask  # [BLOCK_N] tokens read from the (quantized) blocks
-            if WINDOW > 0:
-                # The whole chunk uses the window of the full context_len: positions
-                # >= context_len - WINDOW come from the bf16 ring.
-                win = n_mask & (offs_n >= context_len - WINDOW)
-                paged = n_mask & (offs_n < context_len - WINDOW)
-                ring = (window_row * WINDOW + offs_n % WINDOW) * num_kv_heads + kv_head
             block = tl.load(
                 block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
-                mask=paged,
+                mask=n_mask,
                 other=0,
             ).to(tl.int64)
             row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
             scale_row = row * 0 + kv_head if STATIC_SCALES else row
             if KV_DTYPE == 3:
                 k = _load_int4_tile_interleaved(
-                    k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM
+                    k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM
                 )
             else:
                 k = _load_kv_tile(
-                    k_cache_ptr, k_scale_ptr, row, scale_row, paged, HEAD_DIM, KV_DTYPE
+                    k_cache_ptr, k_scale_ptr, row, scale_row, n_mask, HEAD_DIM, KV_DTYPE
                 )
-            if WINDOW > 0:
-                k_win = _load_window_tile(k_window_ptr, ring, win, HEAD_DIM)
-                k = tl.where(win[:, None], k_win, k)
             # [BLOCK_M, BLOCK_N]
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if WINDOW > 0:
+                # Per query: keys p - WINDOW < j <= p in full precision, from the
+                # window row before the chunk and from the chunk's own K after.
+                old = n_mask & (offs_n >= chunk_start - WINDOW) & (offs_n < chunk_start)
+                own = n_mask & (offs_n >= chunk_start)
+                ring = (window_row * WINDOW + offs_n % WINDOW) * num_kv_heads + kv_head
+                new_row = (q_lo + offs_n - chunk_start).to(tl.int64)
+                k_full = _load_full_tile(
+                    k_window_ptr, ring, old, k_new_ptr + kv_head * stride_knh,
+                    new_row * stride_knt, own, HEAD_DIM,
+                )  # fmt: skip
+                recent = (q_pos[:, None] - offs_n[None, :]) < WINDOW
+                scores_full = tl.dot(q, tl.trans(k_full), input_precision=DOT_PRECISION)
+                scores = tl.where(recent, scores_full, scores)
             causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             scores = tl.where(causal, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -720,16 +778,23 @@ def _paged_prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if KV_DTYPE == 3:
                 v = _load_int4_tile_interleaved(
-                    v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM
+                    v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM
                 )
             else:
                 v = _load_kv_tile(
-                    v_cache_ptr, v_scale_ptr, row, scale_row, paged, HEAD_DIM, KV_DTYPE
+                    v_cache_ptr, v_scale_ptr, row, scale_row, n_mask, HEAD_DIM, KV_DTYPE
                 )
+            acc = acc * alpha[:, None]
             if WINDOW > 0:
-                v_win = _load_window_tile(v_window_ptr, ring, win, HEAD_DIM)
-                v = tl.where(win[:, None], v_win, v)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+                v_full = _load_full_tile(
+                    v_window_ptr, ring, old, v_new_ptr + kv_head * stride_vnh,
+                    new_row * stride_vnt, own, HEAD_DIM,
+                )  # fmt: skip
+                acc += tl.dot(
+                    tl.where(recent, p, 0.0), v_full, input_precision=DOT_PRECISION
+                )
+                p = tl.where(recent, 0.0, p)
+            acc += tl.dot(p, v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -745,6 +810,8 @@ def _paged_prefill_triton(
     context_lens: torch.Tensor,
     softmax_scale: float,
     window_rows: torch.Tensor | None = None,
+    key_new: torch.Tensor | None = None,
+    value_new: torch.Tensor | None = None,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int = PREFILL_BLOCK_N,
 ) -> torch.Tensor:
@@ -791,6 +858,13 @@ def _paged_prefill_triton(
     rows, window_key, window_value = window_kernel_args(
         cache, window_rows, context_lens, "window_rows"
     )
+    if cache.window:
+        check(
+            key_new.stride(-1) == 1 and value_new.stride(-1) == 1,
+            "key/value must be contiguous in head_dim",
+        )
+    else:
+        key_new = value_new = query
     _paged_prefill_kernel[(num_tiles, num_heads)](
         query,
         key,
@@ -803,6 +877,12 @@ def _paged_prefill_triton(
         rows,
         window_key,
         window_value,
+        key_new,
+        value_new,
+        key_new.stride(0),
+        key_new.stride(1),
+        value_new.stride(0),
+        value_new.stride(1),
         tile_seq,
         start.to(torch.int32),
         out,
@@ -900,23 +980,37 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     softmax_scale: float,
     window_rows: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Chunked-prefill attention: query [T, num_heads, D] -> [T, num_heads, D].
 
     Sequence b owns query[qsl[b]:qsl[b+1]]; context_lens[b] counts its cached tokens
-    including the new ones (already written). New token i sits at position
-    context_lens[b] - n_new + i and attends causally to positions <= its own. With a
-    window, positions >= context_lens[b] - window are read from the window.
+    including the new ones (already written to the blocks). New token i sits at
+    position p = context_lens[b] - n_new + i and attends causally to positions <= p.
+    With a window, it reads positions p - window + 1 .. p in full precision: the
+    chunk's own from `key`/`value` [T, Hkv, D] (the new K/V as written, required
+    then), the older ones from the window row, which must not hold the chunk yet
+    (`kv_quant.write_window` after this call).
     """
     _check_attention_args(query, cache, block_tables, window_rows)
+    if cache.window:
+        expected = (query.shape[0], cache.num_kv_heads, cache.head_dim)
+        check(
+            key is not None
+            and value is not None
+            and tuple(key.shape) == expected
+            and tuple(value.shape) == expected,
+            f"a cache with a window needs the chunk's key/value {list(expected)}",
+        )
     check(
         query_start_loc.shape[0]
         == block_tables.shape[0] + 1
         == context_lens.shape[0] + 1,
         "query_start_loc must be [B+1] and context_lens [B]",
     )
-    windowed = (window_rows, cache.window_key) if cache.window else ()
+    windowed = (window_rows, cache.window_key, key, value) if cache.window else ()
     if not use_triton(impl, query, cache.key, block_tables, context_lens, *windowed):
         return paged_prefill_attention_reference(
             query,
@@ -926,6 +1020,8 @@ def paged_prefill_attention(
             context_lens,
             softmax_scale,
             window_rows,
+            key,
+            value,
         )
     return _paged_prefill_triton(
         query.contiguous(),
@@ -935,4 +1031,6 @@ def paged_prefill_attention(
         context_lens,
         softmax_scale,
         window_rows,
+        key,
+        value,
     )

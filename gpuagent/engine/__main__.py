@@ -43,14 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         default="bf16",
         choices=KV_CACHE_DTYPES,
-        help="fp32 is a plain copy for float32 parity checks, not a serving format",
+        help="fp8: calibrated (or the checkpoint's) static scales, rotated; "
+        "fp8-per-token: per-token scales, for measurement; fp32 is a plain copy "
+        "for float32 parity checks, not a serving format",
     )
     serve.add_argument(
         "--kv-window",
         type=int,
         default=None,
         help="newest tokens per sequence also kept in bf16 beside a quantized cache "
-        "(default: 16 for int4, none for the others)",
+        "(default: 18 for int4, 16 for fp8, none for the others)",
     )
     serve.add_argument("--kv-memory-gb", type=float, default=2.0)
     serve.add_argument("--block-size", type=int, default=16)

@@ -227,7 +227,7 @@ def kv_bytes_per_token(config: Any, kv_dtype: str) -> int:
 
 
 def kv_static_bytes(config: Any, kv_dtype: str) -> int:
-    """Bytes the caches hold whatever their size (fp8-static's per-head scales)."""
+    """Bytes the caches hold whatever their size (fp8's per-head scales)."""
     num_layers, num_kv_heads, _ = _kv_shape(config)
     return num_layers * kernels.kv_static_bytes(kv_dtype, num_kv_heads)
 

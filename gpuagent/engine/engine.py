@@ -42,14 +42,16 @@ DEFAULT_KV_MEMORY_BYTES = 256 * 2**20
 DEFAULT_MAX_NUM_SEQS = 64
 # Newest tokens per sequence kept in bf16 beside a quantized cache, by default. Each
 # fits its layout's memory target over a 2k-token sequence (int4: 0.2656 + 18/2048 =
-# 0.2744 <= 0.28 of bf16; fp8-static: 0.5 + 16/2048 = 0.5078 <= 0.52) and keeps the
+# 0.2744 <= 0.28 of bf16; fp8: 0.5 + 16/2048 = 0.5078 <= 0.52) and keeps the
 # capacity ratios (>= 3.6x, >= 1.9x) with one row reserved per max_num_seqs (64).
-# Measured on SmolLM2-135M, rotated K/V, 6 passages x 256 tokens vs bf16 KV: int4
-# KLD / top-1 0.029 / 91.9% at w16, 0.0174 / 92.55% at w18 (every slice >= 92.4%),
-# 0.0149 / 93.0% at w22, 0.012 / 94.0% at w28;
-# fp8-static+w16 0.0019 / 97.3% (w32 0.0007 / 98.3%); int8 without one 0.00035 /
-# 99.1%.
-DEFAULT_KV_WINDOW = {"int4": 18, "fp8-static": 16}
+# Measured on SmolLM2-135M, rotated K/V, vs bf16 KV over the eval sets' English,
+# code and Korean passages (4206 positions; `python -m gpuagent.engine.bench
+# --model-dir var/models/smollm2-135m --quality-only`), each query reading its own
+# newest W tokens in bf16: int4+w18 KLD / top-1 0.0089 / 95.1%, fp8+w16 0.00094 /
+# 98.6%, int8 without one 0.00035 / 98.8%. (With the window of the chunk's end
+# instead, on 6 passages: int4 w16 0.029 / 91.9%, w18 0.0174 / 92.55%, fp8 w16
+# 0.0019 / 97.3%.)
+DEFAULT_KV_WINDOW = {"int4": 18, "fp8": 16}
 
 
 def default_kv_window(kv_cache_dtype: str) -> int:
@@ -284,9 +286,9 @@ class LLMEngine:
         quantized cache (default: `DEFAULT_KV_WINDOW`); one window row per
         `max_num_seqs`, taken out of `kv_memory_bytes`.
 
-        On a CPU, `prepack_weights` lays the model's float32 projections out once for
-        oneDNN (`model.Linear`), which makes decode GEMMs 2x faster; the weights must
-        not change afterwards."""
+        On a CPU, `prepack_weights` lays the model's float32 (or bf16, where oneDNN
+        has bf16 kernels) projections out once for oneDNN (`model.Linear`), which
+        makes decode GEMMs 2x faster; the weights must not change afterwards."""
         self.model = model.eval()
         if prepack_weights and hasattr(model, "prepack_cpu_weights"):
             model.prepack_cpu_weights()
@@ -303,7 +305,7 @@ class LLMEngine:
             kv_window=kv_window,
             device=self.device,
         )
-        # fp8-static: per-head scales from the built-in calibration text
+        # fp8: per-head scales from the built-in calibration text
         calibrate_kv_caches(model, tokenizer, self.kv.kv_caches)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.scheduler = Scheduler(

@@ -1,6 +1,11 @@
-"""Static KV scales (the fp8-static layout): per layer and per kv head, the absmax of
+"""Static KV scales (the fp8 layout): per layer and per kv head, the absmax of
 K and V as the model writes them into the cache (in the Hadamard basis, as that
 layout is rotated) over calibration text, divided by 448, as vLLM's k_scale/v_scale.
+
+A checkpoint that carries its own scales (compressed-tensors' kv_cache_scheme, vLLM's
+convention: `model.layers.N.self_attn.k_scale` / `v_scale`, a scalar or one per kv
+head, dequantized value = fp8 code * scale) is served with them instead of
+calibrating; they were computed on unrotated K/V, so its caches stay unrotated.
 
 The calibration text is built in (English prose, Python code, Korean), and is none of
 the bench's evaluation text. Values beyond a calibrated absmax saturate at +-448.
@@ -92,10 +97,62 @@ def set_cache_scales(
         kernels.set_static_scales(cache, key_scale.to(device), value_scale.to(device))
 
 
+CHECKPOINT_SCALE_NAMES = ("k_scale", "v_scale")
+
+
+def pop_checkpoint_kv_scales(
+    checkpoint: dict[str, torch.Tensor], num_layers: int, num_kv_heads: int
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Remove `model.layers.N.self_attn.{k,v}_scale` from `checkpoint` and return
+    them as (key_scale [KVH], value_scale [KVH]) float32 per layer (a scalar is
+    broadcast over the heads); None when the checkpoint has none. Raises ValueError
+    naming the problem when some layer lacks one, a name is out of range, or a
+    scale is misshapen, not positive or not finite."""
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for name in [n for n in checkpoint if n.endswith(CHECKPOINT_SCALE_NAMES)]:
+        parts = name.split(".")
+        if (
+            len(parts) != 5
+            or parts[:2] != ["model", "layers"]
+            or parts[3] != "self_attn"
+            or not parts[2].isdigit()
+            or int(parts[2]) >= num_layers
+        ):
+            raise ValueError(f"KV scale {name!r} names no attention layer of the model")
+        found[int(parts[2]), parts[4]] = checkpoint.pop(name)
+    if not found:
+        return None
+    scales = []
+    for layer in range(num_layers):
+        pair = []
+        for kind in CHECKPOINT_SCALE_NAMES:
+            name = f"model.layers.{layer}.self_attn.{kind}"
+            if (layer, kind) not in found:
+                raise ValueError(f"the checkpoint has KV scales but lacks {name}")
+            scale = found[layer, kind].float().reshape(-1)
+            if scale.numel() not in (1, num_kv_heads):
+                raise ValueError(
+                    f"{name} has {scale.numel()} values; need 1 or {num_kv_heads}"
+                )
+            if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+                raise ValueError(f"{name} must be positive and finite")
+            pair.append(scale.expand(num_kv_heads).clone())
+        scales.append((pair[0], pair[1]))
+    return scales
+
+
 def calibrate_kv_caches(model, tokenizer, kv_caches) -> None:
-    """Calibrate the static scales of `kv_caches` (one per layer) on the built-in
-    calibration text; a no-op for layouts without static scales."""
+    """Give the static-scale `kv_caches` (one per layer) their scales: the
+    checkpoint's own (`model.checkpoint_kv_scales`, the caches then unrotated), or
+    calibrated on the built-in calibration text; a no-op for layouts without
+    static scales."""
     if not kv_caches or not kv_caches[0].static_scales:
+        return
+    checkpoint_scales = getattr(model, "checkpoint_kv_scales", None)
+    if checkpoint_scales is not None:
+        for cache in kv_caches:
+            cache.rotated = False  # the scales were computed on unrotated K/V
+        set_cache_scales(kv_caches, checkpoint_scales)
         return
     sequences = calibration_sequences(tokenizer)
     set_cache_scales(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
+from gpuagent.engine.kv_calibration import pop_checkpoint_kv_scales
 from gpuagent.engine.model import LlamaConfig, Transformer
 
 CONFIG_FILE = "config.json"
@@ -58,12 +59,19 @@ def load_model(
         raise ModelLoadError(f"{CONFIG_FILE}: {exc}") from exc
 
     checkpoint = read_checkpoint(reader)
+    try:  # fp8 KV scales (compressed-tensors kv_cache_scheme), used by the fp8 cache
+        kv_scales = pop_checkpoint_kv_scales(
+            checkpoint, config.num_hidden_layers, config.num_key_value_heads
+        )
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
     with torch.device("meta"):
         model = Transformer(config)
     state = _match_state_dict(model, checkpoint)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter with two
+    model.checkpoint_kv_scales = kv_scales
     return model.eval()
 
 

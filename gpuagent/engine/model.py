@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.kv_quant import allocate_kv_cache, hadamard, write_kv
+from kernels.kv_quant import allocate_kv_cache, hadamard, write_kv, write_window
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
 if TYPE_CHECKING:
@@ -249,20 +249,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def can_prepack(weight: Tensor) -> bool:
     """Whether `weight` can take oneDNN's prepacked GEMM (`prepack_weight`): a
-    float32 CPU tensor, on a torch built with oneDNN (the CPU builds are)."""
-    return (
+    float32 CPU tensor, or a bfloat16 one where oneDNN has bf16 kernels (AVX-512
+    BF16/AMX CPUs), on a torch built with oneDNN (the CPU builds are)."""
+    if not (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def prepack_weight(weight: Tensor) -> Tensor | None:
     """`weight` [out, in] reordered once into oneDNN's blocked GEMM layout, or None
-    where that path doesn't apply (not a float32 CPU tensor, torch without oneDNN).
+    where that path doesn't apply (not a float32/bfloat16 CPU tensor, torch without
+    oneDNN). It then multiplies inputs of the weight's dtype.
 
-    The multiply is the same float32 GEMM as `F.linear`, minus re-laying the weight
+    The multiply is the same GEMM as `F.linear`, minus re-laying the weight
     out on every call: 2-2.5x faster at decode batch sizes on AVX-512 CPUs, results
     equal to float32 rounding. The packed copy is a snapshot, so pack after the
     weights are final (the engine does, once, at start); the dense weights stay for
@@ -292,7 +297,7 @@ class Linear(nn.Linear):
         return self.packed_weight is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed_weight is None or x.dtype != torch.float32:
+        if self.packed_weight is None or x.dtype != self.weight.dtype:
             return super().forward(x)
         return packed_linear(x, self.packed_weight)
 
@@ -336,7 +341,7 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         # x [..., T, hidden] -> q [..., T, H, D], k/v [..., T, KVH, D], RoPE on q, k
-        if self.qkv_packed is not None and x.dtype == torch.float32:
+        if self.qkv_packed is not None and x.dtype == self.q_proj.weight.dtype:
             h, kvh = self.num_heads, self.num_kv_heads
             qkv = packed_linear(x, self.qkv_packed).unflatten(-1, (-1, self.head_dim))
             # [..., T, H + 2 KVH, D]: q and k rotate together, as one tensor
@@ -363,8 +368,14 @@ class Attention(nn.Module):
             # q.k and the attention-weighted sum of V are the same there.
             rotation = _rotation(self.head_dim, q.device, q.dtype)  # [D, D]
             q, k, v = q @ rotation, k @ rotation, v @ rotation
-        write_kv(cache, k, v, attn.slot_mapping, attn.window_slots)
-        if out_rows is not None or attn.decode_only:
+        decode = out_rows is not None or attn.decode_only
+        if cache.window and not decode:
+            # Prefill reads the window row as it was before the chunk (each query
+            # takes the chunk's own K/V from k, v): the row is written after.
+            write_kv(cache, k, v, attn.slot_mapping, blocks_only=True)
+        else:
+            write_kv(cache, k, v, attn.slot_mapping, attn.window_slots)
+        if decode:
             # Each kept row is its sequence's last new token, which sees the whole
             # context: that is decode attention. [B, H, D]
             out = paged_decode_attention(
@@ -384,7 +395,11 @@ class Attention(nn.Module):
                 attn.context_lens,
                 self.softmax_scale,
                 attn.window_rows,
+                k if cache.window else None,
+                v if cache.window else None,
             )
+            if cache.window:
+                write_window(cache, k, v, attn.window_slots)
         if rotation is not None:
             out = out.to(x.dtype) @ rotation.T  # back from the rotated basis
         out = out.to(x.dtype).flatten(-2)  # [T or B, H, D] -> [T or B, H * D]
@@ -426,7 +441,7 @@ class FeedForward(nn.Module):
         return self.down_proj.prepack() and self.gate_up_packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_packed is not None and x.dtype == torch.float32:
+        if self.gate_up_packed is not None and x.dtype == self.gate_proj.weight.dtype:
             # [..., 2 * inter] -> gate, up [..., inter]
             gate, up = packed_linear(x, self.gate_up_packed).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
@@ -466,6 +481,10 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     """Llama decoder: `forward` over the paged KV cache, `forward_dense` without one."""
+
+    # fp8 KV scales the checkpoint carries, (key_scale [KVH], value_scale [KVH]) per
+    # layer (set by the loader; engine.kv_calibration), or None
+    checkpoint_kv_scales: list[tuple[Tensor, Tensor]] | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -530,7 +549,8 @@ class Transformer(nn.Module):
 
     def prepack_cpu_weights(self) -> bool:
         """Pack every projection for oneDNN GEMMs (see `prepack_weight`), q/k/v and
-        gate/up fused; False (nothing packed) off the CPU or for non-float32 weights.
+        gate/up fused; False (nothing packed) off the CPU or for weights that are
+        neither float32 nor (where oneDNN has bf16 kernels) bfloat16.
         Call it once the weights are final: the packed copies don't follow edits."""
         if not can_prepack(self.lm_head.weight):
             return False

@@ -4,11 +4,11 @@ paged cache (so a quantized cache is read back as serving reads it), and greedy
 continuations through `LLMEngine.generate`.
 
 A prompt is prefilled in the chunks the engine's scheduler gives a lone request
-(`max_num_batched_tokens` tokens each), not in chunks of our own choosing: with a
-full-precision window beside a quantized cache (int4, fp8-static) the queries at a
-chunk's end read their newest tokens from the window, so the distributions depend on
-where the chunks end. Chunked alike, the in-process distributions are bit for bit
-those the server returns for the same prompt sent alone."""
+(`max_num_batched_tokens` tokens each), not in chunks of our own choosing: chunked
+alike, the in-process distributions are bit for bit those the server returns for the
+same prompt sent alone. (With a full-precision window beside a quantized cache
+(int4, fp8) each query reads the window of its own position, so other chunkings give
+the same distributions up to float summation order.)"""
 
 from __future__ import annotations
 
@@ -42,10 +42,14 @@ class EngineModel:
         max_tokens: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        model=None,
     ) -> None:
+        """`model`: the folder's model already loaded (shared by several sides of
+        one process, e.g. the bench's KV dtypes); None loads it."""
         self.label = f"{model_dir} (kv {kv_cache_dtype})"
         self.kv_cache_dtype = kv_cache_dtype
-        model = load_model(model_dir, dtype=dtype, device=device)
+        if model is None:
+            model = load_model(model_dir, dtype=dtype, device=device)
         limit = model.config.max_position_embeddings
         self.max_model_len = min(limit, max_tokens) if max_tokens else limit
         self.engine = LLMEngine(

@@ -23,16 +23,14 @@ data-processing inequality is <= the true KL: the estimate errs low, by the
 divergence hidden inside the rest bucket. `tests/gpuagent/evaluate` measures it
 against the exact in-process value on the same positions.
 
-That bound holds for the same two distributions only. With a full-precision window
-beside a quantized KV cache, the distributions of a prompt depend on where its
-prefill chunks end (a chunk's last queries read their newest tokens from the
-window), so the in-process path prefills in the chunks our server gives a lone
-request (`inprocess`); chunked alike, the two paths return bit-identical logprobs
-(JSON carries each float32 logprob exactly). A prompt scored while the server
-batches other requests can be chunked otherwise, and its estimate is then of
-slightly different distributions. Chunked at 256 tokens instead of the server's
-512, the int4 demo model's long-context logprobs differed by up to 0.25 nats from
-position 239 on, which put the estimate 1% above the exact value.
+That bound holds for the same two distributions only. The in-process path prefills
+in the chunks our server gives a lone request (`inprocess`), so the two paths return
+bit-identical logprobs (JSON carries each float32 logprob exactly). With a
+full-precision window beside a quantized KV cache, each query reads the window of its
+own position, so a prompt chunked otherwise (scored while the server batches other
+requests) differs only by float summation order. (Before the window was per query,
+the queries of a chunk shared the window of its end: chunked at 256 tokens instead of
+512, the int4 demo model's long-context logprobs differed by up to 0.25 nats.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ long-context prompts and the bootstrap intervals draw from it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,28 +75,12 @@ def compare_positions(
     """Stats of positions 1.. of `ids`: exact when both sides run in-process, else
     from top-N (both sides must report the same tokens)."""
     if isinstance(candidate, EngineModel) and isinstance(reference, EngineModel):
-        parts = []
-        start = 1
         if candidate is reference:  # one engine, one cache: score once
-            chunks = ((lp, lp) for lp in reference.logprobs_chunks(ids))
-        else:
-            chunks = zip(
-                reference.logprobs_chunks(ids),
-                candidate.logprobs_chunks(ids),
-                strict=True,
-            )
-        for ref_lp, cand_lp in chunks:
-            n = ref_lp.shape[0]
-            # row r predicts position start + r; the sequence's last row predicts
-            # nothing
-            rows = min(n, len(ids) - start)
-            if rows > 0:
-                next_ids = torch.tensor(ids[start : start + rows])
-                parts.append(
-                    full_position_stats(ref_lp[:rows], cand_lp[:rows], next_ids)
-                )
-            start += n
-        return PositionStats.concat(parts)
+            chunks = list(reference.logprobs_chunks(ids))
+            return exact_position_stats(chunks, chunks, ids)
+        return exact_position_stats(
+            reference.logprobs_chunks(ids), candidate.logprobs_chunks(ids), ids
+        )
     refs = reference.top_n(ids, top_n)
     cands = candidate.top_n(ids, top_n)
     mismatch = next(
@@ -114,6 +98,26 @@ def compare_positions(
             "share a tokenizer, so their positions can't be compared"
         )
     return top_n_position_stats(refs, cands)
+
+
+def exact_position_stats(
+    reference_chunks: Iterable[torch.Tensor],
+    candidate_chunks: Iterable[torch.Tensor],
+    ids: list[int],
+) -> PositionStats:
+    """Stats of positions 1.. of `ids` from both sides' full log-probs, chunk by
+    chunk as `EngineModel.logprobs_chunks` yields them (the same chunking)."""
+    parts = []
+    start = 1
+    for ref_lp, cand_lp in zip(reference_chunks, candidate_chunks, strict=True):
+        n = ref_lp.shape[0]
+        # row r predicts position start + r; the sequence's last row predicts nothing
+        rows = min(n, len(ids) - start)
+        if rows > 0:
+            next_ids = torch.tensor(ids[start : start + rows])
+            parts.append(full_position_stats(ref_lp[:rows], cand_lp[:rows], next_ids))
+        start += n
+    return PositionStats.concat(parts)
 
 
 def continue_both(

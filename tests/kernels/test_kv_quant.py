@@ -12,12 +12,12 @@ from kernels import kv_quant
 from kernels._triton import tl, triton
 from tests.kernels.compile_helper import compile_for_sm90
 
-# fp8-static (one calibrated scale per head) has its own tests: test_kv_static.py
+# fp8 (one calibrated scale per head) has its own tests: test_kv_static.py
 PER_TOKEN_DTYPES = [
     d for d in kernels.KV_CACHE_DTYPES if d not in kernels.STATIC_SCALE_DTYPES
 ]
 
-QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.5}
+QMAX = {"fp8-per-token": 448.0, "int8": 127.0, "int4": 7.5}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -65,7 +65,7 @@ def slow_quantize_head(x: np.ndarray, dtype: str) -> tuple[np.ndarray, float | N
     scale = np.float32(absmax / np.float32(QMAX[dtype]) * np.float32(1 + 2**-10))
     scale = float(np.float16(max(scale, np.float32(2**-14))))
     y = x / np.float32(scale)
-    if dtype == "fp8":
+    if dtype == "fp8-per-token":
         codes = [
             torch.tensor(float(v)).to(torch.float8_e4m3fn).float().item() for v in y
         ]
@@ -108,7 +108,7 @@ def test_it_counts_every_allocated_byte_per_token(dtype, head_dim):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "budget"), [("fp8", 0.52), ("int8", 0.52), ("int4", 0.27)]
+    ("dtype", "budget"), [("fp8-per-token", 0.52), ("int8", 0.52), ("int4", 0.27)]
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_it_meets_the_bytes_per_token_budget_against_bf16(dtype, budget, head_dim):
@@ -253,7 +253,7 @@ def test_it_rounds_fp8_ties_carries_and_subnormals_like_torch():
     assert torch.equal(out, x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
 def test_it_rounds_the_stored_scale_up_so_codes_never_clip(dtype):
     # absmax values whose absmax/QMAX sits just above a float16 value: a plain cast
     # would round the scale down and push |x / scale| past the code range.
@@ -269,7 +269,9 @@ def test_it_rounds_the_stored_scale_up_so_codes_never_clip(dtype):
     assert (scale.float() * QMAX[dtype] >= absmax).all()
     err = (kernels.dequantize_kv(stored, scale, dtype) - x).abs()
     # No clipping: the absmax element is reproduced within half a step.
-    assert (err[:, 5] <= scale.float() * (0.5 if dtype != "fp8" else 16)).all()
+    assert (
+        err[:, 5] <= scale.float() * (0.5 if dtype != "fp8-per-token" else 16)
+    ).all()
 
 
 @pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
@@ -285,7 +287,7 @@ def test_it_round_trips_within_the_dtype_error_bound(dtype):
         assert torch.equal(back, key.to(stored.dtype).float())
         return
     s = scale.float()[..., None]
-    if dtype == "fp8":
+    if dtype == "fp8-per-token":
         # Half an ulp: 2^-4 relative for normals, half of the 2^-9 subnormal step.
         bound = torch.maximum(key.abs() * 2.0**-4, s * 2.0**-10)
     else:
@@ -321,7 +323,7 @@ def ring_slots(num_tokens, window, num_windows, seed=0):
     return ring
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
 def test_it_counts_the_window_bytes(dtype):
     cache = kernels.allocate_kv_cache(dtype, 3, 16, 2, 64, window=8, num_windows=5)
 
@@ -409,7 +411,7 @@ def test_it_leaves_the_window_untouched_when_no_token_enters_it(impl):
     assert storage_bytes(cache.key).any()  # the blocks were written all the same
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
 def test_it_writes_the_same_window_with_triton_as_the_reference(dtype):
     ref = kernels.allocate_kv_cache(dtype, 3, 16, 2, 64, window=8, num_windows=3)
     tri = kernels.allocate_kv_cache(dtype, 3, 16, 2, 64, window=8, num_windows=3)
@@ -428,7 +430,7 @@ def test_it_writes_the_same_window_with_triton_as_the_reference(dtype):
     assert torch.equal(tri.value_scale, ref.value_scale)
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int4"])
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int4"])
 def test_it_gathers_the_newest_positions_from_the_window(dtype):
     cache = kernels.allocate_kv_cache(dtype, 6, 16, 2, 64, window=8, num_windows=3)
     key, value = random_kv(21, 2, 64, seed=17)
@@ -474,7 +476,7 @@ def test_it_writes_like_the_reference_on_cuda(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
 def test_it_writes_the_window_like_the_reference_on_cuda(dtype):
     caches = [
         kernels.allocate_kv_cache(

@@ -1,4 +1,4 @@
-"""kernels.kv_quant's fp8-static layout (one calibrated float32 scale per kv head) and
+"""kernels.kv_quant's fp8 layout (one calibrated float32 scale per kv head) and
 the Hadamard rotation: the bytes per token, a slow per-element spec of the write
 (clamp, e4m3 round to nearest even), Triton == reference for the write and for decode
 and prefill attention under the interpreter on irregular shapes, and the rotation
@@ -13,7 +13,7 @@ from kernels.paged_attention import (
     paged_prefill_attention_reference,
 )
 
-DTYPE = "fp8-static"
+DTYPE = "fp8"
 # (num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1, 4, 3
 SHAPES = [(2, 2, 64, 16), (8, 2, 32, 8), (9, 3, 64, 16)]
 

@@ -15,7 +15,7 @@ from kernels import paged_attention
 from kernels.paged_attention import paged_decode_attention_reference
 from tests.kernels.compile_helper import compile_for_sm90
 
-# fp8-static (one calibrated scale per head) has its own tests: test_kv_static.py
+# fp8 (one calibrated scale per head) has its own tests: test_kv_static.py
 PER_TOKEN_DTYPES = [
     d for d in kernels.KV_CACHE_DTYPES if d not in kernels.STATIC_SCALE_DTYPES
 ]
@@ -27,7 +27,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 # dots) or TF32 dots (CUDA; the fp32 cache asks for IEEE float32 dots instead).
 TOLERANCE = {
     "cpu": {d: (2e-5, 2e-5) for d in kernels.KV_CACHE_DTYPES},
-    "cuda": {"bf16": (5e-3, 5e-3), "fp16": (5e-3, 5e-3), "fp8": (5e-3, 5e-3),
+    "cuda": {"bf16": (5e-3, 5e-3), "fp16": (5e-3, 5e-3), "fp8-per-token": (5e-3, 5e-3),
              "int8": (5e-3, 5e-3), "int4": (5e-3, 5e-3), "fp32": (1e-4, 1e-4)},
 }  # fmt: skip
 
@@ -48,9 +48,11 @@ def filled_cache(dtype, shape, context_lens, seed=0, device="cpu", offset=None):
     return cache, tables, lens, written
 
 
-def _fill_cache(dtype, layout, chunks, seed, device, offset=None):
+def _fill_cache(dtype, layout, chunks, seed, device, offset=None, prefill=False):
     """The cache behind filled_cache and windowed_cache. layout is (num_kv_heads,
-    head_dim, block_size, window); sequence b writes chunks[b] tokens at a time.
+    head_dim, block_size, window); sequence b writes chunks[b] tokens at a time
+    (with `prefill`, the last chunk to the blocks only: its window is written after
+    prefill attention, as the model does).
     Returns (cache, block_tables, context_lens, window_rows or None, written)."""
     num_kv_heads, head_dim, block_size, window = layout
     g = torch.Generator().manual_seed(seed)
@@ -77,11 +79,18 @@ def _fill_cache(dtype, layout, chunks, seed, device, offset=None):
         if offset is not None:
             key, value = key + offset[0], value + offset[1]
         start = 0
-        for n in chunks[b]:
+        for i, n in enumerate(chunks[b]):
             pos = torch.arange(start, start + n)
             slots = torch.tensor(mine, dtype=torch.int64)[pos // block_size]
             slots = slots * block_size + pos % block_size
             ring = None
+            if prefill and i == len(chunks[b]) - 1:
+                kernels.write_kv(
+                    cache, key[pos].to(device), value[pos].to(device),
+                    slots.to(device), blocks_only=True,
+                )  # fmt: skip
+                start += n
+                continue
             if window:
                 ring = int(rows[b]) * window + pos % window
                 ring = torch.where(pos >= start + n - window, ring, -1).to(device)
@@ -210,7 +219,7 @@ def prefill_inputs(dtype, shape, seed):
     return query, cache, tables, qsl, ctx, written
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8", "int4", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8-per-token", "int4", "fp32"])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1]])
 def test_it_prefills_causally_over_the_cached_prefix_like_a_slow_loop(dtype, shape):
     query, cache, tables, qsl, ctx, written = prefill_inputs(dtype, shape, seed=3)
@@ -286,7 +295,7 @@ def test_it_rejects_mismatched_shapes():
 WINDOW_SHAPES = [(2, 2, 64, 16, 8), (8, 2, 64, 8, 12)]
 
 
-def windowed_cache(dtype, shape, chunks, seed=0, device="cpu"):
+def windowed_cache(dtype, shape, chunks, seed=0, device="cpu", prefill=False):
     """A cache with a full-precision window, filled the way an engine does it:
     sequence b writes chunks[b] tokens at a time (e.g. [25, 5]: a prefill, then
     5 more), each write sending the tokens among the newest `window` positions
@@ -297,7 +306,12 @@ def windowed_cache(dtype, shape, chunks, seed=0, device="cpu"):
     """
     _, num_kv_heads, head_dim, block_size, window = shape
     return _fill_cache(
-        dtype, (num_kv_heads, head_dim, block_size, window), chunks, seed, device
+        dtype,
+        (num_kv_heads, head_dim, block_size, window),
+        chunks,
+        seed,
+        device,
+        prefill=prefill,
     )
 
 
@@ -329,17 +343,44 @@ def window_decode_chunks(block_size, window):
 WINDOW_PREFILL_CHUNKS = [[25, 5], [12], [1], [20], [37, 3]]
 
 
-def window_prefill_inputs(dtype, shape, seed):
-    num_heads, _, head_dim, _, _ = shape
+def window_prefill_inputs(dtype, shape, seed, chunks=None):
+    """A windowed cache whose sequences' last chunks are written to the blocks
+    only, queries for those chunks, and the chunks' own K/V (flat, [T, Hkv, D]) and
+    window slots (the model writes them after prefill attention)."""
+    chunks = chunks or WINDOW_PREFILL_CHUNKS
+    num_heads, _, head_dim, _, window = shape
     cache, tables, ctx, rows, written = windowed_cache(
-        dtype, shape, WINDOW_PREFILL_CHUNKS, seed=seed
+        dtype, shape, chunks, seed=seed, prefill=True
     )
-    qsl = torch.tensor([0] + [c[-1] for c in WINDOW_PREFILL_CHUNKS]).cumsum(0)
+    qsl = torch.tensor([0] + [c[-1] for c in chunks]).cumsum(0)
     query = torch.randn(int(qsl[-1]), num_heads, head_dim)
-    return query, cache, tables, qsl.to(torch.int32), ctx, rows, written
+    keys, values, rings = [], [], []
+    for b, (key, value) in enumerate(written):
+        length, new = key.shape[0], chunks[b][-1]
+        pos = torch.arange(length - new, length)
+        keys.append(key[pos])
+        values.append(value[pos])
+        ring = int(rows[b]) * window + pos % window
+        rings.append(torch.where(pos >= length - window, ring, -1))
+    new_kv = torch.cat(keys), torch.cat(values), torch.cat(rings)
+    return query, cache, tables, qsl.to(torch.int32), ctx, rows, written, new_kv
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+def slow_per_query_kv(src, dtype, window, position):
+    """What the query at `position` must see of one sequence's K or V [L, Hkv, D]:
+    positions position - window + 1 .. position in bf16, older ones round-tripped
+    through `dtype` (float64), positions 0..position."""
+    out = torch.empty((position + 1, *src.shape[1:]), dtype=torch.float64)
+    for p in range(position + 1):
+        if position - p < window:
+            out[p] = src[p].to(torch.bfloat16).double()
+        else:
+            stored, scale = kernels.quantize_kv(src[p], dtype)
+            out[p] = kernels.dequantize_kv(stored, scale, dtype).double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
 def test_it_decodes_with_a_window_like_a_slow_loop(dtype):
     shape = WINDOW_SHAPES[1]
     num_heads, num_kv_heads, head_dim, block_size, window = shape
@@ -363,30 +404,80 @@ def test_it_decodes_with_a_window_like_a_slow_loop(dtype):
             torch.testing.assert_close(out[b, h].double(), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
-def test_it_prefills_with_a_window_like_a_slow_loop(dtype):
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
+def test_it_prefills_with_a_per_query_window_like_a_slow_loop(dtype):
+    # Each query sees the `window` positions up to its own in bf16 and every older
+    # one quantized, wherever its chunk ends.
     shape = WINDOW_SHAPES[1]
     num_heads, num_kv_heads, head_dim, _, window = shape
-    query, cache, tables, qsl, ctx, rows, written = window_prefill_inputs(
-        dtype, shape, seed=21
+    query, cache, tables, qsl, ctx, rows, written, (k_new, v_new, _) = (
+        window_prefill_inputs(dtype, shape, seed=21)
     )
     scale = head_dim**-0.5
 
     out = kernels.paged_prefill_attention(
-        query, cache, tables, qsl, ctx, scale, rows, impl="reference"
+        query, cache, tables, qsl, ctx, scale, rows, k_new, v_new, impl="reference"
     )
 
     for b, (key, value) in enumerate(written):
-        # The window of the context after the step, for every query of the chunk.
-        key = slow_windowed_kv(key, dtype, window)
-        value = slow_windowed_kv(value, dtype, window)
-        new = WINDOW_PREFILL_CHUNKS[b][-1]
-        assert_chunk_matches_slow(
-            out, query, int(qsl[b]), new, key.shape[0], key, value, scale
-        )
+        new, length = WINDOW_PREFILL_CHUNKS[b][-1], key.shape[0]
+        for i in range(new):
+            token, position = int(qsl[b]) + i, length - new + i
+            k = slow_per_query_kv(key, dtype, window, position)
+            v = slow_per_query_kv(value, dtype, window, position)
+            for h in range(num_heads):
+                kvh = h // (num_heads // num_kv_heads)
+                want = slow_attention_one(
+                    query[token, h].double(), k[:, kvh], v[:, kvh], position + 1, scale
+                )
+                torch.testing.assert_close(
+                    out[token, h].double(), want, atol=1e-5, rtol=1e-5
+                )
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_chunked_and_unchunked_prefill_with_a_window_agree(dtype, impl):
+    # One 45-token prompt (window 12) prefilled at once, or in chunks of 20, 7, 1
+    # and 17 (each chunk's window written after its attention): every query's
+    # output is the same.
+    shape = WINDOW_SHAPES[1]
+    num_heads, num_kv_heads, head_dim, block_size, window = shape
+    g = torch.Generator().manual_seed(5)
+    splits = [20, 7, 1, 17]
+    total = sum(splits)
+    query = torch.randn(total, num_heads, head_dim, generator=g)
+    key = torch.randn(total, num_kv_heads, head_dim, generator=g)
+    value = torch.randn(total, num_kv_heads, head_dim, generator=g)
+    num_blocks = math.ceil(total / block_size)
+    tables = torch.arange(num_blocks, dtype=torch.int32)[None]
+    rows = torch.zeros(1, dtype=torch.int32)
+    outs = {}
+    for name, chunks in (("whole", [total]), ("chunked", splits)):
+        cache = kernels.allocate_kv_cache(
+            dtype, num_blocks, block_size, num_kv_heads, head_dim,
+            window=window, num_windows=1,
+        )  # fmt: skip
+        pieces, start = [], 0
+        for n in chunks:
+            pos = torch.arange(start, start + n)
+            ring = torch.where(pos >= start + n - window, pos % window, -1)
+            kernels.write_kv(cache, key[pos], value[pos], pos, blocks_only=True)
+            pieces.append(
+                kernels.paged_prefill_attention(
+                    query[pos], cache, tables,
+                    torch.tensor([0, n], dtype=torch.int32),
+                    torch.tensor([start + n], dtype=torch.int32),
+                    head_dim**-0.5, rows, key[pos], value[pos], impl=impl,
+                )
+            )  # fmt: skip
+            kernels.write_window(cache, key[pos], value[pos], ring)
+            start += n
+        outs[name] = torch.cat(pieces)
+    torch.testing.assert_close(outs["chunked"], outs["whole"], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
 @pytest.mark.parametrize("shape", WINDOW_SHAPES)
 def test_it_decodes_with_a_window_with_triton_like_the_reference(dtype, shape):
     num_heads, _, head_dim, block_size, window = shape
@@ -405,20 +496,20 @@ def test_it_decodes_with_a_window_with_triton_like_the_reference(dtype, shape):
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
 @pytest.mark.parametrize("shape", WINDOW_SHAPES)
 def test_it_prefills_with_a_window_with_triton_like_the_reference(dtype, shape):
-    query, cache, tables, qsl, ctx, rows, _ = window_prefill_inputs(
+    query, cache, tables, qsl, ctx, rows, _, (k_new, v_new, _) = window_prefill_inputs(
         dtype, shape, seed=23
     )
     scale = shape[2] ** -0.5
 
     got = kernels.paged_prefill_attention(
-        query, cache, tables, qsl, ctx, scale, rows, impl="triton"
+        query, cache, tables, qsl, ctx, scale, rows, k_new, v_new, impl="triton"
     )
 
     want = kernels.paged_prefill_attention(
-        query, cache, tables, qsl, ctx, scale, rows, impl="reference"
+        query, cache, tables, qsl, ctx, scale, rows, k_new, v_new, impl="reference"
     )
     atol, rtol = TOLERANCE["cpu"][dtype]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
@@ -449,11 +540,23 @@ def test_it_matches_a_bf16_cache_exactly_when_the_window_covers_the_context(
         kernels.paged_decode_attention(query, cache, tables, ctx, 0.125, r, impl=impl)
         for cache, r in ((window_cache, rows), (bf16_cache, None))
     ]
+    # Each sequence's last qsl-chunk: its own K/V, which its queries read from
+    # the arguments (bf16 values, as the window holds them).
+    own = [
+        kernels.gather_kv(window_cache, tables[b], c, int(rows[b]))
+        for b, c in enumerate(ctx.tolist())
+    ]
+    new = (qsl[1:] - qsl[:-1]).tolist()
+    k_new = torch.cat([k[-n:] for (k, _), n in zip(own, new, strict=True)])
+    v_new = torch.cat([v[-n:] for (_, v), n in zip(own, new, strict=True)])
     prefill = [
         kernels.paged_prefill_attention(
-            prefill_query, cache, tables, qsl, ctx, 0.125, r, impl=impl
+            prefill_query, cache, tables, qsl, ctx, 0.125, r, *kv, impl=impl
         )
-        for cache, r in ((window_cache, rows), (bf16_cache, None))
+        for cache, r, kv in (
+            (window_cache, rows, (k_new, v_new)),
+            (bf16_cache, None, ()),
+        )
     ]
 
     assert torch.equal(prefill[0], prefill[1])
@@ -491,6 +594,8 @@ def test_it_rejects_missing_or_unexpected_window_rows(impl):
             attend(windowed, rows[:1])
         with pytest.raises(ValueError, match="has no window"):
             attend(plain, rows)
+    with pytest.raises(ValueError, match="needs the chunk's key/value"):
+        prefill(windowed, rows)
 
 
 def relative_error_vs_bf16(dtype, head_dim, offset_scale, seed=5):
@@ -517,12 +622,12 @@ def relative_error_vs_bf16(dtype, head_dim, offset_scale, seed=5):
 # since attention averages the per-element rounding noise no better than the signal:
 # int8 ~0.9%, fp8 e4m3 ~3.6% (3 mantissa bits: ~2.5% per element), int4 ~14%
 # (even the rate-distortion bound of a 4.25-bit code on a Gaussian is 5.3%).
-IID_BOUND = {"int8": 0.013, "fp8": 0.05, "int4": 0.20}
+IID_BOUND = {"int8": 0.013, "fp8-per-token": 0.05, "int4": 0.20}
 # With per-channel means (the regime of real activations) the issue's bar holds.
-ISSUE_BAR = {"int8": 0.01, "fp8": 0.01, "int4": 0.05}
+ISSUE_BAR = {"int8": 0.01, "fp8-per-token": 0.01, "int4": 0.05}
 
 
-@pytest.mark.parametrize("dtype", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "fp8-per-token", "int4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_it_keeps_attention_error_within_the_format_limit_on_iid_data(dtype, head_dim):
     err = relative_error_vs_bf16(dtype, head_dim, offset_scale=0.0)
@@ -530,7 +635,7 @@ def test_it_keeps_attention_error_within_the_format_limit_on_iid_data(dtype, hea
     assert err <= IID_BOUND[dtype]
 
 
-@pytest.mark.parametrize("dtype", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "fp8-per-token", "int4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_it_meets_the_quality_bar_on_data_with_channel_means(dtype, head_dim):
     err = relative_error_vs_bf16(dtype, head_dim, offset_scale=1.0)
@@ -556,7 +661,7 @@ def test_it_decodes_like_the_reference_on_cuda(dtype, shape):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", ["bf16", "fp8", "int8", "int4", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8-per-token", "int8", "int4", "fp32"])
 def test_it_prefills_like_the_reference_on_cuda(dtype):
     shape = (32, 8, 128, 16)
     lens = [700, 64, 1]
@@ -574,7 +679,7 @@ def test_it_prefills_like_the_reference_on_cuda(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["fp8-per-token", "int8", "int4"])
 def test_it_reads_the_window_like_the_reference_on_cuda(dtype):
     shape = (32, 8, 128, 16, 64)
     chunks = [[1], [63, 1], [64], [999, 1], [2000, 49], [300, 33]]

@@ -13,7 +13,7 @@ from gpuagent.engine.cache import (
 )
 from gpuagent.engine.model import LlamaConfig
 
-KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4", "fp32")
+KV_DTYPES = ("bf16", "fp16", "fp8-per-token", "int8", "int4", "fp32")
 
 
 def small_config(head_dim: int = 64, num_kv_heads: int = 2) -> LlamaConfig:
@@ -168,7 +168,7 @@ def test_it_gives_quantized_dtypes_the_expected_share_of_bf16_bytes():
 
     assert kv_bytes_per_token(config, "fp16") == bf16
     assert kv_bytes_per_token(config, "int8") / bf16 <= 0.52
-    assert kv_bytes_per_token(config, "fp8") / bf16 <= 0.52
+    assert kv_bytes_per_token(config, "fp8-per-token") / bf16 <= 0.52
     assert kv_bytes_per_token(config, "int4") / bf16 <= 0.27
     # Scales must be counted: quantized sizes exceed the bare payload.
     assert kv_bytes_per_token(config, "int8") > bf16 / 2

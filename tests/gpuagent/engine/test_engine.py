@@ -22,7 +22,9 @@ def greedy_alone(engine: LLMEngine, prompts, params=GREEDY):
     return [engine.generate([p], params)[0].token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8", "int8", "int4"])
+@pytest.mark.parametrize(
+    "kv_dtype", ["bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4"]
+)
 def test_it_generates_with_every_kv_dtype(
     make_engine, tiny_model_and_tokenizer, kv_dtype
 ):

@@ -430,10 +430,19 @@ def test_it_prepacks_fused_cpu_gemms_that_agree_with_the_dense_weights(tmp_path)
     assert packed.state_dict().keys() == dense.state_dict().keys()
 
 
-def test_it_does_not_prepack_bfloat16_weights(tmp_path):
+def test_it_prepacks_bfloat16_weights_where_onednn_has_bf16_kernels(tmp_path):
     _hf_folder(tmp_path)
+    dense = load_model(tmp_path, dtype=torch.bfloat16)
     model = load_model(tmp_path, dtype=torch.bfloat16)
+    tokens = torch.tensor([_tokens(17)])
+    supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
-    assert model.prepack_cpu_weights() is False
-    assert model.layers[0].self_attn.qkv_packed is None
-    assert model.lm_head.packed_weight is None
+    assert model.prepack_cpu_weights() is supported
+
+    packed = model.layers[0].self_attn.qkv_packed is not None
+    assert packed is supported and (model.lm_head.packed_weight is not None) is packed
+    with torch.inference_mode():
+        ours, theirs = model.forward_dense(tokens), dense.forward_dense(tokens)
+    # the same bf16 GEMMs, laid out once
+    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.02)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.95

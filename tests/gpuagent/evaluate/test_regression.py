@@ -122,9 +122,9 @@ def servers():
 
 
 def test_in_process_and_over_http_the_distributions_are_the_same(servers):
-    # 600 tokens: two prefill chunks on the server (512 + 88). With int4's bf16
-    # window, scores chunked anywhere else differ from the server's by up to 0.25
-    # nats (the estimate below then exceeded the exact KL).
+    # 600 tokens: two prefill chunks on the server (512 + 88), and so in process:
+    # bit for bit the same, int4's per-query bf16 window included (before it was per
+    # query, scores chunked otherwise differed by up to 0.25 nats).
     local = EngineModel(DEMO, "int4", max_tokens=640)
     text = " ".join(p for s in load_text_slices() for p in s.passages)
     ids = local.encode(text)[:600]
