@@ -94,8 +94,14 @@ def set_cache_scales(
 
 def calibrate_kv_caches(model, tokenizer, kv_caches) -> None:
     """Calibrate the static scales of `kv_caches` (one per layer) on the built-in
-    calibration text; a no-op for layouts without static scales."""
+    calibration text; a no-op for layouts without static scales. A checkpoint's own
+    scales (`model.checkpoint_kv_scales`, written by gpuagent.compress in this
+    layout: rotated, per kv head) are used instead when present."""
     if not kv_caches or not kv_caches[0].static_scales:
+        return
+    checkpoint_scales = getattr(model, "checkpoint_kv_scales", None)
+    if checkpoint_scales is not None and kv_caches[0].rotated:
+        set_cache_scales(kv_caches, checkpoint_scales)
         return
     sequences = calibration_sequences(tokenizer)
     set_cache_scales(
