@@ -2,6 +2,7 @@ import pickle
 import shutil
 
 import pytest
+import torch
 
 from gpuagent.compress import CompressError, RecipeError, compress
 from tests.gpuagent.compress.conftest import DEMO_MODEL
@@ -100,3 +101,17 @@ def test_it_refuses_recipes_it_cannot_apply(tmp_path, recipe, named):
         compress(DEMO_MODEL, recipe, tmp_path / "out")
 
     assert not (tmp_path / "out").exists()
+
+
+def test_it_writes_a_bf16_folder_for_a_dense_recipe(tmp_path):
+    from gpuagent.engine.loader import load_model
+
+    result = compress(
+        DEMO_MODEL, {"weights": "bf16", "kv_cache_dtype": "bf16"}, tmp_path / "o"
+    )
+
+    model = load_model(tmp_path / "o")
+    assert result.quantized_layers == 0
+    assert result.total_bytes_after * 2 == result.total_bytes_before  # fp32 -> bf16
+    assert "quantization_config" not in (tmp_path / "o" / "config.json").read_text()
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.float32
