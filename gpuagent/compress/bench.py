@@ -173,13 +173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
 
-    wanted = args.recipes or (QUICK_RECIPES if args.quick else [r[0] for r in RECIPES])
+    wanted = args.recipes  # "--recipes" alone: none (the matmul rows only)
+    if wanted is None:
+        wanted = QUICK_RECIPES if args.quick else [r[0] for r in RECIPES]
     unknown = sorted(set(wanted) - {r[0] for r in RECIPES})
     if unknown:
         parser.error(f"unknown recipes {unknown}; known: {[r[0] for r in RECIPES]}")
     max_items = args.max_items or (3 if args.quick else None)
     settings = Settings(slices=TEXT_SLICES, max_items=max_items, continuation_tokens=8)
-    reference = EngineModel(args.model_dir, "bf16", max_tokens=1024)
+    reference = EngineModel(args.model_dir, "bf16", max_tokens=1024) if wanted else None
     print(
         f"model {args.model_dir}; quality vs the source folder, per slice "
         f"{max_items or 'all'} passages/prompts"
