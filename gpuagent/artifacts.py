@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuagent.protocol import JobRequest
+from gpuagent.protocol import JobRequest, Recipe
 
 # Agents may not re-run these from a stored output: they act on the world now
 # (start or stop a server) or check the bytes as they are now.
@@ -42,13 +42,12 @@ class ArtifactStore:
         return str(path.resolve().relative_to(self.root))
 
     def candidate(self, key: str, build: Callable[[Path], None]) -> Path:
-        """The candidate folder named `key`, built by `build(tmp_folder)` unless a
-        complete one exists already."""
+        """The candidate folder named `key`, built by `build(tmp_folder)` (which
+        creates the folder) unless a complete one exists already."""
         final = self.root / "candidates" / key
         if final.is_dir():
             return final
         tmp = self.root / "tmp" / f"{key}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
         try:
             build(tmp)
             os.rename(tmp, final)
@@ -80,7 +79,8 @@ class ArtifactStore:
         os.replace(tmp, path)
 
 
-def candidate_key(source_manifest_digest: str, weights: str) -> str:
-    """The name of the candidate made from a source in a weight format."""
-    text = f"{source_manifest_digest}|weights={weights}"
+def candidate_key(source_manifest_digest: str, recipe: Recipe) -> str:
+    """The name of the candidate made from a source under a recipe (every option
+    that shapes the output is in it: weights, method, grouping, KV scales)."""
+    text = f"{source_manifest_digest}|recipe={recipe.model_dump_json()}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]

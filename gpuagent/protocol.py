@@ -15,7 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4")
 # Weight formats a recipe may ask for; int4 carries its quantization group size.
-WEIGHT_FORMAT_PATTERN = re.compile(r"^(bf16|fp16|int8|int4-g(32|64|128))$")
+# w8a16 / w4a16-gN / fp8 are the compressed-tensors schemes (`gpuagent.compress`);
+# int8 and int4-gN are the older names of w8a16 and w4a16-gN.
+WEIGHT_FORMAT_PATTERN = re.compile(
+    r"^(bf16|fp16|int8|int4-g(32|64|128)|w8a16|w4a16-g(32|64|128)|fp8)$"
+)
+WEIGHT_METHODS = ("rtn", "gptq")
 
 JobKind = Literal[
     "inspect",
@@ -42,10 +47,23 @@ class _Message(BaseModel):
 
 
 class Recipe(_Message):
-    """How a release is compressed: weight format and KV-cache dtype."""
+    """How a release is compressed: weight format, how the weights are rounded, and
+    the KV-cache dtype. Unknown options are refused (extra="forbid")."""
 
-    weights: str = Field(description="bf16, fp16, int8 or int4-g{32,64,128}")
+    weights: str = Field(
+        description="bf16, fp16, w8a16 (int8), w4a16-g{32,64,128} (int4-g...) or fp8"
+    )
     kv_cache_dtype: str = Field(description="one of " + ", ".join(KV_CACHE_DTYPES))
+    method: Literal["rtn", "gptq"] = Field(
+        "rtn", description="round-to-nearest, or GPTQ on calibration text"
+    )
+    symmetric: bool = Field(
+        True, description="int4 only: False adds a zero point per group"
+    )
+    act_order: bool = Field(False, description="gptq only: columns by Hessian diag")
+    quantize_lm_head: bool = Field(
+        False, description="quantize lm_head too (untied heads only)"
+    )
 
     @field_validator("weights")
     @classmethod
@@ -66,6 +84,34 @@ class Recipe(_Message):
                 + ", ".join(KV_CACHE_DTYPES)
             )
         return value
+
+
+class TensorClassSize(_Message):
+    """Bytes of one class of tensors (attention, mlp, embeddings, other) before and
+    after compression."""
+
+    tensor_class: str
+    bytes_before: int = Field(ge=0)
+    bytes_after: int = Field(ge=0)
+    bytes_bf16: int = Field(ge=0, description="the same tensors in bf16")
+
+
+class CompressResult(_Message):
+    """What `gpuagent.compress.compress` wrote: the folder, the recipe, per-class
+    sizes and the GPU memory its weights take loaded by the engine."""
+
+    out_dir: str
+    recipe: Recipe
+    quantized_layers: int = Field(ge=0)
+    sizes: list[TensorClassSize]
+    total_bytes_before: int = Field(ge=0)
+    total_bytes_after: int = Field(ge=0)
+    expected_gpu_weight_bytes: int = Field(ge=0)
+    kv_scales: bool = Field(description="k_scale/v_scale written")
+    group_sizes: dict[str, int] = Field(
+        default={}, description="int4: group size per projection kind"
+    )
+    seconds: float = Field(ge=0)
 
 
 class FileDigest(_Message):
@@ -114,9 +160,11 @@ class Heartbeat(_Message):
     can_sign: bool = False
 
 
-class CompressResult(_Message):
+class CompressJobResult(_Message):
     """The candidate the compress job made: where in the artifact store, in which
-    weight format, and the source's manifest digest (its parent)."""
+    weight format, the source's manifest digest (its parent), and what
+    `gpuagent.compress` reported (`report.out_dir` is the candidate's name in the
+    store, never an agent path)."""
 
     candidate: str
     weights: str
@@ -124,6 +172,7 @@ class CompressResult(_Message):
     source_manifest_digest: str
     size_bytes: int = Field(ge=0)
     source_size_bytes: int = Field(ge=0)
+    report: CompressResult
 
 
 class InspectResult(_Message):

@@ -22,10 +22,8 @@ comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -40,6 +38,7 @@ from pydantic import BaseModel
 
 from gpuagent.artifacts import ArtifactStore, candidate_key
 from gpuagent.protocol import (
+    CompressJobResult,
     CompressResult,
     DeployResult,
     FileDigest,
@@ -251,58 +250,52 @@ def inspect_source(req: JobRequest, me: Agent) -> InspectResult:
     return InspectResult(ok=True, files=files, manifest_digest=manifest.digest)
 
 
-def compress(req: JobRequest, me: Agent) -> CompressResult:
-    """Make the candidate in the recipe's weight format. bf16 is a cast of every
-    floating tensor (config's torch_dtype follows); other formats need
-    gpuagent.compress, which this agent does not have: the job fails saying so."""
+def compress(req: JobRequest, me: Agent) -> CompressJobResult:
+    """Make the candidate under the recipe with gpuagent.compress (bf16 / fp16 casts,
+    w8a16, w4a16-gN, fp8; RTN or GPTQ); a recipe it can't apply or a source it
+    refuses fails the job with its reason. Content-addressed: a redelivered job
+    finds the candidate made before."""
+    from gpuagent.compress import CompressError, RecipeError
+    from gpuagent.compress import compress as compress_model
+
     assert req.recipe is not None, "compress needs a recipe"
-    weights = req.recipe.weights
-    if weights != "bf16":
-        raise JobFailed(
-            f"weight format {weights!r} is not supported by this agent (it makes "
-            "bf16 candidates only until gpuagent.compress lands); register the "
-            "release with weights=bf16"
-        )
     folder = source_folder(req.source_uri)
     manifest, files = file_digests(folder)
-    report_progress(req, 0.2)
-    key = candidate_key(manifest.digest, weights)
-    candidate = me.store.candidate(key, lambda tmp: _cast_to_bf16(folder, tmp))
-    return CompressResult(
-        candidate=me.store.relative(candidate),
-        weights=weights,
+    report_progress(req, 0.05)
+    key = candidate_key(manifest.digest, req.recipe)
+    # The report lives beside the candidate, so a later job with the same source and
+    # recipe (another release, a reopened one) gets it with the candidate.
+    report_path = me.store.root / "candidates" / f"{key}.compress.json"
+
+    def build(tmp: Path) -> None:
+        def progress(done: int, total: int, _what: str) -> None:
+            report_progress(req, 0.05 + 0.9 * done / max(total, 1))
+
+        try:
+            made = compress_model(folder, req.recipe, tmp, progress=progress)
+        except (CompressError, RecipeError) as exc:
+            raise JobFailed(f"compress: {exc}") from exc
+        # Written before the candidate is renamed into place, so a candidate never
+        # exists without its report.
+        part = report_path.with_suffix(f".{os.getpid()}.tmp")
+        part.write_text(made.model_dump_json())
+        os.replace(part, report_path)
+
+    candidate = me.store.candidate(key, build)
+    name = me.store.relative(candidate)
+    try:
+        report = CompressResult.model_validate_json(report_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise JobFailed(f"candidate {name} has no readable compress report") from exc
+    return CompressJobResult(
+        candidate=name,
+        weights=req.recipe.weights,
         kv_cache_dtype=req.recipe.kv_cache_dtype,
         source_manifest_digest=manifest.digest,
         size_bytes=sum(p.stat().st_size for p in candidate.iterdir()),
         source_size_bytes=sum(f.size_bytes for f in files),
+        report=report.model_copy(update={"out_dir": name}),
     )
-
-
-def _cast_to_bf16(source: Path, target: Path) -> None:
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    for path in sorted(source.iterdir()):
-        if not path.is_file():
-            raise JobFailed(f"{path.name} in the source is not a file")
-        if path.suffix == ".safetensors":
-            with safe_open(path, "pt") as f:
-                metadata = f.metadata()
-                tensors = {
-                    name: (
-                        t.to(torch.bfloat16) if t.is_floating_point() else t
-                    ).contiguous()
-                    for name in f.keys()
-                    for t in (f.get_tensor(name),)
-                }
-            save_file(tensors, target / path.name, metadata=metadata)
-        elif path.name == "config.json":
-            config = json.loads(path.read_text())
-            config["torch_dtype"] = "bfloat16"
-            (target / path.name).write_text(json.dumps(config, indent=2) + "\n")
-        else:
-            shutil.copyfile(path, target / path.name)
 
 
 def _candidate(req: JobRequest, me: Agent) -> Path:

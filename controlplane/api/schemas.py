@@ -129,9 +129,13 @@ class RecipeIn(RequestBody):
 
     weights: str = Field(
         pattern=WEIGHT_FORMAT_PATTERN.pattern,
-        description="bf16, fp16, int8 or int4-g{32,64,128}",
+        description="bf16, fp16, w8a16 (int8), w4a16-g{32,64,128} (int4-g...) or fp8",
     )
     kv_cache_dtype: KvCacheDtype
+    method: Literal["rtn", "gptq"] = "rtn"
+    symmetric: bool = True
+    act_order: bool = False
+    quantize_lm_head: bool = False
 
 
 class ReleaseIn(RequestBody):

@@ -248,7 +248,7 @@ def _validation_failed(exc: ValidationError, prefix: str) -> ValidationFailed:
 
 def _validated_recipe(recipe: dict) -> dict:
     try:
-        return Recipe.model_validate(recipe).model_dump()
+        return Recipe.model_validate(recipe).model_dump(exclude_defaults=True)
     except ValidationError as exc:
         raise _validation_failed(exc, "recipe") from exc
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
+from gpuagent.engine import weights
 from gpuagent.engine.kv_calibration import pop_checkpoint_kv_scales
 from gpuagent.engine.model import LlamaConfig, Transformer
 
@@ -58,18 +59,30 @@ def load_model(
     except (ArithmeticError, TypeError, ValueError) as exc:  # e.g. 0 heads
         raise ModelLoadError(f"{CONFIG_FILE}: {exc}") from exc
 
-    checkpoint = read_checkpoint(reader)
+    quantized = weights.is_quantized(hf_config)
+    checkpoint = read_checkpoint(reader, quantized=quantized)
+    with torch.device("meta"):
+        model = Transformer(config)
+    layers = {}
+    if quantized:  # compressed-tensors: quantized Linears run weight-only kernels
+        try:
+            checkpoint, layers = weights.split_quantized(
+                checkpoint, hf_config["quantization_config"]
+            )
+            weights.install(model, layers)
+        except weights.QuantizedWeightError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        for layer in layers.values():
+            weights.to_model(layer, dtype, device)
     try:  # fp8 KV scales (compressed-tensors kv_cache_scheme), used by the fp8 cache
         kv_scales = pop_checkpoint_kv_scales(
             checkpoint, config.num_hidden_layers, config.num_key_value_heads
         )
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    with torch.device("meta"):
-        model = Transformer(config)
     state = _match_state_dict(model, checkpoint)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=not layers, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter with two
     model.checkpoint_kv_scales = kv_scales
     return model.eval()
@@ -92,15 +105,18 @@ def check_supported_config(hf_config: dict[str, Any]) -> None:
         raise ModelLoadError(f"architectures {unsupported} are not supported")
 
 
-def read_checkpoint(reader: _FileReader) -> dict[str, torch.Tensor]:
+def read_checkpoint(
+    reader: _FileReader, quantized: bool = False
+) -> dict[str, torch.Tensor]:
     """All tensors of the single file, of every shard the index names, or of the
-    lossless container (decoded, each tensor checked against its recorded digest)."""
+    lossless container (decoded, each tensor checked against its recorded digest);
+    integer and fp8 tensors only when the config declares a quantized checkpoint."""
     if reader.exists(LOSSLESS_FILE):
         return _read_lossless(reader)
     if reader.exists(INDEX_FILE):
-        return _read_sharded(reader)
+        return _read_sharded(reader, quantized)
     if reader.exists(WEIGHTS_FILE):
-        return _read_safetensors(reader, WEIGHTS_FILE)
+        return _read_safetensors(reader, WEIGHTS_FILE, quantized)
     raise ModelLoadError(f"neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
 
 
@@ -114,7 +130,7 @@ def _read_json_object(reader: _FileReader, name: str) -> dict[str, Any]:
     return value
 
 
-def _read_sharded(reader: _FileReader) -> dict[str, torch.Tensor]:
+def _read_sharded(reader: _FileReader, quantized: bool) -> dict[str, torch.Tensor]:
     weight_map = _read_json_object(reader, INDEX_FILE).get("weight_map")
     if not isinstance(weight_map, dict) or not all(
         isinstance(s, str) for s in weight_map.values()
@@ -123,7 +139,7 @@ def _read_sharded(reader: _FileReader) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         _check_relative_name(shard)
-        shard_tensors = _read_safetensors(reader, shard)
+        shard_tensors = _read_safetensors(reader, shard, quantized)
         listed = {n for n, s in weight_map.items() if s == shard}
         if listed != set(shard_tensors):
             raise ModelLoadError(
@@ -148,14 +164,15 @@ def _read_lossless(reader: _FileReader) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read_safetensors(reader: _FileReader, name: str) -> dict[str, torch.Tensor]:
+def _read_safetensors(
+    reader: _FileReader, name: str, quantized: bool = False
+) -> dict[str, torch.Tensor]:
     try:
         tensors = load_safetensors_bytes(reader.read(name))
     except Exception as exc:  # safetensors raises its own error types
         raise ModelLoadError(f"{name} is not a valid safetensors file: {exc}") from exc
-    bad = {
-        k: str(v.dtype) for k, v in tensors.items() if v.dtype not in CHECKPOINT_DTYPES
-    }
+    allowed = CHECKPOINT_DTYPES + (weights.QUANTIZED_DTYPES if quantized else ())
+    bad = {k: str(v.dtype) for k, v in tensors.items() if v.dtype not in allowed}
     if bad:
         raise ModelLoadError(f"{name}: unsupported tensor dtypes {bad}")
     return tensors
@@ -174,7 +191,14 @@ def _match_state_dict(
         k: v for k, v in checkpoint.items() if not k.endswith(IGNORED_SUFFIXES)
     }
     tied = model.config.tie_word_embeddings
-    expected = {hf_name(n): p for n, p in model.state_dict().items()}
+    # a quantized layer's buffers come from its own tensors (weights.split_quantized)
+    own = {
+        f"{module}.{buffer}"
+        for module, m in model.named_modules()
+        if isinstance(m, weights.QuantLinear)
+        for buffer, _ in m.named_buffers()
+    }
+    expected = {hf_name(n): p for n, p in model.state_dict().items() if n not in own}
     if tied:
         expected.pop("lm_head.weight")
         _check_tied_head(checkpoint)

@@ -302,6 +302,11 @@ class Linear(nn.Linear):
         return packed_linear(x, self.packed_weight)
 
 
+def _dense(*modules: nn.Module) -> bool:
+    # quantized layers (gpuagent.engine.weights.QuantLinear) replace nn.Linear
+    return all(isinstance(m, nn.Linear) for m in modules)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -333,6 +338,8 @@ class Attention(nn.Module):
 
     def prepack(self) -> bool:
         """Pack q/k/v as one GEMM, and o_proj (CPU; see `prepack_weight`)."""
+        if not _dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            return False  # quantized projections (engine.weights) run their kernels
         qkv = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         self.qkv_packed = prepack_weight(torch.cat(qkv))  # [(H + 2 KVH) * D, hidden]
         return self.o_proj.prepack() and self.qkv_packed is not None
@@ -436,6 +443,8 @@ class FeedForward(nn.Module):
 
     def prepack(self) -> bool:
         """Pack gate and up as one GEMM, and down (CPU; see `prepack_weight`)."""
+        if not _dense(self.gate_proj, self.up_proj, self.down_proj):
+            return False
         gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight))
         self.gate_up_packed = prepack_weight(gate_up)  # [2 * inter, hidden]
         return self.down_proj.prepack() and self.gate_up_packed is not None
@@ -552,7 +561,7 @@ class Transformer(nn.Module):
         gate/up fused; False (nothing packed) off the CPU or for weights that are
         neither float32 nor (where oneDNN has bf16 kernels) bfloat16.
         Call it once the weights are final: the packed copies don't follow edits."""
-        if not can_prepack(self.lm_head.weight):
+        if not _dense(self.lm_head) or not can_prepack(self.lm_head.weight):
             return False
         for layer in self.layers:
             layer.self_attn.prepack()

@@ -2,6 +2,7 @@
 inspection, bf16 compression, signatures, verification on an agent holding only
 the public key, and the refusals (tampered bytes, unsupported formats)."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import gpuagent.engine
 from gpuagent import tasks
 from gpuagent.artifacts import ArtifactStore
 from gpuagent.integrity.keys import ensure_key_pair
-from gpuagent.protocol import JobRequest, Recipe
+from gpuagent.protocol import CompressJobResult, JobRequest, Recipe
 
 DEMO = Path(gpuagent.engine.__file__).parent / "demo_model"
 
@@ -91,16 +92,47 @@ def test_it_finds_a_redelivered_jobs_output(setup):
     assert first.ok and again.payload == first.payload
 
 
-def test_it_refuses_a_weight_format_it_cannot_make(setup):
+def test_it_compresses_to_the_recipes_weight_format(setup):
     source, signer, _ = setup
     req = request("compress", source).model_copy(
-        update={"recipe": Recipe(weights="int4-g128", kv_cache_dtype="int8")}
+        update={"recipe": Recipe(weights="w4a16-g128", kv_cache_dtype="int8")}
+    )
+
+    result = tasks.execute(req, signer, started=None)
+
+    assert result.ok, result.error
+    made = CompressJobResult.model_validate(result.payload)
+    config = json.loads(
+        (signer.store.path_of(made.candidate) / "config.json").read_text()
+    )
+    assert config["quantization_config"]["format"] == "pack-quantized"
+    assert made.report.quantized_layers > 0 and made.report.out_dir == made.candidate
+    assert made.size_bytes < 0.5 * made.source_size_bytes
+
+
+def test_a_second_job_with_the_same_source_and_recipe_reuses_the_candidate(setup):
+    source, signer, _ = setup
+    first = tasks.execute(request("compress", source), signer, started=None)
+    other = request("compress", source).model_copy(update={"job_id": 999})
+
+    again = tasks.execute(other, signer, started=None)
+
+    assert again.ok and again.payload == first.payload
+
+
+def test_it_refuses_a_recipe_the_compressor_cannot_apply(setup):
+    source, signer, _ = setup
+    req = request("compress", source).model_copy(
+        update={
+            "recipe": Recipe(weights="int8", kv_cache_dtype="int8", symmetric=False)
+        }
     )
 
     result = tasks.execute(req, signer, started=None)
 
     assert not result.ok
-    assert "weight format 'int4-g128' is not supported by this agent" in result.error
+    assert "symmetric=false is only offered for int4" in result.error
+    assert not list((signer.store.root / "candidates").iterdir())
 
 
 def test_it_refuses_to_sign_without_a_key(setup):

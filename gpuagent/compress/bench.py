@@ -1,0 +1,219 @@
+"""Benchmark of weight compression, one run, side-by-side ratios:
+`python -m gpuagent.compress.bench [--quick] [--model-dir DIR]`.
+
+- size: the linear layers' bytes after compression vs the same tensors in bf16
+  (targets: w8a16 <= 0.52, w4a16 <= 0.28), and the whole folder;
+- quality: each recipe's folder against the source folder, both scored in-process
+  by `gpuagent.evaluate` (full distributions, the english / code / korean slices):
+  mean KLD and same-top-1 per slice against the bars (w8a16: <= 0.002 and
+  >= 97.5%; 4-bit: <= 0.03 and >= 92%), RTN and GPTQ side by side;
+- matmul: the weight-only kernels vs bf16 torch.matmul on a 4096x14336 layer at
+  batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference path is
+  timed, and its ratio is not a target);
+- lossless: rows from `lossless_rows()` (the exponent-coding module lands apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpuagent.compress.pipeline import compress
+from gpuagent.evaluate.evalsets import TEXT_SLICES
+from gpuagent.evaluate.inprocess import EngineModel
+from gpuagent.evaluate.regression import Settings, evaluate_quality
+from gpuagent.protocol import CompressResult
+
+DEFAULT_MODEL_DIR = Path("var/models/smollm2-135m")
+SIZE_TARGETS = {"w8a16": 0.52, "w4a16": 0.28}
+QUALITY_BARS = {"w8a16": (0.002, 0.975), "fp8": (0.03, 0.92), "w4a16": (0.03, 0.92)}
+# (label, recipe): the issue's recipes, RTN and GPTQ, then the 4-bit variants worth
+# measuring on a parent that is already a 4-bit grid (group 32, asymmetric).
+RECIPES = (
+    ("w8a16 rtn", {"weights": "w8a16"}),
+    ("w8a16 gptq", {"weights": "w8a16", "method": "gptq"}),
+    ("fp8 rtn", {"weights": "fp8"}),
+    ("w4a16-g128 rtn", {"weights": "w4a16-g128"}),
+    ("w4a16-g128 gptq", {"weights": "w4a16-g128", "method": "gptq"}),
+    (
+        "w4a16-g128 gptq act-order",
+        {"weights": "w4a16-g128", "method": "gptq", "act_order": True},
+    ),
+    ("w4a16-g32 asym rtn", {"weights": "w4a16-g32", "symmetric": False}),
+    (
+        "w4a16-g32 asym gptq",
+        {"weights": "w4a16-g32", "method": "gptq", "symmetric": False},
+    ),
+)
+QUICK_RECIPES = ("w8a16 rtn", "w8a16 gptq", "w4a16-g128 rtn", "w4a16-g128 gptq")
+
+
+@dataclass
+class Row:
+    """One printed line: what, measured value, target, pass? (None: information)."""
+
+    name: str
+    value: str
+    target: str
+    ok: bool | None
+
+    def render(self) -> str:
+        result = "info" if self.ok is None else ("PASS" if self.ok else "FAIL")
+        return f"{self.name:<58} {self.value:>14}  {self.target:>10}  {result}"
+
+
+def _family(label: str) -> str:
+    return label.split()[0].split("-g")[0]  # "w4a16-g128 rtn" -> "w4a16"
+
+
+def size_rows(label: str, result: CompressResult) -> list[Row]:
+    """Linear layers vs bf16, embeddings, the folder, the GPU estimate."""
+    sizes = {s.tensor_class: s for s in result.sizes}
+    linear_after = sizes["attention"].bytes_after + sizes["mlp"].bytes_after
+    linear_bf16 = sizes["attention"].bytes_bf16 + sizes["mlp"].bytes_bf16
+    ratio = linear_after / linear_bf16
+    target = SIZE_TARGETS.get(_family(label))
+    total_bf16 = sum(s.bytes_bf16 for s in result.sizes)
+    return [
+        Row(
+            f"{label}: linear layers bytes vs bf16",
+            f"{ratio:.3f}",
+            f"<= {target}" if target else "",
+            ratio <= target if target else None,
+        ),
+        Row(
+            f"{label}: whole checkpoint vs bf16 (MB after)",
+            f"{result.total_bytes_after / total_bf16:.3f} "
+            f"({result.total_bytes_after / 1e6:.1f})",
+            "",
+            None,
+        ),
+        Row(
+            f"{label}: expected GPU weight memory (MB)",
+            f"{result.expected_gpu_weight_bytes / 1e6:.1f}",
+            "",
+            None,
+        ),
+    ]
+
+
+def quality_rows(
+    label: str, candidate_dir: Path, reference: EngineModel, settings: Settings
+) -> list[Row]:
+    """Mean KLD and same-top-1 per slice of the candidate vs the reference."""
+    candidate = EngineModel(candidate_dir, "bf16", max_tokens=1024)
+    report = evaluate_quality(candidate, reference, settings)
+    max_kld, min_top1 = QUALITY_BARS[_family(label)]
+    rows = []
+    for s in report.slices:
+        rows.append(
+            Row(
+                f"{label}: {s.name} mean KLD ({s.num_tokens} tokens)",
+                f"{s.mean_kld:.5f}",
+                f"<= {max_kld}",
+                s.mean_kld <= max_kld,
+            )
+        )
+        rows.append(
+            Row(
+                f"{label}: {s.name} same top-1",
+                f"{100 * s.same_top1:.2f}%",
+                f">= {100 * min_top1:.1f}%",
+                s.same_top1 >= min_top1,
+            )
+        )
+    return rows
+
+
+def matmul_rows(quick: bool) -> None:
+    """The weight-only kernels vs bf16 torch.matmul on 4096x14336, printed by
+    `kernels.bench` (its own table: ms, GB/s, x vs bf16)."""
+    from kernels import bench as kernels_bench
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batches = (1, 16) if quick else (1, 2, 4, 8, 16)
+    reps = 2 if device == "cpu" else 20
+    print(f"\nmatmul on {device} ({'Triton' if device == 'cuda' else 'reference'})")
+    table = kernels_bench.Table(device)
+    kernels_bench.bench_matmul(table, device, 14336, 4096, batches, reps)
+
+
+def lossless_rows(model_dir: Path, quick: bool) -> list[Row]:
+    """Rows of the lossless exponent coding (issue 13 item 4), merged in from
+    `gpuagent.compress.lossless` when that module is present; none until then."""
+    try:
+        from gpuagent.compress import lossless
+    except ImportError:
+        return [
+            Row("lossless: gpuagent.compress.lossless not in this tree", "", "", None)
+        ]
+    bench_rows = getattr(lossless, "bench_rows", None)
+    if bench_rows is None:
+        return [Row("lossless: module has no bench_rows()", "", "", None)]
+    return [
+        Row(*r) if not isinstance(r, Row) else r for r in bench_rows(model_dir, quick)
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--quick", action="store_true", help="fewer recipes, items")
+    parser.add_argument(
+        "--recipes", nargs="*", help="labels to run (default: all, or the quick set)"
+    )
+    parser.add_argument("--max-items", type=int, default=None, help="per slice")
+    parser.add_argument("--no-matmul", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+
+    wanted = args.recipes  # "--recipes" alone: none (the matmul rows only)
+    if wanted is None:
+        wanted = QUICK_RECIPES if args.quick else [r[0] for r in RECIPES]
+    unknown = sorted(set(wanted) - {r[0] for r in RECIPES})
+    if unknown:
+        parser.error(f"unknown recipes {unknown}; known: {[r[0] for r in RECIPES]}")
+    max_items = args.max_items or (3 if args.quick else None)
+    settings = Settings(slices=TEXT_SLICES, max_items=max_items, continuation_tokens=8)
+    reference = EngineModel(args.model_dir, "bf16", max_tokens=1024) if wanted else None
+    print(
+        f"model {args.model_dir}; quality vs the source folder, per slice "
+        f"{max_items or 'all'} passages/prompts"
+    )
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, options in RECIPES:
+            if label not in wanted:
+                continue
+            recipe = {"kv_cache_dtype": "bf16", **options}
+            start = time.monotonic()
+            result = compress(
+                args.model_dir, recipe, Path(tmp) / label.replace(" ", "_")
+            )
+            print(
+                f"\n{label}: compressed in {time.monotonic() - start:.0f} s, "
+                f"group sizes {result.group_sizes or 'per channel'}",
+                flush=True,
+            )
+            rows = size_rows(label, result) + quality_rows(
+                label, Path(result.out_dir), reference, settings
+            )
+            for row in rows:
+                print(row.render(), flush=True)
+                failed |= row.ok is False
+    print()
+    for row in lossless_rows(args.model_dir, args.quick):
+        print(row.render())
+    if not args.no_matmul:
+        matmul_rows(args.quick)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

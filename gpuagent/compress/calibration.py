@@ -1,0 +1,78 @@
+"""Calibration text for GPTQ and the KV scales, from the project's corpus: the
+training side of the demo model's split (`gpuagent.engine.train_demo`: Python's
+reference-doc topics, stdlib sources, Korean message catalogs), none of which is the
+evaluation text in `gpuagent/evaluate/data` (written for the project, checked
+disjoint by `check_disjoint`).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+from gpuagent.engine import train_demo
+from gpuagent.evaluate.evalsets import load_text_slices
+
+DEFAULT_NUM_SEQUENCES = 32
+DEFAULT_SEQUENCE_TOKENS = 256
+_SEED = 1234
+
+
+@functools.cache
+def calibration_texts(num_per_domain: int) -> list[str]:
+    """`num_per_domain` documents each of English prose, code and Korean, drawn
+    (seeded) from the training side of the demo corpus."""
+    rng = random.Random(_SEED)
+    english = train_demo.english_docs(heldout=False)
+    names = [p for n, p in train_demo.code_files() if not train_demo.is_heldout(n)]
+    code = [
+        p.read_text(encoding="utf-8", errors="replace")
+        for p in rng.sample(names, min(len(names), 8 * num_per_domain))
+    ]
+    pairs = train_demo.korean_pairs(train_demo.django_korean_catalogs(), False)
+    korean_lines = [msgstr for _, msgstr in pairs]
+    rng.shuffle(korean_lines)
+    # Korean messages are short: join runs of them into documents.
+    korean = ["\n".join(korean_lines[i : i + 200]) for i in range(0, 20000, 200)]
+    texts = []
+    for docs in (english, code, korean):
+        docs = [d for d in docs if len(d) > 2000]
+        texts += rng.sample(docs, min(num_per_domain, len(docs)))
+    check_disjoint(texts)
+    return list(texts)
+
+
+def check_disjoint(texts: list[str]) -> None:
+    """Refuse calibration text that contains an evaluation passage's line."""
+    eval_lines = {
+        line.strip()
+        for s in load_text_slices()
+        for p in s.passages
+        for line in p.splitlines()
+        if len(line.strip()) > 40
+    }
+    for text in texts:
+        overlap = eval_lines.intersection(line.strip() for line in text.splitlines())
+        if overlap:
+            raise ValueError(f"calibration text overlaps the eval set: {overlap!r}")
+
+
+def calibration_sequences(
+    tokenizer,
+    num_sequences: int = DEFAULT_NUM_SEQUENCES,
+    sequence_tokens: int = DEFAULT_SEQUENCE_TOKENS,
+) -> list[list[int]]:
+    """`num_sequences` token sequences of `sequence_tokens` each (the domains in
+    turn), encoded as the engine encodes prompts."""
+    per_domain = -(-num_sequences // 3)
+    texts = calibration_texts(per_domain)
+    by_domain = [texts[i * per_domain : (i + 1) * per_domain] for i in range(3)]
+    sequences = []
+    for i in range(num_sequences):
+        domain = by_domain[i % 3]
+        ids = tokenizer.encode_prompt(domain[(i // 3) % len(domain)])
+        if len(ids) >= sequence_tokens:
+            sequences.append(ids[:sequence_tokens])
+    if not sequences:
+        raise ValueError(f"no calibration document has {sequence_tokens} tokens")
+    return sequences

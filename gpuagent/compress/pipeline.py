@@ -1,0 +1,259 @@
+"""`compress(source_dir, recipe, out_dir)`: a source model folder in, a
+compressed-tensors folder out (the candidate the release pipeline evaluates).
+
+The source is read through integrity inspection (`read_inspected_files`: a folder
+holding a pickle, remote code or a malformed safetensors is refused) and the model
+is built from exactly the bytes inspected. The output is written to a temporary
+folder beside `out_dir` and renamed into place only when complete: a crash or an
+error leaves nothing at `out_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from gpuagent.compress.calibration import calibration_sequences
+from gpuagent.compress.checkpoint import (
+    DENSE_DTYPE,
+    PROJECTIONS,
+    projection_target,
+    quantization_config,
+    quantized_tensors,
+)
+from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq
+from gpuagent.compress.kv_scales import kv_cache_scheme, kv_scale_tensors
+from gpuagent.compress.quantize import QuantizedWeight, quantize_rtn
+from gpuagent.compress.recipes import (
+    RecipeError,
+    WeightScheme,
+    parse_recipe,
+    weight_scheme,
+)
+from gpuagent.compress.size_report import size_report
+from gpuagent.engine.loader import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, load_model
+from gpuagent.engine.tokenizer import load_tokenizer
+from gpuagent.integrity import IntegrityError, read_inspected_files
+from gpuagent.protocol import CompressResult, Recipe
+
+# progress(done, total, what): called after each layer.
+Progress = Callable[[int, int, str], None]
+# Inputs that share a Linear's input (and so its Hessian): q/k/v, gate/up.
+_SHARED_INPUT = {
+    "self_attn.k_proj": "self_attn.q_proj",
+    "self_attn.v_proj": "self_attn.q_proj",
+    "mlp.up_proj": "mlp.gate_proj",
+}
+
+
+class CompressError(ValueError):
+    """The source or the output path can't be used; the message says why."""
+
+
+def compress(
+    source_dir: str | Path,
+    recipe: Recipe | dict[str, Any],
+    out_dir: str | Path,
+    progress: Progress | None = None,
+    *,
+    calibration_size: tuple[int, int] | None = None,
+) -> CompressResult:
+    """Compress `source_dir` under `recipe` into `out_dir` (which must not exist).
+
+    `calibration_size` (sequences, tokens each) overrides the GPTQ / KV calibration
+    defaults. Raises RecipeError for recipes that can't be applied, CompressError
+    for a refused source or an existing output."""
+    started = time.monotonic()
+    recipe = parse_recipe(recipe)
+    scheme = weight_scheme(recipe)
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    if out_dir.exists():
+        raise CompressError(f"{out_dir} already exists; refusing to overwrite it")
+    try:
+        files, _digest = read_inspected_files(source_dir)
+    except IntegrityError as exc:
+        raise CompressError(f"source {source_dir} failed inspection: {exc}") from exc
+    model = load_model(source_dir, files=files, dtype=torch.float32)
+    tokenizer = load_tokenizer(source_dir, files=files)
+    if scheme and scheme.quantize_lm_head and model.config.tie_word_embeddings:
+        raise RecipeError(
+            "quantize_lm_head=true but lm_head is tied to the embeddings "
+            "(tie_word_embeddings=true), which stay unquantized"
+        )
+    needs_text = (scheme and scheme.method == "gptq") or recipe.kv_cache_dtype == "fp8"
+    sequences = None
+    if needs_text:
+        sequences = calibration_sequences(tokenizer, *(calibration_size or ()))
+    progress = progress or (lambda done, total, what: None)
+
+    quantized = _quantize_model(model, scheme, sequences, progress) if scheme else {}
+    kv_tensors = {}
+    if recipe.kv_cache_dtype == "fp8":
+        kv_tensors = kv_scale_tensors(model, sequences)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        hf_config = json.loads(files[CONFIG_FILE])
+        tensors = _output_tensors(model, quantized, recipe) | kv_tensors
+        if scheme:
+            hf_config["quantization_config"] = _quant_config(
+                scheme, quantized, model, bool(kv_tensors)
+            )
+        hf_config["torch_dtype"] = (
+            "float16" if recipe.weights == "fp16" else ("bfloat16")
+        )
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+        for name, data in files.items():
+            if name in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) or name.endswith(
+                ".safetensors"
+            ):
+                continue
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)  # tokenizer, generation config: unchanged
+        for path in (tmp, *tmp.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)  # mkdtemp made it 0700
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    sizes, before, after, gpu = size_report(model, tensors, files)
+    return CompressResult(
+        out_dir=str(out_dir),
+        recipe=recipe,
+        quantized_layers=len(quantized),
+        sizes=sizes,
+        total_bytes_before=before,
+        total_bytes_after=after,
+        expected_gpu_weight_bytes=gpu,
+        kv_scales=bool(kv_tensors),
+        group_sizes={
+            p: q.group_size
+            for p, q in _by_projection(quantized).items()
+            if q.group_size is not None
+        },
+        seconds=time.monotonic() - started,
+    )
+
+
+def _linears(model) -> list[tuple[str, torch.nn.Linear]]:
+    # (HF module name, module) of every projection, layer by layer
+    return [
+        (f"model.layers.{i}.{p}", layer.get_submodule(p))
+        for i, layer in enumerate(model.layers)
+        for p in PROJECTIONS
+    ]
+
+
+def _quantize_model(
+    model, scheme: WeightScheme, sequences, progress: Progress
+) -> dict[str, QuantizedWeight]:
+    """Quantize every projection (and an untied head when asked); the model's
+    weights are replaced by their dequantized values as it goes, so GPTQ's later
+    layers see the inputs the quantized earlier layers produce."""
+    quantized: dict[str, QuantizedWeight] = {}
+    total = len(model.layers) + int(scheme.quantize_lm_head)
+    if scheme.method == "gptq":
+        _gptq_layers(model, scheme, sequences, progress, quantized)
+    else:
+        for i, layer in enumerate(model.layers):
+            for p in PROJECTIONS:
+                module = layer.get_submodule(p)
+                qw = quantize_rtn(module.weight, scheme)
+                _replace_weight(module, qw)
+                quantized[f"model.layers.{i}.{p}"] = qw
+            progress(i + 1, total, f"layer {i}")
+    if scheme.quantize_lm_head:
+        qw = quantize_rtn(model.lm_head.weight, scheme)
+        _replace_weight(model.lm_head, qw)
+        quantized["lm_head"] = qw
+        progress(total, total, "lm_head")
+    return quantized
+
+
+def _replace_weight(module: torch.nn.Linear, qw: QuantizedWeight) -> None:
+    with torch.no_grad():
+        module.weight.copy_(qw.dequantize())
+
+
+def _gptq_layers(model, scheme, sequences, progress, quantized) -> None:
+    tokens = torch.tensor(sequences)  # [B, T]
+    positions = torch.arange(tokens.shape[1])
+    with torch.no_grad():
+        cos, sin = model._rope(positions)  # [T, 1, D]
+        hidden = model.embed_tokens(tokens)  # [B, T, hidden]
+        for i, layer in enumerate(model.layers):
+            accumulators: dict[str, HessianAccumulator] = {}
+            hooks = []
+            for p in PROJECTIONS:
+                if p in _SHARED_INPUT:
+                    continue
+                module = layer.get_submodule(p)
+                acc = accumulators[p] = HessianAccumulator(module.in_features)
+                hooks.append(
+                    module.register_forward_pre_hook(
+                        lambda _m, args, acc=acc: acc.add(args[0])
+                    )
+                )
+            for batch in hidden.split(8):
+                layer.forward_dense(batch, cos, sin)
+            for hook in hooks:
+                hook.remove()
+            for p in PROJECTIONS:
+                module = layer.get_submodule(p)
+                acc = accumulators[_SHARED_INPUT.get(p, p)]
+                qw = quantize_gptq(module.weight, acc.hessian, scheme)
+                _replace_weight(module, qw)
+                quantized[f"model.layers.{i}.{p}"] = qw
+            hidden = torch.cat(
+                [layer.forward_dense(b, cos, sin) for b in hidden.split(8)]
+            )
+            progress(
+                i + 1, len(model.layers) + int(scheme.quantize_lm_head), f"layer {i}"
+            )
+
+
+def _output_tensors(model, quantized, recipe: Recipe) -> dict[str, torch.Tensor]:
+    dense_dtype = torch.float16 if recipe.weights == "fp16" else DENSE_DTYPE
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model.state_dict().items():
+        hf = name if name == "lm_head.weight" else "model." + name
+        module = hf.removesuffix(".weight")
+        if module in quantized:
+            tensors |= quantized_tensors(module, quantized[module])
+        elif name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        else:
+            tensors[hf] = param.detach().to(dense_dtype).contiguous()
+    return tensors
+
+
+def _by_projection(quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    # one example per projection kind ("mlp.down_proj", "lm_head")
+    out = {}
+    for name, qw in quantized.items():
+        kind = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        out.setdefault(kind, qw)
+    return out
+
+
+def _quant_config(scheme, quantized, model, kv: bool) -> dict[str, Any]:
+    group_targets: dict[int | None, list[str]] = {}
+    for kind, qw in _by_projection(quantized).items():
+        target = "re:^lm_head$" if kind == "lm_head" else projection_target(kind)
+        group_targets.setdefault(qw.group_size, []).append(target)
+    ignore = [] if scheme.quantize_lm_head else ["lm_head"]
+    return quantization_config(
+        scheme, group_targets, ignore, kv_cache_scheme() if kv else None
+    )

@@ -1,0 +1,114 @@
+"""Round-to-nearest quantization of one Linear weight, and the int32 packing of the
+compressed-tensors "pack-quantized" layout.
+
+Conventions (those of compressed-tensors' min-max observer, so its `dequantize`
+reads our tensors back): symmetric int codes q = round(w / scale) with scale =
+absmax / 7.5 (int4, codes [-8, 7]) or absmax / 127 (int8, codes [-127, 127]);
+asymmetric int4: scale = (max - min) / 15 over a range that includes 0, zero point
+zp = -8 - round(min / scale), q = round(w / scale) + zp in [-8, 7], read back as
+(q - zp) * scale. fp8: e4m3fn values of w / scale with scale = absmax / 448 per
+output channel. Scales are rounded to the checkpoint's scale dtype (bf16) before
+the codes are computed, so the codes fit the scales stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpuagent.compress.recipes import WeightScheme
+
+SCALE_DTYPE = torch.bfloat16
+FP8_MAX = 448.0
+_TINY = 1e-10
+
+
+@dataclass
+class QuantizedWeight:
+    """One Linear's weight [N, K] quantized.
+
+    `codes`: int8 [N, K] integer codes, or float8_e4m3fn [N, K] for fp8;
+    `scale`: [N, K / group] (or [N, 1]) in SCALE_DTYPE; `zero_point`: int8 like
+    scale, asymmetric int4 only; `group_size`: None for one scale per row."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    bits: int
+    group_size: int | None
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 W [N, K]."""
+        n, k = self.codes.shape
+        groups = k // (self.group_size or k)
+        q = self.codes.float().view(n, groups, k // groups)
+        if self.zero_point is not None:
+            q = q - self.zero_point.float()[..., None]
+        return (q * self.scale.float()[..., None]).view(n, k)
+
+
+def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
+    """Smallest and largest integer code."""
+    if bits == 8 and symmetric:
+        return -127, 127
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def group_params(
+    w: torch.Tensor, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale [..., 1] float32, zero_point [..., 1] float32 or None) for the values
+    along the last dim of `w` (one group per row of the view)."""
+    lo, hi = code_range(bits, symmetric)
+    if symmetric:
+        absmax = w.abs().amax(dim=-1, keepdim=True)
+        divisor = 7.5 if bits == 4 else float(hi)
+        scale = _stored(absmax / divisor)
+        return scale, None
+    wmin = w.amin(dim=-1, keepdim=True).clamp(max=0)
+    wmax = w.amax(dim=-1, keepdim=True).clamp(min=0)
+    scale = _stored((wmax - wmin) / (hi - lo))
+    zero_point = (lo - torch.round(wmin / scale)).clamp(lo, hi)
+    return scale, zero_point
+
+
+def _stored(scale: torch.Tensor) -> torch.Tensor:
+    # the scale as the checkpoint will hold it, never 0 (an all-zero group)
+    return scale.clamp_min(_TINY).to(SCALE_DTYPE).float().clamp_min(_TINY)
+
+
+def quantize_values(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    bits: int,
+    symmetric: bool,
+) -> torch.Tensor:
+    """Integer codes (float32 holding integers) of w for the given parameters."""
+    lo, hi = code_range(bits, symmetric)
+    q = torch.round(w / scale)
+    if zero_point is not None:
+        q = q + zero_point
+    return q.clamp(lo, hi)
+
+
+def quantize_rtn(w: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
+    """Round-to-nearest quantization of w [N, K] under `scheme`."""
+    w = w.detach().float()
+    n, k = w.shape
+    if scheme.kind == "float":
+        scale = _stored(w.abs().amax(dim=1, keepdim=True) / FP8_MAX)  # [N, 1]
+        codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return QuantizedWeight(codes, scale.to(SCALE_DTYPE), None, 8, None)
+    group = scheme.group_size_for(k) or k
+    groups = w.view(n, k // group, group)
+    scale, zero_point = group_params(groups, scheme.bits, scheme.symmetric)
+    q = quantize_values(groups, scale, zero_point, scheme.bits, scheme.symmetric)
+    return QuantizedWeight(
+        codes=q.view(n, k).to(torch.int8),
+        scale=scale[..., 0].to(SCALE_DTYPE),
+        zero_point=None if zero_point is None else zero_point[..., 0].to(torch.int8),
+        bits=scheme.bits,
+        group_size=scheme.group_size_for(k),
+    )

@@ -1,0 +1,120 @@
+"""A release `Recipe` (gpuagent.protocol) as the weight scheme `compress` applies.
+
+One recipe, one scheme: `weights` names the format (w8a16 = int8, w4a16-gN =
+int4-gN, fp8), `method` how values are rounded (round-to-nearest or GPTQ),
+`symmetric` whether int4 groups carry a zero point, `quantize_lm_head` whether an
+untied head is quantized too. Anything else in a recipe is refused by name.
+
+Group size for layers whose input width is not a multiple of the recipe's group
+(SmolLM2's hidden size 576 is not a multiple of 128): the largest power of two that
+divides the width and is at most the recipe's group (576 -> 64). Powers of two
+because the Triton int4 kernel tiles K by the group; the size each projection got is
+recorded in the config groups (one group per size) and in `CompressResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from gpuagent.protocol import Recipe
+
+# Weight format name -> (kind, bits): kind is "int" or "float" (fp8 e4m3).
+_FORMATS = {
+    "int8": ("int", 8),
+    "w8a16": ("int", 8),
+    "fp8": ("float", 8),
+}
+DENSE_FORMATS = ("bf16", "fp16")
+MIN_GROUP_SIZE = 16  # smallest group the Triton int4 kernel takes
+
+
+class RecipeError(ValueError):
+    """A recipe `compress` cannot apply; the message names the option."""
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How each quantized Linear is stored."""
+
+    kind: str  # "int" or "float"
+    bits: int  # 4 or 8
+    group_size: int | None  # int4: requested group; None: one scale per row
+    symmetric: bool
+    method: str  # "rtn" or "gptq"
+    act_order: bool
+    quantize_lm_head: bool
+
+    @property
+    def name(self) -> str:
+        if self.kind == "float":
+            return "fp8"
+        if self.bits == 8:
+            return "w8a16"
+        return f"w4a16-g{self.group_size}" + ("" if self.symmetric else "-asym")
+
+    @property
+    def compression_format(self) -> str:
+        """compressed-tensors `format`: int codes packed in int32, fp8 stored as is."""
+        return "float-quantized" if self.kind == "float" else "pack-quantized"
+
+    def group_size_for(self, in_features: int) -> int | None:
+        """The group this layer gets (module docstring); None for per-channel."""
+        if self.group_size is None:
+            return None
+        group = self.group_size
+        while group >= MIN_GROUP_SIZE and in_features % group:
+            group //= 2
+        if group < MIN_GROUP_SIZE:
+            raise RecipeError(
+                f"in_features={in_features} has no power-of-two group size between "
+                f"{MIN_GROUP_SIZE} and {self.group_size}"
+            )
+        return group
+
+
+def parse_recipe(recipe: Recipe | dict[str, Any]) -> Recipe:
+    """A `Recipe` from a dict, unknown options named in the error."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"recipe must be a mapping, got {type(recipe).__name__}")
+    unknown = sorted(set(recipe) - set(Recipe.model_fields))
+    if unknown:
+        raise RecipeError(
+            f"unknown recipe option(s) {unknown}; known: {sorted(Recipe.model_fields)}"
+        )
+    try:
+        return Recipe.model_validate(recipe)
+    except ValidationError as exc:
+        raise RecipeError(f"invalid recipe: {exc}") from exc
+
+
+def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
+    """The scheme of a recipe; None for a dense (bf16/fp16) recipe, which `compress`
+    does not apply. Raises RecipeError for options that don't fit the format."""
+    recipe = parse_recipe(recipe)
+    fmt = recipe.weights
+    if fmt in DENSE_FORMATS:
+        return None
+    if fmt.startswith(("int4-g", "w4a16-g")):
+        kind, bits, group = "int", 4, int(fmt.rsplit("-g", 1)[1])
+    else:
+        (kind, bits), group = _FORMATS[fmt], None
+    if not recipe.symmetric and bits != 4:
+        raise RecipeError(f"symmetric=false is only offered for int4, not {fmt!r}")
+    if kind == "float" and recipe.method != "rtn":
+        raise RecipeError("method 'gptq' is not offered for fp8 (use 'rtn')")
+    if recipe.act_order and recipe.method != "gptq":
+        raise RecipeError("act_order=true needs method 'gptq'")
+    return WeightScheme(
+        kind=kind,
+        bits=bits,
+        group_size=group,
+        symmetric=recipe.symmetric,
+        method=recipe.method,
+        act_order=recipe.act_order,
+        quantize_lm_head=recipe.quantize_lm_head,
+    )

@@ -1,0 +1,248 @@
+"""Quantized weights in the engine: a compressed-tensors checkpoint's Linear layers
+run through `kernels.weight_matmul` (Triton on a GPU, the torch reference on a CPU).
+
+`split_quantized(checkpoint, quantization_config)` takes the quantized tensors out
+of a checkpoint (leaving the dense ones for the state dict) as one `QuantLinear`
+per module; `install(model, layers)` puts them in place of the model's
+`nn.Linear`s. Formats (see `gpuagent.compress.checkpoint`):
+
+- pack-quantized, 8 bits, per channel: unpacked once to int8 [N, K] ->
+  `weight_int8_matmul`;
+- pack-quantized, 4 bits, groups: the packed int32 words as stored ->
+  `weight_int4_matmul`; with a zero point (asymmetric), W = (q - zp) s, so
+  x W^T = x (q s)^T - (x summed per group) (zp s)^T, a [M, K/g] x [K/g, N] term;
+- float-quantized (fp8 e4m3, per channel): dequantized to the activation dtype per
+  call (no fp8 kernel in `kernels` yet) and multiplied by torch.
+
+Anything else in a `quantization_config` is refused by name (ModelLoadError).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kernels.weight_matmul import weight_int4_matmul, weight_int8_matmul
+
+SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
+QUANTIZED_DTYPES = (torch.int32, torch.int64, torch.float8_e4m3fn)
+_SUFFIXES = (
+    ".weight_packed",
+    ".weight_scale",
+    ".weight_shape",
+    ".weight_zero_point",
+)
+_CONFIG_KEYS = {
+    "quant_method",
+    "format",
+    "quantization_status",
+    "config_groups",
+    "ignore",
+    "kv_cache_scheme",
+    "global_compression_ratio",
+    "sparsity_config",
+    "version",
+    "transform_config",
+}
+
+
+class QuantizedWeightError(ValueError):
+    """The quantized part of a checkpoint can't be loaded; the message says why."""
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T with W held quantized (module docstring)."""
+
+    def __init__(
+        self,
+        kind: str,
+        out_features: int,
+        in_features: int,
+        tensors: dict[str, Tensor],
+        group_size: int | None,
+    ) -> None:
+        super().__init__()
+        self.kind = kind  # "int8", "int4", "fp8"
+        self.out_features, self.in_features = out_features, in_features
+        self.group_size = group_size
+        for name, t in tensors.items():
+            self.register_buffer(name, t)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if self.kind == "int8":
+            y = weight_int8_matmul(x2, self.codes, self.scale.to(x.dtype))
+        elif self.kind == "int4":
+            y = weight_int4_matmul(
+                x2.contiguous(), self.packed, self.scale.to(x.dtype), self.group_size
+            )
+            if hasattr(self, "zero_scale"):
+                # - (x summed per group) @ (zp * s)^T: [M, K/g] @ [K/g, N]
+                sums = x2.unflatten(-1, (-1, self.group_size)).sum(-1)
+                y = y - (sums.float() @ self.zero_scale.float().t()).to(y.dtype)
+        else:
+            w = self.codes.to(x.dtype) * self.scale.to(x.dtype)  # [N, K]
+            y = x2 @ w.t()
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def is_quantized(hf_config: dict[str, Any]) -> bool:
+    """Whether config.json declares a quantized checkpoint."""
+    return "quantization_config" in hf_config
+
+
+def check_quantization_config(qc: Any) -> None:
+    """Refuse a `quantization_config` this engine doesn't run, naming what."""
+    if not isinstance(qc, dict):
+        raise QuantizedWeightError("quantization_config is not a JSON object")
+    unknown = sorted(set(qc) - _CONFIG_KEYS)
+    if unknown:
+        raise QuantizedWeightError(f"quantization_config has unknown keys {unknown}")
+    if qc.get("quant_method") != "compressed-tensors":
+        raise QuantizedWeightError(
+            f"quant_method {qc.get('quant_method')!r} is not supported "
+            "(only 'compressed-tensors')"
+        )
+    if qc.get("quantization_status") != "compressed":
+        raise QuantizedWeightError("only quantization_status 'compressed' is loaded")
+    for name, group in (qc.get("config_groups") or {}).items():
+        fmt = group.get("format") or qc.get("format")
+        if fmt not in SUPPORTED_FORMATS:
+            raise QuantizedWeightError(f"{name}: format {fmt!r} is not supported")
+        if group.get("input_activations") or group.get("output_activations"):
+            raise QuantizedWeightError(
+                f"{name}: activation quantization is not supported (weight-only)"
+            )
+        w = group.get("weights") or {}
+        if w.get("dynamic"):
+            raise QuantizedWeightError(f"{name}: dynamic weights are not supported")
+
+
+def _group_for(module: str, qc: dict[str, Any]) -> dict[str, Any]:
+    # the config group whose targets match the module name (Linear matches all)
+    for group in qc["config_groups"].values():
+        for target in group.get("targets", []):
+            if target == "Linear" or target == module:
+                return group
+            if target.startswith("re:") and re.match(target[3:], module):
+                return group
+    raise QuantizedWeightError(f"{module} is quantized but no config group targets it")
+
+
+def split_quantized(
+    checkpoint: dict[str, Tensor], qc: dict[str, Any]
+) -> tuple[dict[str, Tensor], dict[str, QuantLinear]]:
+    """(dense tensors, HF module name -> QuantLinear) of a compressed checkpoint.
+    k_scale / v_scale are left among the dense tensors (the caller takes them)."""
+    check_quantization_config(qc)
+    dense: dict[str, Tensor] = {}
+    parts: dict[str, dict[str, Tensor]] = {}
+    for name, t in checkpoint.items():
+        suffix = next((s for s in _SUFFIXES if name.endswith(s)), None)
+        if suffix is None and t.dtype == torch.float8_e4m3fn:
+            suffix = ".weight"
+        if suffix is None:
+            dense[name] = t
+            continue
+        module = name.removesuffix(suffix)
+        parts.setdefault(module, {})[suffix[1:]] = t
+    layers = {m: _quant_linear(m, p, _group_for(m, qc)) for m, p in parts.items()}
+    return dense, layers
+
+
+def _quant_linear(module: str, p: dict[str, Tensor], group: dict) -> QuantLinear:
+    args = group.get("weights") or {}
+    bits, kind = args.get("num_bits"), args.get("type")
+    group_size = args.get("group_size") if args.get("strategy") == "group" else None
+    if "weight_scale" not in p:
+        raise QuantizedWeightError(f"{module} lacks weight_scale")
+    scale = p["weight_scale"]
+    if kind == "float":
+        if bits != 8 or "weight" not in p:
+            raise QuantizedWeightError(f"{module}: only fp8 e4m3 weights are loaded")
+        n, k = p["weight"].shape
+        return QuantLinear("fp8", n, k, {"codes": p["weight"], "scale": scale}, None)
+    if kind != "int" or bits not in (4, 8) or "weight_packed" not in p:
+        raise QuantizedWeightError(
+            f"{module}: {bits}-bit {kind} weights are not supported (int4/int8 "
+            "pack-quantized, fp8)"
+        )
+    n, k = (int(v) for v in p["weight_shape"].tolist())
+    if bits == 8:
+        if group_size is not None or not args.get("symmetric", True):
+            raise QuantizedWeightError(f"{module}: int8 must be per-channel symmetric")
+        codes = unpack_int32(p["weight_packed"], 8, k)
+        return QuantLinear("int8", n, k, {"codes": codes, "scale": scale[:, 0]}, None)
+    if group_size is None:
+        raise QuantizedWeightError(f"{module}: int4 needs a group strategy")
+    tensors = {"packed": p["weight_packed"].contiguous(), "scale": scale.contiguous()}
+    if not args.get("symmetric", True):
+        zp = unpack_int32(p["weight_zero_point"].t().contiguous(), 4, n).t()  # [N, G]
+        tensors["zero_scale"] = zp.float() * scale.float()
+    return QuantLinear("int4", n, k, tensors, group_size)
+
+
+def pack_int32(codes: Tensor, bits: int) -> Tensor:
+    """Pack int8 codes [R, C] (values fitting `bits` signed) into int32 words
+    [R, C * bits / 32] along dim 1: each stored as code + 2^(bits-1), least
+    significant bits first (compressed-tensors' pack_to_int32). C * bits must be a
+    multiple of 32."""
+    if bits not in (4, 8):
+        raise ValueError(f"packing {bits}-bit codes is not supported (4 or 8)")
+    per_word = 32 // bits
+    rows, cols = codes.shape
+    if cols % per_word:
+        raise ValueError(f"{cols} columns don't fill whole int32 words of {bits} bits")
+    unsigned = (codes.to(torch.int64) + (1 << (bits - 1))).view(rows, -1, per_word)
+    shifts = bits * torch.arange(per_word, dtype=torch.int64, device=codes.device)
+    words = (unsigned << shifts).sum(dim=-1)  # [R, C / per_word] in [0, 2^32)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # as signed int32
+    return words.to(torch.int32)
+
+
+def unpack_int32(packed: Tensor, bits: int, cols: int) -> Tensor:
+    """Inverse of `pack_int32`: int32 [R, W] -> int8 codes [R, cols]."""
+    per_word = 32 // bits
+    shifts = bits * torch.arange(per_word, dtype=torch.int64, device=packed.device)
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # [R, W] unsigned
+    values = (words[..., None] >> shifts) & ((1 << bits) - 1)  # [R, W, per_word]
+    codes = values.flatten(-2)[:, :cols] - (1 << (bits - 1))
+    return codes.to(torch.int8)
+
+
+def install(model: nn.Module, layers: dict[str, QuantLinear]) -> None:
+    """Replace the model's Linear modules by their QuantLinear (HF names)."""
+    for hf, layer in layers.items():
+        name = hf.removeprefix("model.")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if not isinstance(getattr(parent, child, None), nn.Linear):
+            raise QuantizedWeightError(f"{hf} is not a Linear of this model")
+        old = getattr(parent, child)
+        if (old.out_features, old.in_features) != (
+            layer.out_features,
+            layer.in_features,
+        ):
+            raise QuantizedWeightError(
+                f"{hf}: quantized shape {(layer.out_features, layer.in_features)} "
+                f"vs config {(old.out_features, old.in_features)}"
+            )
+        setattr(parent, child, layer)
+
+
+def to_model(layer: QuantLinear, dtype: torch.dtype, device: str) -> QuantLinear:
+    """The layer on `device`, its scales in the model's dtype (codes as stored)."""
+    for name, buf in list(layer.named_buffers()):
+        if buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            buf = buf.to(dtype)
+        setattr(layer, name, buf.to(device))
+    return layer
+
+
+def quantized_param_names(layers: dict[str, QuantLinear]) -> set[str]:
+    """Our parameter names that the quantized layers replace."""
+    return {hf.removeprefix("model.") + ".weight" for hf in layers}
