@@ -1,7 +1,7 @@
 """`python manage.py demo`: the embedded default, end to end.
 
 Migrates, creates a demo team with a registrant and an approver, registers the demo
-model as a release (bf16 weights, int8 KV cache), and promotes it through the real
+model as a release (w4a16 weights, int8 KV cache), and promotes it through the real
 Celery task code in one worker process on the configured (by default embedded)
 transport. That worker is also the local CPU agent: it consumes the agent queues and
 runs gpuagent.tasks (inspect, compress, sign, verify, evaluate, load test, deploy)
@@ -41,9 +41,9 @@ from controlplane.releases.timings import stage_timings
 from gpuagent.integrity.keys import ensure_key_pair
 
 DEMO_MODEL = Path(settings.BASE_DIR) / "gpuagent" / "engine" / "demo_model"
-# bf16 weights until the compression package lands (the agent refuses other
-# weight formats rather than pretend), with an int8 KV cache.
-DEMO_RECIPE = {"weights": "bf16", "kv_cache_dtype": "int8"}
+# int4 weights (compressed-tensors w4a16, group 128, GPTQ on the calibration text)
+# with an int8 KV cache: what the compress, evaluate and load-test jobs exist for.
+DEMO_RECIPE = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "method": "gptq"}
 LOCAL_AGENT = "local"
 # The default gate policy (gates.GatePolicy()): every quality slice and workload
 # must be reported and within its thresholds, integrity must pass; except that the
