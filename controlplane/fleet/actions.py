@@ -58,7 +58,7 @@ def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Ag
             gpu_memory_bytes=beat.memory_total_bytes,
             gpu_memory_free_bytes=beat.memory_free_bytes,
             running_jobs=beat.running_jobs,
-            loaded_deployments=beat.deployments,
+            loaded_deployments=[d.model_dump(mode="json") for d in beat.deployments],
             capabilities={"can_sign": beat.can_sign, "pool_queue": beat.pool_queue},
         )
     Agent.objects.filter(pk=agent.pk).update(**fields)

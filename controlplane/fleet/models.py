@@ -108,6 +108,9 @@ class Deployment(models.Model):
     )
     state = models.CharField(max_length=30, choices=STATE_CHOICES, default="deploying")
     endpoint = models.CharField(max_length=300, blank=True)
+    # The agent's own id of the server (gpuagent.serving's deployment id): what
+    # undeploy and reverify jobs name on that agent.
+    serving_id = models.CharField(max_length=100, blank=True)
     started = models.DateTimeField(default=timezone.now)
     ended = models.DateTimeField(null=True, blank=True)
 

@@ -255,6 +255,7 @@ def _deployment_done(job: Job) -> None:
             actor=WORKER,
             endpoint=str(job.result.get("endpoint", "")),
             agent=job.agent,
+            serving_id=str(job.result.get("deployment_id", "")),
         )
     else:
         verification = any(job.result.get(k) for k in ("missing", "extra", "changed"))

@@ -59,6 +59,7 @@ def request_for(job: Job) -> JobRequest:
         candidate=str(_latest_result(release, "compress").get("candidate", "")),
         signature=release.signature,
         deployment_id=deployment.pk if deployment else None,
+        serving_id=deployment.serving_id if deployment else "",
     )
 
 
