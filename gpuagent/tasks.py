@@ -17,7 +17,9 @@ payload where it has one): never a success that did no work.
 Configuration (set by `python -m gpuagent run`, or the environment of the embedded
 worker): GPUAGENT_NAME, GPUAGENT_ARTIFACTS, GPUAGENT_SIGNING_KEY (a PEM private
 key: only the agent that signs holds it), GPUAGENT_TRUSTED_KEYS (PEM public keys,
-comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS.
+comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS,
+GPUAGENT_ALLOWED_PROGRAMS (programs an external backend's template may start,
+comma-separated, as the template writes them; unset: any).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class Agent:
     controlplane_queue: str
     pool_queue: str
     threads: int
+    # Programs an external backend's template may start (None: any).
+    allowed_programs: frozenset[str] | None = None
     running_jobs: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _registry: Registry | None = None
@@ -142,6 +146,11 @@ def agent() -> Agent:
             controlplane_queue=env.get("GPUAGENT_CONTROLPLANE_QUEUE", "celery"),
             pool_queue=env.get("GPUAGENT_POOL", "agents"),
             threads=int(env.get("GPUAGENT_THREADS", "1")),
+            allowed_programs=(
+                frozenset(p for p in env["GPUAGENT_ALLOWED_PROGRAMS"].split(",") if p)
+                if "GPUAGENT_ALLOWED_PROGRAMS" in env
+                else None
+            ),
         )
     return _agent
 
@@ -505,7 +514,11 @@ def deploy(req: JobRequest, me: Agent) -> DeployResult:
     /health. A redelivered deploy finds its server still healthy and returns it."""
     spec = deploy_spec(req, me, req.backend)
     result = serving.deploy(
-        _candidate(req, me), spec, registry=me.registry, trust=trust(req, me)
+        _candidate(req, me),
+        spec,
+        registry=me.registry,
+        trust=trust(req, me),
+        allowed_programs=me.allowed_programs,
     )
     if not result.ok:
         raise JobFailed(result.error, result)

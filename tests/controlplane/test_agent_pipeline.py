@@ -24,8 +24,8 @@ from controlplane.accounts.models import ApiToken
 from controlplane.celery import worker_command
 from controlplane.fleet.models import Agent
 from controlplane.releases.actions import do_set_gate_policy
-from controlplane.releases.models import Release
 from gpuagent.integrity.keys import ensure_key_pair
+from gpuagent.serving import Registry, loaded_deployments, undeploy
 from tests.controlplane.test_worker_integration import database_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,15 +149,27 @@ class Cluster:
         )
 
 
-def stop_servers(release: Release) -> None:
-    """The engine servers the deploy jobs started outlive their agents."""
-    for job in release.jobs.filter(kind="deploy", state="succeeded"):
-        pid = job.result.get("pid")
-        if pid:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+def complete(endpoint: str, max_tokens: int = 4) -> dict:
+    """A chat completion from the server at `endpoint` (asserted 200)."""
+    completion = httpx.post(
+        f"{endpoint}/v1/chat/completions",
+        json={
+            "model": "candidate",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": max_tokens,
+        },
+        timeout=60,
+    )
+    assert completion.status_code == 200, completion.text
+    return completion.json()
+
+
+def stop_servers(cluster: "Cluster") -> None:
+    """The servers the deploy jobs started outlive their agents: stop every one
+    the agents' serving registry records."""
+    registry = Registry(cluster.artifacts / "serving")
+    for info in loaded_deployments(registry):
+        undeploy(info.deployment_id, registry=registry, grace_s=5)
 
 
 @pytest.fixture
@@ -273,23 +285,13 @@ def test_it_takes_a_release_from_registration_to_live_on_agents(
         wait_for_state(release, ("live", "failed", "failed_verification"), cluster)
         assert release.state == "live", release.failure_reason
         deployment = release.deployments.get()
-        completion = httpx.post(
-            f"{deployment.endpoint}/v1/chat/completions",
-            json={
-                "model": "candidate",
-                "messages": [{"role": "user", "content": "Hello"}],
-                "max_tokens": 4,
-            },
-            timeout=60,
-        )
-        assert completion.status_code == 200, completion.text
-        assert completion.json()["usage"]["completion_tokens"] >= 1
+        assert complete(deployment.endpoint)["usage"]["completion_tokens"] >= 1
         timings = api(client, ci, "get", f"/releases/{release.pk}").json()["timings"]
         assert timings["time_to_deploy_s"] > 0
         assert 0 < timings["integrity_pct"] < 100
         assert 0 < timings["quality_load_pct"] < 100
     finally:
-        stop_servers(release)
+        stop_servers(cluster)
 
 
 @pytest.mark.integration
