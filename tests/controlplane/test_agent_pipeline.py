@@ -274,16 +274,7 @@ def test_it_takes_a_release_from_registration_to_live_on_agents(
         assert any(g.startswith("quality:") for g in gates), gates
         assert any(g.startswith("load:") for g in first_gates), first_gates
 
-        approved = api(
-            client,
-            approver,
-            "post",
-            f"/releases/{release.pk}/approve",
-            {"manifest_digest": detail["manifest_digest"], "comment": "ok"},
-        )
-        assert approved.status_code == 200, approved.content
-        wait_for_state(release, ("live", "failed", "failed_verification"), cluster)
-        assert release.state == "live", release.failure_reason
+        approve_to_live(release, detail, cluster, client, approver)
         deployment = release.deployments.get()
         assert complete(deployment.endpoint)["usage"]["completion_tokens"] >= 1
         timings = api(client, ci, "get", f"/releases/{release.pk}").json()["timings"]
@@ -359,6 +350,11 @@ def to_live(release, cluster, client, ci: str, approver: str) -> None:
         release.failure_reason,
         [g for g in detail["gate_results"] if g["outcome"] != "pass"],
     )
+    approve_to_live(release, detail, cluster, client, approver)
+
+
+def approve_to_live(release, detail, cluster, client, approver: str) -> None:
+    """Approve `release` (its `detail` from the API) and wait until it is live."""
     approved = api(
         client,
         approver,
