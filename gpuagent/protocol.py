@@ -129,7 +129,10 @@ class JobRequest(_Message):
     only for the attempt in force, so a redelivered old message changes nothing.
     `candidate` is the candidate folder relative to the artifact store (shared by
     the agents), empty until the compress job made one. `signature` is the
-    candidate's signature file (JSON text) for verify and deploy."""
+    candidate's signature file (JSON text) for verify and deploy. `deployment_id`
+    is the control plane's deployment; `serving_id` the agent's own id of its
+    server (DeployResult.deployment_id) for undeploy and reverify; `backend` is
+    how the target environment serves (deploy)."""
 
     job_id: int
     release_id: int
@@ -143,6 +146,8 @@ class JobRequest(_Message):
     candidate: str = ""
     signature: str = ""
     deployment_id: int | None = None
+    serving_id: str = ""
+    backend: BackendSpec = Field(default_factory=lambda: BackendSpec())
 
 
 class Heartbeat(_Message):
@@ -156,7 +161,9 @@ class Heartbeat(_Message):
     memory_total_bytes: int = Field(ge=0)
     memory_free_bytes: int = Field(ge=0)
     running_jobs: list[int] = []
-    deployments: list[int] = Field(default=[], description="deployment ids served")
+    deployments: list[DeploymentInfo] = Field(
+        default=[], description="the servers this agent runs now"
+    )
     can_sign: bool = False
 
 
@@ -499,3 +506,8 @@ class LoadTestReport(_Message):
     kv_blocks_total: int = Field(0, ge=0)
     kv_block_size_tokens: int = Field(0, ge=0)
     max_model_len: int = Field(0, ge=0)
+
+
+# Defined above the models they name.
+JobRequest.model_rebuild()
+Heartbeat.model_rebuild()

@@ -8,15 +8,18 @@ model, and sends the `JobResult` back to the control plane's queue by task name
 
 Handlers call the real packages: gpuagent.integrity (inspect, hash, sign, verify),
 gpuagent.evaluate (in-process quality regression of candidate vs parent),
-gpuagent.loadtest (against an engine server started for the candidate) and
-gpuagent.serve_local (deploy: verify, then serve). A handler that can't do what the
-request asks raises JobFailed (with a payload where it has one): never a success
-that did no work.
+gpuagent.loadtest (against a server gpuagent.serving starts for the candidate)
+and gpuagent.serving (deploy: verify, then serve; undeploy; re-verify a deployed
+copy), whose Registry (`<artifacts>/serving`) is this agent's record of what it
+serves. A handler that can't do what the request asks raises JobFailed (with a
+payload where it has one): never a success that did no work.
 
 Configuration (set by `python -m gpuagent run`, or the environment of the embedded
 worker): GPUAGENT_NAME, GPUAGENT_ARTIFACTS, GPUAGENT_SIGNING_KEY (a PEM private
 key: only the agent that signs holds it), GPUAGENT_TRUSTED_KEYS (PEM public keys,
-comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS.
+comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS,
+GPUAGENT_ALLOWED_PROGRAMS (programs an external backend's template may start,
+comma-separated, as the template writes them; unset: any).
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ from celery import current_app, shared_task
 from celery.signals import worker_ready
 from pydantic import BaseModel
 
+from gpuagent import serving
 from gpuagent.artifacts import ArtifactStore, candidate_key
 from gpuagent.protocol import (
+    BackendSpec,
     CompressJobResult,
     CompressResult,
     DeployResult,
-    FileDigest,
+    DeploySpec,
     HashResult,
     InspectResult,
     JobRequest,
@@ -49,6 +54,7 @@ from gpuagent.protocol import (
     UndeployResult,
     VerifyResult,
 )
+from gpuagent.serving import Registry, Trust
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,12 @@ LOAD_REQUESTS = 4
 LOAD_CONCURRENCY = 2
 LOAD_MAX_SECONDS = 60.0
 LOAD_PROMPT_TOKENS = 160  # room for the longest profile instruction + template
+# What the agent's servers are called (the `model` of a completion request), how
+# long one may take to answer /health, and the engine's KV budget when the
+# environment's backend sets none.
+SERVED_MODEL_NAME = "candidate"
+HEALTH_TIMEOUT_S = 120.0
+ENGINE_KV_MEMORY_GB = 0.05
 
 
 class JobFailed(Exception):
@@ -83,13 +95,22 @@ class Agent:
     controlplane_queue: str
     pool_queue: str
     threads: int
+    # Programs an external backend's template may start (None: any).
+    allowed_programs: frozenset[str] | None = None
     running_jobs: set[int] = field(default_factory=set)
-    deployments: dict[int, dict] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _registry: Registry | None = None
 
     @property
     def queue(self) -> str:
         return f"agent.{self.name}"
+
+    @property
+    def registry(self) -> Registry:
+        """The servers this agent runs and the digests it refuses to load."""
+        if self._registry is None:
+            self._registry = Registry(self.store.root / "serving")
+        return self._registry
 
     def public_keys(self) -> tuple[Path, ...]:
         """Keys a signature may be made with: the trusted ones, and this agent's
@@ -124,6 +145,11 @@ def agent() -> Agent:
             controlplane_queue=env.get("GPUAGENT_CONTROLPLANE_QUEUE", "celery"),
             pool_queue=env.get("GPUAGENT_POOL", "agents"),
             threads=int(env.get("GPUAGENT_THREADS", "1")),
+            allowed_programs=(
+                frozenset(p for p in env["GPUAGENT_ALLOWED_PROGRAMS"].split(",") if p)
+                if "GPUAGENT_ALLOWED_PROGRAMS" in env
+                else None
+            ),
         )
     return _agent
 
@@ -213,21 +239,12 @@ def source_folder(source_uri: str) -> Path:
     return folder
 
 
-def file_digests(folder: Path):
+def hashed(folder: Path):
     """(manifest, [FileDigest]) of a folder, through gpuagent.integrity."""
-    from gpuagent.integrity import hash_model
+    from gpuagent.integrity import file_digests, hash_model
 
     manifest = hash_model(folder)
-    files = []
-    for relpath, resources in manifest.files().items():
-        digest = (
-            f"{resources[0].algorithm}:{resources[0].digest}"
-            if len(resources) == 1
-            else f"shards:{len(resources)}"
-        )
-        size = (folder / relpath).stat().st_size
-        files.append(FileDigest(path=relpath, size_bytes=size, digest=digest))
-    return manifest, files
+    return manifest, file_digests(folder, manifest)
 
 
 def inspect_source(req: JobRequest, me: Agent) -> InspectResult:
@@ -246,7 +263,7 @@ def inspect_source(req: JobRequest, me: Agent) -> InspectResult:
             for finding in f.findings
         ]
         raise JobFailed(str(exc), InspectResult(ok=False, problems=problems)) from exc
-    manifest, files = file_digests(folder)
+    manifest, files = hashed(folder)
     return InspectResult(ok=True, files=files, manifest_digest=manifest.digest)
 
 
@@ -260,7 +277,7 @@ def compress(req: JobRequest, me: Agent) -> CompressJobResult:
 
     assert req.recipe is not None, "compress needs a recipe"
     folder = source_folder(req.source_uri)
-    manifest, files = file_digests(folder)
+    manifest, files = hashed(folder)
     report_progress(req, 0.05)
     key = candidate_key(manifest.digest, req.recipe)
     # The report lives beside the candidate, so a later job with the same source and
@@ -329,7 +346,7 @@ def sign(req: JobRequest, me: Agent) -> HashResult:
     signed = sign_model(
         folder, signature, release=_binding(req), private_key=me.signing_key
     )
-    _, files = file_digests(folder)
+    _, files = hashed(folder)
     return HashResult(
         manifest_digest=signed.manifest.digest,
         files=files,
@@ -415,20 +432,16 @@ def evaluate(req: JobRequest, me: Agent):
 
 
 def load_test(req: JobRequest, me: Agent):
-    """LoadTestReport of an engine server started for the candidate with the
-    recipe's KV dtype, closed loop, few requests, every shipped profile."""
+    """LoadTestReport of an engine server started for the candidate (through
+    gpuagent.serving, verified against its digest first) with the recipe's KV
+    dtype, closed loop, few requests, every shipped profile."""
     from gpuagent.loadtest import Bounds, Costs, Plan, load_profiles, run_load_test
-    from gpuagent.serve_local import start_engine_server, stop_server
 
-    folder = _candidate(req, me)
-    log_path = me.store.root / "deployments" / f"loadtest-{req.job_id}.log"
-    server = start_engine_server(
-        folder,
-        kv_cache_dtype=req.recipe.kv_cache_dtype,
-        manifest_digest=req.manifest_digest,
-        log_path=log_path,
-        threads=me.threads,
-    )
+    before = {info.deployment_id for info in serving.loaded_deployments(me.registry)}
+    spec = deploy_spec(req, me, BackendSpec())
+    server = serving.deploy(_candidate(req, me), spec, registry=me.registry)
+    if not server.ok:
+        raise JobFailed(f"load test: no server for the candidate: {server.error}")
     report_progress(req, 0.2)
     try:
         profiles = [
@@ -442,61 +455,105 @@ def load_test(req: JobRequest, me: Agent):
         )
         return asyncio.run(run_load_test(server.endpoint, profiles, plan, Costs()))
     finally:
-        stop_server(server.pid)
+        if server.deployment_id not in before:  # never stop a live deployment
+            serving.undeploy(server.deployment_id, registry=me.registry)
+
+
+def deploy_spec(req: JobRequest, me: Agent, backend: BackendSpec) -> DeploySpec:
+    """The DeploySpec of `req`: its approved digest, recipe and release binding, on
+    `backend` (the environment's; the project's engine gets this agent's threads
+    and a small KV budget when the environment sets none)."""
+    assert req.recipe is not None, f"{req.kind} needs a recipe"
+    if backend.kind == "engine":
+        backend = backend.model_copy(
+            update={
+                "threads": backend.threads or me.threads,
+                "kv_memory_gb": backend.kv_memory_gb or ENGINE_KV_MEMORY_GB,
+            }
+        )
+    return DeploySpec(
+        manifest_digest=req.manifest_digest,
+        recipe=req.recipe,
+        backend=backend,
+        served_model_name=SERVED_MODEL_NAME,
+        health_timeout_s=HEALTH_TIMEOUT_S,
+        release_model=req.model,
+        release_version=req.version,
+        release_recipe=recipe_text(req),
+    )
+
+
+def trust(req: JobRequest, me: Agent) -> Trust:
+    """The request's signature (written where this agent keeps signatures) and
+    the keys this agent trusts."""
+    if not req.signature:
+        raise JobFailed(f"{req.kind} needs the candidate's signature; none recorded")
+    keys = me.public_keys()
+    if not keys:
+        raise JobFailed(f"agent {me.name} trusts no signing key")
+    folder = me.store.root / "signatures"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"job-{req.job_id}.sig"
+    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as tmp:
+        tmp.write(req.signature)
+    os.replace(tmp.name, path)
+    return Trust(signature_path=path, public_keys=keys)
 
 
 def deploy(req: JobRequest, me: Agent) -> DeployResult:
-    """Verify the candidate against the approved digest and signature, then start
-    its engine server (verify-on-load again) and wait for /health. A redelivered
-    deploy finds its server still healthy and returns it."""
-    from gpuagent.serve_local import ServeError, healthy, start_engine_server
-
-    assert req.deployment_id is not None, "deploy needs a deployment id"
-    running = me.deployments.get(req.deployment_id)
-    if running and healthy(running["endpoint"]):
-        return DeployResult(ok=True, **running)
-    folder = _candidate(req, me)
-    verify_candidate(folder, req, me)
-    with tempfile.NamedTemporaryFile(
-        "w", suffix=".sig", dir=me.store.root / "signatures", delete=False
-    ) as sig:
-        sig.write(req.signature)
-    try:
-        server = start_engine_server(
-            folder,
-            kv_cache_dtype=req.recipe.kv_cache_dtype,
-            manifest_digest=req.manifest_digest,
-            log_path=me.store.root / "deployments" / f"{req.deployment_id}.log",
-            signature_path=Path(sig.name),
-            public_keys=me.public_keys(),
-            binding=(req.model, req.version, recipe_text(req)),
-            threads=me.threads,
-        )
-    except ServeError as exc:
-        raise JobFailed(str(exc)) from exc
-    entry = {
-        "endpoint": server.endpoint,
-        "manifest_digest": req.manifest_digest,
-        "pid": server.pid,
-    }
-    with me.lock:
-        me.deployments[req.deployment_id] = entry
-    return DeployResult(ok=True, **entry)
+    """gpuagent.serving.deploy of the candidate on the environment's backend: the
+    folder is verified against the approved digest and signature before any
+    process starts, the server (the engine verifies on load again) must answer
+    /health. A redelivered deploy finds its server still healthy and returns it."""
+    spec = deploy_spec(req, me, req.backend)
+    result = serving.deploy(
+        _candidate(req, me),
+        spec,
+        registry=me.registry,
+        trust=trust(req, me),
+        allowed_programs=me.allowed_programs,
+    )
+    if not result.ok:
+        raise JobFailed(result.error, result)
+    return result
 
 
 def undeploy(req: JobRequest, me: Agent) -> UndeployResult:
-    from gpuagent.serve_local import stop_server
-
-    assert req.deployment_id is not None, "undeploy needs a deployment id"
-    with me.lock:
-        entry = me.deployments.pop(req.deployment_id, None)
-    stopped = bool(entry) and stop_server(entry["pid"])
-    return UndeployResult(deployment_id=req.deployment_id, stopped=stopped)
+    """Stop the deployment's server (idempotent: stopped=False when none ran)."""
+    if not req.serving_id:
+        raise JobFailed("undeploy needs the agent's deployment id; none recorded")
+    stopped = serving.undeploy(req.serving_id, registry=me.registry)
+    return UndeployResult(deployment_id=req.deployment_id or 0, stopped=stopped)
 
 
 def reverify(req: JobRequest, me: Agent) -> VerifyResult:
-    """Re-hash the deployed copy against its signature and approved digest."""
-    return verify_candidate(_candidate(req, me), req, me)
+    """Re-hash the deployed copy against its signature and approved digest; a
+    mismatch quarantines the digest on this agent (it never loads it again) and
+    fails the job with the missing/extra/changed files."""
+    from gpuagent.serving.verify import describe_mismatch, trust_policy
+
+    if not req.serving_id:
+        raise JobFailed("reverify needs the agent's deployment id; none recorded")
+    signed = trust(req, me)
+    record = me.registry.get(req.serving_id)
+    if record is None:
+        raise JobFailed(f"deployment {req.serving_id} is not on this agent")
+    result = serving.reverify(
+        record.info.model_dir,
+        req.manifest_digest,
+        approved_files=record.approved_files,
+        signature_path=signed.signature_path,
+        policy=trust_policy(signed, deploy_spec(req, me, req.backend)),
+    )
+    if not result.ok:
+        me.registry.quarantine(req.manifest_digest)
+        why = describe_mismatch(result) or result.error
+        raise JobFailed(
+            f"deployed copy of {req.manifest_digest} no longer verifies ({why}); "
+            "quarantined on this agent",
+            result,
+        )
+    return result
 
 
 HANDLERS: dict[str, Callable[[JobRequest, Agent], BaseModel]] = {
@@ -516,8 +573,14 @@ HANDLERS: dict[str, Callable[[JobRequest, Agent], BaseModel]] = {
 @worker_ready.connect
 def _start_heartbeat(sender=None, **_) -> None:
     """Any worker that runs these tasks as an agent (GPUAGENT_NAME set: `python -m
-    gpuagent run`, or the embedded control-plane worker) sends heartbeats."""
+    gpuagent run`, or the embedded control-plane worker) recovers the servers it
+    ran and sends heartbeats."""
     if os.environ.get("GPUAGENT_NAME"):
         from gpuagent.worker import start_heartbeat
 
+        # Servers started before a restart that still run are kept (and
+        # reported); records of dead ones are dropped.
+        found = serving.recover_deployments(agent().registry)
+        if found:
+            log.info("serving %d deployment(s) found running", len(found))
         start_heartbeat(sender.app if sender is not None else None)

@@ -2,10 +2,11 @@
 
 `python -m gpuagent run --name NAME --broker URL --artifacts PATH` starts a worker
 of this app consuming the agent's own queue (agent.NAME) and its pool's queue. The
-heartbeat thread sends `controlplane.fleet.record_heartbeat` with a Heartbeat every
-HEARTBEAT_S; the control plane notices an agent whose beats stop and retries its
-job on another one. The embedded control-plane worker runs the same task and the
-same heartbeat (see `start_heartbeat`)."""
+heartbeat thread sends `controlplane.fleet.record_heartbeat` with a Heartbeat (the
+servers its serving Registry runs among it) every HEARTBEAT_S; the control plane
+notices an agent whose beats stop and retries its job on another one. The embedded
+control-plane worker runs the same task and the same heartbeat (see
+`start_heartbeat`)."""
 
 from __future__ import annotations
 
@@ -58,13 +59,14 @@ def memory() -> tuple[str, str, int, int]:
 
 
 def heartbeat() -> Heartbeat:
+    from gpuagent.serving import loaded_deployments
     from gpuagent.tasks import agent
 
     me = agent()
     device, model, total, free = memory()
     with me.lock:
         running = sorted(me.running_jobs)
-        deployments = sorted(me.deployments)
+    deployments = loaded_deployments(me.registry)
     return Heartbeat(
         agent=me.name,
         queue=me.queue,

@@ -13,6 +13,7 @@ from controlplane.api import (
     gate_policy,
     model_families,
     releases,
+    serving_backend,
     webhooks,
 )
 from controlplane.api.auth import ApiTokenAuth
@@ -68,6 +69,7 @@ for module in (
     releases,
     environments,
     gate_policy,
+    serving_backend,
     webhooks,
     deployments,
     audit,

@@ -305,6 +305,23 @@ class EnvironmentOut(Schema):
     live_release_id: int | None
 
 
+class ServingBackendIn(RequestBody):
+    """How the environment's deploy jobs serve: the project's engine, or an
+    external OpenAI-compatible engine from a preset (e.g. vllm) or a command
+    template (README: Serving). `kind` is required (the setting is stated whole);
+    unknown keys are refused by name."""
+
+    kind: Literal["engine", "external"]
+    preset: str = Field("", max_length=50)
+    command_template: str = Field("", max_length=2000)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+
+
+class ServingBackendOut(Schema):
+    environment: str
+    backend: ServingBackendIn
+
+
 class GatePolicyIn(GatePolicy):
     """A whole policy, stated: `quality` and `load` are required (null: not gated
     on it); inside them a key left out takes its default."""

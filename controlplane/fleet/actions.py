@@ -5,7 +5,8 @@ from django.utils import timezone
 
 from controlplane.audit.actions import Actor, do_record_event
 from controlplane.errors import ValidationFailed
-from controlplane.fleet.models import AGENT_STATES, Agent
+from controlplane.fleet.backend import clean_backend
+from controlplane.fleet.models import AGENT_STATES, Agent, Environment
 from gpuagent.protocol import Heartbeat
 
 
@@ -58,7 +59,7 @@ def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Ag
             gpu_memory_bytes=beat.memory_total_bytes,
             gpu_memory_free_bytes=beat.memory_free_bytes,
             running_jobs=beat.running_jobs,
-            loaded_deployments=beat.deployments,
+            loaded_deployments=[d.model_dump(mode="json") for d in beat.deployments],
             capabilities={"can_sign": beat.can_sign, "pool_queue": beat.pool_queue},
         )
     Agent.objects.filter(pk=agent.pk).update(**fields)
@@ -103,3 +104,28 @@ def do_set_agent_state(agent: Agent, state: str, *, actor: Actor) -> Agent:
             actor, "agent.state_set", agent, before=before, after={"state": state}
         )
     return agent
+
+
+def do_set_serving_backend(
+    environment: Environment, backend: dict, *, actor: Actor
+) -> Environment:
+    """Set how the environment's deploy jobs serve (admin role; a token needs the
+    admin scope). ValidationFailed names the bad or unknown key."""
+    from controlplane.accounts.actions import check_actor_in_team
+
+    check_actor_in_team(actor, environment.team, scope="admin", roles=("admin",))
+    cleaned = clean_backend(backend)
+    with transaction.atomic():
+        environment = Environment.objects.select_for_update().get(pk=environment.pk)
+        before = environment.serving_backend
+        environment.serving_backend = cleaned
+        environment.save(update_fields=["serving_backend"])
+        do_record_event(
+            actor,
+            "environment.serving_backend_set",
+            environment,
+            before={"serving_backend": before},
+            after={"serving_backend": cleaned},
+            team=environment.team,
+        )
+    return environment

@@ -26,6 +26,10 @@ class Environment(models.Model):
     )
     name = models.SlugField(max_length=50)
     created = models.DateTimeField(default=timezone.now)
+    # How deploy jobs serve a release here (controlplane.fleet.backend): {} is
+    # the project's engine; else kind, preset or command_template,
+    # tensor_parallel_size, as validated by clean_backend.
+    serving_backend = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["team", "name"]
@@ -45,7 +49,12 @@ class Environment(models.Model):
         return self.deployments.serving().order_by("-started", "-id").first()
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "team": self.team.slug, "name": self.name}
+        return {
+            "id": self.id,
+            "team": self.team.slug,
+            "name": self.name,
+            "serving_backend": self.serving_backend,
+        }
 
 
 class Agent(models.Model):
@@ -108,6 +117,9 @@ class Deployment(models.Model):
     )
     state = models.CharField(max_length=30, choices=STATE_CHOICES, default="deploying")
     endpoint = models.CharField(max_length=300, blank=True)
+    # The agent's own id of the server (gpuagent.serving's deployment id): what
+    # undeploy and reverify jobs name on that agent.
+    serving_id = models.CharField(max_length=100, blank=True)
     started = models.DateTimeField(default=timezone.now)
     ended = models.DateTimeField(null=True, blank=True)
 

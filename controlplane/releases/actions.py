@@ -574,6 +574,7 @@ def do_complete_deployment(
     actor: Actor,
     endpoint: str = "",
     agent: Agent | None = None,
+    serving_id: str = "",
 ) -> Deployment:
     """deploying -> live; whatever was live in the environment becomes superseded
     (and stays warm as the rollback target)."""
@@ -600,7 +601,8 @@ def do_complete_deployment(
         deployment.state = "live"
         deployment.endpoint = endpoint or deployment.endpoint
         deployment.agent = agent or deployment.agent
-        deployment.save(update_fields=["state", "endpoint", "agent"])
+        deployment.serving_id = serving_id or deployment.serving_id
+        deployment.save(update_fields=["state", "endpoint", "agent", "serving_id"])
         do_transition_release(deployment.release, "live", actor=actor)
         do_record_event(
             actor,

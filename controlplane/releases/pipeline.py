@@ -255,7 +255,9 @@ def _deployment_done(job: Job) -> None:
             actor=WORKER,
             endpoint=str(job.result.get("endpoint", "")),
             agent=job.agent,
+            serving_id=str(job.result.get("deployment_id", "")),
         )
+        undeploy_older(deployment.environment)
     else:
         verification = any(job.result.get(k) for k in ("missing", "extra", "changed"))
         verification = verification or "refused to serve" in job.error
@@ -263,6 +265,35 @@ def _deployment_done(job: Job) -> None:
         actions.do_fail_deployment(
             deployment, actor=WORKER, reason=job.error, verification=verification
         )
+
+
+def undeploy_older(environment) -> list[Job]:
+    """Send an undeploy job for every release whose server still runs for
+    `environment` but is neither what it serves nor its rollback target (the
+    previous verified release), so superseded servers don't pile up on the
+    agents. A release served anywhere else keeps its server; one already sent
+    an undeploy since its last deployment ended is not sent another."""
+    serving = Deployment.objects.serving().values_list("release_id", flat=True)
+    keep = set(serving)
+    target = actions.previous_verified_deployment(environment)
+    if target is not None:
+        keep.add(target.release_id)
+    older = (
+        environment.deployments.filter(ended__isnull=False)
+        .exclude(serving_id="")
+        .exclude(release_id__in=keep)
+        .values_list("release_id", flat=True)
+        .distinct()
+    )
+    sent = []
+    for release in Release.objects.filter(pk__in=set(older)).order_by("pk"):
+        last = release.deployments.order_by("-started", "-id").first()
+        if last is None or last.ended is None or not last.serving_id:
+            continue  # deploying again (a rollback), or never loaded
+        if release.jobs.filter(kind="undeploy", created__gte=last.ended).exists():
+            continue
+        sent.append(dispatch(release, "undeploy"))
+    return sent
 
 
 def reverify(deployment_id: int) -> str:
@@ -327,6 +358,8 @@ def _after(job: Job) -> None:
         _deployment_done(job)
     elif job.kind == "reverify":
         _reverified(job)
+    elif job.kind == "undeploy":
+        return  # a stopped server moves no release
     elif job.kind in AGENT_KINDS:
         advance(job.release_id)
 

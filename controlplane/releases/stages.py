@@ -5,6 +5,7 @@ writes a JobResult through actions: the job's row, and the state a kind's result
 sets (sign: the manifest and signature the approval will bind to). Nothing here
 moves a release; that is the pipeline's (controlplane.releases.pipeline)."""
 
+from controlplane.fleet.backend import backend_spec
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases import actions
 from controlplane.releases.models import Job, Release
@@ -59,6 +60,12 @@ def request_for(job: Job) -> JobRequest:
         candidate=str(_latest_result(release, "compress").get("candidate", "")),
         signature=release.signature,
         deployment_id=deployment.pk if deployment else None,
+        serving_id=deployment.serving_id if deployment else "",
+        backend=backend_spec(
+            deployment.environment.serving_backend
+            if deployment
+            else release.target_environment.serving_backend
+        ),
     )
 
 

@@ -5,7 +5,8 @@ Torch-free (the control plane imports it). Public API:
 - `inspect_model(folder, policy)`: what the folder may hold (an allow-list the
   policy extends with `AllowedFile` patterns) and structural and content checks,
   report per file.
-- `hash_model(folder, algorithm)`: manifest of digests, manifest digest.
+- `hash_model(folder, algorithm)`: manifest of digests, manifest digest;
+  `file_digests(folder, manifest)`: its per-file digests as the agents report them.
 - `sign_model(...)` / `verify_model(folder, signature, policy)`: model-signing
   signatures bound to a release.
 - `read_verified_files(dir, manifest_digest, ...)`: verify-on-load; feed the
@@ -34,7 +35,13 @@ from gpuagent.integrity.inspection import (
     InspectionReport,
     inspect_model,
 )
-from gpuagent.integrity.manifest import HashSpec, Manifest, Resource, hash_model
+from gpuagent.integrity.manifest import (
+    HashSpec,
+    Manifest,
+    Resource,
+    file_digests,
+    hash_model,
+)
 from gpuagent.integrity.policy import (
     DEFAULT_POLICY,
     AllowedFile,
@@ -75,6 +82,7 @@ __all__ = [
     "SigningError",
     "UnsafePathError",
     "VerificationReport",
+    "file_digests",
     "hash_model",
     "inspect_model",
     "key_fingerprint",

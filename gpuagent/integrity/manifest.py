@@ -23,13 +23,16 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import blake3
 
 from gpuagent.integrity import _fs
 from gpuagent.integrity.errors import HashingError, IntegrityError, UnsafePathError
 from gpuagent.integrity.policy import GIT_PATHS
+
+if TYPE_CHECKING:
+    from gpuagent.protocol import FileDigest
 
 MANIFEST_FORMAT = "releasegate-manifest/v1"
 DEFAULT_SHARD_SIZE = 1_000_000_000  # model-signing's default shard size
@@ -512,3 +515,24 @@ def hash_model(
     # record ours explicitly so both hashers agree on the manifest.
     manifest = Manifest.from_model_signing(ms_manifest)
     return Manifest(manifest.model_name, spec, manifest.resources, tuple(ignore))
+
+
+def file_digests(
+    folder: str | Path, manifest: Manifest | None = None
+) -> list[FileDigest]:
+    """Per-file digests of `folder` as the agents and the control plane exchange
+    them (`gpuagent.protocol.FileDigest`: a sharded file is `shards:<count>`), from
+    `manifest` (default: `hash_model(folder)`)."""
+    from gpuagent.protocol import FileDigest
+
+    manifest = manifest if manifest is not None else hash_model(folder)
+    files = []
+    for relpath, resources in manifest.files().items():
+        digest = (
+            f"{resources[0].algorithm}:{resources[0].digest}"
+            if len(resources) == 1
+            else f"shards:{len(resources)}"
+        )
+        size = os.stat(Path(folder) / relpath).st_size
+        files.append(FileDigest(path=relpath, size_bytes=size, digest=digest))
+    return files

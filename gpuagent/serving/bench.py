@@ -24,11 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuagent.integrity import hash_model, read_verified_files
+from gpuagent.integrity import file_digests, hash_model, read_verified_files
 from gpuagent.protocol import BackendSpec, DeploySpec, Recipe
 from gpuagent.serving.deploy import deploy, undeploy
 from gpuagent.serving.registry import Registry
-from gpuagent.serving.verify import Trust, file_digests, verify_for_deploy
+from gpuagent.serving.verify import Trust, verify_for_deploy
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS = (

@@ -11,7 +11,6 @@ deployed copy now and lists what differs.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from gpuagent.integrity import (
     Manifest,
     ManifestMismatchError,
     Policy,
+    file_digests,
     inspect_model,
     verify_model,
 )
@@ -198,21 +198,6 @@ def reverify(
             missing=[] if model_dir.is_dir() else ["*"],
             error=f"[{e.code}] {e}",
         )
-
-
-def file_digests(model_dir: Path, manifest: Manifest) -> list[FileDigest]:
-    """Per-file digests of a manifest as `HashResult.files` carries them (the
-    control plane's format: a sharded file is `shards:<count>`)."""
-    files = []
-    for relpath, resources in manifest.files().items():
-        digest = (
-            f"{resources[0].algorithm}:{resources[0].digest}"
-            if len(resources) == 1
-            else f"shards:{len(resources)}"
-        )
-        size = os.stat(model_dir / relpath).st_size
-        files.append(FileDigest(path=relpath, size_bytes=size, digest=digest))
-    return files
 
 
 def check_weight_format(model_dir: Path, weights: str) -> None:

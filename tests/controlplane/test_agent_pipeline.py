@@ -24,8 +24,8 @@ from controlplane.accounts.models import ApiToken
 from controlplane.celery import worker_command
 from controlplane.fleet.models import Agent
 from controlplane.releases.actions import do_set_gate_policy
-from controlplane.releases.models import Release
 from gpuagent.integrity.keys import ensure_key_pair
+from gpuagent.serving import Registry, loaded_deployments, undeploy
 from tests.controlplane.test_worker_integration import database_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,15 +149,27 @@ class Cluster:
         )
 
 
-def stop_servers(release: Release) -> None:
-    """The engine servers the deploy jobs started outlive their agents."""
-    for job in release.jobs.filter(kind="deploy", state="succeeded"):
-        pid = job.result.get("pid")
-        if pid:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+def complete(endpoint: str, max_tokens: int = 4) -> dict:
+    """A chat completion from the server at `endpoint` (asserted 200)."""
+    completion = httpx.post(
+        f"{endpoint}/v1/chat/completions",
+        json={
+            "model": "candidate",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": max_tokens,
+        },
+        timeout=60,
+    )
+    assert completion.status_code == 200, completion.text
+    return completion.json()
+
+
+def stop_servers(cluster: "Cluster") -> None:
+    """The servers the deploy jobs started outlive their agents: stop every one
+    the agents' serving registry records."""
+    registry = Registry(cluster.artifacts / "serving")
+    for info in loaded_deployments(registry):
+        undeploy(info.deployment_id, registry=registry, grace_s=5)
 
 
 @pytest.fixture
@@ -262,34 +274,15 @@ def test_it_takes_a_release_from_registration_to_live_on_agents(
         assert any(g.startswith("quality:") for g in gates), gates
         assert any(g.startswith("load:") for g in first_gates), first_gates
 
-        approved = api(
-            client,
-            approver,
-            "post",
-            f"/releases/{release.pk}/approve",
-            {"manifest_digest": detail["manifest_digest"], "comment": "ok"},
-        )
-        assert approved.status_code == 200, approved.content
-        wait_for_state(release, ("live", "failed", "failed_verification"), cluster)
-        assert release.state == "live", release.failure_reason
+        approve_to_live(release, detail, cluster, client, approver)
         deployment = release.deployments.get()
-        completion = httpx.post(
-            f"{deployment.endpoint}/v1/chat/completions",
-            json={
-                "model": "candidate",
-                "messages": [{"role": "user", "content": "Hello"}],
-                "max_tokens": 4,
-            },
-            timeout=60,
-        )
-        assert completion.status_code == 200, completion.text
-        assert completion.json()["usage"]["completion_tokens"] >= 1
+        assert complete(deployment.endpoint)["usage"]["completion_tokens"] >= 1
         timings = api(client, ci, "get", f"/releases/{release.pk}").json()["timings"]
         assert timings["time_to_deploy_s"] > 0
         assert 0 < timings["integrity_pct"] < 100
         assert 0 < timings["quality_load_pct"] < 100
     finally:
-        stop_servers(release)
+        stop_servers(cluster)
 
 
 @pytest.mark.integration
@@ -345,3 +338,116 @@ def test_it_retries_the_job_of_an_agent_killed_mid_job(cluster, demo_release, ow
     assert job.agent.name != victim
     assert release.state == "awaiting_approval", release.failure_reason
     print(f"agent death noticed and job re-sent {noticed_s:.1f} s after kill -9")
+
+
+def to_live(release, cluster, client, ci: str, approver: str) -> None:
+    """Promote `release` through the API, approve it, wait until it is live."""
+    promoted = api(client, ci, "post", f"/releases/{release.pk}/promote")
+    assert promoted.status_code == 202, promoted.content
+    wait_for_state(release, ("awaiting_approval", "failed", "gated"), cluster)
+    detail = api(client, ci, "get", f"/releases/{release.pk}").json()
+    assert release.state == "awaiting_approval", (
+        release.failure_reason,
+        [g for g in detail["gate_results"] if g["outcome"] != "pass"],
+    )
+    approve_to_live(release, detail, cluster, client, approver)
+
+
+def approve_to_live(release, detail, cluster, client, approver: str) -> None:
+    """Approve `release` (its `detail` from the API) and wait until it is live."""
+    approved = api(
+        client,
+        approver,
+        "post",
+        f"/releases/{release.pk}/approve",
+        {"manifest_digest": detail["manifest_digest"], "comment": "ok"},
+    )
+    assert approved.status_code == 200, approved.content
+    wait_for_state(release, ("live", "failed", "failed_verification"), cluster)
+    assert release.state == "live", release.failure_reason
+
+
+# Re-verification of a tampered copy to a rollback that answers again, on a loaded
+# 2-core machine: the jobs are hashing a 3.2M-parameter model and a /health check.
+TAMPER_TO_ROLLED_BACK_S = 120
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+@pytest.mark.django_db(transaction=True)
+def test_a_tampered_live_copy_is_quarantined_and_rolled_back(
+    cluster, demo_release, make_release, make_source, client, owner, teammate
+):
+    """Two releases go live in turn; a byte of the live one's deployed copy is
+    flipped; the re-verification job fails it and quarantines its digest (on the
+    agent too); a rollback through the API goes to the previous release, whose
+    server still verifies and answers, and which answers a completion."""
+    first = demo_release
+    environment = first.target_environment
+    # The load gate needs a quiet machine: off here (this is about integrity).
+    do_set_gate_policy(environment, {**POLICY, "load": None}, actor=owner)
+    source = make_source("demo-readme")
+    source.rmdir()
+    shutil.copytree(DEMO_MODEL, source)
+    (source / "README.md").write_text("the demo model, second release\n")
+    second = make_release(source_uri=source.as_uri(), recipe=RECIPE)
+    cluster.start_controlplane()
+    cluster.start_agent("signer", signer=True)
+    cluster.start_agent("checker", signer=False)
+    cluster.wait_for_agents("signer", "checker")
+    _, ci = ApiToken.create(owner, first.team, "ci", ["read", "promote"])
+    _, approver = ApiToken.create(
+        teammate, first.team, "ap", ["read", "approve", "promote"]
+    )
+    registry = Registry(cluster.artifacts / "serving")
+    try:
+        to_live(first, cluster, client, ci, approver)
+        to_live(second, cluster, client, ci, approver)
+        first.refresh_from_db()
+        assert first.state == "superseded"  # kept loaded: the rollback target
+        live = second.deployments.get(state="live")
+        digest = live.release.manifest_digest
+        (copy,) = [
+            d
+            for d in loaded_deployments(registry)
+            if d.deployment_id == live.serving_id
+        ]
+        weights = Path(copy.model_dir) / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0x01  # one bit of one weight of the live copy
+        weights.write_bytes(bytes(data))
+        tampered_at = time.monotonic()
+
+        celery_app.send_task(
+            "controlplane.releases.run_reverification",
+            args=[live.pk],
+            queue=cluster.queue,
+        )
+        wait_for_state(second, ("failed_verification",), cluster, 120)
+        live.refresh_from_db()
+        assert live.state == "failed_verification"
+        job = second.jobs.get(kind="reverify")
+        assert job.result["changed"] == ["model.safetensors"], job.error
+        assert digest in registry.quarantined()  # the agent loads it never again
+
+        rollback = api(
+            client, approver, "post", f"/environments/{environment.pk}/rollback"
+        )
+        assert rollback.status_code == 202, rollback.content
+        wait_for_state(first, ("live", "failed", "failed_verification"), cluster, 120)
+        rolled_back_s = time.monotonic() - tampered_at
+        assert first.state == "live", first.failure_reason
+        second.refresh_from_db()
+        assert second.state == "quarantined"
+        endpoint = first.deployments.get(state="live").endpoint
+        assert httpx.get(f"{endpoint}/health", timeout=10).status_code == 200
+        assert complete(endpoint)["usage"]["completion_tokens"] >= 1
+        assert rolled_back_s < TAMPER_TO_ROLLED_BACK_S, rolled_back_s
+        # The tampered server, superseded beyond the rollback target, is stopped.
+        deadline = time.monotonic() + 60
+        while any(d.manifest_digest == digest for d in loaded_deployments(registry)):
+            assert time.monotonic() < deadline, cluster.log_tail()
+            time.sleep(0.5)
+        print(f"tamper -> re-verified -> rolled back and live in {rolled_back_s:.1f} s")
+    finally:
+        stop_servers(cluster)

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 import gpuagent.engine
@@ -13,6 +14,7 @@ from gpuagent import tasks
 from gpuagent.artifacts import ArtifactStore
 from gpuagent.integrity.keys import ensure_key_pair
 from gpuagent.protocol import CompressJobResult, JobRequest, Recipe
+from gpuagent.serving import loaded_deployments
 
 DEMO = Path(gpuagent.engine.__file__).parent / "demo_model"
 
@@ -169,27 +171,66 @@ def test_it_refuses_to_deploy_tampered_bytes(setup):
 
     assert not result.ok
     assert result.payload["changed"] == ["model.safetensors"], result.error
-    assert not checker.deployments
+    assert loaded_deployments(checker.registry) == []  # nothing was started
 
 
-def test_it_reverifies_a_copy_and_names_what_changed(setup):
-    source, signer, checker = setup
+def deploy_signed(source, signer, checker):
+    """A candidate made and signed by `signer`, deployed on `checker`: (the
+    compress result, the request fields naming it, the deploy JobResult)."""
     made, signed = signed_candidate(source, signer)
-    req = request(
-        "reverify",
-        source,
+    fields = dict(
         candidate=made.candidate,
         signature=signed.signature,
         manifest_digest=signed.manifest_digest,
         deployment_id=3,
     )
-    assert tasks.execute(req, checker, started=None).ok
-    folder = checker.store.path_of(made.candidate)
-    (folder / "tokenizer_config.json").unlink()
-    (folder / "extra.json").write_text("{}")
+    deployed = tasks.execute(request("deploy", source, **fields), checker, None)
+    assert deployed.ok, deployed.error
+    return made, fields, deployed
 
-    result = tasks.execute(req, checker, started=None)
+
+def test_it_deploys_reverifies_and_undeploys_through_the_serving_registry(setup):
+    source, signer, checker = setup
+    made, fields, deployed = deploy_signed(source, signer, checker)
+    serving_id = deployed.payload["deployment_id"]
+    try:
+        assert httpx.get(deployed.payload["endpoint"] + "/health").status_code == 200
+        assert [d.deployment_id for d in loaded_deployments(checker.registry)] == [
+            serving_id
+        ]
+        again = tasks.execute(
+            request("deploy", source, job_id=2, **fields), checker, None
+        )
+        assert again.payload["deployment_id"] == serving_id  # redelivered: same server
+        check = request("reverify", source, job_id=3, serving_id=serving_id, **fields)
+        assert tasks.execute(check, checker, None).ok
+    finally:
+        stop = request("undeploy", source, job_id=4, serving_id=serving_id, **fields)
+        stopped = tasks.execute(stop, checker, None)
+    assert stopped.ok and stopped.payload["stopped"] is True
+    assert loaded_deployments(checker.registry) == []
+
+
+def test_it_reverifies_a_deployed_copy_names_what_changed_and_quarantines(setup):
+    source, signer, checker = setup
+    made, fields, deployed = deploy_signed(source, signer, checker)
+    serving_id = deployed.payload["deployment_id"]
+    req = request("reverify", source, job_id=2, serving_id=serving_id, **fields)
+    try:
+        assert tasks.execute(req, checker, started=None).ok
+        folder = checker.store.path_of(made.candidate)
+        (folder / "tokenizer_config.json").unlink()
+        (folder / "extra.json").write_text("{}")
+
+        result = tasks.execute(req, checker, started=None)
+    finally:
+        tasks.serving.undeploy(serving_id, registry=checker.registry)
 
     assert not result.ok
     assert result.payload["missing"] == ["tokenizer_config.json"]
     assert result.payload["extra"] == ["extra.json"]
+    assert fields["manifest_digest"] in checker.registry.quarantined()
+    refused = tasks.execute(
+        request("deploy", source, job_id=5, **fields), checker, None
+    )
+    assert not refused.ok and refused.payload["error_code"] == "quarantined"

@@ -67,3 +67,13 @@ def concrete_path(path: str) -> str:
     import re
 
     return re.sub(r"\{\w+\}", "1", path)
+
+
+def put_json(api, path: str, body, token: str):
+    """PUT `body` as JSON to `path` with a bearer token."""
+    return api.client.put(
+        path,
+        body,
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {token}"},
+    )

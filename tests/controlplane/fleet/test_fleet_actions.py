@@ -8,6 +8,18 @@ from controlplane.fleet.actions import (
     do_set_agent_state,
 )
 from controlplane.fleet.models import Agent
+from gpuagent.protocol import DeploymentInfo
+
+SERVED = DeploymentInfo(
+    deployment_id="ab12cd34ef56-0a1b2c3d",
+    manifest_digest="sha256:" + "ab" * 32,
+    endpoint="http://10.0.0.7:8100",
+    backend="engine",
+    served_model_name="candidate",
+    model_dir="/var/artifacts/candidates/x",
+    pid=4242,
+    started="2026-01-02T03:04:05Z",
+)
 
 
 def test_it_registers_an_agent_and_updates_it_on_reregistration(db):
@@ -68,7 +80,7 @@ def beat(**overrides):
         memory_total_bytes=141 * 2**30,
         memory_free_bytes=100 * 2**30,
         running_jobs=[7],
-        deployments=[3],
+        deployments=[SERVED],
         can_sign=True,
     )
     fields.update(overrides)
@@ -88,7 +100,10 @@ def test_it_registers_an_agent_on_its_first_heartbeat_with_what_it_reports(db):
     )
     assert stored.gpu_memory_bytes == 141 * 2**30
     assert stored.gpu_memory_free_bytes == 100 * 2**30
-    assert (stored.running_jobs, stored.loaded_deployments) == ([7], [3])
+    assert (stored.running_jobs, stored.loaded_deployments) == (
+        [7],
+        [SERVED.model_dump(mode="json")],
+    )
     assert stored.capabilities == {"can_sign": True, "pool_queue": "agents"}
 
 

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuagent.integrity import hash_model
+from gpuagent.integrity import file_digests, hash_model
 from gpuagent.protocol import BackendSpec, DeploySpec, FileDigest, Recipe
 from gpuagent.serving import Registry, undeploy
-from gpuagent.serving.verify import file_digests
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_MODEL = REPO / "gpuagent" / "engine" / "demo_model"

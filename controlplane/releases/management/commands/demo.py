@@ -25,18 +25,20 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
 
 from controlplane.accounts.actions import team_source_roots
 from controlplane.accounts.models import Membership, Team
 from controlplane.celery import worker_command
 from controlplane.fleet.models import Environment
+from controlplane.releases import pipeline
 from controlplane.releases.actions import (
     do_approve_release,
     do_register_release,
     do_request_promotion,
     do_set_gate_policy,
 )
-from controlplane.releases.models import ModelFamily, Release
+from controlplane.releases.models import Job, ModelFamily, Release
 from controlplane.releases.timings import stage_timings
 from gpuagent.integrity.keys import ensure_key_pair
 
@@ -45,6 +47,8 @@ DEMO_MODEL = Path(settings.BASE_DIR) / "gpuagent" / "engine" / "demo_model"
 # with an int8 KV cache: what the compress, evaluate and load-test jobs exist for.
 DEMO_RECIPE = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "method": "gptq"}
 LOCAL_AGENT = "local"
+# How long the local agent gets to stop its servers when the demo ends.
+UNDEPLOY_TIMEOUT_S = 30
 # The default gate policy (gates.GatePolicy()): every quality slice and workload
 # must be reported and within its thresholds, integrity must pass; except that the
 # 3.2M-parameter demo model retrieves no planted long-context fact (nor does its
@@ -108,8 +112,8 @@ class Command(BaseCommand):
                 # The worker keeps running so approvals made in the dashboard deploy.
                 call_command("runserver", options["addr"], use_reloader=False)
         finally:
+            self.stop_engine_servers(worker)
             self.stop_worker(worker)
-            self.stop_engine_servers(release)
 
     def cast(self, password: str):
         team, _ = Team.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
@@ -187,16 +191,23 @@ class Command(BaseCommand):
         )
         return worker, log_path
 
-    def stop_engine_servers(self, release: Release) -> None:
-        """The engine servers the local agent started for this run's deployments
-        live in their own sessions; they go with the demo."""
-        for job in release.jobs.filter(kind="deploy", state="succeeded"):
-            pid = job.result.get("pid")
-            if pid:
-                try:
-                    os.kill(int(pid), signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+    def stop_engine_servers(self, worker: subprocess.Popen) -> None:
+        """The servers the local agent started live in their own sessions: before
+        the worker goes, its agent is sent an undeploy job for each (bounded
+        wait; a server left running is named)."""
+        if worker.poll() is not None:
+            return
+        releases = Release.objects.filter(deployments__serving_id__gt="").distinct()
+        with transaction.atomic():
+            jobs = [pipeline.dispatch(r, "undeploy") for r in releases]
+        open_jobs = Job.objects.filter(
+            pk__in=[j.pk for j in jobs], state__in=("queued", "running")
+        )
+        deadline = time.monotonic() + UNDEPLOY_TIMEOUT_S
+        while open_jobs.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for job in open_jobs:
+            self.stderr.write(f"undeploy of {job.release} did not finish; stop it")
 
     def stop_worker(self, worker: subprocess.Popen) -> None:
         if worker.poll() is None:

@@ -1,0 +1,56 @@
+from django.http import HttpRequest
+from ninja import Router
+
+from controlplane.api.auth import read_auth, token_auth
+from controlplane.api.schemas import (
+    READ_ERRORS,
+    WRITE_ERRORS,
+    ObjectId,
+    ServingBackendIn,
+    ServingBackendOut,
+)
+from controlplane.api.scoping import get_environment, principal_of
+from controlplane.fleet.actions import do_set_serving_backend
+from controlplane.fleet.backend import backend_spec
+from controlplane.fleet.models import Environment
+
+router = Router(tags=["environments"])
+
+
+def backend_dict(environment: Environment) -> dict:
+    spec = backend_spec(environment.serving_backend)
+    return {
+        "environment": environment.name,
+        "backend": spec.model_dump(include=set(ServingBackendIn.model_fields)),
+    }
+
+
+@router.get(
+    "/environments/{environment_id}/serving-backend",
+    auth=read_auth(),
+    response={200: ServingBackendOut, **READ_ERRORS},
+    summary="How the environment's deploy jobs serve a release",
+)
+def get_serving_backend(request: HttpRequest, environment_id: ObjectId) -> dict:
+    return backend_dict(get_environment(principal_of(request), environment_id))
+
+
+@router.put(
+    "/environments/{environment_id}/serving-backend",
+    auth=token_auth("admin"),
+    response={200: ServingBackendOut, **WRITE_ERRORS},
+    summary="Set the environment's serving backend (admin role)",
+    description="`kind` engine (the project's engine; no preset or template, one "
+    "device) or external (exactly one of `preset`, e.g. vllm, or "
+    "`command_template`, an argv template with {model_dir}, {port}, ... "
+    "placeholders). Sent with every later deploy job of the environment.",
+)
+def put_serving_backend(
+    request: HttpRequest, environment_id: ObjectId, payload: ServingBackendIn
+) -> dict:
+    principal = principal_of(request)
+    environment = get_environment(principal, environment_id)
+    environment = do_set_serving_backend(
+        environment, payload.model_dump(), actor=principal.token
+    )
+    return backend_dict(environment)

@@ -1,0 +1,61 @@
+"""An environment's serving backend: which engine its deploy jobs start.
+
+The setting is the part of `gpuagent.protocol.BackendSpec` an operator chooses per
+environment: `kind` (engine | external), `preset` (e.g. "vllm") or
+`command_template`, and `tensor_parallel_size`. Everything else of a BackendSpec
+(host, the engine's thread and memory knobs) is the agent's. Validated here, where
+it is set (admin and API), so a deploy never starts with a setting the backend
+would not read; unknown keys are refused by name."""
+
+from pydantic import ValidationError
+
+from controlplane.errors import ValidationFailed
+from gpuagent.protocol import BackendSpec
+
+BACKEND_KEYS = ("kind", "preset", "command_template", "tensor_parallel_size")
+
+
+def clean_backend(data: object) -> dict:
+    """The stored form of a backend setting ({} is the project's engine);
+    ValidationFailed naming the first problem (`backend.<key>`)."""
+    if not isinstance(data, dict):
+        raise ValidationFailed("backend: expected an object", field="backend")
+    unknown = sorted(set(data) - set(BACKEND_KEYS))
+    if unknown:
+        raise ValidationFailed(
+            f"backend: unknown setting(s) {', '.join(unknown)}; an environment's "
+            f"backend takes {', '.join(BACKEND_KEYS)}",
+            field=f"backend.{unknown[0]}",
+        )
+    try:
+        spec = BackendSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(["backend", *(str(p) for p in first["loc"])])
+        raise ValidationFailed(f"{where}: {first['msg']}", field=where) from exc
+    if spec.kind == "engine":
+        for key in ("preset", "command_template"):
+            if getattr(spec, key):
+                raise ValidationFailed(
+                    f"backend.{key}: the engine backend takes no {key}; set kind "
+                    "external to start another engine",
+                    field=f"backend.{key}",
+                )
+        if spec.tensor_parallel_size != 1:
+            raise ValidationFailed(
+                "backend.tensor_parallel_size: the engine backend serves on one "
+                "device; use kind external (e.g. the vllm preset)",
+                field="backend.tensor_parallel_size",
+            )
+    elif bool(spec.preset) == bool(spec.command_template):
+        raise ValidationFailed(
+            "backend: an external backend needs exactly one of preset or "
+            "command_template",
+            field="backend.command_template" if spec.preset else "backend.preset",
+        )
+    return spec.model_dump(include=set(BACKEND_KEYS))
+
+
+def backend_spec(stored: dict) -> BackendSpec:
+    """The BackendSpec a deploy job carries for a stored setting."""
+    return BackendSpec.model_validate(stored or {})

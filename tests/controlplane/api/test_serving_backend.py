@@ -1,0 +1,94 @@
+import pytest
+
+from controlplane.audit.models import AuditEvent
+from controlplane.fleet.admin import EnvironmentForm
+from tests.controlplane.api.helpers import error_of, field_names, put_json
+
+VLLM = {"kind": "external", "preset": "vllm", "tensor_parallel_size": 2}
+
+
+def url(environment_id) -> str:
+    return f"/api/v1/environments/{environment_id}/serving-backend"
+
+
+@pytest.fixture
+def admin_token(make_token, owner):
+    return make_token(owner, "admin", "read")
+
+
+def put(api, environment, body, token):
+    return put_json(api, url(environment.pk), body, token)
+
+
+def test_the_engine_is_the_default(api, owner_token, environment):
+    response = api.get(url(environment.pk), token=owner_token)
+
+    assert response.status_code == 200, response.content
+    assert response.json()["backend"] == {
+        "kind": "engine",
+        "preset": "",
+        "command_template": "",
+        "tensor_parallel_size": 1,
+    }
+
+
+def test_an_admin_sets_an_external_backend(api, admin_token, environment):
+    response = put(api, environment, VLLM, admin_token)
+
+    assert response.status_code == 200, response.content
+    assert response.json()["backend"]["preset"] == "vllm"
+    environment.refresh_from_db()
+    assert environment.serving_backend["tensor_parallel_size"] == 2
+    event = AuditEvent.objects.get(verb="environment.serving_backend_set")
+    assert event.after["serving_backend"]["kind"] == "external"
+
+
+def test_unknown_keys_are_refused_by_name(api, admin_token, environment):
+    response = put(api, environment, {**VLLM, "gpus": 4}, admin_token)
+
+    error = error_of(response, 422, "validation_error")
+    assert field_names(error) == {"gpus"}, error
+    environment.refresh_from_db()
+    assert environment.serving_backend == {}
+
+
+@pytest.mark.parametrize(
+    "body, code, field",
+    [
+        ({"kind": "engine", "preset": "vllm"}, "validation_failed", "backend.preset"),
+        (
+            {"kind": "engine", "tensor_parallel_size": 2},
+            "validation_failed",
+            "backend.tensor_parallel_size",
+        ),
+        ({"kind": "external"}, "validation_failed", "backend.preset"),
+        ({"kind": "k8s"}, "validation_error", "kind"),
+    ],
+)
+def test_settings_the_backend_would_not_read_are_refused(
+    api, admin_token, environment, body, code, field
+):
+    response = put(api, environment, body, admin_token)
+
+    error = error_of(response, 422, code)
+    assert field in field_names(error), error
+
+
+def test_it_needs_the_admin_scope(api, owner_token, environment):
+    assert put(api, environment, VLLM, owner_token).status_code == 403
+
+
+def test_the_admin_form_validates_through_the_same_rules(environment):
+    data = {"team": environment.team_id, "name": environment.name}
+    bad = EnvironmentForm(
+        {**data, "serving_backend": '{"kind": "external", "preset": "vllm", "x": 1}'},
+        instance=environment,
+    )
+    good = EnvironmentForm(
+        {**data, "serving_backend": '{"kind": "external", "preset": "vllm"}'},
+        instance=environment,
+    )
+
+    assert not bad.is_valid() and "x" in str(bad.errors["serving_backend"])
+    assert good.is_valid(), good.errors
+    assert good.cleaned_data["serving_backend"]["preset"] == "vllm"
