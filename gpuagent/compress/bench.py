@@ -10,7 +10,7 @@
 - matmul: the weight-only kernels vs bf16 torch.matmul on a 4096x14336 layer at
   batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference path is
   timed, and its ratio is not a target);
-- lossless: rows from `lossless_rows()` (the exponent-coding module lands apart).
+- lossless: the exponent coding vs zipnn (gpuagent.compress.lossless_bench).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from gpuagent.compress import lossless_bench
 from gpuagent.compress.pipeline import compress
 from gpuagent.evaluate.evalsets import TEXT_SLICES
 from gpuagent.evaluate.inprocess import EngineModel
@@ -32,6 +33,9 @@ from gpuagent.protocol import CompressResult
 
 DEFAULT_MODEL_DIR = Path("var/models/smollm2-135m")
 SIZE_TARGETS = {"w8a16": 0.52, "w4a16": 0.28}
+# Lossless: size within 2% of zipnn's or better, decompression at least as fast.
+LOSSLESS_MAX_SIZE_VS_ZIPNN = 1.02
+LOSSLESS_MIN_SPEED_VS_ZIPNN = 1.0
 QUALITY_BARS = {"w8a16": (0.002, 0.975), "fp8": (0.03, 0.92), "w4a16": (0.03, 0.92)}
 # (label, recipe): the issue's recipes, RTN and GPTQ, then the 4-bit variants worth
 # measuring on a parent that is already a 4-bit grid (group 32, asymmetric).
@@ -144,21 +148,19 @@ def matmul_rows(quick: bool) -> None:
     kernels_bench.bench_matmul(table, device, 14336, 4096, batches, reps)
 
 
-def lossless_rows(model_dir: Path, quick: bool) -> list[Row]:
-    """Rows of the lossless exponent coding (issue 13 item 4), merged in from
-    `gpuagent.compress.lossless` when that module is present; none until then."""
-    try:
-        from gpuagent.compress import lossless
-    except ImportError:
-        return [
-            Row("lossless: gpuagent.compress.lossless not in this tree", "", "", None)
-        ]
-    bench_rows = getattr(lossless, "bench_rows", None)
-    if bench_rows is None:
-        return [Row("lossless: module has no bench_rows()", "", "", None)]
-    return [
-        Row(*r) if not isinstance(r, Row) else r for r in bench_rows(model_dir, quick)
-    ]
+def lossless_table(model_dir: Path, quick: bool) -> tuple[str, bool]:
+    """The lossless exponent coding vs zipnn on `model_dir`'s bf16 weights
+    (gpuagent.compress.lossless_bench), and whether it met both targets."""
+    threads = lossless_bench.default_threads()
+    rows = lossless_bench.lossless_rows(
+        [model_dir], threads=threads, repeats=1 if quick else 3
+    )
+    ok = all(
+        r.size_vs_zipnn <= LOSSLESS_MAX_SIZE_VS_ZIPNN
+        and r.decompress_speed_vs_zipnn >= LOSSLESS_MIN_SPEED_VS_ZIPNN
+        for r in rows
+    )
+    return lossless_bench.format_rows(rows, threads), ok
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,9 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for row in rows:
                 print(row.render(), flush=True)
                 failed |= row.ok is False
-    print()
-    for row in lossless_rows(args.model_dir, args.quick):
-        print(row.render())
+    table, lossless_ok = lossless_table(args.model_dir, args.quick)
+    print(f"\n{table}\nlossless targets: {'PASS' if lossless_ok else 'FAIL'}")
+    failed |= not lossless_ok
     if not args.no_matmul:
         matmul_rows(args.quick)
     return 1 if failed else 0
