@@ -250,6 +250,9 @@ CELERY_BEAT_SCHEDULE = {
 RELEASEGATE_AGENT_POOL_QUEUE = os.getenv("RELEASEGATE_AGENT_POOL_QUEUE", "agents")
 RELEASEGATE_AGENT_CHECK_S = envfloat("RELEASEGATE_AGENT_CHECK_S", "10")
 RELEASEGATE_JOB_MAX_ATTEMPTS = envint("RELEASEGATE_JOB_MAX_ATTEMPTS", "3")
+# A rollback whose target no longer verifies on the agent tries the next older
+# release, up to this many releases in all, then ends with the reasons.
+RELEASEGATE_ROLLBACK_MAX_CANDIDATES = envint("RELEASEGATE_ROLLBACK_MAX_CANDIDATES", "3")
 RELEASEGATE_JOB_QUEUE_TIMEOUT_S = envfloat("RELEASEGATE_JOB_QUEUE_TIMEOUT_S", "900")
 RELEASEGATE_JOB_TIME_LIMIT_S = envfloat("RELEASEGATE_JOB_TIME_LIMIT_S", "900")
 CELERY_BEAT_SCHEDULE["watch-agent-jobs"] = {

@@ -132,7 +132,9 @@ class JobRequest(_Message):
     candidate's signature file (JSON text) for verify and deploy. `deployment_id`
     is the control plane's deployment; `serving_id` the agent's own id of its
     server (DeployResult.deployment_id) for undeploy and reverify; `backend` is
-    how the target environment serves (deploy)."""
+    how the target environment serves (deploy). `quarantined_digests` are the
+    digests the control plane has quarantined (deploy): refused even by an agent
+    that never saw the incident."""
 
     job_id: int
     release_id: int
@@ -148,6 +150,7 @@ class JobRequest(_Message):
     deployment_id: int | None = None
     serving_id: str = ""
     backend: BackendSpec = Field(default_factory=lambda: BackendSpec())
+    quarantined_digests: list[str] = []
 
 
 class Heartbeat(_Message):

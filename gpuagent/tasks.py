@@ -480,6 +480,7 @@ def deploy_spec(req: JobRequest, me: Agent, backend: BackendSpec) -> DeploySpec:
         release_model=req.model,
         release_version=req.version,
         release_recipe=recipe_text(req),
+        quarantined_digests=req.quarantined_digests,
     )
 
 

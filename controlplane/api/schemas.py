@@ -212,6 +212,11 @@ class DeploymentOut(Schema):
     endpoint: str
     started: datetime
     ended: datetime | None
+    reason: str = Field(
+        description="why it failed; for a rollback that found no previous release "
+        "still verifying, each release tried and why"
+    )
+    rollback: bool = Field(description="started by a rollback")
 
 
 class ReleaseOut(Schema):

@@ -122,6 +122,12 @@ class Deployment(models.Model):
     serving_id = models.CharField(max_length=100, blank=True)
     started = models.DateTimeField(default=timezone.now)
     ended = models.DateTimeField(null=True, blank=True)
+    # Why it failed; for a rollback that found no release still verifying, every
+    # release tried and why.
+    reason = models.TextField(blank=True)
+    # None: not a rollback's deployment; else the releases this rollback tried
+    # before it, "model@version (why)" each.
+    rollback_tried = models.JSONField(null=True, blank=True)
 
     objects = DeploymentQuerySet.as_manager()
 
@@ -142,4 +148,6 @@ class Deployment(models.Model):
             "endpoint": self.endpoint,
             "started": _iso(self.started),
             "ended": _iso(self.ended),
+            "reason": self.reason,
+            "rollback": self.rollback_tried is not None,
         }

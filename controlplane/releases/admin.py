@@ -67,7 +67,9 @@ class EnvironmentGatePolicyForm(forms.ModelForm):
         fields = ["environment", "policy"]
         help_texts = {
             "policy": "JSON of releases.gates.GatePolicy (README: Gate policy); "
-            '{} is the default, {"quality": null} stops gating on quality.'
+            '{} is the default, {"quality": null} stops gating on quality, '
+            '{"auto_rollback_on_failed_verification": true} rolls the environment '
+            "back by itself when a live copy fails re-verification."
         }
 
     def clean_policy(self):

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from math import floor
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from gpuagent.protocol import (
     LOAD_PROFILES,
@@ -98,10 +98,13 @@ class LoadPolicy(_Policy):
 
 class GatePolicy(_Policy):
     """An environment's gate policy. `quality` or `load` null: not gated on it.
-    Integrity is always gated."""
+    Integrity is always gated. `auto_rollback_on_failed_verification`: when a
+    live copy fails its periodic re-verification, roll the environment back
+    without waiting for an operator (default off)."""
 
     quality: QualityPolicy | None = Field(default_factory=QualityPolicy)
     load: LoadPolicy | None = Field(default_factory=LoadPolicy)
+    auto_rollback_on_failed_verification: StrictBool = False
 
 
 @dataclass(frozen=True)

@@ -265,6 +265,19 @@ def _deployment_done(job: Job) -> None:
         actions.do_fail_deployment(
             deployment, actor=WORKER, reason=job.error, verification=verification
         )
+        if deployment.rollback_tried is not None:
+            actions.do_continue_rollback(deployment, why=why_refused(job))
+
+
+def why_refused(job: Job) -> str:
+    """A failed deploy job in a few words: the files that differ, else its error."""
+    lists = [
+        f"{key}: {', '.join(job.result[key])}"
+        for key in ("changed", "missing", "extra")
+        if job.result.get(key)
+    ]
+    why = "; ".join(lists) or job.error or "deploy failed"
+    return why if len(why) <= 200 else why[:199] + "…"
 
 
 def undeploy_older(environment) -> list[Job]:
@@ -322,7 +335,14 @@ def _reverified(job: Job) -> None:
             deployment, actor=WORKER, reason=job.error, verification=True
         )
     except IllegalTransition:
-        pass  # no longer live (superseded, rolled back) meanwhile
+        return  # no longer live (superseded, rolled back) meanwhile
+    environment = deployment.environment
+    if actions.gate_policy_for(environment).auto_rollback_on_failed_verification:
+        actions.do_auto_rollback_environment(
+            environment,
+            reason=f"{deployment.release} failed re-verification in "
+            f"{environment.name}: {job.error}",
+        )
 
 
 # -- results and the watch ------------------------------------------------------------

@@ -36,6 +36,20 @@ def deployment_of(job: Job) -> Deployment | None:
     return deployments.first()
 
 
+QUARANTINE_STATES = ("failed_verification", "quarantined")
+
+
+def quarantined_digests() -> list[str]:
+    """Every digest the control plane holds untrusted (a release that failed
+    verification or was quarantined), sorted: sent with each deploy job."""
+    digests = (
+        Release.objects.filter(state__in=QUARANTINE_STATES)
+        .exclude(manifest_digest="")
+        .values_list("manifest_digest", flat=True)
+    )
+    return sorted(set(digests))
+
+
 def request_for(job: Job) -> JobRequest:
     """The request for `job`'s current attempt."""
     release = job.release
@@ -66,6 +80,7 @@ def request_for(job: Job) -> JobRequest:
             if deployment
             else release.target_environment.serving_backend
         ),
+        quarantined_digests=quarantined_digests() if job.kind == "deploy" else [],
     )
 
 

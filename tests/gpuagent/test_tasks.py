@@ -174,16 +174,22 @@ def test_it_refuses_to_deploy_tampered_bytes(setup):
     assert loaded_deployments(checker.registry) == []  # nothing was started
 
 
-def deploy_signed(source, signer, checker):
-    """A candidate made and signed by `signer`, deployed on `checker`: (the
-    compress result, the request fields naming it, the deploy JobResult)."""
+def deploy_fields(source, signer):
+    """A candidate made and signed by `signer`: (the compress result, the deploy
+    request fields naming it)."""
     made, signed = signed_candidate(source, signer)
-    fields = dict(
+    return made, dict(
         candidate=made.candidate,
         signature=signed.signature,
         manifest_digest=signed.manifest_digest,
         deployment_id=3,
     )
+
+
+def deploy_signed(source, signer, checker):
+    """A candidate made and signed by `signer`, deployed on `checker`: (the
+    compress result, the request fields naming it, the deploy JobResult)."""
+    made, fields = deploy_fields(source, signer)
     deployed = tasks.execute(request("deploy", source, **fields), checker, None)
     assert deployed.ok, deployed.error
     return made, fields, deployed
@@ -234,3 +240,21 @@ def test_it_reverifies_a_deployed_copy_names_what_changed_and_quarantines(setup)
         request("deploy", source, job_id=5, **fields), checker, None
     )
     assert not refused.ok and refused.payload["error_code"] == "quarantined"
+
+
+def test_it_refuses_a_digest_the_control_plane_quarantined_it_never_saw(setup):
+    source, signer, checker = setup
+    _, fields = deploy_fields(source, signer)
+    assert checker.registry.quarantined() == []  # this agent saw no incident
+
+    refused = tasks.execute(
+        request(
+            "deploy", source, quarantined_digests=[fields["manifest_digest"]], **fields
+        ),
+        checker,
+        None,
+    )
+
+    assert not refused.ok and refused.payload["error_code"] == "quarantined"
+    assert "quarantined" in refused.error
+    assert loaded_deployments(checker.registry) == []  # nothing was started

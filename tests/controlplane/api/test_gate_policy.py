@@ -101,3 +101,26 @@ def test_it_needs_the_admin_scope_and_role(
 def test_it_hides_another_teams_environment(api, outsider_token, environment):
     error_of(put(api, environment, NOTHING_GATED, outsider_token), 404, "not_found")
     error_of(api.get(url(environment.pk), token=outsider_token), 404, "not_found")
+
+
+def test_it_sets_automatic_rollback_and_refuses_a_misspelling(
+    api, admin_token, environment
+):
+    assert GatePolicy().auto_rollback_on_failed_verification is False  # default off
+    body = {**NOTHING_GATED, "auto_rollback_on_failed_verification": True}
+
+    response = put(api, environment, body, admin_token)
+
+    assert response.status_code == 200, response.content
+    assert response.json()["policy"]["auto_rollback_on_failed_verification"] is True
+    assert gate_policy_for(environment).auto_rollback_on_failed_verification is True
+    misspelt = {**NOTHING_GATED, "auto_rollback": True}
+    error = error_of(
+        put(api, environment, misspelt, admin_token), 422, "validation_error"
+    )
+    assert field_names(error) == {"auto_rollback"}
+    not_a_bool = {**NOTHING_GATED, "auto_rollback_on_failed_verification": "yes"}
+    error = error_of(
+        put(api, environment, not_a_bool, admin_token), 422, "validation_error"
+    )
+    assert field_names(error) == {"auto_rollback_on_failed_verification"}

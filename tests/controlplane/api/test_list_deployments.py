@@ -63,3 +63,20 @@ def test_it_needs_the_read_scope(api, make_token, owner):
     response = api.get(URL, token=make_token(owner, "register"))
 
     assert error_of(response, 403, "missing_scope")["scope"] == "read"
+
+
+def test_it_shows_why_a_rollback_ended(api, owner_token, make_release, environment):
+    release = make_release("1.0.0", state="failed")
+    reason = f"no previous release of staging still verifies: {release} (not loadable)"
+    Deployment.objects.create(
+        release=release,
+        environment=environment,
+        state="failed",
+        ended=timezone.now(),
+        reason=reason,
+        rollback_tried=[],
+    )
+
+    (shown,) = api.get(URL, token=owner_token).json()["items"]
+
+    assert (shown["reason"], shown["rollback"]) == (reason, True)
