@@ -45,10 +45,12 @@ from gpuagent.serving.verify import (
 
 # Fields of BackendSpec only the project's engine reads.
 ENGINE_ONLY_FIELDS = ("kv_memory_gb", "max_num_seqs", "threads", "device")
-# Recipe weight format -> the engine's --dtype. "auto" computes in bf16 on CUDA
-# and in fp32 on a CPU (whose bf16 matmuls are slow); int8/int4 checkpoints need
-# the compression issue's loader.
-ENGINE_DTYPES = {"bf16": "auto", "fp16": "float16"}
+def engine_dtype(weights: str) -> str:
+    """The engine's --dtype for a recipe's weight format. "auto" computes in bf16 on
+    CUDA and in fp32 on a CPU (whose bf16 matmuls are slow); a compressed-tensors
+    checkpoint (int8/int4/fp8 weights, checked by verify.check_weight_format) keeps
+    its quantized Linears and runs the rest at that dtype."""
+    return "float16" if weights == "fp16" else "auto"
 
 
 def deploy(
@@ -390,12 +392,6 @@ def _backend_template(spec: DeploySpec) -> tuple[str, str]:
                 "the engine backend serves on one device (tensor_parallel_size 1); "
                 "use an external backend such as the vllm preset"
             )
-        if spec.recipe.weights not in ENGINE_DTYPES:
-            raise DeployRefusedError(
-                f"the engine backend cannot load weights={spec.recipe.weights} yet "
-                f"(it loads {', '.join(ENGINE_DTYPES)})",
-                code="recipe-unsupported",
-            )
         return "", ""
     ignored = [f for f in ENGINE_ONLY_FIELDS if getattr(backend, f) is not None]
     if ignored:
@@ -422,7 +418,7 @@ def _engine_argv(
     argv = [sys.executable, "-m", "gpuagent.engine", "serve", str(model_dir)]
     argv += ["--host", host, "--port", str(port)]
     argv += ["--kv-cache-dtype", spec.recipe.kv_cache_dtype]
-    argv += ["--dtype", ENGINE_DTYPES[spec.recipe.weights]]
+    argv += ["--dtype", engine_dtype(spec.recipe.weights)]
     argv += ["--served-model-name", name]
     argv += ["--manifest-digest", spec.manifest_digest]
     for flag, value in (

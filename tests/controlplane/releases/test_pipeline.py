@@ -4,11 +4,14 @@ inspection, compression, signing and verification of a small model folder; the
 evaluate and load-test jobs answered with reports shaped as gpuagent.protocol
 fixes them (their real runs are in tests/controlplane/test_agent_pipeline.py)."""
 
+import shutil
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
 
+import gpuagent.engine
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases.actions import do_approve_release, do_set_gate_policy
@@ -25,14 +28,18 @@ from gpuagent.protocol import DeployResult, VerifyResult
 from tests.controlplane.releases.test_evaluate_policy import load_report, quality_report
 
 BF16 = {"weights": "bf16", "kv_cache_dtype": "int8"}
+DEMO_MODEL = Path(gpuagent.engine.__file__).parent / "demo_model"
 
 
 @pytest.fixture
 def model_folder(make_source):
-    return make_source(
-        "model",
-        {"config.json": '{"model_type": "llama"}', "tokenizer_config.json": "{}"},
-    )
+    """A copy of the demo model (12.9 MB) in the team's source root: the compress
+    job loads and casts it for real."""
+    folder = make_source("model")
+    for path in DEMO_MODEL.iterdir():
+        if path.is_file():
+            shutil.copyfile(path, folder / path.name)
+    return folder
 
 
 @pytest.fixture
@@ -72,7 +79,10 @@ def test_it_runs_integrity_stages_on_the_agent_then_both_tests_in_parallel(
     assert {r.kind for _, r in local_agent.pending()} == {"evaluate", "load_test"}
     assert bf16_release.manifest_digest.startswith("sha256:")
     assert bf16_release.signature.startswith("{")  # the signature file itself
-    assert bf16_release.artifacts.count() == 2
+    # one artifact a candidate file: what the compress job wrote from the demo model
+    assert sorted(bf16_release.artifacts.values_list("path", flat=True)) == sorted(
+        p.name for p in DEMO_MODEL.iterdir() if p.is_file()
+    )
     done = Job.objects.filter(release=bf16_release, state="succeeded")
     assert all(j.agent.name == "local" and j.started and j.finished for j in done)
 
@@ -167,17 +177,18 @@ def test_it_fails_verification_on_a_pickle_and_names_the_file(
     assert not Job.objects.filter(release=release, kind="compress").exists()
 
 
-def test_it_fails_a_release_whose_weight_format_the_agent_cannot_make(
+def test_it_fails_a_release_whose_recipe_the_compressor_cannot_apply(
     make_release, model_folder, local_agent
 ):
-    release = make_release(source_uri=model_folder.as_uri())  # int4-g128
+    recipe = {"weights": "int8", "kv_cache_dtype": "int8", "symmetric": False}
+    release = make_release(source_uri=model_folder.as_uri(), recipe=recipe)
     run_promotion(release.pk)
 
     local_agent.work()
 
     stored = Release.objects.get(pk=release.pk)
     assert stored.state == "failed"
-    assert "weight format 'int4-g128' is not supported" in stored.failure_reason
+    assert "symmetric=false is only offered for int4" in stored.failure_reason
     assert Job.objects.get(release=release, kind="compress").state == "failed"
 
 

@@ -199,12 +199,6 @@ def test_it_refuses_a_quarantined_digest(approved, registry):
     ("backend", "recipe", "code", "message"),
     [
         (
-            BackendSpec(kind="engine"),
-            Recipe(weights="int4-g128", kv_cache_dtype="int8"),
-            "recipe-unsupported",
-            "cannot load weights=int4-g128",
-        ),
-        (
             BackendSpec(kind="external", preset="vllm"),
             Recipe(weights="int4-g128", kv_cache_dtype="int8"),
             "bad-template",
