@@ -45,6 +45,8 @@ from gpuagent.serving.verify import (
 
 # Fields of BackendSpec only the project's engine reads.
 ENGINE_ONLY_FIELDS = ("kv_memory_gb", "max_num_seqs", "threads", "device")
+
+
 def engine_dtype(weights: str) -> str:
     """The engine's --dtype for a recipe's weight format. "auto" computes in bf16 on
     CUDA and in fp32 on a CPU (whose bf16 matmuls are slow); a compressed-tensors
