@@ -28,6 +28,7 @@ from gpuagent.protocol import (
 from gpuagent.serving import process
 from gpuagent.serving.errors import (
     DeployRefusedError,
+    PortTaken,
     ServingError,
     StartError,
     TemplateError,
@@ -45,6 +46,10 @@ from gpuagent.serving.verify import (
 
 # Fields of BackendSpec only the project's engine reads.
 ENGINE_ONLY_FIELDS = ("kv_memory_gb", "max_num_seqs", "threads", "device")
+
+
+# Ports tried when the one found free is taken before the server binds it.
+PORT_RACE_ATTEMPTS = 5
 
 
 def engine_dtype(weights: str) -> str:
@@ -104,38 +109,67 @@ def deploy(
             model_dir, spec, trust, quarantined=registry.quarantined()
         )
         host = spec.backend.host
-        port = process.pick_port(host, spec.port, spec.port_range)
-        if backend == "engine":
-            argv = _engine_argv(model_dir, spec, trust, host, port, name)
-            check_name: str | None = name
-        else:
-            argv = render_command(
-                template,
-                {
-                    "python": sys.executable,
-                    "model_dir": str(model_dir),
-                    "host": host,
-                    "port": str(port),
-                    "kv_cache_dtype": kv_value,
-                    "served_model_name": name,
-                    "tensor_parallel_size": str(spec.backend.tensor_parallel_size),
-                    "manifest_digest": spec.manifest_digest,
-                },
-            )
-            check_name = name if "{served_model_name}" in template else None
         log_path = registry.log_path(deployment_id)
-        pid, started = process.spawn(argv, log_path, server_env(env))
-        local_url = f"http://{_local_host(host)}:{port}"
+        # A port found free can be taken before the child binds it (another agent
+        # or job on this host starting a server at once): then the next one.
+        low, high = spec.port_range
+        for attempt in range(1 if spec.port is not None else PORT_RACE_ATTEMPTS):
+            port = process.pick_port(host, spec.port, (low, high))
+            if backend == "engine":
+                argv = _engine_argv(model_dir, spec, trust, host, port, name)
+                check_name: str | None = name
+            else:
+                argv = render_command(
+                    template,
+                    {
+                        "python": sys.executable,
+                        "model_dir": str(model_dir),
+                        "host": host,
+                        "port": str(port),
+                        "kv_cache_dtype": kv_value,
+                        "served_model_name": name,
+                        "tensor_parallel_size": str(spec.backend.tensor_parallel_size),
+                        "manifest_digest": spec.manifest_digest,
+                    },
+                )
+                check_name = name if "{served_model_name}" in template else None
+            pid, started = process.spawn(argv, log_path, server_env(env))
+            local_url = f"http://{_local_host(host)}:{port}"
+            try:
+                process.wait_healthy(
+                    local_url,
+                    pid,
+                    started,
+                    spec.health_timeout_s,
+                    served_model_name=check_name,
+                    log_path=log_path,
+                )
+                break
+            except PortTaken:
+                process.stop(pid, started, stop_grace_s)
+                if spec.port is not None or attempt + 1 == PORT_RACE_ATTEMPTS:
+                    raise
+                low = port + 1
+            except StartError as e:
+                process.stop(pid, started, stop_grace_s)  # no server left unrecorded
+                # The engine refused what it read (verify-on-load): name the files.
+                after = reverify(
+                    model_dir, spec.manifest_digest, approved_files=approved
+                )
+                if after.ok:
+                    raise
+                raise DeployRefusedError(
+                    f"the folder changed after the agent's check: {e}",
+                    code="changed-during-start",
+                    missing=after.missing,
+                    extra=after.extra,
+                    changed=after.changed,
+                ) from None
+            except BaseException:
+                process.stop(pid, started, stop_grace_s)  # no server left unrecorded
+                raise
         endpoint = f"http://{spec.backend.advertise_host or _local_host(host)}:{port}"
         try:
-            process.wait_healthy(
-                local_url,
-                pid,
-                started,
-                spec.health_timeout_s,
-                served_model_name=check_name,
-                log_path=log_path,
-            )
             if backend == "external":
                 # An external engine reads the files itself: check that what it
                 # read while starting is still the approved bytes.
@@ -170,19 +204,6 @@ def deploy(
                     approved_files=approved,
                 )
             )
-        except StartError as e:
-            process.stop(pid, started, stop_grace_s)  # no server left unrecorded
-            # The engine refused what it read (verify-on-load): name the files.
-            after = reverify(model_dir, spec.manifest_digest, approved_files=approved)
-            if after.ok:
-                raise
-            raise DeployRefusedError(
-                f"the folder changed after the agent's check: {e}",
-                code="changed-during-start",
-                missing=after.missing,
-                extra=after.extra,
-                changed=after.changed,
-            ) from None
         except BaseException:
             process.stop(pid, started, stop_grace_s)  # no server left unrecorded
             raise

@@ -45,3 +45,8 @@ class StartError(ServingError):
     server answers on its port; the process group was stopped."""
 
     code = "start-failed"
+
+
+class PortTaken(StartError):
+    """Another process bound the port between the agent's check and the server's
+    bind (two agents or jobs on one host starting servers at once)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from gpuagent.serving.errors import StartError
+from gpuagent.serving.errors import PortTaken, StartError
 
 HEALTH_POLL_S = 0.2
 # Popen objects of the servers this process started: polling them reaps them, so
@@ -131,9 +131,13 @@ def wait_healthy(
     with httpx.Client(timeout=2.0) as client:
         while True:
             if not is_running(pid, started):
-                raise StartError(
-                    f"the server exited before answering /health: {log_tail(log_path)}"
+                tail = log_tail(log_path)
+                error = (
+                    PortTaken
+                    if "address already in use" in tail.lower()
+                    else StartError
                 )
+                raise error(f"the server exited before answering /health: {tail}")
             if time.monotonic() >= deadline:
                 raise StartError(
                     f"no healthy /health at {base_url} within {timeout_s:g} s: "
@@ -148,7 +152,7 @@ def wait_healthy(
         if owners is not None and not owners & group_members(pid):
             # Another server took the port between our check and the child's bind:
             # its /health is not ours.
-            raise StartError(
+            raise PortTaken(
                 f"port {port} is held by process(es) {sorted(owners)}, not by the "
                 f"server started (pid {pid}): {log_tail(log_path)}"
             )

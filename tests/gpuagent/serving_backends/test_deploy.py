@@ -2,12 +2,14 @@
 anything starts, the project's engine verifies again on load, an external engine is
 started from a template (here: the project's engine), and refusals name the files."""
 
+import socket
+
 import httpx
 import pytest
 
 from gpuagent.integrity import ReleaseBinding, sign_model
 from gpuagent.protocol import BackendSpec, Recipe
-from gpuagent.serving import Trust, deploy, loaded_deployments, undeploy
+from gpuagent.serving import Trust, deploy, loaded_deployments, process, undeploy
 from tests.gpuagent.integrity.builders import Keys
 from tests.gpuagent.serving_backends.conftest import (
     new_marker,
@@ -321,3 +323,42 @@ def test_the_engine_refuses_bytes_changed_after_the_agents_check(
     assert "[manifest-digest-mismatch]" in result.error  # the engine's own refusal
     assert result.changed == ["model.safetensors"]  # named by the agent's re-hash
     assert processes_with(marker) == [] and loaded_deployments(registry) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_port_taken_before_the_server_binds_it_moves_the_server_on(
+    approved, registry, engine_env, monkeypatch
+):
+    # The race between two agents on one host: the port found free is bound by
+    # someone else before our server starts; the server must land on another one.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        real_pick_port = process.pick_port
+        picks = []
+
+        def pick_port(host, wanted, port_range):
+            picks.append(port_range)
+            if len(picks) == 1:
+                return port  # free when checked, taken when the server binds
+            return real_pick_port(host, wanted, port_range)
+
+        monkeypatch.setattr(process, "pick_port", pick_port)
+        marker = new_marker()
+        spec = spec_for(
+            approved,
+            BackendSpec(kind="engine", **SMALL_ENGINE),
+            served_model_name=marker,
+            port_range=(port, min(port + 50, 65535)),
+        )
+
+        result = deploy(approved.folder, spec, registry=registry, env=engine_env)
+
+    try:
+        assert result.ok, result.error
+        assert not result.endpoint.endswith(f":{port}")
+        assert picks[1][0] == port + 1  # the search went on past the lost port
+        assert complete(result.endpoint, marker)["choices"]
+    finally:
+        undeploy(result.deployment_id, registry=registry, grace_s=2)
