@@ -29,6 +29,9 @@ class Profile:
     output_tokens: int
     description: str = ""
     fixed_output: bool = True
+    # 0 is greedy; None sends none, so the server samples at its default (what
+    # clients that don't set it, guidellm among them, ask for)
+    temperature: float | None = 0.0
     slo_ttft_p99_ms: float = 2000.0
     slo_tpot_p99_ms: float = 150.0
     context_sweep: tuple[int, ...] = field(default_factory=tuple)

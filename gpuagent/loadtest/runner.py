@@ -63,16 +63,18 @@ class Bounds:
 
 
 def request_body(target: Target, prompts: PromptSet, index: int) -> dict:
-    """Request `index`'s body: streamed, greedy, usage in the stream."""
+    """Request `index`'s body: streamed, at the profile's temperature (greedy unless
+    it says otherwise), usage in the stream."""
     profile = prompts.profile
     body = {
         "model": target.model,
         "messages": messages(prompts.content(index)),
         "max_tokens": profile.output_tokens,
-        "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if profile.temperature is not None:
+        body["temperature"] = profile.temperature
     if profile.fixed_output:
         body["ignore_eos"] = True
     return body

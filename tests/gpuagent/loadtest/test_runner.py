@@ -1,16 +1,24 @@
 """Load levels against scripted servers: errors reported not raised, 256 streams on
-one core, an open-loop client that falls behind, seeded arrivals, profiles."""
+one core, an open-loop client that falls behind, seeded arrivals, profiles, request
+bodies."""
 
 import asyncio
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from gpuagent.loadtest.__main__ import main
 from gpuagent.loadtest.profiles import ProfileError, load_profiles
-from gpuagent.loadtest.runner import Bounds, Target, arrival_times, run_level
+from gpuagent.loadtest.runner import (
+    Bounds,
+    Target,
+    arrival_times,
+    request_body,
+    run_level,
+)
 from gpuagent.protocol import LOAD_PROFILES
 from tests.gpuagent.loadtest.test_metrics import prompts
 from tests.gpuagent.serving import free_port
@@ -121,3 +129,14 @@ def test_the_shipped_profiles_are_the_six_workloads(tmp_path):
     assert profiles["chat-ko"].source == "korean"
     with pytest.raises(ProfileError, match="colour"):
         load_profiles(bad)
+
+
+def test_it_sends_the_profiles_temperature_or_leaves_it_to_the_server():
+    target = Target("http://x", "m")
+    sampled = replace(prompts().profile, temperature=None)
+
+    greedy_body = request_body(target, prompts(), 0)
+    sampled_body = request_body(target, replace(prompts(), profile=sampled), 0)
+
+    assert greedy_body["temperature"] == 0.0  # the default: the same answer each run
+    assert "temperature" not in sampled_body  # the server samples at its default
