@@ -11,13 +11,29 @@ project's engine on a free port. guidellm runs unchanged apart from being pointe
 at the endpoint (`guidellm run --backend kind=openai_http,target=URL --profile
 kind=concurrent,streams=C --data kind=synthetic_text,...`).
 
-Printed side by side: median TTFT; median ITL (ours: gaps between content chunks;
-guidellm's "ITL" is per request (E2E - TTFT) / (tokens - 1), which is our TPOT, so
-our TPOT median is shown beside it too); each ratio with the 10% target; and each
+Both clients send the same requests, as the server counts them: guidellm's
+synthetic prompt has --prompt-tokens of text (by its tokenizer's count, which
+includes the BOS it adds: one token fewer here), to which the server adds the chat
+template, so ours is asked for the text plus the template's tokens; guidellm sets
+no temperature, so ours sends none either (the server samples at its default,
+which costs it more per step than greedy); both ask for --output-tokens with
+ignore_eos. The prompt and output tokens per request the server reported to each
+are printed, so a mismatch shows.
+
+Printed side by side, with the 10% target: median TTFT (sent -> first content
+chunk; ours starts the clock at the call, guidellm when the headers go out, some
+0.1-0.5 ms later on a reused connection) and median ITL by guidellm's definition,
+per request (E2E - TTFT) / (tokens - 1) (ours calls it TPOT). Then, without a
+target: our median gap between content chunks (vLLM's ITL; a chunk may carry
+several tokens, guidellm has no such number); the server's own mean TTFT and ITL
+over each client's runs (its /metrics histograms), which tell a server that was
+slower during one client's runs from clients that measure differently; and each
 client's CPU per streamed token. Ours is the process CPU of the run alone;
 guidellm's is its processes' CPU (rusage of children) for the run minus a
 one-request run's (its start-up, imports and worker spawn), per token of the
-difference.
+difference. Where the clients and the server share cores (the demo engine on a
+small machine), a client's CPU is taken from the server: the server's own rows
+show how much slower it was during that client's runs.
 """
 
 from __future__ import annotations
@@ -36,19 +52,27 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpuagent.loadtest.client import new_session
-from gpuagent.loadtest.profiles import load_profiles
+from gpuagent.loadtest.profiles import Profile, load_profiles
 from gpuagent.loadtest.prompts import build_prompts, tokenize_counter
 from gpuagent.loadtest.runner import Bounds, Target, run_level
 from gpuagent.loadtest.suite import discover_model
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "engine" / "demo_model"
 TARGET_RATIO = 0.10
+# The server's latency histograms: this engine's names, then vLLM's.
+SERVER_TTFT = ("engine_time_to_first_token_seconds", "vllm:time_to_first_token_seconds")
+SERVER_ITL = (
+    "engine_inter_token_latency_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+)
 
 
 def guidellm_program() -> str | None:
@@ -61,14 +85,67 @@ def guidellm_program() -> str | None:
 
 
 @dataclass
+class ServerLatency:
+    """Sums and counts of the server's TTFT and ITL histograms (zeros: none)."""
+
+    ttft_sum_s: float = 0.0
+    ttft_count: float = 0.0
+    itl_sum_s: float = 0.0
+    itl_count: float = 0.0
+
+    def __sub__(self, before: ServerLatency) -> ServerLatency:
+        pairs = zip(astuple(self), astuple(before), strict=True)
+        return ServerLatency(*(a - b for a, b in pairs))
+
+    def __add__(self, other: ServerLatency) -> ServerLatency:
+        pairs = zip(astuple(self), astuple(other), strict=True)
+        return ServerLatency(*(a + b for a, b in pairs))
+
+    @property
+    def ttft_mean_ms(self) -> float | None:
+        return self.ttft_sum_s * 1e3 / self.ttft_count if self.ttft_count else None
+
+    @property
+    def itl_mean_ms(self) -> float | None:
+        return self.itl_sum_s * 1e3 / self.itl_count if self.itl_count else None
+
+
+def read_server_latency(base_url: str) -> ServerLatency:
+    """The server's TTFT and ITL histogram sums now (zeros where it has none)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return ServerLatency()
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+    def first(names: Sequence[str], suffix: str) -> float:
+        return next((samples[n + suffix] for n in names if n + suffix in samples), 0.0)
+
+    return ServerLatency(
+        first(SERVER_TTFT, "_sum"),
+        first(SERVER_TTFT, "_count"),
+        first(SERVER_ITL, "_sum"),
+        first(SERVER_ITL, "_count"),
+    )
+
+
+@dataclass
 class ClientRun:
-    """Medians of one client's run, and its CPU per streamed token."""
+    """Medians of one client's run, its CPU per streamed token, the tokens per
+    request the server reported, and the server's own latency sums over the run."""
 
     ttft_ms: float
-    itl_ms: float
-    tpot_ms: float | None
+    itl_ms: float  # per request, (E2E - TTFT) / (tokens - 1)
+    chunk_gap_ms: float | None  # between content chunks (ours only)
     cpu_us_per_token: float
     output_tokens: int
+    prompt_tokens_per_request: float
+    output_tokens_per_request: float
+    server: ServerLatency
 
 
 def free_port() -> int:
@@ -105,27 +182,44 @@ def engine_server(model_dir: Path, threads: int) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+def guidellm_like(profile: Profile, text_tokens: int, template_tokens: int) -> Profile:
+    """The profile as guidellm's synthetic requests are: `text_tokens` of text plus
+    the chat template around it, and no temperature (the server's default)."""
+    return replace(
+        profile, prompt_tokens=text_tokens + template_tokens, temperature=None
+    )
+
+
 async def run_ours(
     base_url: str, concurrency: int, requests: int, prompt: int, output: int
 ) -> ClientRun:
-    """The chat profile at `concurrency` with our client."""
-    profile = load_profiles()["chat"].with_lengths(prompt, output)
+    """The chat profile at `concurrency` with our client, sending what guidellm
+    sends (see `guidellm_like`)."""
     target = Target(base_url, await discover_model(base_url, None))
     async with new_session(60) as session:
-        prompts = await build_prompts(
-            profile, await tokenize_counter(session, base_url, target.model)
+        count = await tokenize_counter(session, base_url, target.model)
+        profile = guidellm_like(
+            load_profiles()["chat"].with_lengths(output_tokens=output),
+            prompt,
+            await count(""),
         )
+        prompts = await build_prompts(profile, count)
+    before = read_server_latency(base_url)
     run = await run_level(
         target, prompts, Bounds(requests, 600), concurrency=concurrency
     )
+    server = read_server_latency(base_url) - before
     if run.num_errors:
         raise SystemExit(f"error: our client's run had errors: {run.errors}")
     return ClientRun(
         ttft_ms=run.ttft_ms.p50,
-        itl_ms=run.itl_ms.p50,
-        tpot_ms=run.tpot_ms.p50,
+        itl_ms=run.tpot_ms.p50,
+        chunk_gap_ms=run.itl_ms.p50,
         cpu_us_per_token=run.client_cpu_us_per_token,
         output_tokens=run.output_tokens,
+        prompt_tokens_per_request=run.prompt_tokens,
+        output_tokens_per_request=run.output_tokens / max(run.num_requests, 1),
+        server=server,
     )
 
 
@@ -179,25 +273,93 @@ def run_guidellm(
     """The same load with guidellm; CPU per token net of a one-request run's."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        before = read_server_latency(base_url)
         metrics, cpu = guidellm_once(
             base_url, tokenizer, concurrency, requests, prompt, output, folder
         )
+        server = read_server_latency(base_url) - before
         _, base_cpu = guidellm_once(base_url, tokenizer, 1, 1, prompt, output, folder)
     tokens = int(metrics["output_token_count"]["successful"]["total_sum"])
     net_tokens = max(tokens - output, 1)
     return ClientRun(
         ttft_ms=metrics["time_to_first_token_ms"]["successful"]["median"],
         itl_ms=metrics["inter_token_latency_ms"]["successful"]["median"],
-        tpot_ms=None,
+        chunk_gap_ms=None,
         cpu_us_per_token=max(cpu - base_cpu, 0.0) * 1e6 / net_tokens,
         output_tokens=tokens,
+        prompt_tokens_per_request=metrics["prompt_token_count"]["successful"]["mean"],
+        output_tokens_per_request=metrics["output_token_count"]["successful"]["mean"],
+        server=server,
     )
 
 
-def ratio_row(name: str, ours: float, theirs: float) -> str:
+def target_row(name: str, ours: float, theirs: float) -> str:
+    """A row held to the target: both medians, their ratio and the verdict."""
     ratio = ours / theirs if theirs else float("inf")
     verdict = "PASS" if abs(ratio - 1) <= TARGET_RATIO else "FAIL"
-    return f"{name:<44}{ours:>10.2f}{theirs:>10.2f}{ratio:>9.3f}  within 10%: {verdict}"
+    return f"{name:<48}{ours:>10.2f}{theirs:>10.2f}{ratio:>9.3f}  within 10%: {verdict}"
+
+
+def info_row(name: str, ours: float | None, theirs: float | None) -> str:
+    """A row without a target ("-" where a side has no number)."""
+
+    def cell(value: float | None) -> str:
+        return f"{value:>10.2f}" if value is not None else f"{'-':>10}"
+
+    ratio = f"{ours / theirs:>9.3f}" if ours is not None and theirs else ""
+    return f"{name:<48}{cell(ours)}{cell(theirs)}{ratio}"
+
+
+def table(ours: Sequence[ClientRun], theirs: Sequence[ClientRun]) -> list[str]:
+    """The comparison's rows: medians over rounds of each client's run medians, the
+    server's means over all of each client's runs."""
+
+    def median(runs: Sequence[ClientRun], field: str) -> float | None:
+        values = [v for r in runs if (v := getattr(r, field)) is not None]
+        return statistics.median(values) if values else None
+
+    def server(runs: Sequence[ClientRun]) -> ServerLatency:
+        return sum((r.server for r in runs), ServerLatency())
+
+    return [
+        f"{'':<48}{'ours':>10}{'guidellm':>10}{'ratio':>9}",
+        target_row(
+            "median TTFT, ms", median(ours, "ttft_ms"), median(theirs, "ttft_ms")
+        ),
+        target_row(
+            "median ITL, ms: per request (E2E-TTFT)/(n-1)",
+            median(ours, "itl_ms"),
+            median(theirs, "itl_ms"),
+        ),
+        info_row(
+            "median gap between content chunks, ms", median(ours, "chunk_gap_ms"), None
+        ),
+        info_row(
+            "server's mean TTFT over the runs, ms",
+            server(ours).ttft_mean_ms,
+            server(theirs).ttft_mean_ms,
+        ),
+        info_row(
+            "server's mean ITL over the runs, ms",
+            server(ours).itl_mean_ms,
+            server(theirs).itl_mean_ms,
+        ),
+        info_row(
+            "prompt tokens per request (server's usage)",
+            median(ours, "prompt_tokens_per_request"),
+            median(theirs, "prompt_tokens_per_request"),
+        ),
+        info_row(
+            "output tokens per request (server's usage)",
+            median(ours, "output_tokens_per_request"),
+            median(theirs, "output_tokens_per_request"),
+        ),
+        info_row(
+            "client CPU per streamed token, us",
+            median(ours, "cpu_us_per_token"),
+            median(theirs, "cpu_us_per_token"),
+        ),
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -232,40 +394,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"round {round_index + 1}/{args.rounds}: guidellm", file=sys.stderr)
             theirs.append(run_guidellm(base_url, tokenizer, *load))
 
-    def median(runs: list[ClientRun], field: str) -> float:
-        return statistics.median(getattr(r, field) for r in runs)
-
     print(
         f"chat profile, {args.prompt_tokens} prompt + {args.output_tokens} output "
         f"tokens, concurrency {args.concurrency}, {args.requests} requests x "
         f"{args.rounds} rounds, interleaved"
     )
-    print(f"{'':<44}{'ours':>10}{'guidellm':>10}{'ratio':>9}")
-    print(
-        ratio_row("median TTFT, ms", median(ours, "ttft_ms"), median(theirs, "ttft_ms"))
-    )
-    print(
-        ratio_row(
-            "median ITL, ms (chunk gaps vs guidellm's)",
-            median(ours, "itl_ms"),
-            median(theirs, "itl_ms"),
-        )
-    )
-    print(
-        ratio_row(
-            "median TPOT, ms (vs guidellm's per-request ITL)",
-            median(ours, "tpot_ms"),
-            median(theirs, "itl_ms"),
-        )
-    )
-    cpu_ours, cpu_theirs = (
-        median(ours, "cpu_us_per_token"),
-        median(theirs, "cpu_us_per_token"),
-    )
-    print(
-        f"{'client CPU per streamed token, us':<44}{cpu_ours:>10.1f}"
-        f"{cpu_theirs:>10.1f}{cpu_ours / cpu_theirs if cpu_theirs else 0:>9.3f}"
-    )
+    print("\n".join(table(ours, theirs)))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ content chunk, or an in-band error event.
 /metrics has the engine's per-step histogram of running sequences
 (`engine_iteration_num_requests_running`, one bucket per count up to MAX_RUNNING),
 observed here each time a stream opens: the moments the count rises, so its highest
-grown bucket is the exact peak, as the engine's is.
+grown bucket is the exact peak, as the engine's is. It also has the engine's TTFT
+and per-token ITL histograms, observed as scripted when each chunk is sent (a chunk
+of k tokens after a gap g: k observations of g / k).
 """
 
 import argparse
@@ -49,6 +51,14 @@ def build_app(args: argparse.Namespace) -> web.Application:
     running = 0
     registry = CollectorRegistry()
     running_per_step = running_per_step_histogram(registry, MAX_RUNNING)
+    ttft_s = Histogram(
+        "engine_time_to_first_token_seconds",
+        "Arrival -> first token",
+        registry=registry,
+    )
+    itl_s = Histogram(
+        "engine_inter_token_latency_seconds", "Between tokens", registry=registry
+    )
 
     async def models(request: web.Request) -> web.Response:
         card = {"id": "scripted", "object": "model", "max_model_len": 100000}
@@ -82,6 +92,11 @@ def build_app(args: argparse.Namespace) -> web.Application:
             for i in range(chunks):
                 due = arrived + (args.ttft_ms + i * args.itl_ms) / 1e3
                 await asyncio.sleep(max(0.0, due - asyncio.get_running_loop().time()))
+                if i == 0:
+                    ttft_s.observe(args.ttft_ms / 1e3)
+                else:
+                    for _ in range(args.tokens_per_chunk):
+                        itl_s.observe(args.itl_ms / 1e3 / args.tokens_per_chunk)
                 text = "tok " * args.tokens_per_chunk
                 await resp.write(
                     sse({"choices": [{"index": 0, "delta": {"content": text}}]})
