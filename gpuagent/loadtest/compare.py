@@ -29,11 +29,12 @@ several tokens, guidellm has no such number); the server's own mean TTFT and ITL
 over each client's runs (its /metrics histograms), which tell a server that was
 slower during one client's runs from clients that measure differently; and each
 client's CPU per streamed token. Ours is the process CPU of the run alone;
-guidellm's is its processes' CPU (rusage of children) for the run minus a
-one-request run's (its start-up, imports and worker spawn), per token of the
-difference. Where the clients and the server share cores (the demo engine on a
-small machine), a client's CPU is taken from the server: the server's own rows
-show how much slower it was during that client's runs.
+guidellm's is its processes' CPU (rusage of children) for the run minus that of a
+run at the same concurrency with one request per stream (its start-up, imports and
+one worker process spawned per stream), per token of the difference. Where the
+clients and the server share cores (the demo engine on a small machine), a
+client's CPU is taken from the server: the server's own rows show how much slower
+it was during that client's runs.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class ClientRun:
     ttft_ms: float
     itl_ms: float  # per request, (E2E - TTFT) / (tokens - 1)
     chunk_gap_ms: float | None  # between content chunks (ours only)
-    cpu_us_per_token: float
+    cpu_us_per_token: float | None  # None: not measured
     output_tokens: int
     prompt_tokens_per_request: float
     output_tokens_per_request: float
@@ -270,7 +271,9 @@ def run_guidellm(
     prompt: int,
     output: int,
 ) -> ClientRun:
-    """The same load with guidellm; CPU per token net of a one-request run's."""
+    """The same load with guidellm; its CPU per token net of a run at the same
+    concurrency with one request per stream (guidellm spawns a worker process per
+    stream, so a one-stream run would leave most of the spawning in the net)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         before = read_server_latency(base_url)
@@ -278,14 +281,20 @@ def run_guidellm(
             base_url, tokenizer, concurrency, requests, prompt, output, folder
         )
         server = read_server_latency(base_url) - before
-        _, base_cpu = guidellm_once(base_url, tokenizer, 1, 1, prompt, output, folder)
+        base_metrics, base_cpu = guidellm_once(
+            base_url, tokenizer, concurrency, concurrency, prompt, output, folder
+        )
     tokens = int(metrics["output_token_count"]["successful"]["total_sum"])
-    net_tokens = max(tokens - output, 1)
+    base_tokens = int(base_metrics["output_token_count"]["successful"]["total_sum"])
     return ClientRun(
         ttft_ms=metrics["time_to_first_token_ms"]["successful"]["median"],
         itl_ms=metrics["inter_token_latency_ms"]["successful"]["median"],
         chunk_gap_ms=None,
-        cpu_us_per_token=max(cpu - base_cpu, 0.0) * 1e6 / net_tokens,
+        cpu_us_per_token=(
+            max(cpu - base_cpu, 0.0) * 1e6 / (tokens - base_tokens)
+            if tokens > base_tokens
+            else None
+        ),
         output_tokens=tokens,
         prompt_tokens_per_request=metrics["prompt_token_count"]["successful"]["mean"],
         output_tokens_per_request=metrics["output_token_count"]["successful"]["mean"],
