@@ -78,6 +78,11 @@ def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Profile]:
             )
         if profile.prompt_tokens < 1 or profile.output_tokens < 1:
             raise ProfileError(f"profile {name!r}: lengths must be at least 1")
+        temperature = profile.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            raise ProfileError(f"profile {name!r}: temperature must be a number")
+        if temperature < 0:
+            raise ProfileError(f"profile {name!r}: temperature must be at least 0")
         profiles[name] = profile
     if not profiles:
         raise ProfileError(f"{path} defines no [profiles.NAME]")

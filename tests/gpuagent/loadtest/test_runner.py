@@ -140,3 +140,19 @@ def test_it_sends_the_profiles_temperature_or_leaves_it_to_the_server():
 
     assert greedy_body["temperature"] == 0.0  # the default: the same answer each run
     assert "temperature" not in sampled_body  # the server samples at its default
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"), [('"hot"', "must be a number"), ("-0.5", "at least 0")]
+)
+def test_a_profile_temperature_that_is_not_a_temperature_is_refused(
+    tmp_path, value, problem
+):
+    bad = tmp_path / "p.toml"
+    bad.write_text(
+        '[profiles.x]\nsource = "english"\ninstruction = "a"\n'
+        f"prompt_tokens = 5\noutput_tokens = 5\ntemperature = {value}\n"
+    )
+
+    with pytest.raises(ProfileError, match=problem):
+        load_profiles(bad)
