@@ -1,6 +1,7 @@
 """Engine benchmark: `python -m gpuagent.engine.bench [--quick] [--model-dir DIR]`.
 
-Prints ratios measured side by side in one run, each with its target and PASS/FAIL:
+Prints ratios measured side by side in one run, each with its target and PASS/FAIL
+where it has one ("info" where it is information only):
 
 - memory: KV bytes/token of each dtype vs bf16, and how many concurrent 2k-token
   sequences the block pool admits in the same byte budget, counted by admitting
@@ -15,12 +16,16 @@ Prints ratios measured side by side in one run, each with its target and PASS/FA
   bf16 (window row and static scales spread over a 2k-token sequence) and its
   target (int8 KLD <= 0.002 and top-1 >= 97.5%, fp8 <= 0.003 / >= 97%, int4
   <= 0.03 / >= 92%; overall judged, slices shown);
-- attention output: a diagnostic (issue 3's bar, judged on the demo model only).
-  Each layer's post-RoPE q, k and v of the first passage of each slice are
-  captured, K/V written into a cache of each dtype with `kernels.write_kv`, and the
-  decode attention of sampled positions t (context 0..t) run with
+- attention output: a diagnostic, not a target (issue 12), on every model: its rows
+  are information only and issue 3's old bar is printed beside them as text. Each
+  layer's post-RoPE q, k and v of the first passage of each slice are captured, K/V
+  written into a cache of each dtype with `kernels.write_kv`, and the decode
+  attention of sampled positions t (context 0..t) run with
   `kernels.paged_decode_attention`; relative error ||o_q - o_bf16|| / ||o_bf16||,
   mean over layers, worst layer, and every layer.
+
+The exit status is 0 when every judged row passes (memory, capacity, throughput and
+serving ratios, each served dtype's overall KLD and top-1), else 1.
 
 Every dtype runs as the engine serves it by default: int4 and fp8 with their
 full-precision windows of the newest tokens (`engine.DEFAULT_KV_WINDOW`), the others
@@ -80,8 +85,9 @@ QUALITY_TARGETS = {
     "int8": (0.002, 0.975),
     "int4": (0.03, 0.92),
 }
-# Issue 3's bar on the attention output error of the demo model's activations
-ATTENTION_TARGETS = {"fp8": 0.01, "fp8-per-token": 0.01, "int8": 0.01, "int4": 0.05}
+# Issue 3's old bar on the attention output error, printed for reference only: since
+# issue 12 the attention-output error is a diagnostic, not a target (KLD/top-1 are)
+ATTENTION_OLD_BAR = {"fp8": 0.01, "fp8-per-token": 0.01, "int8": 0.01, "int4": 0.05}
 # KV bytes/token vs bf16, scales and the window spread over a 2k-token sequence
 MEMORY_TARGETS = {"fp8-per-token": 0.52, "fp8": 0.52, "int8": 0.52, "int4": 0.28}
 # The byte budget of the capacity test holds this many bf16 sequences; large enough
@@ -964,14 +970,13 @@ def attention_error_rows(
     tokenizer,
     max_len: int,
     positions_per_prompt: int,
-    judged: bool = True,
     errors: dict[str, torch.Tensor] | None = None,
-) -> list[Row]:
-    """Issue 3's KV quality bar on real activations: mean and worst layer per dtype
-    (`judged`: against issue 3's bar, set for the demo model; a diagnostic
-    otherwise). `errors`: `attention_relative_errors` already measured."""
+) -> list[Row | str]:
+    """Attention-output error on real activations, mean and worst layer per dtype:
+    information rows on every model (a diagnostic, not a target, since issue 12),
+    then issue 3's old bar as a line of text. `errors`:
+    `attention_relative_errors` already measured."""
     sequences = quality_sequences(tokenizer, max_len)
-    targets = ATTENTION_TARGETS if judged else {}
     if errors is None:
         errors = attention_relative_errors(
             model, sequences, ("fp32", *KV_DTYPES[1:]), positions_per_prompt
@@ -979,7 +984,7 @@ def attention_error_rows(
     queries = sum(
         len(sampled_positions(len(s), positions_per_prompt)) for s in sequences
     )
-    rows = [
+    rows: list[Row | str] = [
         Row(
             f"attn out fp32 vs bf16 KV, mean ({queries} q, {len(sequences)} texts)",
             f"{100 * errors['fp32'].mean().item():.3f}%",
@@ -989,7 +994,6 @@ def attention_error_rows(
     ]
     for dtype in KV_DTYPES[1:]:
         per_layer = errors[dtype]
-        target = targets.get(dtype)
         worst = int(per_layer.argmax())
         for label, value in (
             ("mean of layers", per_layer.mean().item()),
@@ -999,11 +1003,15 @@ def attention_error_rows(
                 Row(
                     f"attn out {served(dtype)} vs bf16 KV: rel. err, {label}",
                     f"{100 * value:.3f}%",
-                    f"<= {100 * target:g}%" if target else "",
-                    value <= target if target else None,
+                    "",
+                    None,
                 )
             )
-    return rows
+    by_bar: dict[float, list[str]] = {}
+    for dtype, bar in ATTENTION_OLD_BAR.items():
+        by_bar.setdefault(bar, []).append(served(dtype))
+    old_bar = ", ".join(f"{'/'.join(d)} <= {100 * b:g}%" for b, d in by_bar.items())
+    return rows + [f"issue 3's old bar (for reference, not judged): {old_bar}"]
 
 
 def attention_layer_table(errors: dict[str, torch.Tensor]) -> list[str]:
@@ -1024,7 +1032,6 @@ def model_quality_sections(
     model,
     tokenizer,
     quick: bool,
-    judge_attention: bool,
     title: str = "",
 ) -> list[tuple[str, Callable[[], list[Row | str]]]]:
     """The quality table and the attention diagnostic of one model, as sections."""
@@ -1048,12 +1055,7 @@ def model_quality_sections(
             static_scales=static_kv_scales(model, calibration_sequences(tokenizer)),
         )
         rows = attention_error_rows(
-            model,
-            tokenizer,
-            attention_len,
-            attention_positions,
-            judge_attention,
-            errors,
+            model, tokenizer, attention_len, attention_positions, errors
         )
         return [*rows, "per layer (diagnostic, not a target):"] + (
             attention_layer_table(errors)
@@ -1155,9 +1157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             serving,
         ]
     if not args.serving_only:
-        sections += model_quality_sections(
-            model_dir, model, tokenizer, args.quick, judge_attention=is_demo
-        )
+        sections += model_quality_sections(model_dir, model, tokenizer, args.quick)
     demo_rows = not (args.serving_only or is_demo or args.no_demo)
     if demo_rows and (DEMO_MODEL_DIR / "config.json").exists():
         demo = load_model(DEMO_MODEL_DIR, dtype=torch.float32, device=args.device)
@@ -1166,7 +1166,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             demo,
             load_tokenizer(DEMO_MODEL_DIR),
             args.quick,
-            judge_attention=True,
             title="demo model",
         )
     rows: list[Row] = []
