@@ -15,7 +15,11 @@ where it has one ("info" where it is information only):
   engine's paged cache, exact KL), per slice and overall, with its bytes/token vs
   bf16 (window row and static scales spread over a 2k-token sequence) and its
   target (int8 KLD <= 0.002 and top-1 >= 97.5%, fp8 <= 0.003 / >= 97%, int4
-  <= 0.03 / >= 92%; overall judged, slices shown);
+  <= 0.03 / >= 92%; overall judged, slices shown). Below it, for information,
+  layouts measured but not served, simulated on the same passages against the same
+  bf16 distributions (`kv_alternatives`): KIVI int4 (keys per channel in groups of
+  32 tokens, values per token, bf16 residual), with and without the rotation, and
+  the served int4 itself (the simulation's check) and at KIVI's bytes;
 - attention output: a diagnostic, not a target (issue 12), on every model: its rows
   are information only and issue 3's old bar is printed beside them as text. Each
   layer's post-RoPE q, k and v of the first passage of each slice are captured, K/V
@@ -60,6 +64,7 @@ from gpuagent.engine.engine import (
     engine_kv_cache,
     prepare_inputs,
 )
+from gpuagent.engine.kv_alternatives import Layout, layout_logprobs, measured_layouts
 from gpuagent.engine.kv_calibration import (
     calibration_sequences,
     set_cache_scales,
@@ -636,19 +641,23 @@ def kv_quality(
     max_items: int | None,
     passage_tokens: int,
     seed: int = 0,
+    simulated: Sequence[Layout] = (),
 ) -> list[KVQuality]:
     """Each of `kv_dtypes` vs bf16 KV on the shipped eval sets' English, code and
     Korean passages (at most `max_items` per slice, `passage_tokens` each), scored
     by gpuagent.evaluate in process: teacher-forced through the engine's paged
     cache, prefilled in the chunks the server gives a lone prompt, exact KL. Each
-    passage's bf16 distributions are computed once for every dtype."""
+    passage's bf16 distributions are computed once for every dtype. The
+    `simulated` layouts (`kv_alternatives`, not served) follow the dtypes, scored
+    against the same bf16 distributions, named by their layout."""
     rng = np.random.default_rng(seed)
     reference = EngineModel(model_dir, "bf16", max_tokens=passage_tokens, model=model)
     sides = {
         dtype: EngineModel(model_dir, dtype, max_tokens=passage_tokens, model=model)
         for dtype in kv_dtypes
     }
-    per_slice: dict[str, list[list[PositionStats]]] = {d: [] for d in kv_dtypes}
+    names = [*kv_dtypes, *(layout.name for layout in simulated)]
+    per_slice: dict[str, list[list[PositionStats]]] = {name: [] for name in names}
     slice_names = []
     for eval_slice in load_text_slices():
         slice_names.append(eval_slice.name)
@@ -661,17 +670,23 @@ def kv_quality(
                 per_slice[dtype][-1].append(
                     exact_position_stats(ref_chunks, side.logprobs_chunks(ids), ids)
                 )
+            sizes = [chunk.shape[0] for chunk in ref_chunks]
+            for layout in simulated:
+                chunks = layout_logprobs(model, ids, layout).split(sizes)
+                per_slice[layout.name][-1].append(
+                    exact_position_stats(ref_chunks, chunks, ids)
+                )
+    bytes_ratios = {d: amortized_bytes_ratio(model.config, d) for d in kv_dtypes}
+    bytes_ratios |= {lay.name: lay.bytes_ratio(model.config) for lay in simulated}
     results = []
-    for dtype in kv_dtypes:
+    for name in names:
         slices = [
-            slice_quality(name, stats, [], rng)
-            for name, stats in zip(slice_names, per_slice[dtype], strict=True)
+            slice_quality(slice_name, stats, [], rng)
+            for slice_name, stats in zip(slice_names, per_slice[name], strict=True)
         ]
-        every = [s for stats in per_slice[dtype] for s in stats]
+        every = [s for stats in per_slice[name] for s in stats]
         slices.append(slice_quality("overall", every, [], rng))
-        results.append(
-            KVQuality(dtype, amortized_bytes_ratio(model.config, dtype), slices)
-        )
+        results.append(KVQuality(name, bytes_ratios[name], slices))
     return results
 
 
@@ -1042,8 +1057,21 @@ def model_quality_sections(
     suffix = f" [{title}]" if title else ""
 
     def quality() -> list[Row | str]:
-        results = kv_quality(model_dir, model, KV_DTYPES[1:], max_items, passage_tokens)
-        return [*quality_table(results), *quality_rows(results)]
+        dtypes = KV_DTYPES[1:]
+        layouts = measured_layouts(model.config, default_kv_window("int4"))
+        results = kv_quality(
+            model_dir, model, dtypes, max_items, passage_tokens, simulated=layouts
+        )
+        served_results, simulated = results[: len(dtypes)], results[len(dtypes) :]
+        return [
+            *quality_table(served_results),
+            "measured, not served (information; gpuagent/engine/kv_alternatives.py):",
+            "  kivi-gGrR: KIVI int4 simulated; sim-int4+wW: the served int4 simulated",
+            "  (w18: the simulation's check against int4+w18 above; the longer window:",
+            "  the served int4 at kivi-g32r32's bytes/token)",
+            *quality_table(simulated),
+            *quality_rows(results),
+        ]
 
     def attention() -> list[Row | str]:
         sequences = quality_sequences(tokenizer, attention_len)
