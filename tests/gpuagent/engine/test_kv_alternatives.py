@@ -1,0 +1,207 @@
+"""The KIVI simulation: its int4 quantizer round-trips within half a step, its
+residual tokens are read exact (bf16), queries read what KIVI's decode step holds,
+the batched attention equals a slow loop over decode steps, its bytes are counted
+with the scales and the residual row, and on the demo model the simulation scores
+what the engine scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from gpuagent.engine import bench
+from gpuagent.engine import kv_alternatives as alt
+from gpuagent.engine.cache import kv_bytes_per_token
+
+KVH, D = 2, 64
+
+
+def keys_with_outliers(n: int, seed: int = 0) -> torch.Tensor:
+    """[n, KVH, D] float32 with an offset and a few loud channels, as real keys."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, KVH, D, generator=g)
+    x[..., :4] = x[..., :4] * 20 + 5  # outlier channels, off-centre
+    return x
+
+
+def assert_within_half_a_step(x, read, scale, steps_dim_group):
+    dim, group = steps_dim_group
+    # each element's own group scale, broadcast back over the group
+    step = scale.float().repeat_interleave(group, dim=dim)
+    bound = step / 2 * (1 + 1e-5) + 1e-6 * x.abs()
+    assert ((x - read).abs() <= bound).all()
+
+
+def test_it_round_trips_keys_per_channel_within_half_a_step():
+    key = keys_with_outliers(96)
+
+    codes, scale, minimum = alt.quantize_minmax(key, 0, 32)
+    read = alt.dequantize_minmax(codes, scale, minimum, 0, 32)
+
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert codes.shape == key.shape
+    # one min and scale per channel per group of 32 tokens, float16
+    assert scale.shape == minimum.shape == (3, KVH, D)
+    assert scale.dtype == minimum.dtype == torch.float16
+    assert_within_half_a_step(key, read, scale, (0, 32))
+    # per channel: the outlier channels get their own (coarse) steps
+    assert scale[..., :4].float().min() > 5 * scale[..., 4:].float().max()
+    # both ends of every group's range are levels within half a step
+    assert (minimum.float() <= key.unflatten(0, (3, 32)).amin(1)).all()
+
+
+def test_it_round_trips_values_per_token_within_half_a_step():
+    value = keys_with_outliers(40, seed=1)
+
+    codes, scale, minimum = alt.quantize_minmax(value, -1, 32)
+    read = alt.dequantize_minmax(codes, scale, minimum, -1, 32)
+
+    assert scale.shape == (40, KVH, 2)  # per token, per 32 channels
+    assert_within_half_a_step(value, read, scale, (-1, 32))
+    assert torch.equal(alt.kivi_values(value, 32), read)
+
+
+def test_a_constant_group_reads_back_its_value():
+    key = torch.full((32, 1, 8), -1.25)
+
+    assert torch.equal(alt.kivi_keys(key, 32), key)
+
+
+def test_it_quantizes_only_complete_key_groups():
+    key = keys_with_outliers(70)
+
+    read = alt.kivi_keys(key, 32)
+
+    assert torch.equal(read[64:], key[64:])  # the unfilled group: never quantized
+    assert not torch.equal(read[:64], key[:64])
+    # a group's quantization depends on its own tokens only
+    assert torch.equal(read[:64], alt.kivi_keys(key[:64], 32))
+
+
+def test_queries_read_what_kivis_decode_step_holds():
+    layout = alt.kivi_layout(32, 64)
+
+    keys_below, values_below = layout.quantized_below(200)
+
+    # keys: flushed R at a time, after the step whose token fills the residual
+    assert keys_below[63] == 0 and keys_below[64] == 64 and keys_below[127] == 64
+    assert keys_below[128] == 128
+    # values: the newest R and the new token in bf16, sliding
+    assert values_below[64] == 0 and values_below[65] == 1 and values_below[199] == 135
+    with pytest.raises(ValueError, match="multiple"):
+        alt.kivi_layout(32, 48)
+
+
+@pytest.mark.parametrize("t", [0, 31, 32, 70, 99])
+def test_its_residual_tokens_are_exact_and_the_rest_as_stored(t):
+    key, value = keys_with_outliers(100), keys_with_outliers(100, seed=2)
+    layout = alt.kivi_layout(32, 32)
+    stored_key, stored_value = layout.stored(key, value)
+
+    read_key, read_value = layout.read(key, value, t)
+
+    key_below, value_below = t // 32 * 32, max(t - 32, 0)
+    assert read_key.shape == read_value.shape == (t + 1, KVH, D)
+    assert torch.equal(read_key[key_below:], key[key_below : t + 1].bfloat16().float())
+    assert torch.equal(read_key[:key_below], stored_key[:key_below])
+    assert torch.equal(
+        read_value[value_below:], value[value_below : t + 1].bfloat16().float()
+    )
+    assert torch.equal(read_value[:value_below], stored_value[:value_below])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        alt.kivi_layout(32, 32),
+        alt.kivi_layout(16, 32, rotate=True),
+        alt.served_int4_layout(18),
+        alt.BF16,
+    ],
+    ids=lambda layout: layout.name,
+)
+def test_the_attention_is_a_loop_over_decode_steps(layout):
+    n, heads = 75, 4
+    query = torch.randn(n, heads, D, generator=torch.Generator().manual_seed(3))
+    key, value = keys_with_outliers(n), keys_with_outliers(n, seed=4)
+    scale = D**-0.5
+
+    out = alt.layout_attention(query, key, value, scale, layout)
+
+    rotation = kernels.hadamard(D) if layout.rotate else torch.eye(D)
+    q, k, v = query @ rotation, key @ rotation, value @ rotation
+    for t in range(n):
+        read_key, read_value = layout.read(k, v, t)  # [t+1, KVH, D]
+        read_key = read_key.repeat_interleave(heads // KVH, dim=1)  # [t+1, H, D]
+        read_value = read_value.repeat_interleave(heads // KVH, dim=1)
+        probs = torch.softmax(torch.einsum("hd,phd->hp", q[t], read_key) * scale, -1)
+        expected = torch.einsum("hp,phd->hd", probs, read_value) @ rotation.T
+        # values reach ~100 (outlier channels): float32 summation order, ~1e-6 of it
+        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_simulated_int4_stores_what_the_served_quantizer_stores():
+    key, value = keys_with_outliers(50), keys_with_outliers(50, seed=5)
+
+    stored_key, _ = alt.served_int4_layout(18).stored(key, value)
+
+    expected = kernels.dequantize_kv(*kernels.quantize_kv(key, "int4"), "int4")
+    assert torch.equal(stored_key, expected)
+    below, _ = alt.served_int4_layout(18).quantized_below(40)
+    assert below[17] == 0 and below[39] == 22  # the query's newest 18 in bf16
+
+
+# ----------------------------------------------------------------------- bytes
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    from gpuagent.engine.loader import load_model
+
+    return load_model(bench.DEMO_MODEL_DIR)
+
+
+def test_it_counts_kivis_scales_and_residual_row_in_its_bytes(demo_model):
+    config = demo_model.config
+    assert config.head_dim == 64
+
+    # keys 32 + 8 (min, scale per channel per 32 tokens), values 32 + 8 (per token
+    # per 32 channels), residual 32 tokens of K and V in bf16 over 2048: 4; of 256
+    assert alt.kivi_layout(32, 32).bytes_ratio(config) == (80 + 4) / 256
+    assert alt.kivi_layout(32, 128).bytes_ratio(config) == (80 + 16) / 256
+    int4 = alt.served_int4_layout(18).bytes_ratio(config)
+    assert int4 == pytest.approx(bench.amortized_bytes_ratio(config, "int4"))
+    # the window that KIVI's bytes buy the served int4: (84 - 68) * 2048 / 256
+    window = alt.int4_window_at_bytes(config, (80 + 4) / 256)
+    assert window == 128
+    assert alt.served_int4_layout(window).bytes_ratio(config) == (80 + 4) / 256
+    assert kv_bytes_per_token(config, "int4") / kv_bytes_per_token(
+        config, "bf16"
+    ) == pytest.approx(68 / 256)
+
+
+# ------------------------------------------------------------------ the model
+
+
+def test_on_the_demo_model_the_simulation_scores_what_the_engine_scores(demo_model):
+    window = 18
+    layouts = [alt.BF16, alt.served_int4_layout(window), alt.kivi_layout(32, 32)]
+
+    int4, sim_bf16, sim_int4, kivi = bench.kv_quality(
+        bench.DEMO_MODEL_DIR,
+        demo_model,
+        ("int4",),
+        max_items=1,
+        passage_tokens=80,
+        simulated=layouts,
+    )
+
+    assert [r.dtype for r in (sim_bf16, sim_int4, kivi)] == [x.name for x in layouts]
+    assert kivi.bytes_ratio == alt.kivi_layout(32, 32).bytes_ratio(demo_model.config)
+    # nothing quantized: only float summation order differs from the engine's bf16
+    assert sim_bf16.overall.mean_kld < 1e-6
+    # the engine's own quantizer, rotation and window: the engine's numbers
+    assert sim_int4.overall.mean_kld == pytest.approx(int4.overall.mean_kld, rel=1e-2)
+    assert sim_int4.overall.same_top1 == int4.overall.same_top1
+    assert kivi.overall.mean_kld > 10 * sim_bf16.overall.mean_kld
