@@ -61,6 +61,11 @@ class Recipe(_Message):
         True, description="int4 only: False adds a zero point per group"
     )
     act_order: bool = Field(False, description="gptq only: columns by Hessian diag")
+    awq: bool = Field(
+        False,
+        description="activation-aware input-channel scales (searched on calibration "
+        "text, folded into the norms and up_proj) before rtn or gptq",
+    )
     quantize_lm_head: bool = Field(
         False, description="quantize lm_head too (untied heads only)"
     )

@@ -6,7 +6,7 @@
 - quality: each recipe's folder against the source folder, both scored in-process
   by `gpuagent.evaluate` (full distributions, the english / code / korean slices):
   mean KLD and same-top-1 per slice against the bars (w8a16: <= 0.002 and
-  >= 97.5%; 4-bit: <= 0.03 and >= 92%), RTN and GPTQ side by side;
+  >= 97.5%; 4-bit: <= 0.03 and >= 92%), RTN, GPTQ and AWQ scales side by side;
 - matmul: the weight-only kernels vs bf16 torch.matmul on a 4096x14336 layer at
   batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference path is
   timed, and its ratio is not a target);
@@ -42,9 +42,15 @@ QUALITY_BARS = {"w8a16": (0.002, 0.975), "fp8": (0.03, 0.92), "w4a16": (0.03, 0.
 RECIPES = (
     ("w8a16 rtn", {"weights": "w8a16"}),
     ("w8a16 gptq", {"weights": "w8a16", "method": "gptq"}),
+    ("w8a16 awq rtn", {"weights": "w8a16", "awq": True}),
+    ("w8a16 awq gptq", {"weights": "w8a16", "method": "gptq", "awq": True}),
     ("fp8 rtn", {"weights": "fp8"}),
     ("w4a16-g128 rtn", {"weights": "w4a16-g128"}),
     ("w4a16-g128 gptq", {"weights": "w4a16-g128", "method": "gptq"}),
+    (
+        "w4a16-g128 awq gptq",
+        {"weights": "w4a16-g128", "method": "gptq", "awq": True},
+    ),
     (
         "w4a16-g128 gptq act-order",
         {"weights": "w4a16-g128", "method": "gptq", "act_order": True},
@@ -55,7 +61,13 @@ RECIPES = (
         {"weights": "w4a16-g32", "method": "gptq", "symmetric": False},
     ),
 )
-QUICK_RECIPES = ("w8a16 rtn", "w8a16 gptq", "w4a16-g128 rtn", "w4a16-g128 gptq")
+QUICK_RECIPES = (
+    "w8a16 rtn",
+    "w8a16 gptq",
+    "w8a16 awq gptq",
+    "w4a16-g128 rtn",
+    "w4a16-g128 gptq",
+)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from gpuagent.compress.awq import scale_layer
 from gpuagent.compress.calibration import calibration_sequences
 from gpuagent.compress.checkpoint import (
     DENSE_DTYPE,
@@ -89,7 +90,9 @@ def compress(
             "quantize_lm_head=true but lm_head is tied to the embeddings "
             "(tie_word_embeddings=true), which stay unquantized"
         )
-    needs_text = (scheme and scheme.method == "gptq") or recipe.kv_cache_dtype == "fp8"
+    needs_text = (
+        scheme and (scheme.method == "gptq" or scheme.awq)
+    ) or recipe.kv_cache_dtype == "fp8"
     sequences = None
     if needs_text:
         sequences = calibration_sequences(tokenizer, *(calibration_size or ()))
@@ -164,8 +167,8 @@ def _quantize_model(
     layers see the inputs the quantized earlier layers produce."""
     quantized: dict[str, QuantizedWeight] = {}
     total = len(model.layers) + int(scheme.quantize_lm_head)
-    if scheme.method == "gptq":
-        _gptq_layers(model, scheme, sequences, progress, quantized)
+    if scheme.method == "gptq" or scheme.awq:
+        _calibrated_layers(model, scheme, sequences, progress, quantized)
     else:
         for i, layer in enumerate(model.layers):
             for p in PROJECTIONS:
@@ -187,33 +190,29 @@ def _replace_weight(module: torch.nn.Linear, qw: QuantizedWeight) -> None:
         module.weight.copy_(qw.dequantize())
 
 
-def _gptq_layers(model, scheme, sequences, progress, quantized) -> None:
+def _calibrated_layers(model, scheme, sequences, progress, quantized) -> None:
+    """Layer by layer on the calibration tokens, each layer seeing the outputs of
+    the quantized layers before it: AWQ scales folded in (`scheme.awq`), then
+    GPTQ on the Hessians of the (scaled) inputs, or RTN."""
     tokens = torch.tensor(sequences)  # [B, T]
     positions = torch.arange(tokens.shape[1])
     with torch.no_grad():
         cos, sin = model._rope(positions)  # [T, 1, D]
         hidden = model.embed_tokens(tokens)  # [B, T, hidden]
         for i, layer in enumerate(model.layers):
-            accumulators: dict[str, HessianAccumulator] = {}
-            hooks = []
+            if scheme.awq:
+                scale_layer(layer, hidden, cos, sin, scheme)
+            hessians = (
+                _hessians(layer, hidden, cos, sin) if scheme.method == "gptq" else {}
+            )
             for p in PROJECTIONS:
-                if p in _SHARED_INPUT:
-                    continue
                 module = layer.get_submodule(p)
-                acc = accumulators[p] = HessianAccumulator(module.in_features)
-                hooks.append(
-                    module.register_forward_pre_hook(
-                        lambda _m, args, acc=acc: acc.add(args[0])
+                if hessians:
+                    qw = quantize_gptq(
+                        module.weight, hessians[_SHARED_INPUT.get(p, p)], scheme
                     )
-                )
-            for batch in hidden.split(8):
-                layer.forward_dense(batch, cos, sin)
-            for hook in hooks:
-                hook.remove()
-            for p in PROJECTIONS:
-                module = layer.get_submodule(p)
-                acc = accumulators[_SHARED_INPUT.get(p, p)]
-                qw = quantize_gptq(module.weight, acc.hessian, scheme)
+                else:
+                    qw = quantize_rtn(module.weight, scheme)
                 _replace_weight(module, qw)
                 quantized[f"model.layers.{i}.{p}"] = qw
             hidden = torch.cat(
@@ -222,6 +221,27 @@ def _gptq_layers(model, scheme, sequences, progress, quantized) -> None:
             progress(
                 i + 1, len(model.layers) + int(scheme.quantize_lm_head), f"layer {i}"
             )
+
+
+def _hessians(layer, hidden, cos, sin) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n of the inputs of each projection (one per shared input)."""
+    accumulators: dict[str, HessianAccumulator] = {}
+    hooks = []
+    for p in PROJECTIONS:
+        if p in _SHARED_INPUT:
+            continue
+        module = layer.get_submodule(p)
+        acc = accumulators[p] = HessianAccumulator(module.in_features)
+        hooks.append(
+            module.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0]))
+        )
+    try:
+        for batch in hidden.split(8):
+            layer.forward_dense(batch, cos, sin)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {p: acc.hessian for p, acc in accumulators.items()}
 
 
 def _output_tensors(model, quantized, recipe: Recipe) -> dict[str, torch.Tensor]:

@@ -2,8 +2,9 @@
 
 One recipe, one scheme: `weights` names the format (w8a16 = int8, w4a16-gN =
 int4-gN, fp8), `method` how values are rounded (round-to-nearest or GPTQ),
-`symmetric` whether int4 groups carry a zero point, `quantize_lm_head` whether an
-untied head is quantized too. Anything else in a recipe is refused by name.
+`symmetric` whether int4 groups carry a zero point, `awq` whether activation-aware
+input-channel scales are folded in first (gpuagent.compress.awq), `quantize_lm_head`
+whether an untied head is quantized too. Anything else in a recipe is refused by name.
 
 Group size for layers whose input width is not a multiple of the recipe's group
 (SmolLM2's hidden size 576 is not a multiple of 128): the largest power of two that
@@ -45,6 +46,7 @@ class WeightScheme:
     symmetric: bool
     method: str  # "rtn" or "gptq"
     act_order: bool
+    awq: bool
     quantize_lm_head: bool
 
     @property
@@ -98,6 +100,11 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
     recipe = parse_recipe(recipe)
     fmt = recipe.weights
     if fmt in DENSE_FORMATS:
+        if recipe.awq or recipe.method != "rtn" or recipe.act_order:
+            raise RecipeError(
+                f"weights {fmt!r} are not quantized: method, act_order and awq "
+                "do not apply"
+            )
         return None
     if fmt.startswith(("int4-g", "w4a16-g")):
         kind, bits, group = "int", 4, int(fmt.rsplit("-g", 1)[1])
@@ -116,5 +123,6 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         symmetric=recipe.symmetric,
         method=recipe.method,
         act_order=recipe.act_order,
+        awq=recipe.awq,
         quantize_lm_head=recipe.quantize_lm_head,
     )
