@@ -1,8 +1,10 @@
 """Triton kernels with torch references for the serving engine.
 
 Every public op runs its Triton kernel when its tensors are on CUDA and the torch
-reference otherwise; `impl="triton" | "reference"` forces one (tests run the Triton
-kernels on CPU tensors under TRITON_INTERPRET=1). Importing works without a GPU.
+reference otherwise (the weight-only matmuls: torch's CPU kernels when given a
+weight prepacked for them); `impl="triton" | "reference"` forces one (tests run the
+Triton kernels on CPU tensors under TRITON_INTERPRET=1). Importing works without a
+GPU.
 """
 
 from kernels.kv_quant import (
@@ -24,8 +26,11 @@ from kernels.kv_quant import (
 )
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.weight_matmul import (
+    CpuPackedWeight,
     dequantize_weight_int4,
     pack_int4,
+    prepack_int4_cpu,
+    prepack_int8_cpu,
     quantize_weight_int4,
     quantize_weight_int8,
     unpack_int4,
@@ -34,6 +39,7 @@ from kernels.weight_matmul import (
 )
 
 __all__ = [
+    "CpuPackedWeight",
     "KV_CACHE_DTYPES",
     "ROTATED_DTYPES",
     "STATIC_SCALE_DTYPES",
@@ -49,6 +55,8 @@ __all__ = [
     "pack_int4",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "prepack_int4_cpu",
+    "prepack_int8_cpu",
     "quantize_kv",
     "set_static_scales",
     "quantize_weight_int4",

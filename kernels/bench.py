@@ -5,7 +5,8 @@ move / time) and the speed ratio to the bf16 path measured in the same run. On C
 it times the Triton kernels with `triton.testing.do_bench` at the issue's target
 shapes (decode: batch 32 at 32k context; int4 matmul 4096x14336 at batch 1..16 vs
 bf16 `torch.matmul`) and prints % of HBM bandwidth (H200: 4.8 TB/s). On the CPU it
-times the torch reference path at small shapes and prints the same table.
+times the torch reference path at small shapes and prints the same table, the
+weight-only matmuls also through torch's CPU kernels (prepacked weights).
 """
 
 from __future__ import annotations
@@ -194,9 +195,18 @@ def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
 
 
 def bench_matmul(table, device, n, k, batches, reps) -> None:
+    """bf16 torch.matmul, then each weight-only op as the public op runs it: Triton
+    on CUDA; on a CPU the torch reference ("ref") and torch's CPU kernels over a
+    weight prepacked once ("cpu"; rows left out where they don't apply)."""
     w = (torch.randn(n, k, device=device) * 0.02).bfloat16()
     packed, scale4 = weight_matmul.quantize_weight_int4(w)
     q8, scale8 = weight_matmul.quantize_weight_int8(w)
+    on_cpu = device == "cpu"
+    cpu8 = weight_matmul.prepack_int8_cpu(q8, scale8) if on_cpu else None
+    cpu4 = weight_matmul.prepack_int4_cpu(packed, scale4, 128) if on_cpu else None
+    ref = " ref" if on_cpu else ""
+    bytes8 = q8.numel() + n * 2
+    bytes4 = packed.numel() * 4 + scale4.numel() * 2
     for m in batches:
         x = torch.randn(m, k, device=device).bfloat16()
         act_bytes = (m * k + m * n) * 2
@@ -206,14 +216,31 @@ def bench_matmul(table, device, n, k, batches, reps) -> None:
         ms = time_ms(
             lambda x=x: weight_matmul.weight_int8_matmul(x, q8, scale8), device, reps
         )
-        table.row("matmul", "int8", desc, ms, q8.numel() + n * 2 + act_bytes, bf16_ms)
+        table.row("matmul", "int8" + ref, desc, ms, bytes8 + act_bytes, bf16_ms)
+        if cpu8 is not None:
+            ms = time_ms(
+                lambda x=x: weight_matmul.weight_int8_matmul(
+                    x, q8, scale8, cpu_weight=cpu8
+                ),
+                device,
+                reps,
+            )
+            table.row("matmul", "int8 cpu", desc, ms, bytes8 + act_bytes, bf16_ms)
         ms = time_ms(
             lambda x=x: weight_matmul.weight_int4_matmul(x, packed, scale4),
             device,
             reps,
         )
-        nbytes = packed.numel() * 4 + scale4.numel() * 2 + act_bytes
-        table.row("matmul", "int4", desc, ms, nbytes, bf16_ms)
+        table.row("matmul", "int4" + ref, desc, ms, bytes4 + act_bytes, bf16_ms)
+        if cpu4 is not None:
+            ms = time_ms(
+                lambda x=x: weight_matmul.weight_int4_matmul(
+                    x, packed, scale4, cpu_weight=cpu4
+                ),
+                device,
+                reps,
+            )
+            table.row("matmul", "int4 cpu", desc, ms, bytes4 + act_bytes, bf16_ms)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -226,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     on_gpu = device == "cuda"
-    path = "triton kernels" if on_gpu else "torch reference (CPU)"
+    path = "triton kernels" if on_gpu else "torch reference and CPU kernels (CPU)"
     name = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"# kernels.bench on {name}: {path}; ratio = bf16 time / time")
     table = Table(device)

@@ -7,7 +7,8 @@
   least-significant nibble first, each stored as q + 8 (q in [-8, 7]);
   weight_scale [N, K / group_size] (model dtype), W = q * scale[n, k // group_size].
   The kernel's K tile divides group_size, so each tile has one scale per column and
-  is scaled after its dot.
+  is scaled after its dot. With a zero point (asymmetric), `weight_zero_scale`
+  [N, K / group_size] holds zp * scale and W = q * scale - zero_scale per group.
 
 The int4 quantizer follows compressed-tensors' symmetric min-max observer (scale =
 absmax / 7.5, q = round(w / scale) clamped to [-8, 7]), so a checkpoint made here
@@ -18,11 +19,21 @@ Small batches (decode, M <= 16) are memory-bound: the launcher splits K across
 programs (partial sums in float32, added up by a small second kernel) so that a layer
 with few output tiles still fills the GPU; without a split the kernel writes the
 output directly.
+
+On a CPU the public ops run torch's own weight-only kernels
+(`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`) when given a
+`CpuPackedWeight`: the weight laid out once, at load (`prepack_int8_cpu`,
+`prepack_int4_cpu`), activations rounded to bf16 for the multiply (the "a16" of
+w8a16 / w4a16) and the output cast back to x's dtype. Where those kernels don't
+apply (no such op in this torch, int4 group sizes other than 32 / 64 / 128 / 256,
+N not a multiple of 16 for int4, K not a multiple of 16 for int8) the prepack
+returns None and the torch reference runs.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -86,13 +97,19 @@ def quantize_weight_int4(
 
 
 def dequantize_weight_int4(
-    weight_packed: torch.Tensor, weight_scale: torch.Tensor, group_size: int = 128
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int = 128,
+    weight_zero_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float32 W [N, K] from the pack-quantized layout."""
+    """Float32 W [N, K] from the pack-quantized layout (minus zp * scale per group
+    when `weight_zero_scale` [N, K/g] is given)."""
     q = unpack_int4(weight_packed).float()
     n, k = q.shape
     # [N, K/g, g] * [N, K/g, 1]: broadcast the group scale instead of repeating it.
     w = q.view(n, k // group_size, group_size) * weight_scale.float()[..., None]
+    if weight_zero_scale is not None:
+        w = w - weight_zero_scale.float()[..., None]
     return w.view(n, k)
 
 
@@ -109,9 +126,12 @@ def weight_int4_matmul_reference(
     weight_packed: torch.Tensor,
     weight_scale: torch.Tensor,
     group_size: int = 128,
+    weight_zero_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of `weight_int4_matmul` (float32 accumulation)."""
-    w = dequantize_weight_int4(weight_packed, weight_scale, group_size)
+    w = dequantize_weight_int4(
+        weight_packed, weight_scale, group_size, weight_zero_scale
+    )
     return (x.float() @ w.t()).to(x.dtype)
 
 
@@ -361,20 +381,153 @@ def _weight_int4_matmul_triton(
 
 
 # --------------------------------------------------------------------------------------
+# CPU: torch's weight-only kernels over a weight laid out once
+# --------------------------------------------------------------------------------------
+
+# Group sizes torch's int4 CPU kernel accepts (it raises on any other).
+CPU_INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class CpuPackedWeight:
+    """A quantized weight laid out for torch's CPU weight-only kernels.
+
+    The int4 layout depends on the CPU the process runs on (AVX-512, AVX2, other),
+    so it is made in the process that uses it (`prepack_int8_cpu`,
+    `prepack_int4_cpu`) and never saved.
+    """
+
+    bits: int  # 8 or 4
+    out_features: int  # N
+    in_features: int  # K
+    weight: torch.Tensor  # int8 codes [N, K], or torch's int4 pack [N, K / 2] uint8
+    scales: torch.Tensor  # bf16 [N], or bf16 scales and zeros [K / g, N, 2]
+    group_size: int | None = None
+    has_zero_point: bool = False
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # The AVX-512 int8 kernel uses aligned 32-byte loads of x and 16-byte loads of
+    # the codes; torch's CPU allocator aligns to 64, a view may start anywhere.
+    t = t.contiguous()
+    return t.clone() if t.data_ptr() % 64 else t
+
+
+def prepack_int8_cpu(
+    weight_q: torch.Tensor, scale: torch.Tensor
+) -> CpuPackedWeight | None:
+    """`weight_q` [N, K] int8 and `scale` [N] for `torch._weight_int8pack_mm`, or
+    None where it doesn't apply: not CPU tensors, no such op in this torch, or K not
+    a multiple of 16 (the AVX-512 kernel steps through K 16 at a time with aligned
+    loads: K=200 gave wrong sums on torch 2.13, K=7, 33 or 63 crashed the process).
+    The codes are used as they are (no copy unless misaligned); scales go to bf16."""
+    n, k = weight_q.shape
+    if weight_q.device.type != "cpu" or not hasattr(torch, "_weight_int8pack_mm"):
+        return None
+    if k % 16:
+        return None
+    scales = scale.to(torch.bfloat16).contiguous()
+    return CpuPackedWeight(8, n, k, _aligned(weight_q), scales)
+
+
+def prepack_int4_cpu(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int,
+    weight_zero_scale: torch.Tensor | None = None,
+) -> CpuPackedWeight | None:
+    """The pack-quantized int4 weight repacked for `torch._weight_int4pack_mm_for_cpu`
+    (once: about 0.2 s for 14336 x 4096 on one core), or None where that kernel
+    doesn't apply: not CPU tensors, no such ops in this torch, `group_size` not in
+    CPU_INT4_GROUP_SIZES, or N not a multiple of 16 (the packer's own checks).
+
+    The kernel computes W = (c - 8) * scale + zero with c the stored nibble in
+    [0, 15], that is our code q = c - 8, so zero = -(zp * scale) (0 when
+    symmetric); scales and zeros are held in bf16."""
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 8
+    if weight_packed.device.type != "cpu" or not (
+        hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+        and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+    ):
+        return None
+    if group_size not in CPU_INT4_GROUP_SIZES or n % 16 or k % group_size:
+        return None
+    stored = unpack_int4(weight_packed).to(torch.int32) + 8  # [N, K] in [0, 15]
+    # The second argument (inner K tiles) is a CUDA layout parameter the CPU packer
+    # ignores (same bytes for 1, 2, 4, 8).
+    weight = torch._convert_weight_to_int4pack_for_cpu(stored, 2)  # [N, K/2] uint8
+    scale = weight_scale.float().t()  # [K/g, N]
+    zero = torch.zeros_like(scale)
+    if weight_zero_scale is not None:
+        zero = -weight_zero_scale.float().t()
+    scales = torch.stack((scale, zero), dim=-1).to(torch.bfloat16)  # [K/g, N, 2]
+    return CpuPackedWeight(
+        4,
+        n,
+        k,
+        weight,
+        scales.contiguous(),
+        group_size,
+        weight_zero_scale is not None,
+    )
+
+
+def _weight_matmul_cpu(x: torch.Tensor, packed: CpuPackedWeight) -> torch.Tensor:
+    x16 = _aligned(x.to(torch.bfloat16))  # [M, K]; the kernels are bf16-only fast
+    if packed.bits == 8:
+        y = torch._weight_int8pack_mm(x16, packed.weight, packed.scales)
+    else:
+        y = torch._weight_int4pack_mm_for_cpu(
+            x16, packed.weight, packed.group_size, packed.scales
+        )
+    return y.to(x.dtype)  # [M, N]
+
+
+def _check_cpu_weight(
+    packed: CpuPackedWeight,
+    bits: int,
+    n: int,
+    k: int,
+    group_size: int | None = None,
+    has_zero_point: bool = False,
+) -> None:
+    got = (packed.bits, packed.out_features, packed.in_features)
+    check(
+        got == (bits, n, k),
+        f"cpu_weight is int{packed.bits} [{packed.out_features}, "
+        f"{packed.in_features}], the op int{bits} [{n}, {k}]",
+    )
+    check(
+        (packed.group_size, packed.has_zero_point) == (group_size, has_zero_point),
+        "cpu_weight's group size or zero point differs from the op's arguments",
+    )
+
+
+# --------------------------------------------------------------------------------------
 # Public ops
 # --------------------------------------------------------------------------------------
 
 
 def weight_int8_matmul(
-    x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, impl: str = "auto"
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    scale: torch.Tensor,
+    impl: str = "auto",
+    cpu_weight: CpuPackedWeight | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ (weight_q [N, K] int8 * scale [N, 1])^T -> [M, N] in x's dtype."""
+    """x [M, K] @ (weight_q [N, K] int8 * scale [N, 1])^T -> [M, N] in x's dtype.
+
+    On a CPU, impl="auto" with `cpu_weight` (`prepack_int8_cpu` of these tensors)
+    runs torch's int8 kernel, x rounded to bf16; without it, the torch reference."""
     check(weight_q.dim() == 2 and weight_q.dtype == torch.int8, "weight_q: [N,K] int8")
     n, k = weight_q.shape
     _check_x(x, k)
     check(scale.shape == (n,), f"scale must be [{n}], got {tuple(scale.shape)}")
     if use_triton(impl, x, weight_q, scale):
         return _weight_int8_matmul_triton(x, weight_q, scale)
+    if impl == "auto" and cpu_weight is not None and x.device.type == "cpu":
+        _check_cpu_weight(cpu_weight, 8, n, k)
+        return _weight_matmul_cpu(x, cpu_weight)
     return weight_int8_matmul_reference(x, weight_q, scale)
 
 
@@ -384,8 +537,14 @@ def weight_int4_matmul(
     weight_scale: torch.Tensor,
     group_size: int = 128,
     impl: str = "auto",
+    weight_zero_scale: torch.Tensor | None = None,
+    cpu_weight: CpuPackedWeight | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ W^T for pack-quantized int4 W (module docstring) -> [M, N]."""
+    """x [M, K] @ W^T for pack-quantized int4 W (module docstring) -> [M, N].
+
+    `weight_zero_scale` [N, K/g] (zp * scale) makes W asymmetric. On a CPU,
+    impl="auto" with `cpu_weight` (`prepack_int4_cpu` of these tensors) runs torch's
+    int4 kernel, x rounded to bf16; without it, the torch reference."""
     check(
         weight_packed.dim() == 2 and weight_packed.dtype == torch.int32,
         "weight_packed must be [N, K/8] int32",
@@ -394,11 +553,26 @@ def weight_int4_matmul(
     k = weight_packed.shape[1] * 8
     _check_x(x, k)
     check(k % group_size == 0, f"K={k} must be a multiple of group_size={group_size}")
+    groups = k // group_size
     check(
-        weight_scale.shape == (n, k // group_size),
-        f"weight_scale must be [{n}, {k // group_size}], "
-        f"got {tuple(weight_scale.shape)}",
+        weight_scale.shape == (n, groups),
+        f"weight_scale must be [{n}, {groups}], got {tuple(weight_scale.shape)}",
+    )
+    zero_scale = weight_zero_scale
+    check(
+        zero_scale is None or zero_scale.shape == (n, groups),
+        f"weight_zero_scale must be [{n}, {groups}]",
     )
     if use_triton(impl, x, weight_packed, weight_scale):
-        return _weight_int4_matmul_triton(x, weight_packed, weight_scale, group_size)
-    return weight_int4_matmul_reference(x, weight_packed, weight_scale, group_size)
+        y = _weight_int4_matmul_triton(x, weight_packed, weight_scale, group_size)
+        if zero_scale is None:
+            return y
+        # x (q s - zs)^T = x (q s)^T - (x summed per group) zs^T: [M, K/g] @ [K/g, N]
+        sums = x.unflatten(-1, (groups, group_size)).float().sum(-1)
+        return y - (sums @ zero_scale.float().t()).to(y.dtype)
+    if impl == "auto" and cpu_weight is not None and x.device.type == "cpu":
+        _check_cpu_weight(cpu_weight, 4, n, k, group_size, zero_scale is not None)
+        return _weight_matmul_cpu(x, cpu_weight)
+    return weight_int4_matmul_reference(
+        x, weight_packed, weight_scale, group_size, zero_scale
+    )

@@ -8,8 +8,9 @@
   mean KLD and same-top-1 per slice against the bars (w8a16: <= 0.002 and
   >= 97.5%; 4-bit: <= 0.03 and >= 92%), RTN, GPTQ and AWQ scales side by side;
 - matmul: the weight-only kernels vs bf16 torch.matmul on a 4096x14336 layer at
-  batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference path is
-  timed, and its ratio is not a target);
+  batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference and
+  torch's CPU kernels over prepacked weights, what the engine runs there; the
+  ratios are not targets);
 - lossless: the exponent coding vs zipnn (gpuagent.compress.lossless_bench).
 """
 
@@ -155,7 +156,8 @@ def matmul_rows(quick: bool) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batches = (1, 16) if quick else (1, 2, 4, 8, 16)
     reps = 2 if device == "cpu" else 20
-    print(f"\nmatmul on {device} ({'Triton' if device == 'cuda' else 'reference'})")
+    path = "Triton" if device == "cuda" else "reference, and torch's CPU kernels"
+    print(f"\nmatmul on {device} ({path})")
     table = kernels_bench.Table(device)
     kernels_bench.bench_matmul(table, device, 14336, 4096, batches, reps)
 

@@ -1,5 +1,7 @@
 """Quantized weights in the engine: a compressed-tensors checkpoint's Linear layers
-run through `kernels.weight_matmul` (Triton on a GPU, the torch reference on a CPU).
+run through `kernels.weight_matmul` (Triton on a GPU; on a CPU torch's weight-only
+kernels, over a copy laid out once by `to_model`, or the torch reference where
+those don't apply).
 
 `split_quantized(checkpoint, quantization_config)` takes the quantized tensors out
 of a checkpoint (leaving the dense ones for the state dict) as one `QuantLinear`
@@ -9,8 +11,8 @@ per module; `install(model, layers)` puts them in place of the model's
 - pack-quantized, 8 bits, per channel: unpacked once to int8 [N, K] ->
   `weight_int8_matmul`;
 - pack-quantized, 4 bits, groups: the packed int32 words as stored ->
-  `weight_int4_matmul`; with a zero point (asymmetric), W = (q - zp) s, so
-  x W^T = x (q s)^T - (x summed per group) (zp s)^T, a [M, K/g] x [K/g, N] term;
+  `weight_int4_matmul`; with a zero point (asymmetric), W = (q - zp) s, passed as
+  zp * s per group;
 - float-quantized (fp8 e4m3, per channel): dequantized to the activation dtype per
   call (no fp8 kernel in `kernels` yet) and multiplied by torch.
 
@@ -25,7 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kernels.weight_matmul import weight_int4_matmul, weight_int8_matmul
+from kernels.weight_matmul import (
+    CpuPackedWeight,
+    prepack_int4_cpu,
+    prepack_int8_cpu,
+    weight_int4_matmul,
+    weight_int8_matmul,
+)
 
 SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
 QUANTIZED_DTYPES = (torch.int32, torch.int64, torch.float8_e4m3fn)
@@ -70,20 +78,41 @@ class QuantLinear(nn.Module):
         self.group_size = group_size
         for name, t in tensors.items():
             self.register_buffer(name, t)
+        # the weight laid out for torch's CPU kernels (`prepack_cpu`); not a buffer:
+        # its layout is this CPU's, never saved
+        self.cpu_weight: CpuPackedWeight | None = None
+
+    def prepack_cpu(self) -> bool:
+        """Lay the weight out once for torch's CPU weight-only kernels; False where
+        they don't apply (fp8, or shapes and group sizes they don't take: see
+        `kernels.weight_matmul`), and the torch reference runs instead."""
+        if self.kind == "int8":
+            self.cpu_weight = prepack_int8_cpu(self.codes, self.scale)
+        elif self.kind == "int4":
+            self.cpu_weight = prepack_int4_cpu(
+                self.packed, self.scale, self.group_size, self._zero_scale()
+            )
+        return self.cpu_weight is not None
+
+    def _zero_scale(self) -> Tensor | None:
+        return getattr(self, "zero_scale", None)  # [N, K/g] zp * s, asymmetric only
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.kind == "int8":
-            y = weight_int8_matmul(x2, self.codes, self.scale.to(x.dtype))
+            y = weight_int8_matmul(
+                x2, self.codes, self.scale.to(x.dtype), cpu_weight=self.cpu_weight
+            )
         elif self.kind == "int4":
             y = weight_int4_matmul(
-                x2.contiguous(), self.packed, self.scale.to(x.dtype), self.group_size
+                x2.contiguous(),
+                self.packed,
+                self.scale.to(x.dtype),
+                self.group_size,
+                weight_zero_scale=self._zero_scale(),
+                cpu_weight=self.cpu_weight,
             )
-            if hasattr(self, "zero_scale"):
-                # - (x summed per group) @ (zp * s)^T: [M, K/g] @ [K/g, N]
-                sums = x2.unflatten(-1, (-1, self.group_size)).sum(-1)
-                y = y - (sums.float() @ self.zero_scale.float().t()).to(y.dtype)
         else:
             w = self.codes.to(x.dtype) * self.scale.to(x.dtype)  # [N, K]
             y = x2 @ w.t()
@@ -235,12 +264,29 @@ def install(model: nn.Module, layers: dict[str, QuantLinear]) -> None:
 
 
 def to_model(layer: QuantLinear, dtype: torch.dtype, device: str) -> QuantLinear:
-    """The layer on `device`, its scales in the model's dtype (codes as stored)."""
+    """The layer on `device`, its scales in the model's dtype (codes as stored); on
+    a CPU also laid out once for torch's weight-only kernels (`prepack_cpu`)."""
     for name, buf in list(layer.named_buffers()):
         if buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
             buf = buf.to(dtype)
         setattr(layer, name, buf.to(device))
+    layer.cpu_weight = None
+    if torch.device(device).type == "cpu":
+        layer.prepack_cpu()
     return layer
+
+
+def use_cpu_kernels(model: nn.Module, enabled: bool = True) -> int:
+    """Run `model`'s quantized layers through torch's CPU kernels (laid out here,
+    as `to_model` does at load) or, with `enabled=False`, through the torch
+    reference of `kernels.weight_matmul` (parity checks, benchmarks). Returns how
+    many layers run the CPU kernels."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for layer in layers:
+        layer.cpu_weight = None
+        if enabled and layer.scale.device.type == "cpu":
+            layer.prepack_cpu()
+    return sum(layer.cpu_weight is not None for layer in layers)
 
 
 def quantized_param_names(layers: dict[str, QuantLinear]) -> set[str]:

@@ -1,5 +1,6 @@
 """kernels.weight_matmul: int4 packing bit for bit vs compressed-tensors, quantizer
-error bounds, reference == a slow loop, Triton == reference at batch 1..256."""
+error bounds, reference == a slow loop, Triton == reference at batch 1..256, torch's
+CPU kernels == the reference on bf16-rounded inputs."""
 
 import pytest
 import torch
@@ -183,6 +184,201 @@ def test_it_rejects_bad_shapes():
     q, s = kernels.quantize_weight_int8(weights(16, 64))
     with pytest.raises(ValueError, match="scale"):
         kernels.weight_int8_matmul(torch.randn(2, 64), q, s[:8])
+
+
+def zero_scale_for(scale, seed):
+    """zp * scale [N, G] with zero points in [-8, 7] (an asymmetric int4 weight)."""
+    g = torch.Generator().manual_seed(seed)
+    zp = torch.randint(-8, 8, scale.shape, generator=g)
+    return zp * scale
+
+
+def test_it_subtracts_the_zero_point_in_the_int4_reference():
+    w = weights(8, 256, seed=9)
+    packed, scale = kernels.quantize_weight_int4(w, group_size=64)
+    zero_scale = zero_scale_for(scale, seed=9)
+    x = torch.randn(3, 256)
+
+    out = kernels.weight_int4_matmul(
+        x, packed, scale, 64, impl="reference", weight_zero_scale=zero_scale
+    )
+
+    # W = (q - zp) s: the symmetric loop minus zp * s over each group's inputs
+    sums = x.double().view(3, 4, 64).sum(-1)  # [M, G]
+    want = slow_int4_matmul(x, packed, scale, 64) - sums @ zero_scale.double().t()
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 5, 17])
+def test_it_runs_asymmetric_int4_triton_like_the_reference(batch):
+    w = weights(48, 384, seed=10)
+    packed, scale = kernels.quantize_weight_int4(w, group_size=128)
+    zero_scale = zero_scale_for(scale, seed=10)
+    x = torch.randn(batch, 384)
+
+    got = kernels.weight_int4_matmul(
+        x, packed, scale, impl="triton", weight_zero_scale=zero_scale
+    )
+
+    want = kernels.weight_int4_matmul(
+        x, packed, scale, impl="reference", weight_zero_scale=zero_scale
+    )
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+def bf16(t):
+    return t.bfloat16().float()
+
+
+def assert_bf16_close(got, want):
+    # The CPU kernels accumulate in float32 and round the output to bf16 (half a
+    # unit in the 8th bit); the rest is float32 summation order.
+    atol = 1e-5 * float(want.abs().amax()) if want.numel() else 0.0
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=2**-8)
+
+
+@pytest.mark.parametrize(
+    ("batch", "n", "k"),
+    [(1, 72, 208), (3, 5, 576), (17, 576, 1536), (6, 1, 16), (0, 32, 64)],
+)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_it_runs_int8_on_torchs_cpu_kernel_like_the_reference(batch, n, k, x_dtype):
+    q, scale = kernels.quantize_weight_int8(weights(n, k, seed=11))
+    x = torch.randn(batch, k).to(x_dtype)
+    packed = kernels.prepack_int8_cpu(q, scale)
+
+    got = kernels.weight_int8_matmul(x, q, scale, cpu_weight=packed)
+
+    # the same op on the inputs rounded as the kernel takes them
+    want = kernels.weight_int8_matmul(bf16(x), q, bf16(scale), impl="reference")
+    assert got.dtype == x_dtype and got.shape == (batch, n)
+    assert_bf16_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("batch", "n", "k", "group_size", "asymmetric"),
+    [
+        (1, 16, 256, 32, False),
+        (3, 48, 576, 64, True),
+        (5, 80, 384, 128, False),
+        (17, 592, 768, 256, True),
+        (2, 64, 1536, 128, True),
+        (7, 576, 576, 64, False),
+    ],
+)
+def test_it_runs_int4_on_torchs_cpu_kernel_like_the_reference(
+    batch, n, k, group_size, asymmetric
+):
+    packed, scale = kernels.quantize_weight_int4(weights(n, k, seed=12), group_size)
+    zero_scale = zero_scale_for(scale, seed=12) if asymmetric else None
+    x = torch.randn(batch, k)
+    cpu_weight = kernels.prepack_int4_cpu(packed, scale, group_size, zero_scale)
+
+    got = kernels.weight_int4_matmul(
+        x,
+        packed,
+        scale,
+        group_size,
+        weight_zero_scale=zero_scale,
+        cpu_weight=cpu_weight,
+    )
+
+    want = kernels.weight_int4_matmul(
+        bf16(x),
+        packed,
+        bf16(scale),
+        group_size,
+        impl="reference",
+        weight_zero_scale=None if zero_scale is None else bf16(zero_scale),
+    )
+    assert got.dtype == torch.float32 and got.shape == (batch, n)
+    assert_bf16_close(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-asym"])
+def test_it_stays_within_bf16_rounding_of_the_float32_reference(fmt):
+    # Elementwise bound: x and the scales rounded to bf16 (2^-9 each, relative)
+    # move each product by at most 2^-8 |x| |W|; the output rounding adds 2^-9 |y|.
+    n, k = 64, 512
+    w = weights(n, k, seed=13)
+    x = torch.randn(9, k)
+    if fmt == "int8":
+        q, scale = kernels.quantize_weight_int8(w)
+        got = kernels.weight_int8_matmul(
+            x, q, scale, cpu_weight=kernels.prepack_int8_cpu(q, scale)
+        )
+        want = kernels.weight_int8_matmul(x, q, scale, impl="reference")
+        w_abs = (q.float() * scale[:, None]).abs()
+    else:
+        packed, scale = kernels.quantize_weight_int4(w, 64)
+        zs = zero_scale_for(scale, seed=13)
+        cpu_weight = kernels.prepack_int4_cpu(packed, scale, 64, zs)
+        got = kernels.weight_int4_matmul(
+            x, packed, scale, 64, weight_zero_scale=zs, cpu_weight=cpu_weight
+        )
+        want = kernels.weight_int4_matmul(
+            x, packed, scale, 64, impl="reference", weight_zero_scale=zs
+        )
+        w_abs = kernels.dequantize_weight_int4(
+            packed, scale, 64
+        ).abs() + zs.abs().repeat_interleave(64, dim=1)
+
+    bound = 2**-8 * (x.abs() @ w_abs.t()) + 2**-8 * want.abs()
+    assert ((got - want).abs() <= bound).all()
+    # and the bound is not vacuous: the outputs are far from 0 on that scale
+    assert (bound < 0.05 * want.abs().max()).all()
+
+
+def test_it_prepacks_for_the_cpu_only_where_torchs_kernels_apply():
+    packed, scale = kernels.quantize_weight_int4(weights(72, 256))  # N % 16 != 0
+    assert kernels.prepack_int4_cpu(packed, scale, 128) is None
+    for group_size in (16, 512):  # the int4 kernel takes 32, 64, 128, 256
+        packed, scale = kernels.quantize_weight_int4(weights(32, 1024), group_size)
+        assert kernels.prepack_int4_cpu(packed, scale, group_size) is None
+    q, s = kernels.quantize_weight_int8(weights(16, 200))  # K % 16 != 0
+    assert kernels.prepack_int8_cpu(q, s) is None
+
+    packed, scale = kernels.quantize_weight_int4(weights(32, 1024), 256)
+    assert kernels.prepack_int4_cpu(packed, scale, 256) is not None
+    q, s = kernels.quantize_weight_int8(weights(5, 208))
+    assert kernels.prepack_int8_cpu(q, s) is not None
+
+
+def test_it_runs_the_reference_when_asked_even_with_a_cpu_weight():
+    q, scale = kernels.quantize_weight_int8(weights(32, 128, seed=14))
+    x = torch.randn(3, 128)
+
+    got = kernels.weight_int8_matmul(
+        x, q, scale, impl="reference", cpu_weight=kernels.prepack_int8_cpu(q, scale)
+    )
+
+    assert torch.equal(got, weight_matmul.weight_int8_matmul_reference(x, q, scale))
+
+
+def test_it_copies_a_misaligned_x_for_the_int8_kernel():
+    # a bf16 view 16 bytes into its storage: the kernel's aligned loads need 32
+    q, scale = kernels.quantize_weight_int8(weights(32, 208, seed=15))
+    x = torch.randn(3 * 208 + 8).bfloat16()[8:].view(3, 208)
+    assert x.data_ptr() % 32
+
+    got = kernels.weight_int8_matmul(
+        x, q, scale, cpu_weight=kernels.prepack_int8_cpu(q, scale)
+    )
+
+    want = kernels.weight_int8_matmul(x.float(), q, bf16(scale), impl="reference")
+    assert_bf16_close(got, want)
+
+
+def test_it_rejects_a_cpu_weight_of_another_shape_or_layout():
+    packed, scale = kernels.quantize_weight_int4(weights(32, 256), 64)
+    other = kernels.prepack_int4_cpu(packed[:16], scale[:16], 64)
+    asym = kernels.prepack_int4_cpu(packed, scale, 64, zero_scale_for(scale, 0))
+    x = torch.randn(2, 256)
+
+    with pytest.raises(ValueError, match="cpu_weight"):
+        kernels.weight_int4_matmul(x, packed, scale, 64, cpu_weight=other)
+    with pytest.raises(ValueError, match="zero point"):
+        kernels.weight_int4_matmul(x, packed, scale, 64, cpu_weight=asym)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ from gpuagent.engine.engine import LLMEngine
 from gpuagent.engine.loader import load_model
 from gpuagent.engine.sampling import SamplingParams
 from gpuagent.engine.tokenizer import load_tokenizer
-from gpuagent.engine.weights import QuantLinear
+from gpuagent.engine.weights import QuantLinear, use_cpu_kernels
 from gpuagent.evaluate.evalsets import load_text_slices
 from tests.gpuagent.compress.conftest import DEMO_MODEL
 
@@ -39,9 +39,34 @@ def test_it_keeps_logits_within_the_bars(compressed_demo, name):
     kld = (ref.exp() * (ref - cand)).sum(-1).mean().item()
     top1 = (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
 
-    assert isinstance(candidate.layers[0].mlp.down_proj, QuantLinear)
+    down_proj = candidate.layers[0].mlp.down_proj
+    assert isinstance(down_proj, QuantLinear)
+    # int8 / int4 run torch's CPU kernels, laid out at load; fp8 the reference
+    assert (down_proj.cpu_weight is not None) == (name != "fp8")
     max_kld, min_top1 = BARS[name]
     assert kld <= max_kld and top1 >= min_top1, (kld, top1)
+
+
+def _logprobs(model, tokens):
+    with torch.no_grad():
+        return model.forward_dense(tokens).log_softmax(-1)[0]
+
+
+@pytest.mark.parametrize("name", ["w8a16", "w4a16-g128", "w4a16-g64-asym-gptq"])
+def test_it_runs_the_cpu_kernels_like_the_reference(compressed_demo, name):
+    tokens = _eval_tokens()
+    model = load_model(compressed_demo[name])
+    fast = _logprobs(model, tokens)
+
+    assert use_cpu_kernels(model, enabled=False) == 0  # kernels.weight_matmul's ref
+    reference = _logprobs(model, tokens)
+
+    # bf16 activations into the CPU kernels: far inside the quantization bars
+    kld = (reference.exp() * (reference - fast)).sum(-1).mean().item()
+    top1 = (reference.argmax(-1) == fast.argmax(-1)).float().mean().item()
+    assert use_cpu_kernels(model) == 4 * 7  # and back on
+    torch.testing.assert_close(_logprobs(model, tokens), fast, atol=0, rtol=0)
+    assert kld <= 1e-4 and top1 >= 0.98, (kld, top1)  # here: 1.2e-5, 99.5%
 
 
 def test_it_uses_the_checkpoint_kv_scales(compressed_demo):

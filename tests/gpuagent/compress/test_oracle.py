@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file
 
 from gpuagent.engine.loader import load_model
-from gpuagent.engine.weights import pack_int32, unpack_int32
+from gpuagent.engine.weights import pack_int32, unpack_int32, use_cpu_kernels
 from tests.gpuagent.compress.conftest import DEMO_MODEL
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
@@ -77,12 +77,26 @@ def test_it_decompresses_asymmetric_gptq_to_what_the_engine_runs(compressed_demo
     _, modules = _decompressed(folder)
     model = load_model(folder)
 
-    for module, (weight, _) in modules.items():
+    for module, (weight, state) in modules.items():
         layer = model.get_submodule(module.removeprefix("model."))
         eye = torch.eye(layer.in_features)
-        engine_weight = layer(eye).t()  # [N, K]: W e_k for every k
+        cpu_weight = layer.cpu_weight
+        assert cpu_weight is not None
+        engine_weight = layer(eye).t()  # [N, K]: W e_k for every k, CPU kernel
+        layer.cpu_weight = None
+        reference_weight = layer(eye).t()  # the same through the torch reference
+
         # compressed-tensors rounds its product to bf16 (relative 2^-9)
-        torch.testing.assert_close(engine_weight, weight.float(), atol=1e-6, rtol=2**-8)
+        torch.testing.assert_close(
+            reference_weight, weight.float(), atol=1e-6, rtol=2**-8
+        )
+        # The CPU kernel rounds its output to bf16 too (two roundings: up to an ulp,
+        # 2^-7 relative) and holds the scale s and the zero -zp * s in bf16: with
+        # |q|, |zp| <= 8 that is off by at most 16 s 2^-9 where (q - zp) s cancels.
+        scale = state["weight_scale"].float()  # [N, groups]
+        per_element = scale.repeat_interleave(weight.shape[1] // scale.shape[1], 1)
+        bound = weight.float().abs() * 2**-7 + per_element * 16 * 2**-9
+        assert ((engine_weight - weight.float()).abs() <= bound + 1e-7).all(), module
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -105,8 +119,12 @@ def test_it_loads_in_transformers(compressed_demo):
     tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours = load_model(folder)
+    # the format as both read it: float32 activations, our torch reference (the
+    # CPU kernels round activations to bf16: test_engine_weights bounds that)
+    use_cpu_kernels(ours, enabled=False)
     with torch.no_grad():
         hf_logits = hf(tokens).logits
-        ours = load_model(folder).forward_dense(tokens)
+        ours = ours.forward_dense(tokens)
 
     torch.testing.assert_close(hf_logits, ours, atol=2e-3, rtol=0)
