@@ -3,6 +3,8 @@ dashboard map to a 4xx response without knowing which action raised it."""
 
 from datetime import datetime
 
+from pydantic import ValidationError
+
 
 class ControlPlaneError(Exception):
     code: int = 400
@@ -23,6 +25,14 @@ class ControlPlaneError(Exception):
 class ValidationFailed(ControlPlaneError):
     code = 422
     slug = "validation_failed"
+
+
+def validation_failed(exc: ValidationError, prefix: str) -> ValidationFailed:
+    """The first error of a pydantic ValidationError, named by its dotted field
+    under `prefix` ("recipe.weights")."""
+    first = exc.errors()[0]
+    where = ".".join([prefix, *(str(p) for p in first["loc"])])
+    return ValidationFailed(f"{where}: {first['msg']}", field=where)
 
 
 class Forbidden(ControlPlaneError):

@@ -9,7 +9,7 @@ would not read; unknown keys are refused by name."""
 
 from pydantic import ValidationError
 
-from controlplane.errors import ValidationFailed
+from controlplane.errors import ValidationFailed, validation_failed
 from gpuagent.protocol import BackendSpec
 
 BACKEND_KEYS = ("kind", "preset", "command_template", "tensor_parallel_size")
@@ -30,9 +30,7 @@ def clean_backend(data: object) -> dict:
     try:
         spec = BackendSpec.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(["backend", *(str(p) for p in first["loc"])])
-        raise ValidationFailed(f"{where}: {first['msg']}", field=where) from exc
+        raise validation_failed(exc, "backend") from exc
     if spec.kind == "engine":
         for key in ("preset", "command_template"):
             if getattr(spec, key):

@@ -56,6 +56,7 @@ from controlplane.errors import (
     JobLeaseHeld,
     SeparationOfDuties,
     ValidationFailed,
+    validation_failed,
 )
 from controlplane.fleet.models import Agent, Deployment, Environment
 from controlplane.releases.gates import (
@@ -239,18 +240,11 @@ def registration_body_digest(
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _validation_failed(exc: ValidationError, prefix: str) -> ValidationFailed:
-    """The first error of a pydantic ValidationError, named by its dotted field."""
-    first = exc.errors()[0]
-    where = ".".join([prefix, *(str(p) for p in first["loc"])])
-    return ValidationFailed(f"{where}: {first['msg']}", field=where)
-
-
 def _validated_recipe(recipe: dict) -> dict:
     try:
         return Recipe.model_validate(recipe).model_dump(exclude_defaults=True)
     except ValidationError as exc:
-        raise _validation_failed(exc, "recipe") from exc
+        raise validation_failed(exc, "recipe") from exc
 
 
 def check_source_uri(team: Team, source_uri: str) -> None:
@@ -1077,7 +1071,7 @@ def do_set_gate_policy(
     try:
         spec = GatePolicy.model_validate(policy)
     except ValidationError as exc:
-        raise _validation_failed(exc, "policy") from exc
+        raise validation_failed(exc, "policy") from exc
     with transaction.atomic():
         before = gate_policy_for(environment).model_dump(mode="json")
         row, _ = EnvironmentGatePolicy.objects.update_or_create(
