@@ -47,7 +47,8 @@ class EvidenceUnreadable(Exception):
         super().__init__(self.message)
 
 
-def _latest_succeeded(release: Release, kind: str) -> Job | None:
+def latest_succeeded(release: Release, kind: str) -> Job | None:
+    """The release's newest succeeded job of `kind`, or None."""
     return (
         release.jobs.filter(kind=kind, state="succeeded")
         .order_by("-finished", "-id")
@@ -69,7 +70,7 @@ def _measured(job: Job | None) -> bool:
 
 
 def _report(release: Release, kind: str, schema: type[BaseModel]):
-    job = _latest_succeeded(release, kind)
+    job = latest_succeeded(release, kind)
     return _validated(job, schema) if _measured(job) else None
 
 

@@ -88,12 +88,8 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
         signers = [a for a in agents if a.capabilities.get("can_sign")]
         return signers[0].queue if signers else pool
     if job.kind == "verify":
-        signer = (
-            job.release.jobs.filter(kind="sign", state="succeeded")
-            .order_by("-finished", "-id")
-            .values_list("agent_id", flat=True)
-            .first()
-        )
+        signed = evidence.latest_succeeded(job.release, "sign")
+        signer = signed.agent_id if signed else None
         others = [a for a in agents if a.pk != signer]
         return others[0].queue if others else pool
     if job.kind in ("reverify", "undeploy"):
@@ -260,7 +256,6 @@ def _deployment_done(job: Job) -> None:
         undeploy_older(deployment.environment)
     else:
         verification = any(job.result.get(k) for k in ("missing", "extra", "changed"))
-        verification = verification or "refused to serve" in job.error
         verification = verification or "mismatch" in job.error.lower()
         actions.do_fail_deployment(
             deployment, actor=WORKER, reason=job.error, verification=verification

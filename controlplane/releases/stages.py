@@ -7,18 +7,9 @@ moves a release; that is the pipeline's (controlplane.releases.pipeline)."""
 
 from controlplane.fleet.backend import backend_spec
 from controlplane.fleet.models import Agent, Deployment
-from controlplane.releases import actions
+from controlplane.releases import actions, evidence
 from controlplane.releases.models import Job, Release
 from gpuagent.protocol import HashResult, JobRequest, JobResult, Recipe
-
-
-def _latest_result(release: Release, kind: str) -> dict:
-    job = (
-        release.jobs.filter(kind=kind, state="succeeded")
-        .order_by("-finished", "-id")
-        .first()
-    )
-    return job.result if job else {}
 
 
 def approved_digest(release: Release) -> str:
@@ -36,14 +27,11 @@ def deployment_of(job: Job) -> Deployment | None:
     return deployments.first()
 
 
-QUARANTINE_STATES = ("failed_verification", "quarantined")
-
-
 def quarantined_digests() -> list[str]:
     """Every digest the control plane holds untrusted (a release that failed
     verification or was quarantined), sorted: sent with each deploy job."""
     digests = (
-        Release.objects.filter(state__in=QUARANTINE_STATES)
+        Release.objects.filter(state__in=evidence.UNTRUSTED_RELEASE_STATES)
         .exclude(manifest_digest="")
         .values_list("manifest_digest", flat=True)
     )
@@ -61,6 +49,7 @@ def request_for(job: Job) -> JobRequest:
         if job.kind in ("deploy", "reverify")
         else release.manifest_digest
     )
+    compressed = evidence.latest_succeeded(release, "compress")
     return JobRequest(
         job_id=job.pk,
         release_id=release.pk,
@@ -71,7 +60,7 @@ def request_for(job: Job) -> JobRequest:
         manifest_digest=digest,
         model=release.model.name,
         version=release.version,
-        candidate=str(_latest_result(release, "compress").get("candidate", "")),
+        candidate=str(compressed.result.get("candidate", "")) if compressed else "",
         signature=release.signature,
         deployment_id=deployment.pk if deployment else None,
         serving_id=deployment.serving_id if deployment else "",
