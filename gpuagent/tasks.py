@@ -41,6 +41,7 @@ from pydantic import BaseModel
 
 from gpuagent import serving
 from gpuagent.artifacts import ArtifactStore, candidate_key
+from gpuagent.integrity.keys import public_key_pem
 from gpuagent.protocol import (
     BackendSpec,
     CompressJobResult,
@@ -152,15 +153,6 @@ def agent() -> Agent:
             ),
         )
     return _agent
-
-
-def public_key_pem(private_key_path: Path) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    key = serialization.load_pem_private_key(private_key_path.read_bytes(), None)
-    return key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
 
 
 # -- the task ------------------------------------------------------------------------
@@ -337,7 +329,7 @@ def _binding(req: JobRequest):
 
 def sign(req: JobRequest, me: Agent) -> HashResult:
     """Hash the candidate and sign its manifest bound to model, version, recipe."""
-    from gpuagent.integrity import key_fingerprint, sign_model
+    from gpuagent.integrity import file_digests, key_fingerprint, sign_model
 
     if me.signing_key is None:
         raise JobFailed(f"agent {me.name} holds no signing key; it cannot sign")
@@ -346,7 +338,8 @@ def sign(req: JobRequest, me: Agent) -> HashResult:
     signed = sign_model(
         folder, signature, release=_binding(req), private_key=me.signing_key
     )
-    _, files = hashed(folder)
+    # the file list of the very manifest signed (sign_model hashed the folder)
+    files = file_digests(folder, signed.manifest)
     return HashResult(
         manifest_digest=signed.manifest.digest,
         files=files,

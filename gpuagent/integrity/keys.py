@@ -26,11 +26,15 @@ def ensure_key_pair(private_path: Path) -> Path:
         fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
-    key = serialization.load_pem_private_key(private_path.read_bytes(), None)
-    public_path.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM,
-            serialization.PublicFormat.SubjectPublicKeyInfo,
-        )
-    )
+    public_path.write_bytes(public_key_pem(private_path))
     return public_path
+
+
+def public_key_pem(private_key_path: Path) -> bytes:
+    """The SubjectPublicKeyInfo PEM of the private key (PEM) at `private_key_path`."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(private_key_path.read_bytes(), None)
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
