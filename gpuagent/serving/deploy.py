@@ -99,14 +99,15 @@ def deploy(
                     f"program {program!r} is not allowed on this agent (allowed: "
                     f"{', '.join(sorted(allowed_programs)) or 'none'})"
                 )
-        check_not_quarantined(spec.manifest_digest, spec, registry.quarantined())
+        quarantined = registry.quarantined()
+        check_not_quarantined(spec.manifest_digest, spec, quarantined)
         same = _running_copy(model_dir, spec, name, registry)
         if same is not None:  # a redelivered deploy job: the server it started
             found = _reuse(same, spec, trust, registry, stop_grace_s)
             if found is not None:
                 return found
         manifest, approved = verify_for_deploy(
-            model_dir, spec, trust, quarantined=registry.quarantined()
+            model_dir, spec, trust, quarantined=quarantined
         )
         host = spec.backend.host
         log_path = registry.log_path(deployment_id)
