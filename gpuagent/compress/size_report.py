@@ -3,11 +3,12 @@ compression, and what the weights take in GPU memory once the engine loads them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
-from safetensors.torch import load as load_safetensors_bytes
 
+from gpuagent.integrity.safetensors_header import parse_header_bytes
 from gpuagent.protocol import TensorClassSize
 
 TENSOR_CLASSES = ("attention", "mlp", "embeddings", "other")
@@ -42,9 +43,10 @@ def size_report(
     for name, data in source_files.items():
         if not name.endswith(".safetensors"):
             continue
-        for key, t in load_safetensors_bytes(data).items():
-            before[tensor_class(key)] += _nbytes(t)
-            bf16[tensor_class(key)] += t.numel() * 2
+        # the header says it all (inspection already checked it against the data)
+        for entry in parse_header_bytes(data).tensors.values():
+            before[tensor_class(entry.name)] += entry.end - entry.begin
+            bf16[tensor_class(entry.name)] += math.prod(entry.shape) * 2
     after = {c: 0 for c in TENSOR_CLASSES}
     for key, t in tensors.items():
         after[tensor_class(key)] += _nbytes(t)
