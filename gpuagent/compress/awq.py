@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from gpuagent.compress.calibration import run_layer
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import WeightScheme
 
@@ -47,23 +48,21 @@ SEARCH_ROWS = 2048
 def group_inputs(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor):
     """{first projection of each group: its inputs [rows, K] float32} over a
     seeded sample of `SEARCH_ROWS` of the calibration tokens of `hidden`."""
-    captured: dict[str, list[Tensor]] = {}
-    hooks = []
-    for _, projections in SCALED_GROUPS:
-        name = projections[0]
-        captured[name] = []
-
-        def hook(_m, args, rows=captured[name]) -> None:
-            rows.append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
-
-        hooks.append(layer.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            for batch in hidden.split(8):
-                layer.forward_dense(batch, cos, sin)
-    finally:
-        for h in hooks:
-            h.remove()
+    captured: dict[str, list[Tensor]] = {
+        projections[0]: [] for _, projections in SCALED_GROUPS
+    }
+    run_layer(
+        layer,
+        hidden,
+        cos,
+        sin,
+        {
+            name: lambda x, rows=rows: rows.append(
+                x.detach().reshape(-1, x.shape[-1]).float()
+            )
+            for name, rows in captured.items()
+        },
+    )
     out = {}
     for name, rows in captured.items():
         x = torch.cat(rows)

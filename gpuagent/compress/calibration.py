@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable, Mapping
+
+import torch
 
 from gpuagent.engine import train_demo
 from gpuagent.evaluate.evalsets import load_text_slices
@@ -76,3 +79,29 @@ def calibration_sequences(
     if not sequences:
         raise ValueError(f"no calibration document has {sequence_tokens} tokens")
     return sequences
+
+
+def run_layer(
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inputs_to: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
+) -> torch.Tensor:
+    """One decoder layer over the calibration hidden states [B, T, hidden], 8
+    sequences at a time: its outputs, each named projection's inputs handed to
+    `inputs_to[name]` on the way (hooks removed whatever happens)."""
+    hooks = [
+        layer.get_submodule(name).register_forward_pre_hook(
+            lambda _m, args, take=take: take(args[0])
+        )
+        for name, take in (inputs_to or {}).items()
+    ]
+    try:
+        with torch.no_grad():
+            return torch.cat(
+                [layer.forward_dense(batch, cos, sin) for batch in hidden.split(8)]
+            )
+    finally:
+        for hook in hooks:
+            hook.remove()

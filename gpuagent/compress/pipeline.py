@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from gpuagent.compress.awq import scale_layer
-from gpuagent.compress.calibration import calibration_sequences
+from gpuagent.compress.calibration import calibration_sequences, run_layer
 from gpuagent.compress.checkpoint import (
     DENSE_DTYPE,
     PROJECTIONS,
@@ -150,15 +150,6 @@ def compress(
     )
 
 
-def _linears(model) -> list[tuple[str, torch.nn.Linear]]:
-    # (HF module name, module) of every projection, layer by layer
-    return [
-        (f"model.layers.{i}.{p}", layer.get_submodule(p))
-        for i, layer in enumerate(model.layers)
-        for p in PROJECTIONS
-    ]
-
-
 def _quantize_model(
     model, scheme: WeightScheme, sequences, progress: Progress
 ) -> dict[str, QuantizedWeight]:
@@ -168,14 +159,10 @@ def _quantize_model(
     quantized: dict[str, QuantizedWeight] = {}
     total = len(model.layers) + int(scheme.quantize_lm_head)
     if scheme.method == "gptq" or scheme.awq:
-        _calibrated_layers(model, scheme, sequences, progress, quantized)
+        _calibrated_layers(model, scheme, sequences, total, progress, quantized)
     else:
         for i, layer in enumerate(model.layers):
-            for p in PROJECTIONS:
-                module = layer.get_submodule(p)
-                qw = quantize_rtn(module.weight, scheme)
-                _replace_weight(module, qw)
-                quantized[f"model.layers.{i}.{p}"] = qw
+            _quantize_layer(i, layer, scheme, {}, quantized)
             progress(i + 1, total, f"layer {i}")
     if scheme.quantize_lm_head:
         qw = quantize_rtn(model.lm_head.weight, scheme)
@@ -190,7 +177,20 @@ def _replace_weight(module: torch.nn.Linear, qw: QuantizedWeight) -> None:
         module.weight.copy_(qw.dequantize())
 
 
-def _calibrated_layers(model, scheme, sequences, progress, quantized) -> None:
+def _quantize_layer(i, layer, scheme, hessians, quantized) -> None:
+    """Every projection of decoder layer i: GPTQ on its input Hessian when given
+    (`hessians` keyed by the projection whose input it shares), else RTN."""
+    for p in PROJECTIONS:
+        module = layer.get_submodule(p)
+        if hessians:
+            qw = quantize_gptq(module.weight, hessians[_SHARED_INPUT.get(p, p)], scheme)
+        else:
+            qw = quantize_rtn(module.weight, scheme)
+        _replace_weight(module, qw)
+        quantized[f"model.layers.{i}.{p}"] = qw
+
+
+def _calibrated_layers(model, scheme, sequences, total, progress, quantized) -> None:
     """Layer by layer on the calibration tokens, each layer seeing the outputs of
     the quantized layers before it: AWQ scales folded in (`scheme.awq`), then
     GPTQ on the Hessians of the (scaled) inputs, or RTN."""
@@ -205,42 +205,19 @@ def _calibrated_layers(model, scheme, sequences, progress, quantized) -> None:
             hessians = (
                 _hessians(layer, hidden, cos, sin) if scheme.method == "gptq" else {}
             )
-            for p in PROJECTIONS:
-                module = layer.get_submodule(p)
-                if hessians:
-                    qw = quantize_gptq(
-                        module.weight, hessians[_SHARED_INPUT.get(p, p)], scheme
-                    )
-                else:
-                    qw = quantize_rtn(module.weight, scheme)
-                _replace_weight(module, qw)
-                quantized[f"model.layers.{i}.{p}"] = qw
-            hidden = torch.cat(
-                [layer.forward_dense(b, cos, sin) for b in hidden.split(8)]
-            )
-            progress(
-                i + 1, len(model.layers) + int(scheme.quantize_lm_head), f"layer {i}"
-            )
+            _quantize_layer(i, layer, scheme, hessians, quantized)
+            hidden = run_layer(layer, hidden, cos, sin)
+            progress(i + 1, total, f"layer {i}")
 
 
 def _hessians(layer, hidden, cos, sin) -> dict[str, torch.Tensor]:
     """H = 2 X^T X / n of the inputs of each projection (one per shared input)."""
-    accumulators: dict[str, HessianAccumulator] = {}
-    hooks = []
-    for p in PROJECTIONS:
-        if p in _SHARED_INPUT:
-            continue
-        module = layer.get_submodule(p)
-        acc = accumulators[p] = HessianAccumulator(module.in_features)
-        hooks.append(
-            module.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0]))
-        )
-    try:
-        for batch in hidden.split(8):
-            layer.forward_dense(batch, cos, sin)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    accumulators = {
+        p: HessianAccumulator(layer.get_submodule(p).in_features)
+        for p in PROJECTIONS
+        if p not in _SHARED_INPUT
+    }
+    run_layer(layer, hidden, cos, sin, {p: acc.add for p, acc in accumulators.items()})
     return {p: acc.hessian for p, acc in accumulators.items()}
 
 
