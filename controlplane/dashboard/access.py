@@ -9,12 +9,11 @@ from django.http import Http404
 from controlplane.accounts.actions import check_actor_in_team
 from controlplane.accounts.models import Team
 from controlplane.audit.models import AuditEvent
-from controlplane.errors import Conflict, ControlPlaneError, IllegalTransition
+from controlplane.errors import ControlPlaneError, IllegalTransition
 from controlplane.fleet.models import Deployment, Environment
 from controlplane.releases.actions import (
-    NEXT_STEP,
-    REOPENABLE_STATES,
     check_decide_release,
+    check_reopen_release,
     previous_verified_deployment,
 )
 from controlplane.releases.models import ModelFamily, Release
@@ -95,22 +94,10 @@ def rollback_refusal(environment: Environment, user) -> str:
     return ""
 
 
-def check_reopen(release: Release, user) -> None:
-    """Raise as do_reopen_release would, before it is asked to: not allowed to
-    (Forbidden, the API's rule: any member of the team), or not rejected or failed
-    (Conflict)."""
-    check_actor_in_team(user, release.team, scope="promote")
-    if release.state not in REOPENABLE_STATES:
-        raise Conflict(
-            f"release {release} is {release.state}; only a rejected or failed "
-            "release can be reopened" + NEXT_STEP.get(release.state, "")
-        )
-
-
 def reopen_refusal(release: Release, user) -> str:
     """Why `user` may not reopen `release` now; "" when they may."""
     try:
-        check_reopen(release, user)
+        check_reopen_release(release, user)
     except ControlPlaneError as exc:
         return exc.message
     return ""

@@ -387,11 +387,7 @@ def do_reopen_release(release: Release, actor: Actor, *, reason: str) -> Release
         raise ValidationFailed("reopening needs a reason", field="reason")
     with transaction.atomic():
         release.refresh_from_db(from_queryset=Release.objects.select_for_update())
-        if release.state not in REOPENABLE_STATES:
-            raise Conflict(
-                f"release {release} is {release.state}; only a rejected or failed "
-                "release can be reopened" + NEXT_STEP.get(release.state, "")
-            )
+        _check_reopenable(release)
         before = {"state": release.state, "failure_reason": release.failure_reason}
         do_transition_release(release, "registered", actor=actor, reason=reason)
         do_record_event(
@@ -403,6 +399,22 @@ def do_reopen_release(release: Release, actor: Actor, *, reason: str) -> Release
             team=release.team,
         )
     return release
+
+
+def check_reopen_release(release: Release, actor: Actor) -> None:
+    """Raise as do_reopen_release would, before it is asked to (the dashboard's
+    confirmation step): not allowed to (Forbidden: any member of the team may),
+    or not rejected or failed (Conflict)."""
+    check_actor_in_team(actor, release.team, scope="promote")
+    _check_reopenable(release)
+
+
+def _check_reopenable(release: Release) -> None:
+    if release.state not in REOPENABLE_STATES:
+        raise Conflict(
+            f"release {release} is {release.state}; only a rejected or failed "
+            "release can be reopened" + NEXT_STEP.get(release.state, "")
+        )
 
 
 def _last_reopened(release: Release) -> datetime | None:

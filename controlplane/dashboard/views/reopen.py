@@ -11,7 +11,7 @@ from django.views.decorators.http import require_POST
 from controlplane.dashboard import access
 from controlplane.dashboard.views.outcome import answer, confirmed
 from controlplane.errors import ValidationFailed
-from controlplane.releases.actions import do_reopen_release
+from controlplane.releases.actions import check_reopen_release, do_reopen_release
 
 
 @require_POST
@@ -24,7 +24,7 @@ def reopen_release(request, release_id: int):
         if confirmed(request):
             return do_reopen_release(release, request.user, reason=reason)
         # The action's checks, before asking to confirm: who (403), then what.
-        access.check_reopen(release, request.user)
+        check_reopen_release(release, request.user)
         if not reason:
             raise ValidationFailed("reopening needs a reason", field="reason")
         return render(
