@@ -649,35 +649,22 @@ def do_fail_deployment(
     return deployment
 
 
-def rollback_candidates(
+def previous_verified_deployment(
     environment: Environment, exclude_release_id: int | None = None
-) -> list[Deployment]:
-    """The releases a rollback of `environment` may go to, newest first, one
-    deployment each: superseded deployments whose release is still superseded (it
-    went live, verified on load, and has not failed verification or been
-    quarantined since). Whether its copy still verifies is the agent's to say when
-    the rollback's deploy job re-hashes it."""
-    rows = (
+) -> Deployment | None:
+    """The newest release a rollback of `environment` may go to, or None: the
+    newest superseded deployment whose release is still superseded (it went live,
+    verified on load, and has not failed verification or been quarantined since).
+    Whether its copy still verifies is the agent's to say when the rollback's
+    deploy job re-hashes it; when it doesn't, the release is quarantined and the
+    next call finds the one before it."""
+    return (
         environment.deployments.filter(state="superseded", release__state="superseded")
         .exclude(release_id=exclude_release_id)
         .select_related("release", "release__model")
         .order_by("-started", "-id")
+        .first()
     )
-    seen: set[int] = set()
-    candidates = []
-    for row in rows:
-        if row.release_id not in seen:
-            seen.add(row.release_id)
-            candidates.append(row)
-    return candidates
-
-
-def previous_verified_deployment(
-    environment: Environment, exclude_release_id: int | None = None
-) -> Deployment | None:
-    """The newest rollback candidate (rollback_candidates), or None."""
-    candidates = rollback_candidates(environment, exclude_release_id)
-    return candidates[0] if candidates else None
 
 
 def do_rollback_environment(
@@ -792,11 +779,10 @@ def do_continue_rollback(
                 actor=actor,
                 reason=f"rollback target in {environment.name} failed verification",
             )
-        candidates = rollback_candidates(environment)
+        target = previous_verified_deployment(environment)
         limit = settings.RELEASEGATE_ROLLBACK_MAX_CANDIDATES
-        if candidates and len(tried) < limit:
+        if target is not None and len(tried) < limit:
             deployment.save(update_fields=["ended"])
-            target = candidates[0]
             following = _start_rollback_deployment(
                 target, environment, actor, tried=tried
             )
@@ -809,7 +795,7 @@ def do_continue_rollback(
                 team=environment.team,
             )
             return following
-        more = " (gave up after {limit} candidates)" if candidates else ""
+        more = " (gave up after {limit} candidates)" if target is not None else ""
         deployment.reason = (
             f"no previous release of {environment.name} still verifies: "
             + ", ".join(tried)
