@@ -56,7 +56,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
+from gpuagent.engine.cache import (
+    AMORTIZED_SEQ_TOKENS,
+    kv_bytes_per_token,
+    kv_window_bytes,
+)
+from gpuagent.engine.cache import amortized_bytes_ratio as cache_bytes_ratio
 from gpuagent.engine.engine import (
     DEFAULT_MAX_NUM_SEQS,
     LLMEngine,
@@ -82,7 +87,7 @@ from kernels import STATIC_SCALE_DTYPES
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
 KV_DTYPES = ("bf16", "fp16", "fp8-per-token", "fp8", "int8", "int4")
-CAPACITY_SEQ_TOKENS = 2048
+CAPACITY_SEQ_TOKENS = AMORTIZED_SEQ_TOKENS
 # (mean KLD, same top-1) vs bf16 KV that each served layout must reach (issue 12);
 # fp8-per-token is measured beside fp8 for comparison, not served by that name
 QUALITY_TARGETS = {
@@ -612,13 +617,7 @@ def quality_sequences(tokenizer, max_len: int) -> list[list[int]]:
 def amortized_bytes_ratio(config, dtype: str) -> float:
     """KV bytes/token of `dtype` as served by default vs bf16, its full-precision
     window row and its per-head static scales spread over a 2k-token sequence."""
-    per_token = kv_bytes_per_token(config, dtype)
-    extra = kv_window_bytes(config, default_kv_window(dtype)) + kv_static_bytes(
-        config, dtype
-    )
-    return (per_token + extra / CAPACITY_SEQ_TOKENS) / kv_bytes_per_token(
-        config, "bf16"
-    )
+    return cache_bytes_ratio(config, dtype, default_kv_window(dtype))
 
 
 @dataclass

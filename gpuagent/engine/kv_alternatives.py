@@ -54,12 +54,15 @@ import torch
 from torch import Tensor
 
 import kernels
-from gpuagent.engine.cache import kv_bytes_per_token, kv_window_bytes
+from gpuagent.engine.cache import (
+    AMORTIZED_SEQ_TOKENS,
+    amortized_bytes_ratio,
+    kv_bytes_per_token,
+    kv_window_bytes,
+)
 from gpuagent.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
 
 LEVELS = 15  # int4: codes 0..15
-# The 2k-token sequence the residual row is spread over (bench.CAPACITY_SEQ_TOKENS)
-SEQ_TOKENS = 2048
 _SCALE_MIN = 2.0**-14  # the smallest normal float16: a constant group's scale
 _SCALE_ROUND_UP = 1.0 + 2.0**-10
 
@@ -176,18 +179,15 @@ class Layout:
 
     def bytes_ratio(self, config) -> float:
         """KV bytes/token vs bf16, the residual (window) row spread over a 2k-token
-        sequence; for int4 exactly `bench.amortized_bytes_ratio(config, "int4")`
-        at the served window."""
-        bf16 = kv_bytes_per_token(config, "bf16")
+        sequence (int4: `cache.amortized_bytes_ratio`, as the served int4's)."""
         if self.scheme == "int4":
-            window = kv_window_bytes(config, self.residual)
-            return (kv_bytes_per_token(config, "int4") + window / SEQ_TOKENS) / bf16
+            return amortized_bytes_ratio(config, "int4", self.residual)
         if self.scheme == "bf16":
             return 1.0
         dim = config.head_dim
         key = dim / 2 + 4 * dim / self.group
         value = dim / 2 + 4 * dim / min(self.group, dim)
-        residual = 4 * self.residual * dim / SEQ_TOKENS
+        residual = 4 * self.residual * dim / AMORTIZED_SEQ_TOKENS
         return (key + value + residual) / (4 * dim)
 
 
@@ -213,7 +213,7 @@ def int4_window_at_bytes(config, bytes_ratio: float) -> int:
     (window row spread over a 2k-token sequence)."""
     bf16 = kv_bytes_per_token(config, "bf16")
     spare = bytes_ratio * bf16 - kv_bytes_per_token(config, "int4")
-    per_window_token = kv_window_bytes(config, 1) / SEQ_TOKENS
+    per_window_token = kv_window_bytes(config, 1) / AMORTIZED_SEQ_TOKENS
     return max(0, int(spare / per_window_token + 1e-9))
 
 
