@@ -355,32 +355,26 @@ def verify_candidate(folder: Path, req: JobRequest, me: Agent) -> VerifyResult:
     from gpuagent.integrity import IntegrityError, ManifestMismatchError, verify_model
     from gpuagent.integrity.policy import Policy
 
-    if not req.signature:
-        raise JobFailed(f"{req.kind} needs the candidate's signature; none recorded")
-    keys = me.public_keys()
-    if not keys:
-        raise JobFailed(f"agent {me.name} trusts no signing key")
-    with tempfile.TemporaryDirectory(dir=me.store.root / "tmp") as tmp:
-        sig = Path(tmp) / "model.sig"
-        sig.write_text(req.signature)
-        policy = Policy(
-            public_keys_pem=tuple(k.read_bytes() for k in keys), release=_binding(req)
-        )
-        try:
-            report = verify_model(folder, sig, policy)
-        except ManifestMismatchError as exc:
-            raise JobFailed(
-                str(exc),
-                VerifyResult(
-                    ok=False,
-                    manifest_digest="",
-                    missing=exc.missing,
-                    extra=exc.extra,
-                    changed=exc.changed,
-                ),
-            ) from exc
-        except IntegrityError as exc:
-            raise JobFailed(str(exc)) from exc
+    signed = trust(req, me)
+    policy = Policy(
+        public_keys_pem=tuple(k.read_bytes() for k in signed.public_keys),
+        release=_binding(req),
+    )
+    try:
+        report = verify_model(folder, signed.signature_path, policy)
+    except ManifestMismatchError as exc:
+        raise JobFailed(
+            str(exc),
+            VerifyResult(
+                ok=False,
+                manifest_digest="",
+                missing=exc.missing,
+                extra=exc.extra,
+                changed=exc.changed,
+            ),
+        ) from exc
+    except IntegrityError as exc:
+        raise JobFailed(str(exc)) from exc
     if req.manifest_digest and report.manifest_digest != req.manifest_digest:
         raise JobFailed(
             f"signed manifest {report.manifest_digest} is not the approved "
