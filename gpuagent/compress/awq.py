@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from gpuagent.compress.calibration import run_layer
+from gpuagent.compress.checkpoint import DENSE_DTYPE
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import WeightScheme
 
@@ -121,10 +122,21 @@ def scale_layer(
             if alpha == 0:
                 continue
             source = layer.get_submodule(producer)
-            if source.weight.dim() == 1:  # a norm's weight [K]
-                source.weight.div_(s.to(source.weight.dtype))
+            if source.weight.dim() == 1:  # a norm's weight [K], stored dense
+                s = _fold_into_norm(source.weight, s)
             else:  # a projection's rows [K, in]
                 source.weight.div_(s.to(source.weight.dtype)[:, None])
             for m in modules:
                 m.weight.mul_(s.to(m.weight.dtype)[None, :])
     return picked
+
+
+def _fold_into_norm(norm: Tensor, s: Tensor) -> Tensor:
+    """Divide the norm's weight by s, rounded to what the checkpoint stores (bf16,
+    a dense tensor), and return the scales that division really applied, for the
+    projections' columns: their product with the stored norm stays the source's
+    (the projections are quantized after, so their scaling costs no rounding)."""
+    folded = (norm / s.to(norm.dtype)).to(DENSE_DTYPE).to(norm.dtype)
+    applied = torch.where(folded != 0, norm / folded, s.to(norm.dtype))
+    norm.copy_(folded)
+    return applied.float()

@@ -6,11 +6,16 @@ import pytest
 import torch
 
 from gpuagent.compress import compress
-from gpuagent.compress.awq import scale_layer, search_scales
+from gpuagent.compress.awq import _fold_into_norm, scale_layer, search_scales
+from gpuagent.compress.checkpoint import DENSE_DTYPE
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import RecipeError, weight_scheme
 from gpuagent.engine.loader import load_model
-from tests.gpuagent.compress.conftest import DEMO_MODEL, TEST_CALIBRATION
+from tests.gpuagent.compress.conftest import (
+    DEMO_MODEL,
+    TEST_CALIBRATION,
+    demo_layer_inputs,
+)
 
 W8 = weight_scheme({"weights": "w8a16", "kv_cache_dtype": "bf16"})
 W4 = weight_scheme({"weights": "w4a16-g32", "kv_cache_dtype": "bf16"})
@@ -50,12 +55,8 @@ def test_the_search_keeps_no_scaling_when_inputs_are_even():
 
 
 def test_folding_the_scales_leaves_the_layer_output_unchanged():
-    model = load_model(DEMO_MODEL)
-    layer = model.layers[1]
-    tokens = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(2))
+    layer, hidden, cos, sin = demo_layer_inputs(seed=2)
     with torch.no_grad():
-        cos, sin = model._rope(torch.arange(48))
-        hidden = model.layers[0].forward_dense(model.embed_tokens(tokens), cos, sin)
         before = layer.forward_dense(hidden, cos, sin)
         norm_before = layer.input_layernorm.weight.clone()
 
@@ -67,6 +68,30 @@ def test_folding_the_scales_leaves_the_layer_output_unchanged():
         picked["self_attn.q_proj"] == 0
     )
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    for norm, first in (
+        ("input_layernorm", "self_attn.q_proj"),
+        ("post_attention_layernorm", "mlp.gate_proj"),
+    ):
+        if picked[first] > 0:  # the folded norm is what the checkpoint keeps
+            weight = layer.get_submodule(norm).weight
+            assert torch.equal(weight, weight.to(DENSE_DTYPE).to(weight.dtype)), norm
+
+
+def test_a_norm_folds_to_its_stored_dtype_and_the_applied_scales_keep_the_product():
+    g = torch.Generator().manual_seed(4)
+    norm = torch.rand(96, generator=g) + 0.5
+    norm[7] = 0.0  # a dead channel: nothing to divide
+    s = torch.rand(96, generator=g) * 3 + 0.2
+    original = norm.clone()
+
+    applied = _fold_into_norm(norm, s)
+
+    assert torch.equal(norm, norm.to(DENSE_DTYPE).float())
+    torch.testing.assert_close(norm * applied, original, rtol=1e-6, atol=0)
+    # the rounding moved the scales off s, by at most bf16's half step
+    assert not torch.equal(applied, s)
+    torch.testing.assert_close(applied, s, rtol=2**-8, atol=0)
+    assert applied[7] == s[7]
 
 
 def test_an_awq_recipe_loads_within_the_bar(tmp_path):
