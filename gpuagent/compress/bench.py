@@ -45,6 +45,10 @@ RECIPES = (
     ("w8a16 gptq", {"weights": "w8a16", "method": "gptq"}),
     ("w8a16 awq rtn", {"weights": "w8a16", "awq": True}),
     ("w8a16 awq gptq", {"weights": "w8a16", "method": "gptq", "awq": True}),
+    (
+        "w8a16 awq gptq act-order",
+        {"weights": "w8a16", "method": "gptq", "awq": True, "act_order": True},
+    ),
     ("fp8 rtn", {"weights": "fp8"}),
     ("w4a16-g128 rtn", {"weights": "w4a16-g128"}),
     ("w4a16-g128 gptq", {"weights": "w4a16-g128", "method": "gptq"}),

@@ -26,7 +26,6 @@ from gpuagent.compress.awq import scale_layer
 from gpuagent.compress.calibration import calibration_sequences, run_layer
 from gpuagent.compress.checkpoint import (
     DENSE_DTYPE,
-    PROJECTIONS,
     projection_target,
     quantization_config,
     quantized_tensors,
@@ -48,12 +47,14 @@ from gpuagent.protocol import CompressResult, Recipe
 
 # progress(done, total, what): called after each layer.
 Progress = Callable[[int, int, str], None]
-# Inputs that share a Linear's input (and so its Hessian): q/k/v, gate/up.
-_SHARED_INPUT = {
-    "self_attn.k_proj": "self_attn.q_proj",
-    "self_attn.v_proj": "self_attn.q_proj",
-    "mlp.up_proj": "mlp.gate_proj",
-}
+# The projections of a decoder layer by shared input, in the order the layer runs
+# them: GPTQ quantizes a group on the inputs the quantized groups before it produce.
+_INPUT_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
 
 
 class CompressError(ValueError):
@@ -162,7 +163,7 @@ def _quantize_model(
         _calibrated_layers(model, scheme, sequences, total, progress, quantized)
     else:
         for i, layer in enumerate(model.layers):
-            _quantize_layer(i, layer, scheme, {}, quantized)
+            _quantize_layer(i, layer, scheme, quantized)
             progress(i + 1, total, f"layer {i}")
     if scheme.quantize_lm_head:
         qw = quantize_rtn(model.lm_head.weight, scheme)
@@ -177,17 +178,25 @@ def _replace_weight(module: torch.nn.Linear, qw: QuantizedWeight) -> None:
         module.weight.copy_(qw.dequantize())
 
 
-def _quantize_layer(i, layer, scheme, hessians, quantized) -> None:
-    """Every projection of decoder layer i: GPTQ on its input Hessian when given
-    (`hessians` keyed by the projection whose input it shares), else RTN."""
-    for p in PROJECTIONS:
-        module = layer.get_submodule(p)
-        if hessians:
-            qw = quantize_gptq(module.weight, hessians[_SHARED_INPUT.get(p, p)], scheme)
-        else:
-            qw = quantize_rtn(module.weight, scheme)
-        _replace_weight(module, qw)
-        quantized[f"model.layers.{i}.{p}"] = qw
+def _quantize_layer(i, layer, scheme, quantized, calibration=None) -> None:
+    """Every projection of decoder layer i: RTN, or GPTQ when `calibration`
+    (hidden, cos, sin) is given, one group of projections sharing an input at a
+    time, each group's Hessian from the inputs the layer produces with the groups
+    before it already quantized (GPTQ's "true sequential" order)."""
+    for group in _INPUT_GROUPS:
+        hessian = None
+        if calibration is not None:
+            acc = HessianAccumulator(layer.get_submodule(group[0]).in_features)
+            run_layer(layer, *calibration, {group[0]: acc.add})
+            hessian = acc.hessian
+        for p in group:
+            module = layer.get_submodule(p)
+            if hessian is None:
+                qw = quantize_rtn(module.weight, scheme)
+            else:
+                qw = quantize_gptq(module.weight, hessian, scheme)
+            _replace_weight(module, qw)
+            quantized[f"model.layers.{i}.{p}"] = qw
 
 
 def _calibrated_layers(model, scheme, sequences, total, progress, quantized) -> None:
@@ -202,23 +211,12 @@ def _calibrated_layers(model, scheme, sequences, total, progress, quantized) -> 
         for i, layer in enumerate(model.layers):
             if scheme.awq:
                 scale_layer(layer, hidden, cos, sin, scheme)
-            hessians = (
-                _hessians(layer, hidden, cos, sin) if scheme.method == "gptq" else {}
+            gptq = scheme.method == "gptq"
+            _quantize_layer(
+                i, layer, scheme, quantized, (hidden, cos, sin) if gptq else None
             )
-            _quantize_layer(i, layer, scheme, hessians, quantized)
             hidden = run_layer(layer, hidden, cos, sin)
             progress(i + 1, total, f"layer {i}")
-
-
-def _hessians(layer, hidden, cos, sin) -> dict[str, torch.Tensor]:
-    """H = 2 X^T X / n of the inputs of each projection (one per shared input)."""
-    accumulators = {
-        p: HessianAccumulator(layer.get_submodule(p).in_features)
-        for p in PROJECTIONS
-        if p not in _SHARED_INPUT
-    }
-    run_layer(layer, hidden, cos, sin, {p: acc.add for p, acc in accumulators.items()})
-    return {p: acc.hessian for p, acc in accumulators.items()}
 
 
 def _output_tensors(model, quantized, recipe: Recipe) -> dict[str, torch.Tensor]:

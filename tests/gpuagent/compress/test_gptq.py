@@ -1,9 +1,12 @@
 import pytest
 import torch
 
+from gpuagent.compress import pipeline
+from gpuagent.compress.calibration import run_layer
 from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import weight_scheme
+from tests.gpuagent.compress.conftest import demo_layer_inputs
 
 
 def _layer():
@@ -52,3 +55,43 @@ def test_it_accumulates_the_hessian_of_all_rows():
 
     expected = 2 * x.double().t() @ x.double() / x.shape[0]
     torch.testing.assert_close(hessian.hessian, expected)
+
+
+def _group_hessians(layer, calibration):
+    """The input Hessian of each projection group of `layer` as it is now."""
+    accumulators = {
+        group[0]: HessianAccumulator(layer.get_submodule(group[0]).in_features)
+        for group in pipeline._INPUT_GROUPS
+    }
+    run_layer(layer, *calibration, {p: a.add for p, a in accumulators.items()})
+    return {p: a.hessian for p, a in accumulators.items()}
+
+
+def test_each_group_is_solved_on_the_inputs_of_the_quantized_groups_before_it(
+    monkeypatch,
+):
+    layer, *calibration = demo_layer_inputs(seed=5)
+    dense = _group_hessians(layer, calibration)
+    used = {}
+
+    def spy(weight, hessian, scheme):
+        used[len(used)] = hessian
+        return quantize_gptq(weight, hessian, scheme)
+
+    monkeypatch.setattr(pipeline, "quantize_gptq", spy)
+    scheme = weight_scheme(
+        {"weights": "w4a16-g32", "kv_cache_dtype": "bf16", "method": "gptq"}
+    )
+    pipeline._quantize_layer(1, layer, scheme, {}, calibration)
+
+    # calls in layer order: q k v (one Hessian), o, gate up (one), down
+    solved = {"self_attn.q_proj": used[0], "self_attn.o_proj": used[3]}
+    solved |= {"mlp.gate_proj": used[4], "mlp.down_proj": used[6]}
+    # a group's input depends only on the groups before it, so the quantized
+    # layer's inputs are the ones each group was solved on
+    after = _group_hessians(layer, calibration)
+    for name, hessian in solved.items():
+        torch.testing.assert_close(hessian, after[name], msg=name)
+    torch.testing.assert_close(used[0], dense["self_attn.q_proj"])
+    for later in ("self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+        assert not torch.allclose(solved[later], dense[later]), later
