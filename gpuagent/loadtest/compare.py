@@ -31,10 +31,14 @@ slower during one client's runs from clients that measure differently; and each
 client's CPU per streamed token. Ours is the process CPU of the run alone;
 guidellm's is its processes' CPU (rusage of children) for the run minus that of a
 run at the same concurrency with one request per stream (its start-up, imports and
-one worker process spawned per stream), per token of the difference. Where the
-clients and the server share cores (the demo engine on a small machine), a
-client's CPU is taken from the server: the server's own rows show how much slower
-it was during that client's runs.
+one worker process spawned per stream), per token of the difference.
+
+The engine it serves runs on its own --threads cores and both clients on the
+rest (guidellm's processes inherit the affinity; nothing in guidellm changes), so
+a client's CPU is not taken from the server. --shared-cores lets them share every
+core, as a machine with no core to spare would: then a heavier client slows the
+server, and the server's own rows show how much slower it was during that
+client's runs.
 """
 
 from __future__ import annotations
@@ -155,14 +159,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def split_cores(
+    available: set[int], server_threads: int
+) -> tuple[set[int], set[int]] | None:
+    """(the server's cores, the clients' cores): the server gets the highest
+    `server_threads` cores and the clients the rest, so that neither client's
+    processes take CPU from the server; None when there are too few cores to
+    leave the clients one."""
+    cores = sorted(available)
+    if len(cores) <= server_threads:
+        return None
+    return set(cores[-server_threads:]), set(cores[:-server_threads])
+
+
 @contextlib.contextmanager
-def engine_server(model_dir: Path, threads: int) -> Iterator[str]:
-    """`python -m gpuagent.engine serve model_dir` on a free port: its base URL."""
+def engine_server(
+    model_dir: Path, threads: int, cores: set[int] | None = None
+) -> Iterator[str]:
+    """`python -m gpuagent.engine serve model_dir` on a free port, on `cores`
+    when given (its affinity from before it starts a thread): its base URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "gpuagent.engine", "serve", str(model_dir)]
     cmd += ["--port", str(port), "--threads", str(threads), "--log-level", "warning"]
     cmd += ["--kv-memory-gb", "0.25"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -383,15 +408,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="the engine's")
+    parser.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="let the served engine and the clients share every core (default: "
+        "the engine on its own --threads cores, the clients on the rest)",
+    )
     args = parser.parse_args(argv)
     if guidellm_program() is None:
         raise SystemExit("error: guidellm is not installed (pip install -e '.[dev]')")
     tokenizer = args.tokenizer or str(args.model_dir.resolve())
     load = (args.concurrency, args.requests, args.prompt_tokens, args.output_tokens)
+    split = None
+    if not args.endpoint and not args.shared_cores:
+        split = split_cores(os.sched_getaffinity(0), args.threads)
     server = (
         contextlib.nullcontext(args.endpoint.rstrip("/").removesuffix("/v1"))
         if args.endpoint
-        else engine_server(args.model_dir, args.threads)
+        else engine_server(args.model_dir, args.threads, split and split[0])
+    )
+    if split:  # ours runs here, guidellm's processes inherit it
+        os.sched_setaffinity(0, split[1])
+    cores = (
+        f"engine on cores {sorted(split[0])}, clients on {sorted(split[1])}"
+        if split
+        else "engine and clients sharing the cores"
     )
     ours: list[ClientRun] = []
     theirs: list[ClientRun] = []
@@ -406,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"chat profile, {args.prompt_tokens} prompt + {args.output_tokens} output "
         f"tokens, concurrency {args.concurrency}, {args.requests} requests x "
-        f"{args.rounds} rounds, interleaved"
+        f"{args.rounds} rounds, interleaved; {cores}"
     )
     print("\n".join(table(ours, theirs)))
 

@@ -11,6 +11,7 @@ from gpuagent.loadtest.compare import (
     ServerLatency,
     guidellm_like,
     run_ours,
+    split_cores,
     table,
 )
 from gpuagent.loadtest.prompts import PromptSet
@@ -69,3 +70,10 @@ def test_the_itl_held_to_the_target_is_per_request_on_both_sides():
     assert "PASS" not in rows["median gap between content chunks, ms"]
     server_ttft = rows["server's mean TTFT over the runs, ms"].split()
     assert server_ttft[-2:] == ["-", "50.00"]  # no metrics in ours' run; 1 s / 20
+
+
+def test_the_engine_gets_its_own_cores_and_the_clients_the_rest():
+    assert split_cores({0, 1}, 1) == ({1}, {0})
+    assert split_cores({0, 2, 5, 7}, 2) == ({5, 7}, {0, 2})
+    assert split_cores({3}, 1) is None  # no core left for the clients: share
+    assert split_cores({0, 1}, 2) is None
