@@ -1,0 +1,41 @@
+"""The compression bench's quality rows on the demo model: the candidate as the
+engine runs it against the bars, and as information the same candidate through the
+float32 reference matmul and the parent run in bf16 arithmetic."""
+
+from gpuagent.compress.bench import bf16_floor_rows, quality_rows
+from gpuagent.evaluate.evalsets import TEXT_SLICES
+from gpuagent.evaluate.inprocess import EngineModel
+from gpuagent.evaluate.regression import Settings
+from tests.gpuagent.compress.conftest import DEMO_MODEL
+
+SETTINGS = Settings(slices=TEXT_SLICES, max_items=1, continuation_tokens=2)
+
+
+def test_the_served_candidate_is_judged_and_the_reference_matmul_is_information(
+    compressed_demo,
+):
+    reference = EngineModel(DEMO_MODEL, "bf16", max_tokens=1024)
+
+    rows = quality_rows(
+        "w8a16 rtn", compressed_demo["w8a16"], reference, SETTINGS, True
+    )
+
+    served = [r for r in rows if "reference matmul" not in r.name]
+    exact = [r for r in rows if "reference matmul" in r.name]
+    assert len(served) == len(exact) == 2 * (len(TEXT_SLICES) + 1)  # + overall
+    assert all(r.ok is not None and r.target for r in served)
+    assert all(r.ok is None and not r.target for r in exact)
+    # a different path: the CPU kernels' bf16 activations are not in it
+    served_kld = [r.value for r in served if "KLD" in r.name]
+    exact_kld = [r.value for r in exact if "KLD" in r.name]
+    assert served_kld != exact_kld
+
+
+def test_the_parent_in_bf16_arithmetic_moves_the_logits_and_is_information():
+    reference = EngineModel(DEMO_MODEL, "bf16", max_tokens=1024)
+
+    rows = bf16_floor_rows(DEMO_MODEL, reference, SETTINGS)
+
+    assert rows and all(r.ok is None for r in rows)
+    klds = [float(r.value) for r in rows if "KLD" in r.name]
+    assert all(k > 0 for k in klds), klds  # bf16 rounding is not free
