@@ -89,8 +89,12 @@ class EngineModel:
                 f"({blocks.capacity_tokens} tokens)"
             )
         try:
-            with torch.inference_mode():
-                for start in range(0, len(ids), chunk_tokens):
+            for start in range(0, len(ids), chunk_tokens):
+                # inference mode only around the forward, never across the yield:
+                # a generator suspended inside it would leave the caller's thread in
+                # it, and two interleaved ones (candidate and reference) would restore
+                # each other's saved state and leave autograd off for the process
+                with torch.inference_mode():
                     chunk = ScheduledChunk(
                         seq, start, min(chunk_tokens, len(ids) - start)
                     )
@@ -100,7 +104,8 @@ class EngineModel:
                     logits = engine.model(
                         input_ids, positions, engine.kv.kv_caches, attn, True
                     )  # [n, vocab]
-                    yield torch.log_softmax(logits.float(), dim=-1)
+                    logprobs = torch.log_softmax(logits.float(), dim=-1)
+                yield logprobs
         finally:
             blocks.free(seq_id)
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import gpuagent.engine
 from gpuagent.engine.engine import LLMEngine
@@ -54,6 +55,16 @@ def in_process(sides):
 
 def by_name(report: QualityReport) -> dict:
     return {s.name: s for s in report.slices}
+
+
+def test_comparing_two_engines_leaves_the_callers_grad_mode_as_it_was(sides):
+    # candidate and reference score chunk by chunk side by side; a forward's
+    # inference mode held across a chunk's yield leaked into the caller (and, the
+    # two interleaved, stayed on for the process: training after it failed)
+    evaluate_quality(sides["int8"], sides["bf16"], QUICK)
+
+    assert torch.is_grad_enabled()
+    assert not torch.is_inference_mode_enabled()
 
 
 def test_a_model_against_itself_loses_nothing(in_process):
