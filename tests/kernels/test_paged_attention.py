@@ -559,8 +559,18 @@ def test_it_matches_a_bf16_cache_exactly_when_the_window_covers_the_context(
         )
     ]
 
+    if impl == "reference":
+        # The reference's SDPA sees the windowed context as 2L keys (each position's
+        # quantized and full copies side by side, one masked) and the bf16 one as L:
+        # equal here, but the CPU's SDPA kernel may group the sums by vector lanes,
+        # which then fall differently (seen on another CI machine). One position
+        # read from the wrong copy brings its int8/int4 rounding error (~1e-2 of
+        # the values, times its attention weight): orders above these bounds.
+        for got, want in (prefill, decode):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        return
     assert torch.equal(prefill[0], prefill[1])
-    if impl == "triton" and dtype == "int4":
+    if dtype == "int4":
         # The int4 decode kernel sums q.k as even + odd halves: another order.
         torch.testing.assert_close(decode[0], decode[1], atol=2e-5, rtol=2e-5)
     else:

@@ -126,6 +126,7 @@ def test_the_attention_is_a_loop_over_decode_steps(layout):
     query = torch.randn(n, heads, D, generator=torch.Generator().manual_seed(3))
     key, value = keys_with_outliers(n), keys_with_outliers(n, seed=4)
     scale = D**-0.5
+    atol = 1e-5 * float(value.abs().max())
 
     out = alt.layout_attention(query, key, value, scale, layout)
 
@@ -137,8 +138,10 @@ def test_the_attention_is_a_loop_over_decode_steps(layout):
         read_value = read_value.repeat_interleave(heads // KVH, dim=1)
         probs = torch.softmax(torch.einsum("hd,phd->hp", q[t], read_key) * scale, -1)
         expected = torch.einsum("hp,phd->hd", probs, read_value) @ rotation.T
-        # values reach ~100 (outlier channels): float32 summation order, ~1e-6 of it
-        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-4)
+        # values reach ~66 (outlier channels): float32 summation order moves the
+        # result by up to ~2e-6 of that (1.2e-4 on an AMX Xeon), the CPU's vector
+        # width deciding how; one position read in the wrong format moves it by > 2
+        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=atol)
 
 
 def test_the_simulated_int4_stores_what_the_served_quantizer_stores():

@@ -153,9 +153,13 @@ def test_windowed_prefill_logprobs_do_not_depend_on_the_chunks(
         for chunk in (512, 256, 97)
     }
 
+    # Another chunking is another float32 summation order for the K/V the cache
+    # quantizes, which now and then puts a value on the other side of an int4
+    # rounding step: up to 1.05e-4 nats measured (on an AMX Xeon; < 1e-4 on others).
     for chunk in (256, 97):
         diff = (runs[chunk] - runs[512]).abs().max().item()
-        assert diff < 1e-4, (chunk, diff)
-    # and the window matters: the quantized cache differs from bf16 KV
+        assert diff < 1e-3, (chunk, diff)
+    # and the window matters: the quantized cache differs from bf16 KV (0.47 nats
+    # for fp8, 1.2 for int4 measured)
     bf16 = bench.teacher_forced_logprobs(model, ids, "bf16", chunk_tokens=512)
-    assert (runs[512] - bf16).abs().max().item() > 1e-3
+    assert (runs[512] - bf16).abs().max().item() > 0.1
