@@ -186,13 +186,25 @@ def slice_rows(
 
 
 def bf16_floor_rows(model_dir: Path, reference: EngineModel, settings) -> list[Row]:
-    """The uncompressed parent run in bf16 (weights and activations, as a GPU
-    serves the bf16 model) vs the reference (float32 on this CPU): how far bf16
-    arithmetic alone moves this model, the scale the bars sit on. Information."""
-    bf16 = EngineModel(model_dir, "bf16", max_tokens=1024, dtype=torch.bfloat16)
-    return slice_rows(
-        "parent in bf16 arithmetic", evaluate_quality(bf16, reference, settings), None
-    )
+    """The uncompressed parent vs the reference (float32 on this CPU), as
+    information: its weights rounded to bf16 and run in float32 (the bf16
+    checkpoint itself), then run in bf16 (weights and activations, as a GPU serves
+    the bf16 model): what bf16 storage and bf16 arithmetic each cost this model,
+    the scale the bars sit on."""
+    model = load_model(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    weights = EngineModel(model_dir, "bf16", max_tokens=1024, model=model)
+    arithmetic = EngineModel(model_dir, "bf16", max_tokens=1024, dtype=torch.bfloat16)
+    return [
+        row
+        for label, side in (
+            ("parent's weights in bf16", weights),
+            ("parent in bf16 arithmetic", arithmetic),
+        )
+        for row in slice_rows(label, evaluate_quality(side, reference, settings), None)
+    ]
 
 
 def matmul_rows(quick: bool) -> None:
