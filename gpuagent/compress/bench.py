@@ -58,6 +58,8 @@ RECIPES = (
         {"weights": "w8a16", "method": "gptq", "awq": True, "act_order": True},
     ),
     ("fp8 rtn", {"weights": "fp8"}),
+    ("fp8 gptq", {"weights": "fp8", "method": "gptq"}),
+    ("fp8 awq gptq", {"weights": "fp8", "method": "gptq", "awq": True}),
     ("w4a16-g128 rtn", {"weights": "w4a16-g128"}),
     ("w4a16-g128 gptq", {"weights": "w4a16-g128", "method": "gptq"}),
     (

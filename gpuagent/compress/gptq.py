@@ -9,7 +9,9 @@ of `block_size` with the error of a block applied to the rest lazily. A group's
 scale (and zero point) is taken from the current, error-updated weights when the
 group's first column is reached; with `act_order` the columns go in decreasing
 H_ii order and the group scales are fixed up front from the original weights
-(they cannot follow the updates when a group's columns are scattered).
+(they cannot follow the updates when a group's columns are scattered). fp8 (e4m3
+per output channel) is the same loop with the row's absmax / 448 scale fixed up
+front and each column rounded to the nearest e4m3 value instead of an integer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from gpuagent.compress.quantize import (
     SCALE_DTYPE,
     QuantizedWeight,
+    fp8_scale,
+    fp8_values,
     group_params,
     quantize_values,
 )
@@ -52,13 +56,14 @@ def quantize_gptq(
     damp: float = DEFAULT_DAMP,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> QuantizedWeight:
-    """GPTQ codes of w [N, K] (int schemes) given its input Hessian [K, K]."""
-    if scheme.kind != "int":
-        raise ValueError("GPTQ is implemented for int schemes only")
+    """GPTQ codes of w [N, K] given its input Hessian [K, K]: integer codes, or
+    for fp8 e4m3 values on a per-row scale (each column rounded to the nearest
+    e4m3 value where an int scheme rounds to the nearest integer)."""
     w = w.detach().float().clone()
     n, k = w.shape
     bits, symmetric = scheme.bits, scheme.symmetric
-    group = scheme.group_size_for(k) or k
+    fp8 = scheme.kind == "float"
+    group = k if fp8 else scheme.group_size_for(k) or k
     h = hessian.to(torch.float64).clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
@@ -68,7 +73,9 @@ def quantize_gptq(
     static = group == k or scheme.act_order
     scale = torch.empty(n, k // group)
     zero_point = None if symmetric else torch.empty(n, k // group)
-    if static:
+    if fp8:
+        scale = fp8_scale(w)
+    elif static:
         s, z = group_params(w.view(n, k // group, group), bits, symmetric)
         scale = s[..., 0]
         if z is not None:
@@ -103,7 +110,10 @@ def quantize_gptq(
                     zero_point[:, g] = z[:, 0]
             s = scale[:, g]
             z = None if zero_point is None else zero_point[:, g]
-            q = quantize_values(w1[:, i], s, z, bits, symmetric)
+            if fp8:
+                q = fp8_values(w1[:, i], s)
+            else:
+                q = quantize_values(w1[:, i], s, z, bits, symmetric)
             codes[:, col] = q
             deq = (q - (0 if z is None else z)) * s
             err = (w1[:, i] - deq) / hinv1[i, i]
@@ -112,6 +122,10 @@ def quantize_gptq(
         w[:, i2:] -= err1 @ h_inv[i1:i2, i2:]
 
     codes = codes[:, torch.argsort(perm)]
+    if fp8:
+        return QuantizedWeight(
+            codes.to(torch.float8_e4m3fn), scale.to(SCALE_DTYPE), None, 8, None
+        )
     return QuantizedWeight(
         codes=codes.to(torch.int8),
         scale=scale.to(SCALE_DTYPE),

@@ -93,13 +93,24 @@ def quantize_values(
     return q.clamp(lo, hi)
 
 
+def fp8_scale(w: torch.Tensor) -> torch.Tensor:
+    """Per output channel fp8 scale [N, 1] float32 of w [N, K], as stored."""
+    return _stored(w.abs().amax(dim=1, keepdim=True) / FP8_MAX)
+
+
+def fp8_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The e4m3 values (float32, each exactly an e4m3fn number) nearest w / scale."""
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn).float()
+
+
 def quantize_rtn(w: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
     """Round-to-nearest quantization of w [N, K] under `scheme`."""
     w = w.detach().float()
     n, k = w.shape
     if scheme.kind == "float":
-        scale = _stored(w.abs().amax(dim=1, keepdim=True) / FP8_MAX)  # [N, 1]
-        codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        scale = fp8_scale(w)  # [N, 1]
+        codes = fp8_values(w, scale).to(torch.float8_e4m3fn)
         return QuantizedWeight(codes, scale.to(SCALE_DTYPE), None, 8, None)
     group = scheme.group_size_for(k) or k
     groups = w.view(n, k // group, group)

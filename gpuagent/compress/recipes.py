@@ -112,8 +112,6 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         (kind, bits), group = _FORMATS[fmt], None
     if not recipe.symmetric and bits != 4:
         raise RecipeError(f"symmetric=false is only offered for int4, not {fmt!r}")
-    if kind == "float" and recipe.method != "rtn":
-        raise RecipeError("method 'gptq' is not offered for fp8 (use 'rtn')")
     if recipe.act_order and recipe.method != "gptq":
         raise RecipeError("act_order=true needs method 'gptq'")
     return WeightScheme(

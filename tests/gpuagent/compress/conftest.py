@@ -17,6 +17,7 @@ RECIPES = {
     "w8a16": {"weights": "w8a16", "kv_cache_dtype": "fp8"},
     "w4a16-g128": {"weights": "w4a16-g128", "kv_cache_dtype": "bf16"},
     "fp8": {"weights": "fp8", "kv_cache_dtype": "bf16"},
+    "fp8-gptq": {"weights": "fp8", "kv_cache_dtype": "bf16", "method": "gptq"},
     "w4a16-g64-asym-gptq": {
         "weights": "w4a16-g64",
         "kv_cache_dtype": "bf16",

@@ -30,6 +30,8 @@ def _output_error(w, x, qw):
         {"weights": "w4a16-g32", "symmetric": False},
         {"weights": "w4a16-g64", "act_order": True},
         {"weights": "w8a16"},
+        {"weights": "fp8"},
+        {"weights": "fp8", "act_order": True},
     ],
 )
 def test_it_beats_round_to_nearest_on_the_layer_output(options):
@@ -45,6 +47,22 @@ def test_it_beats_round_to_nearest_on_the_layer_output(options):
     gptq_error = _output_error(w, x, quantize_gptq(w, hessian.hessian, gptq))
 
     assert gptq_error < 0.8 * rtn_error, (gptq_error, rtn_error)
+
+
+def test_fp8_gptq_stores_e4m3_values_on_the_rtn_scales():
+    w, x = _layer()
+    hessian = HessianAccumulator(128)
+    hessian.add(x)
+    scheme = weight_scheme({"kv_cache_dtype": "bf16", "weights": "fp8"})
+    gptq = weight_scheme({"kv_cache_dtype": "bf16", "weights": "fp8", "method": "gptq"})
+
+    rtn_qw, gptq_qw = quantize_rtn(w, scheme), quantize_gptq(w, hessian.hessian, gptq)
+
+    assert gptq_qw.codes.dtype == torch.float8_e4m3fn
+    assert gptq_qw.codes.shape == w.shape and gptq_qw.group_size is None
+    assert torch.equal(gptq_qw.scale, rtn_qw.scale)  # per row, absmax / 448
+    # GPTQ moves values to other e4m3 neighbours than nearest rounding picks
+    assert not torch.equal(gptq_qw.codes.float(), rtn_qw.codes.float())
 
 
 def test_it_accumulates_the_hessian_of_all_rows():

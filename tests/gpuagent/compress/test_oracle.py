@@ -99,6 +99,20 @@ def test_it_decompresses_asymmetric_gptq_to_what_the_engine_runs(compressed_demo
         assert ((engine_weight - weight.float()).abs() <= bound + 1e-7).all(), module
 
 
+def test_it_decompresses_fp8_gptq_to_what_the_engine_runs(compressed_demo):
+    folder = compressed_demo["fp8-gptq"]
+    _, modules = _decompressed(folder)
+    model = load_model(folder)
+
+    assert len(modules) == 4 * 7
+    for module, (weight, state) in modules.items():
+        assert state["weight"].dtype == torch.float8_e4m3fn, module
+        layer = model.get_submodule(module.removeprefix("model."))
+        engine_weight = layer(torch.eye(layer.in_features)).t()  # [N, K]
+        # compressed-tensors rounds its product to bf16 (relative 2^-9)
+        torch.testing.assert_close(engine_weight, weight.float(), atol=1e-6, rtol=2**-8)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_it_packs_bit_for_bit_like_compressed_tensors(bits):
     g = torch.Generator().manual_seed(bits)

@@ -88,7 +88,7 @@ def test_it_refuses_an_existing_output(tmp_path):
         ({"weights": "w8a16", "kv_cache_dtype": "bf16", "clip": "mse"}, "clip"),
         ({"weights": "w8a16", "kv_cache_dtype": "bf16", "method": "awq"}, "method"),
         ({"weights": "w8a16", "kv_cache_dtype": "bf16", "symmetric": False}, "symm"),
-        ({"weights": "fp8", "kv_cache_dtype": "bf16", "method": "gptq"}, "gptq"),
+        ({"weights": "fp8", "kv_cache_dtype": "bf16", "symmetric": False}, "symm"),
         ({"weights": "w8a16", "kv_cache_dtype": "bf16", "act_order": True}, "act_"),
         (
             {"weights": "w8a16", "kv_cache_dtype": "bf16", "quantize_lm_head": True},
