@@ -15,6 +15,7 @@ from gpuagent.compress.lossless import (
     compress_folder,
     compress_tensor,
     decode_checkpoint,
+    decode_tensors,
     decompress_folder,
     decompress_tensor,
     encode_checkpoint,
@@ -84,6 +85,59 @@ def test_it_round_trips_shapes_and_uniform_bits():
     assert set(back) == set(tensors)
     for name, t in tensors.items():
         assert back[name].shape == t.shape and torch.equal(_bits(back[name]), _bits(t))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_workers_taking_chunks_in_turn_decode_every_chunk_bit_for_bit(threads):
+    tensors = {
+        f"t{i}": _random_tensor(count, dtype, seed=i)
+        for i, (count, dtype) in enumerate(
+            [(70_001, torch.bfloat16), (5, torch.float16), (30_000, torch.float32)]
+            + [(4099, torch.bfloat16)] * 4
+        )
+    }
+    # rest planes that code (fp16's low mantissa bits all zero) beside raw ones
+    tensors["coded_rest"] = (
+        (torch.randn(20_000) * 0.02)
+        .to(torch.float16)
+        .view(torch.int16)
+        .bitwise_and(-0x40)
+        .view(torch.float16)
+    )
+    encoded = read_container(encode_checkpoint(tensors, chunk_elements=1024)).tensors
+    assert "d" in encoded["coded_rest"].planes.rest.codecs  # not all raw
+
+    back = decode_tensors(encoded, threads=threads)
+
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(_bits(back[name]), _bits(t)), name
+
+
+def test_a_corrupt_chunk_decoded_by_one_of_several_workers_is_named():
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        f"t{i}": (torch.randn(9000, generator=g) * 0.02).to(torch.bfloat16)
+        for i in range(6)
+    }
+    encoded = dict(
+        read_container(encode_checkpoint(tensors, chunk_elements=1024)).tensors
+    )
+    exponent = encoded["t4"].planes.exponent
+    assert exponent.codecs[5] == "h"
+    at = sum(exponent.chunk_bytes[:5]) + 1  # chunk 5's zstd magic, after its base
+    flipped = bytearray(exponent.data)
+    flipped[at] ^= 0xFF
+    corrupt = replace(exponent, data=bytes(flipped))
+    encoded["t4"] = replace(
+        encoded["t4"], planes=replace(encoded["t4"].planes, exponent=corrupt)
+    )
+
+    # unverified: only the worker's own error can report it
+    with pytest.raises(LosslessFormatError, match="t4: exponent chunk 5"):
+        decode_tensors(encoded, threads=3, verify=False)
 
 
 def test_it_round_trips_every_tensor_of_the_demo_model_in_bf16_and_fp16():
