@@ -122,12 +122,8 @@ def quantize_gptq(
         w[:, i2:] -= err1 @ h_inv[i1:i2, i2:]
 
     codes = codes[:, torch.argsort(perm)]
-    if fp8:
-        return QuantizedWeight(
-            codes.to(torch.float8_e4m3fn), scale.to(SCALE_DTYPE), None, 8, None
-        )
     return QuantizedWeight(
-        codes=codes.to(torch.int8),
+        codes=codes.to(torch.float8_e4m3fn if fp8 else torch.int8),
         scale=scale.to(SCALE_DTYPE),
         zero_point=None if zero_point is None else zero_point.to(torch.int8),
         bits=bits,

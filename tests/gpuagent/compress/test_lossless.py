@@ -3,6 +3,7 @@
 import json
 import math
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def test_it_round_trips_shapes_and_uniform_bits():
 
 
 @pytest.mark.parametrize("threads", [2, 3, 8])
-def test_workers_taking_chunks_in_turn_decode_every_chunk_bit_for_bit(threads):
+def test_decoding_on_several_threads_gives_every_tensor_bit_for_bit(threads):
     tensors = {
         f"t{i}": _random_tensor(count, dtype, seed=i)
         for i, (count, dtype) in enumerate(
@@ -115,8 +116,6 @@ def test_workers_taking_chunks_in_turn_decode_every_chunk_bit_for_bit(threads):
 
 
 def test_a_corrupt_chunk_decoded_by_one_of_several_workers_is_named():
-    from dataclasses import replace
-
     g = torch.Generator().manual_seed(5)
     tensors = {
         f"t{i}": (torch.randn(9000, generator=g) * 0.02).to(torch.bfloat16)
@@ -330,8 +329,6 @@ def test_it_reports_sizes_that_add_up():
 
 
 def test_it_refuses_bytes_after_a_coded_chunk_and_corrupt_frames():
-    from dataclasses import replace
-
     tensor = (torch.randn(20_000) * 0.02).to(torch.bfloat16)
     encoded = compress_tensor(tensor, chunk_elements=8192)
     exponent = encoded.planes.exponent
