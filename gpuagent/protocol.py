@@ -61,6 +61,12 @@ class Recipe(_Message):
         True, description="int4 only: False adds a zero point per group"
     )
     act_order: bool = Field(False, description="gptq only: columns by Hessian diag")
+    observer: Literal["minmax", "mse"] = Field(
+        "minmax",
+        description="int formats: each scale from the range's absmax (minmax), or "
+        "the shrink of the range that rounds with the least squared error, weighted "
+        "per input channel by the calibration inputs' mean square under gptq (mse)",
+    )
     awq: bool = Field(
         False,
         description="activation-aware input-channel scales (searched on calibration "

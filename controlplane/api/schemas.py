@@ -135,6 +135,7 @@ class RecipeIn(RequestBody):
     method: Literal["rtn", "gptq"] = "rtn"
     symmetric: bool = True
     act_order: bool = False
+    observer: Literal["minmax", "mse"] = "minmax"
     awq: bool = False
     quantize_lm_head: bool = False
 

@@ -22,10 +22,15 @@ ordinary model (its norm weights and the scaled rows differ from the source's):
 o_proj is left alone: with grouped-query attention its input channels are
 v_proj's rows repeated over the query heads of a kv head, so one s per v channel
 would be shared across o_proj's columns (AWQ's own code skips o_proj then too).
-The projections then go through RTN or GPTQ as the recipe says.
+The projections then go through RTN or GPTQ as the recipe says. The search scores
+with min-max scales whatever the recipe's observer: the "mse" observer's 41
+candidate ranges per row would multiply the search's rounding cost by 41, and it
+refines the scales of the projections the search has already balanced.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor, nn
@@ -89,6 +94,7 @@ def search_scales(
     (each [N, K]) quantized RTN after scaling, on inputs x [rows, K]."""
     mean_abs = x.abs().mean(0)
     reference = [x @ w.t() for w in weights]
+    scheme = dataclasses.replace(scheme, observer="minmax")  # module docstring
     best: tuple[float, Tensor, float] | None = None
     for alpha in ALPHAS:
         s = channel_scales(mean_abs, alpha)

@@ -57,6 +57,16 @@ RECIPES = (
         "w8a16 awq gptq act-order",
         {"weights": "w8a16", "method": "gptq", "awq": True, "act_order": True},
     ),
+    (
+        "w8a16 awq gptq act-order mse",
+        {
+            "weights": "w8a16",
+            "method": "gptq",
+            "awq": True,
+            "act_order": True,
+            "observer": "mse",
+        },
+    ),
     ("fp8 rtn", {"weights": "fp8"}),
     ("fp8 gptq", {"weights": "fp8", "method": "gptq"}),
     ("fp8 awq gptq", {"weights": "fp8", "method": "gptq", "awq": True}),
@@ -69,6 +79,15 @@ RECIPES = (
     (
         "w4a16-g128 gptq act-order",
         {"weights": "w4a16-g128", "method": "gptq", "act_order": True},
+    ),
+    (
+        "w4a16-g128 gptq act-order mse",
+        {
+            "weights": "w4a16-g128",
+            "method": "gptq",
+            "act_order": True,
+            "observer": "mse",
+        },
     ),
     ("w4a16-g32 asym rtn", {"weights": "w4a16-g32", "symmetric": False}),
     (

@@ -61,7 +61,7 @@ def weights_args(scheme: WeightScheme, group_size: int | None) -> dict[str, Any]
         "dynamic": False,
         "actorder": "weight" if scheme.act_order else None,
         "block_structure": None,
-        "observer": "minmax",
+        "observer": scheme.observer,
         "observer_kwargs": {},
     }
 

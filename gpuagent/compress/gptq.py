@@ -69,14 +69,22 @@ def quantize_gptq(
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
 
-    # Per-row (int8) and act-order scales are fixed before any update.
+    # Per-row (int8) and act-order scales are fixed before any update; the "mse"
+    # observer weighs each input channel's rounding error by H_ii.
     static = group == k or scheme.act_order
     scale = torch.empty(n, k // group)
     zero_point = None if symmetric else torch.empty(n, k // group)
+    importance = torch.diag(h).float()  # [K], unpermuted
     if fp8:
         scale = fp8_scale(w)
     elif static:
-        s, z = group_params(w.view(n, k // group, group), bits, symmetric)
+        s, z = group_params(
+            w.view(n, k // group, group),
+            bits,
+            symmetric,
+            scheme.observer,
+            importance.view(k // group, group),
+        )
         scale = s[..., 0]
         if z is not None:
             zero_point = z[..., 0]
@@ -104,7 +112,14 @@ def quantize_gptq(
             if not static and col % group == 0:
                 # the group's columns as updated so far: in-block ones from w1
                 current = torch.cat((w1[:, i:], w[:, i2:]), dim=1)[:, :group]
-                s, z = group_params(current, bits, symmetric)
+                # not act-order, so columns are in their own order
+                s, z = group_params(
+                    current,
+                    bits,
+                    symmetric,
+                    scheme.observer,
+                    importance[col : col + group],
+                )
                 scale[:, g] = s[:, 0]
                 if zero_point is not None:
                     zero_point[:, g] = z[:, 0]

@@ -9,6 +9,14 @@ zp = -8 - round(min / scale), q = round(w / scale) + zp in [-8, 7], read back as
 (q - zp) * scale. fp8: e4m3fn values of w / scale with scale = absmax / 448 per
 output channel. Scales are rounded to the checkpoint's scale dtype (bf16) before
 the codes are computed, so the codes fit the scales stored.
+
+The "mse" observer (a recipe option for int formats) takes each group's range
+shrunk by the factor in MSE_SHRINKS (1 down to 0.8) whose round-to-nearest codes
+leave the least squared error, each input channel's error weighted by its
+importance (GPTQ: the Hessian's diagonal, the calibration inputs' mean square;
+otherwise 1), as llm-compressor's MSE observer does for its shrink grid. Clipping
+a few large weights buys a finer step for all the others; the read-back formula
+is unchanged, so compressed-tensors and the engine read such scales as any other.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from gpuagent.compress.recipes import WeightScheme
 SCALE_DTYPE = torch.bfloat16
 FP8_MAX = 448.0
 _TINY = 1e-10
+# the "mse" observer's candidate shrinks of a group's range: 1, 0.995, ..., 0.8
+MSE_SHRINKS = tuple(1 - 0.005 * i for i in range(41))
 
 
 @dataclass
@@ -56,18 +66,63 @@ def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
 
 
 def group_params(
-    w: torch.Tensor, bits: int, symmetric: bool
+    w: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+    observer: str = "minmax",
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(scale [..., 1] float32, zero_point [..., 1] float32 or None) for the values
-    along the last dim of `w` (one group per row of the view)."""
-    lo, hi = code_range(bits, symmetric)
+    along the last dim of `w` (one group per row of the view). `observer` "mse":
+    the least-error shrink of each group's range (module docstring), errors
+    weighted by `importance` (broadcast against `w`; None: all 1)."""
+    if observer not in ("minmax", "mse"):
+        raise ValueError(f"unknown observer {observer!r}")
     if symmetric:
-        absmax = w.abs().amax(dim=-1, keepdim=True)
-        divisor = 7.5 if bits == 4 else float(hi)
-        scale = _stored(absmax / divisor)
-        return scale, None
-    wmin = w.amin(dim=-1, keepdim=True).clamp(max=0)
-    wmax = w.amax(dim=-1, keepdim=True).clamp(min=0)
+        extent = (w.abs().amax(dim=-1, keepdim=True),)
+    else:
+        extent = (
+            w.amin(dim=-1, keepdim=True).clamp(max=0),
+            w.amax(dim=-1, keepdim=True).clamp(min=0),
+        )
+    if observer == "minmax":
+        return _range_params(extent, bits, 1.0)
+    lo, hi = code_range(bits, symmetric)
+    best = best_error = None
+    error = torch.empty_like(w)  # in place: 41 candidates over the whole weight
+    for shrink in MSE_SHRINKS:
+        scale, zero_point = _range_params(extent, bits, shrink)
+        # w - dequantize(quantize(w)), as quantize_values and QuantizedWeight do
+        torch.div(w, scale, out=error).round_()
+        if zero_point is None:
+            error.clamp_(lo, hi)
+        else:
+            error.add_(zero_point).clamp_(lo, hi).sub_(zero_point)
+        error.mul_(scale).sub_(w).square_()
+        if importance is not None:
+            error.mul_(importance)
+        total = error.sum(dim=-1, keepdim=True)
+        if best is None:
+            best, best_error = (scale, zero_point), total
+            continue
+        better = total < best_error
+        best_error = torch.where(better, total, best_error)
+        best = (
+            torch.where(better, scale, best[0]),
+            None if zero_point is None else torch.where(better, zero_point, best[1]),
+        )
+    return best
+
+
+def _range_params(
+    extent: tuple[torch.Tensor, ...], bits: int, shrink: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # min-max parameters of the range (absmax,) or (min, max) scaled by `shrink`
+    if len(extent) == 1:
+        divisor = 7.5 if bits == 4 else float(code_range(bits, True)[1])
+        return _stored(extent[0] * shrink / divisor), None
+    lo, hi = code_range(bits, False)
+    wmin, wmax = (e * shrink for e in extent)
     scale = _stored((wmax - wmin) / (hi - lo))
     zero_point = (lo - torch.round(wmin / scale)).clamp(lo, hi)
     return scale, zero_point
@@ -114,7 +169,9 @@ def quantize_rtn(w: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
         return QuantizedWeight(codes, scale.to(SCALE_DTYPE), None, 8, None)
     group = scheme.group_size_for(k) or k
     groups = w.view(n, k // group, group)
-    scale, zero_point = group_params(groups, scheme.bits, scheme.symmetric)
+    scale, zero_point = group_params(
+        groups, scheme.bits, scheme.symmetric, scheme.observer
+    )
     q = quantize_values(groups, scale, zero_point, scheme.bits, scheme.symmetric)
     return QuantizedWeight(
         codes=q.view(n, k).to(torch.int8),

@@ -2,9 +2,11 @@
 
 One recipe, one scheme: `weights` names the format (w8a16 = int8, w4a16-gN =
 int4-gN, fp8), `method` how values are rounded (round-to-nearest or GPTQ),
-`symmetric` whether int4 groups carry a zero point, `awq` whether activation-aware
-input-channel scales are folded in first (gpuagent.compress.awq), `quantize_lm_head`
-whether an untied head is quantized too. Anything else in a recipe is refused by name.
+`symmetric` whether int4 groups carry a zero point, `observer` how int scales are
+chosen (absmax, or the least-error shrink: gpuagent.compress.quantize), `awq`
+whether activation-aware input-channel scales are folded in first
+(gpuagent.compress.awq), `quantize_lm_head` whether an untied head is quantized too.
+Anything else in a recipe is refused by name.
 
 Group size for layers whose input width is not a multiple of the recipe's group
 (SmolLM2's hidden size 576 is not a multiple of 128): the largest power of two that
@@ -46,6 +48,7 @@ class WeightScheme:
     symmetric: bool
     method: str  # "rtn" or "gptq"
     act_order: bool
+    observer: str  # "minmax" or "mse" (gpuagent.compress.quantize)
     awq: bool
     quantize_lm_head: bool
 
@@ -100,10 +103,15 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
     recipe = parse_recipe(recipe)
     fmt = recipe.weights
     if fmt in DENSE_FORMATS:
-        if recipe.awq or recipe.method != "rtn" or recipe.act_order:
+        if (
+            recipe.awq
+            or recipe.method != "rtn"
+            or recipe.act_order
+            or recipe.observer != "minmax"
+        ):
             raise RecipeError(
-                f"weights {fmt!r} are not quantized: method, act_order and awq "
-                "do not apply"
+                f"weights {fmt!r} are not quantized: method, act_order, observer "
+                "and awq do not apply"
             )
         return None
     if fmt.startswith(("int4-g", "w4a16-g")):
@@ -114,6 +122,11 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         raise RecipeError(f"symmetric=false is only offered for int4, not {fmt!r}")
     if recipe.act_order and recipe.method != "gptq":
         raise RecipeError("act_order=true needs method 'gptq'")
+    if recipe.observer != "minmax" and kind == "float":
+        raise RecipeError(
+            f"observer {recipe.observer!r} is for int formats; fp8 scales are the "
+            "row's absmax / 448"
+        )
     return WeightScheme(
         kind=kind,
         bits=bits,
@@ -121,6 +134,7 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         symmetric=recipe.symmetric,
         method=recipe.method,
         act_order=recipe.act_order,
+        observer=recipe.observer,
         awq=recipe.awq,
         quantize_lm_head=recipe.quantize_lm_head,
     )

@@ -18,6 +18,12 @@ RECIPES = {
     "w4a16-g128": {"weights": "w4a16-g128", "kv_cache_dtype": "bf16"},
     "fp8": {"weights": "fp8", "kv_cache_dtype": "bf16"},
     "fp8-gptq": {"weights": "fp8", "kv_cache_dtype": "bf16", "method": "gptq"},
+    "w8a16-gptq-mse": {
+        "weights": "w8a16",
+        "kv_cache_dtype": "bf16",
+        "method": "gptq",
+        "observer": "mse",
+    },
     "w4a16-g64-asym-gptq": {
         "weights": "w4a16-g64",
         "kv_cache_dtype": "bf16",

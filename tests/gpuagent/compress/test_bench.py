@@ -2,7 +2,9 @@
 engine runs it against the bars, and as information the same candidate through the
 float32 reference matmul and the parent run in bf16 arithmetic."""
 
+from gpuagent.compress import bench
 from gpuagent.compress.bench import bf16_floor_rows, quality_rows
+from gpuagent.compress.recipes import weight_scheme
 from gpuagent.evaluate.evalsets import TEXT_SLICES
 from gpuagent.evaluate.inprocess import EngineModel
 from gpuagent.evaluate.regression import Settings
@@ -51,3 +53,12 @@ def test_the_parent_in_bf16_weights_and_arithmetic_moves_the_logits_as_informati
     # rounding the stored weights once costs less than rounding every activation
     weights, arithmetic = klds.values()
     assert weights[-1] < arithmetic[-1], klds
+
+
+def test_every_bench_recipe_is_one_compress_applies():
+    labels = [label for label, _ in bench.RECIPES]
+    assert len(set(labels)) == len(labels)
+    for label, options in bench.RECIPES:
+        scheme = weight_scheme({"kv_cache_dtype": "bf16", **options})
+        assert scheme is not None, label
+        assert label.split()[0].split("-g")[0] == scheme.name.split("-g")[0], label

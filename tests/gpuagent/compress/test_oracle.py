@@ -113,6 +113,28 @@ def test_it_decompresses_fp8_gptq_to_what_the_engine_runs(compressed_demo):
         torch.testing.assert_close(engine_weight, weight.float(), atol=1e-6, rtol=2**-8)
 
 
+def test_it_reads_mse_observer_scales_as_any_other(compressed_demo):
+    folder = compressed_demo["w8a16-gptq-mse"]
+    qc, modules = _decompressed(folder)
+    source = load_file(DEMO_MODEL / "model.safetensors")
+    model = load_model(folder)
+
+    assert {g.weights.observer for g in qc.config_groups.values()} == {"mse"}
+    shrunk = 0
+    for module, (weight, state) in modules.items():
+        layer = model.get_submodule(module.removeprefix("model."))
+        engine_weight = layer(torch.eye(layer.in_features)).t()  # [N, K]
+        # the CPU kernel rounds its output to bf16, as compressed-tensors does
+        torch.testing.assert_close(engine_weight, weight.float(), atol=1e-6, rtol=2**-7)
+        # scales from the source rows' range, some of them shrunk (GPTQ fixes
+        # per-row scales before its updates)
+        minmax = source[module + ".weight"].float().abs().amax(1, keepdim=True) / 127
+        scale = state["weight_scale"].float()
+        assert (scale <= minmax * (1 + 2**-8)).all(), module
+        shrunk += int((scale < 0.99 * minmax).sum())
+    assert shrunk > 0
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_it_packs_bit_for_bit_like_compressed_tensors(bits):
     g = torch.Generator().manual_seed(bits)

@@ -90,6 +90,9 @@ def test_it_refuses_an_existing_output(tmp_path):
         ({"weights": "w8a16", "kv_cache_dtype": "bf16", "symmetric": False}, "symm"),
         ({"weights": "fp8", "kv_cache_dtype": "bf16", "symmetric": False}, "symm"),
         ({"weights": "w8a16", "kv_cache_dtype": "bf16", "act_order": True}, "act_"),
+        ({"weights": "fp8", "kv_cache_dtype": "bf16", "observer": "mse"}, "observer"),
+        ({"weights": "bf16", "kv_cache_dtype": "bf16", "observer": "mse"}, "observer"),
+        ({"weights": "w8a16", "kv_cache_dtype": "bf16", "observer": "max"}, "observer"),
         (
             {"weights": "w8a16", "kv_cache_dtype": "bf16", "quantize_lm_head": True},
             "tied",
