@@ -86,18 +86,15 @@ def group_params(
             w.amax(dim=-1, keepdim=True).clamp(min=0),
         )
     if observer == "minmax":
-        return _range_params(extent, bits, 1.0)
-    lo, hi = code_range(bits, symmetric)
+        return _range_params(extent, bits, symmetric, 1.0)
     best = best_error = None
-    error = torch.empty_like(w)  # in place: 41 candidates over the whole weight
+    error = torch.empty_like(w)  # one buffer for the 41 candidates
     for shrink in MSE_SHRINKS:
-        scale, zero_point = _range_params(extent, bits, shrink)
-        # w - dequantize(quantize(w)), as quantize_values and QuantizedWeight do
-        torch.div(w, scale, out=error).round_()
-        if zero_point is None:
-            error.clamp_(lo, hi)
-        else:
-            error.add_(zero_point).clamp_(lo, hi).sub_(zero_point)
+        scale, zero_point = _range_params(extent, bits, symmetric, shrink)
+        # (dequantized - w)^2 in place on the codes, read back as QuantizedWeight does
+        quantize_values(w, scale, zero_point, bits, symmetric, out=error)
+        if zero_point is not None:
+            error.sub_(zero_point)
         error.mul_(scale).sub_(w).square_()
         if importance is not None:
             error.mul_(importance)
@@ -115,13 +112,13 @@ def group_params(
 
 
 def _range_params(
-    extent: tuple[torch.Tensor, ...], bits: int, shrink: float
+    extent: tuple[torch.Tensor, ...], bits: int, symmetric: bool, shrink: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # min-max parameters of the range (absmax,) or (min, max) scaled by `shrink`
-    if len(extent) == 1:
-        divisor = 7.5 if bits == 4 else float(code_range(bits, True)[1])
+    # min-max parameters of the range, (absmax,) or (min, max), scaled by `shrink`
+    lo, hi = code_range(bits, symmetric)
+    if symmetric:
+        divisor = 7.5 if bits == 4 else float(hi)
         return _stored(extent[0] * shrink / divisor), None
-    lo, hi = code_range(bits, False)
     wmin, wmax = (e * shrink for e in extent)
     scale = _stored((wmax - wmin) / (hi - lo))
     zero_point = (lo - torch.round(wmin / scale)).clamp(lo, hi)
@@ -139,13 +136,15 @@ def quantize_values(
     zero_point: torch.Tensor | None,
     bits: int,
     symmetric: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Integer codes (float32 holding integers) of w for the given parameters."""
+    """Integer codes (float32 holding integers) of w for the given parameters,
+    written into `out` when given (a float32 tensor of the result's shape)."""
     lo, hi = code_range(bits, symmetric)
-    q = torch.round(w / scale)
+    q = torch.div(w, scale, out=out).round_()  # the rest in place
     if zero_point is not None:
-        q = q + zero_point
-    return q.clamp(lo, hi)
+        q.add_(zero_point)
+    return q.clamp_(lo, hi)
 
 
 def fp8_scale(w: torch.Tensor) -> torch.Tensor:
