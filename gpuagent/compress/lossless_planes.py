@@ -5,10 +5,10 @@ per element: for 16-bit words bits 14..7 (bf16's exponent exactly; fp16's 5-bit
 exponent and 3 top mantissa bits), for fp32 the exponent, taken from the word rotated
 left by one bit. Trained weights use few exponents (about 2.6 bits of entropy in 8),
 so it is Huffman-coded. The other W/8 - 1 bytes per element are the *rest plane*:
-for 16-bit words `sign | mantissa bits 6..0` (ZipNN's layout: the merge is then four
-passes on 16-bit lanes), for fp32 the rotated word's low bytes, mantissa then sign.
-They are near random, stored raw unless coding saves at least `MIN_SAVING`. DFloat11
-likewise codes only the exponent and keeps sign and mantissa as they are.
+for 16-bit words `sign | mantissa bits 6..0` (ZipNN's layout; merged back into words
+in one pass by `_merge16.c`), for fp32 the rotated word's low bytes, mantissa then
+sign. They are near random, stored raw unless coding saves at least `MIN_SAVING`.
+DFloat11 likewise codes only the exponent and keeps sign and mantissa as they are.
 
 Both planes are cut into chunks of `chunk_elements` elements, each coded on its own:
 - "h": a zstd frame of Huffman-coded literals written by `lossless_huffman` (order-0
@@ -39,6 +39,7 @@ import zstandard
 from isal import isal_zlib
 
 from gpuagent.compress import lossless_huffman
+from gpuagent.compress._merge16 import merge16
 
 # safetensors dtype name -> the unsigned little-endian word holding one element
 WORD_TYPES: dict[str, np.dtype] = {
@@ -109,35 +110,24 @@ def split_words(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return exponent, np.ascontiguousarray(as_bytes[:, :-1].T)  # byte-planar rest
 
 
-# rest byte `s m6..m0` read as int8 and widened repeats s in bits 15..7: keep 15, 6..0
-_SIGN_AND_MANTISSA_16 = np.int16(-0x7F81)  # 0x807F
-
-
 def merge_words(
     exponent: np.ndarray,
     rest: np.ndarray,
     out: np.ndarray,
     *,
     exponent_base: int = 0,
-    scratch: np.ndarray | None = None,
+    rest_base: int = 0,
 ) -> None:
-    """Inverse of `split_words`, written into `out` (words [n]), the exponent
-    bytes being stored minus `exponent_base`. `scratch`: words [>= n] to reuse."""
+    """Inverse of `split_words`, written into `out` (words [n]), the plane bytes
+    being stored minus `exponent_base` and `rest_base` (mod 256)."""
     size = out.dtype.itemsize
     if size == 2:
-        # word = (exponent + base) << 7 + (sign << 15 | mantissa): disjoint bits,
-        # so adding is or-ing; 4 passes on 16-bit lanes (6 with shifts of the rest)
-        low = (scratch[: out.size] if scratch is not None else np.empty_like(out)).view(
-            np.int16
-        )
-        np.left_shift(exponent, 7, out=out, dtype=out.dtype)
-        np.bitwise_and(
-            rest[0].view(np.int8), _SIGN_AND_MANTISSA_16, out=low, dtype=np.int16
-        )
-        if exponent_base:
-            np.add(low, exponent_base << 7, out=low)
-        np.add(out, low.view(out.dtype), out=out)
+        # one pass in C (_merge16.c): numpy took four on 16-bit lanes, as much
+        # time as the Huffman decoding
+        merge16(exponent, rest[0], out.view(np.uint8), exponent_base, rest_base)
         return
+    if rest_base:
+        rest = rest + np.uint8(rest_base)
     as_bytes = out.view(np.uint8).reshape(-1, size)  # [n, W/8]
     as_bytes[:, -1] = exponent
     if exponent_base:
@@ -223,7 +213,6 @@ def decode_words(
     ]
 
     def run(part: list[tuple[int, int, int, int]]) -> None:
-        scratch: dict[np.dtype, np.ndarray] = {}
         for item, index, begin, end in part:
             name, coded, out = items[item]
             exponent_at, rest_at = offsets[item]
@@ -243,16 +232,12 @@ def decode_words(
                 count * rest_rows,
                 f"{name}: rest chunk {index}",
             )
-            if rest_base:
-                rest = rest + np.uint8(rest_base)
-            if out.dtype not in scratch:
-                scratch[out.dtype] = np.empty(chunk_elements, dtype=out.dtype)
             merge_words(
                 exponent,
                 rest.reshape(rest_rows, count),
                 out[begin:end],
                 exponent_base=base,
-                scratch=scratch[out.dtype],
+                rest_base=rest_base,
             )
 
     parts = _deal(jobs, threads)

@@ -24,6 +24,7 @@ from gpuagent.compress.lossless import (
     read_weights,
     tensors_digest,
 )
+from gpuagent.compress.lossless_planes import merge16, merge_words, split_words
 from gpuagent.integrity import inspect_model
 
 DEMO_MODEL = "gpuagent/engine/demo_model"
@@ -368,3 +369,33 @@ def test_it_compresses_a_sharded_source_into_one_container(tmp_path, bf16_demo_f
     assert len(shards) > 1 and not set(shards) & set(names)
     assert "model.safetensors.index.json" not in names and CONTAINER_FILE in names
     assert result.tensors_blake3 == tensors_digest(read_weights(source))
+
+
+@pytest.mark.parametrize("bases", [(0, 0), (3, 0), (0, 200), (255, 1)])
+def test_the_merge_inverts_the_split_of_every_16_bit_word(bases):
+    """Every 16-bit pattern split into planes, each plane stored minus a base (mod
+    256, as the Huffman chunks store it), merged back by the compiled merge."""
+    words = np.arange(1 << 16, dtype="<u2")
+    exponent, rest = split_words(words)
+    exponent_base, rest_base = bases
+    out = np.zeros_like(words)
+    merge_words(
+        exponent - np.uint8(exponent_base),
+        rest - np.uint8(rest_base),
+        out,
+        exponent_base=exponent_base,
+        rest_base=rest_base,
+    )
+    assert np.array_equal(out, words)
+
+
+def test_the_merge_refuses_planes_that_do_not_fit_the_output():
+    planes = np.zeros(10, np.uint8)
+    with pytest.raises(ValueError, match="10 exponent bytes, 9 rest bytes"):
+        merge16(planes, planes[:9], np.zeros(10, "<u2").view(np.uint8))
+    with pytest.raises(ValueError, match="expected n, n and 2n"):
+        merge16(planes, planes, np.zeros(9, "<u2").view(np.uint8))
+    with pytest.raises(ValueError, match="bases 256 and 0 are not bytes"):
+        merge16(planes, planes, np.zeros(10, "<u2").view(np.uint8), 256)
+    with pytest.raises(TypeError):  # read-only output
+        merge16(planes, planes, bytes(20))
