@@ -39,7 +39,15 @@ import zstandard
 from isal import isal_zlib
 
 from gpuagent.compress import lossless_huffman
-from gpuagent.compress._merge16 import merge16
+
+try:
+    from gpuagent.compress._merge16 import merge16
+except ImportError as exc:
+    raise ImportError(
+        "gpuagent.compress._merge16 (the lossless decoder's compiled merge, "
+        "gpuagent/compress/_merge16.c) is not built for this Python: install the "
+        "project with `make install` or `pip install -e .`, which compile it"
+    ) from exc
 
 # safetensors dtype name -> the unsigned little-endian word holding one element
 WORD_TYPES: dict[str, np.dtype] = {

@@ -3,6 +3,8 @@
 import json
 import math
 import struct
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -399,3 +401,23 @@ def test_the_merge_refuses_planes_that_do_not_fit_the_output():
         merge16(planes, planes, np.zeros(10, "<u2").view(np.uint8), 256)
     with pytest.raises(TypeError):  # read-only output
         merge16(planes, planes, bytes(20))
+
+
+def test_an_unbuilt_merge_extension_is_named_with_how_to_build_it():
+    """Without the compiled merge (a source tree never installed), importing the
+    lossless coder says what is missing and how to build it."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'gpuagent.compress._merge16':\n"
+        "            raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import gpuagent.compress.lossless\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "_merge16.c) is not built" in done.stderr
+    assert "make install" in done.stderr
