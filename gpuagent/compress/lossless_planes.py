@@ -6,7 +6,7 @@ exponent and 3 top mantissa bits), for fp32 the exponent, taken from the word ro
 left by one bit. Trained weights use few exponents (about 2.6 bits of entropy in 8),
 so it is Huffman-coded. The other W/8 - 1 bytes per element are the *rest plane*:
 for 16-bit words `sign | mantissa bits 6..0` (ZipNN's layout; merged back into words
-in one pass by `_merge16.c`), for fp32 the rotated word's low bytes, mantissa then
+in one pass by `lossless_loops`), for fp32 the rotated word's low bytes, mantissa then
 sign. They are near random, stored raw unless coding saves at least `MIN_SAVING`.
 DFloat11 likewise codes only the exponent and keeps sign and mantissa as they are.
 
@@ -39,15 +39,7 @@ import zstandard
 from isal import isal_zlib
 
 from gpuagent.compress import lossless_huffman
-
-try:
-    from gpuagent.compress._merge16 import merge16
-except ImportError as exc:
-    raise ImportError(
-        "gpuagent.compress._merge16 (the lossless decoder's compiled merge, "
-        "gpuagent/compress/_merge16.c) is not built for this Python: install the "
-        "project with `make install` or `pip install -e .`, which compile it"
-    ) from exc
+from gpuagent.compress.lossless_loops import merge16
 
 # safetensors dtype name -> the unsigned little-endian word holding one element
 WORD_TYPES: dict[str, np.dtype] = {
@@ -130,7 +122,7 @@ def merge_words(
     being stored minus `exponent_base` and `rest_base` (mod 256)."""
     size = out.dtype.itemsize
     if size == 2:
-        # one pass in C (_merge16.c): numpy took four on 16-bit lanes, as much
+        # one pass in C (lossless_loops): numpy took four on 16-bit lanes, as much
         # time as the Huffman decoding
         merge16(exponent, rest[0], out.view(np.uint8), exponent_base, rest_base)
         return

@@ -26,7 +26,8 @@ from gpuagent.compress.lossless import (
     read_weights,
     tensors_digest,
 )
-from gpuagent.compress.lossless_planes import merge16, merge_words, split_words
+from gpuagent.compress.lossless_loops import merge16
+from gpuagent.compress.lossless_planes import merge_words, split_words
 from gpuagent.integrity import inspect_model
 
 DEMO_MODEL = "gpuagent/engine/demo_model"
@@ -403,14 +404,14 @@ def test_the_merge_refuses_planes_that_do_not_fit_the_output():
         merge16(planes, planes, bytes(20))
 
 
-def test_an_unbuilt_merge_extension_is_named_with_how_to_build_it():
-    """Without the compiled merge (a source tree never installed), importing the
+def test_an_unbuilt_extension_is_named_with_how_to_build_it():
+    """Without the compiled loops (a source tree never installed), importing the
     lossless coder says what is missing and how to build it."""
     code = (
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'gpuagent.compress._merge16':\n"
+        "        if name == 'gpuagent.compress._lossless_loops':\n"
         "            raise ImportError('blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
         "import gpuagent.compress.lossless\n"
@@ -419,5 +420,5 @@ def test_an_unbuilt_merge_extension_is_named_with_how_to_build_it():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert done.returncode != 0
-    assert "_merge16.c) is not built" in done.stderr
+    assert "_lossless_loops.c) is not built" in done.stderr
     assert "make install" in done.stderr

@@ -11,6 +11,7 @@ from gpuagent.compress.lossless_huffman import (
     frame_size,
     limited_code_lengths,
 )
+from gpuagent.compress.lossless_loops import huffman_stream
 
 
 def _symbols(kind, count, rng):
@@ -78,3 +79,27 @@ def test_it_refuses_frames_of_another_layout():
         frame_size(zstandard.ZstdCompressor().compress(b"x" * 5000))
     with pytest.raises(ValueError, match="inside a block header"):
         frame_size(frame[:10])
+
+
+def test_a_stream_puts_the_first_code_under_the_end_mark():
+    """RFC 8878 4.2.2, by hand: codes 0 -> '1', 1 -> '01'; the stream of [0, 1]
+    read backward from the end mark is end(1), '1', '01': 0b1101, one byte. 17
+    symbols 1 (34 bits) need a fifth byte, the end mark in its bit 2."""
+    codes = np.array([0b1, 0b01], dtype="<u4")
+    lengths = np.array([1, 2], dtype=np.uint8)
+    assert huffman_stream(np.array([0, 1], np.uint8), codes, lengths) == b"\x0d"
+    ones = huffman_stream(np.ones(17, np.uint8), codes, lengths)
+    assert ones == bytes([0x55, 0x55, 0x55, 0x55, 0b101])
+
+
+def test_a_stream_refuses_symbols_and_codes_it_cannot_write():
+    codes = np.array([0, 1], dtype="<u4")
+    lengths = np.array([1, 1], dtype=np.uint8)
+    with pytest.raises(ValueError, match="symbol 2 at 1 has no code"):
+        huffman_stream(np.array([0, 2], np.uint8), codes, lengths)
+    with pytest.raises(ValueError, match="8 code bytes for 3 lengths"):
+        huffman_stream(np.zeros(4, np.uint8), codes, np.ones(3, np.uint8))
+    with pytest.raises(ValueError, match="symbol 1 has code 2 in 1 bits"):
+        huffman_stream(np.zeros(4, np.uint8), np.array([0, 2], "<u4"), lengths)
+    with pytest.raises(ValueError, match="symbol 0 has code 0 in 25 bits"):
+        huffman_stream(np.zeros(4, np.uint8), codes, np.array([25, 1], np.uint8))
