@@ -107,7 +107,7 @@ static PyObject *huffman_stream(PyObject *self, PyObject *args) {
         const uint8_t *c = (const uint8_t *)codes.buf + 4 * v;
         code[v] = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 |
                   (uint32_t)c[3] << 24;
-        if (len[v] > MAX_CODE_BITS || (len[v] < 32 && code[v] >> len[v])) {
+        if (len[v] > MAX_CODE_BITS || code[v] >> len[v]) { /* shift < 32 */
             PyErr_Format(PyExc_ValueError,
                          "huffman_stream: symbol %zd has code %u in %d bits", v,
                          code[v], len[v]);
