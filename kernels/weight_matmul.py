@@ -24,7 +24,9 @@ On a CPU the public ops run torch's own weight-only kernels
 (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`) when given a
 `CpuPackedWeight`: the weight laid out once, at load (`prepack_int8_cpu`,
 `prepack_int4_cpu`), activations rounded to bf16 for the multiply (the "a16" of
-w8a16 / w4a16) and the output cast back to x's dtype. Where those kernels don't
+w8a16 / w4a16) and the output cast back to x's dtype. (The engine lays one out for
+a model in bf16 only: a float32 model runs the reference, in its own arithmetic.)
+Where those kernels don't
 apply (no such op in this torch, int4 group sizes other than 32 / 64 / 128 / 256,
 N not a multiple of 16 for int4, K not a multiple of 16 for int8) the prepack
 returns None and the torch reference runs.

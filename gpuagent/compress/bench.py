@@ -8,15 +8,16 @@
   mean KLD and same-top-1 per slice against the bars (w8a16: <= 0.002 and
   >= 97.5%; 4-bit: <= 0.03 and >= 92%), RTN, GPTQ and AWQ scales side by side.
   The reference is the source run in float32 (the bf16 model's values, without
-  bf16 arithmetic's noise); the candidate runs as the engine runs it here (on a
-  CPU torch's weight-only kernels, activations in bf16). Printed as information:
-  the parent itself run in bf16 against the same reference (what bf16 arithmetic
-  alone costs this model), and with --reference-matmul each candidate through
-  the float32 torch reference matmul (the weight format's error alone);
+  bf16 arithmetic's noise); the candidate runs as the engine runs it in the same
+  arithmetic (on a CPU in float32: `kernels.weight_matmul`'s torch reference), so
+  the two differ by the weight format alone. Printed as information: the parent
+  itself run in bf16 against the same reference (what bf16 arithmetic alone costs
+  this model), and with --bf16-arithmetic each candidate run in bf16 too (on a CPU
+  torch's weight-only kernels, bf16 activations, as a GPU serves it);
 - matmul: the weight-only kernels vs bf16 torch.matmul on a 4096x14336 layer at
-  batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference and
-  torch's CPU kernels over prepacked weights, what the engine runs there; the
-  ratios are not targets);
+  batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference, what
+  the engine runs for a float32 model, and torch's CPU kernels over prepacked
+  weights, what it runs for a bf16 one; the ratios are not targets);
 - lossless: the exponent coding vs zipnn (gpuagent.compress.lossless_bench).
 """
 
@@ -34,7 +35,6 @@ import torch
 from gpuagent.compress import lossless_bench
 from gpuagent.compress.pipeline import compress
 from gpuagent.engine.loader import load_model
-from gpuagent.engine.weights import use_cpu_kernels
 from gpuagent.evaluate.evalsets import TEXT_SLICES
 from gpuagent.evaluate.inprocess import EngineModel
 from gpuagent.evaluate.regression import Settings, evaluate_quality
@@ -158,23 +158,23 @@ def quality_rows(
     candidate_dir: Path,
     reference: EngineModel,
     settings: Settings,
-    reference_matmul: bool = False,
+    bf16_arithmetic: bool = False,
 ) -> list[Row]:
     """Mean KLD and same-top-1 per slice of the candidate, as the engine runs it
-    here, vs the reference, against the bars; with `reference_matmul` also (as
-    information) the same candidate through the torch reference of the weight-only
-    matmul in float32, which leaves out the CPU kernels' bf16 activations and so
-    measures the weight format alone."""
+    in the reference's dtype (float32 on a CPU), vs the reference, against the
+    bars; with `bf16_arithmetic` also (as information) the candidate run in bf16,
+    on a CPU through torch's weight-only kernels (compare with the parent's own
+    bf16-arithmetic rows)."""
     candidate = EngineModel(candidate_dir, "bf16", max_tokens=1024)
     report = evaluate_quality(candidate, reference, settings)
     rows = slice_rows(label, report, QUALITY_BARS[_family(label)])
-    if reference_matmul:
-        model = load_model(candidate_dir)
-        use_cpu_kernels(model, enabled=False)
-        exact = EngineModel(candidate_dir, "bf16", max_tokens=1024, model=model)
+    if bf16_arithmetic:
+        served = EngineModel(
+            candidate_dir, "bf16", max_tokens=1024, dtype=torch.bfloat16
+        )
         rows += slice_rows(
-            f"{label} (fp32 reference matmul)",
-            evaluate_quality(exact, reference, settings),
+            f"{label} (in bf16 arithmetic)",
+            evaluate_quality(served, reference, settings),
             None,
         )
     return rows
@@ -267,10 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-items", type=int, default=None, help="per slice")
     parser.add_argument("--no-matmul", action="store_true")
     parser.add_argument(
-        "--reference-matmul",
+        "--bf16-arithmetic",
         action="store_true",
-        help="also score each candidate through the fp32 torch reference matmul "
-        "(the weight format alone, without the CPU kernels' bf16 activations)",
+        help="also score each candidate run in bf16 (on a CPU torch's weight-only "
+        "kernels), beside the parent run in bf16",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Path(result.out_dir),
                 reference,
                 settings,
-                args.reference_matmul,
+                args.bf16_arithmetic,
             )
             for row in rows:
                 print(row.render(), flush=True)

@@ -1,7 +1,14 @@
 """Quantized weights in the engine: a compressed-tensors checkpoint's Linear layers
-run through `kernels.weight_matmul` (Triton on a GPU; on a CPU torch's weight-only
-kernels, over a copy laid out once by `to_model`, or the torch reference where
-those don't apply).
+run through `kernels.weight_matmul`: Triton on a GPU; on a CPU, in the model's own
+arithmetic, as every other layer there runs:
+
+- a float32 model (the CPU default) runs the torch reference: exact codes and
+  scales, float32 accumulation, as the bf16 parent runs in float32 beside it, so
+  the two differ by the weight format alone (and the result is the same on every
+  CPU, up to float32 summation order);
+- a bf16 model runs torch's weight-only kernels (bf16 activations, float32
+  accumulation, bf16 output: the "a16" of w8a16 / w4a16, as a GPU serves it), over a
+  copy laid out once by `to_model`, or the reference where those don't apply.
 
 `split_quantized(checkpoint, quantization_config)` takes the quantized tensors out
 of a checkpoint (leaving the dense ones for the state dict) as one `QuantLinear`
@@ -265,22 +272,24 @@ def install(model: nn.Module, layers: dict[str, QuantLinear]) -> None:
 
 def to_model(layer: QuantLinear, dtype: torch.dtype, device: str) -> QuantLinear:
     """The layer on `device`, its scales in the model's dtype (codes as stored); on
-    a CPU also laid out once for torch's weight-only kernels (`prepack_cpu`)."""
+    a CPU in bf16 also laid out once for torch's weight-only kernels
+    (`prepack_cpu`), which take bf16 activations only (module docstring)."""
     for name, buf in list(layer.named_buffers()):
         if buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
             buf = buf.to(dtype)
         setattr(layer, name, buf.to(device))
     layer.cpu_weight = None
-    if torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         layer.prepack_cpu()
     return layer
 
 
 def use_cpu_kernels(model: nn.Module, enabled: bool = True) -> int:
     """Run `model`'s quantized layers through torch's CPU kernels (laid out here,
-    as `to_model` does at load) or, with `enabled=False`, through the torch
-    reference of `kernels.weight_matmul` (parity checks, benchmarks). Returns how
-    many layers run the CPU kernels."""
+    as `to_model` does at load in bf16) or, with `enabled=False`, through the torch
+    reference of `kernels.weight_matmul` (parity checks). The kernels round
+    activations to bf16, so in a float32 model they are a mixed arithmetic the
+    engine never runs by itself. Returns how many layers run the CPU kernels."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for layer in layers:
         layer.cpu_weight = None

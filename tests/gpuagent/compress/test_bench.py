@@ -1,6 +1,6 @@
 """The compression bench's quality rows on the demo model: the candidate as the
-engine runs it against the bars, and as information the same candidate through the
-float32 reference matmul and the parent run in bf16 arithmetic."""
+engine runs it in the reference's arithmetic against the bars, and as information
+the same candidate and the parent run in bf16 arithmetic."""
 
 from gpuagent.compress import bench
 from gpuagent.compress.bench import bf16_floor_rows, quality_rows
@@ -13,7 +13,7 @@ from tests.gpuagent.compress.conftest import DEMO_MODEL
 SETTINGS = Settings(slices=TEXT_SLICES, max_items=1, continuation_tokens=2)
 
 
-def test_the_served_candidate_is_judged_and_the_reference_matmul_is_information(
+def test_the_candidate_is_judged_and_its_bf16_arithmetic_is_information(
     compressed_demo,
 ):
     reference = EngineModel(DEMO_MODEL, "bf16", max_tokens=1024)
@@ -22,15 +22,15 @@ def test_the_served_candidate_is_judged_and_the_reference_matmul_is_information(
         "w8a16 rtn", compressed_demo["w8a16"], reference, SETTINGS, True
     )
 
-    served = [r for r in rows if "reference matmul" not in r.name]
-    exact = [r for r in rows if "reference matmul" in r.name]
-    assert len(served) == len(exact) == 2 * (len(TEXT_SLICES) + 1)  # + overall
-    assert all(r.ok is not None and r.target for r in served)
-    assert all(r.ok is None and not r.target for r in exact)
-    # a different path: the CPU kernels' bf16 activations are not in it
-    served_kld = [r.value for r in served if "KLD" in r.name]
-    exact_kld = [r.value for r in exact if "KLD" in r.name]
-    assert served_kld != exact_kld
+    judged = [r for r in rows if "bf16 arithmetic" not in r.name]
+    in_bf16 = [r for r in rows if "bf16 arithmetic" in r.name]
+    assert len(judged) == len(in_bf16) == 2 * (len(TEXT_SLICES) + 1)  # + overall
+    assert all(r.ok is not None and r.target for r in judged)
+    assert all(r.ok is None and not r.target for r in in_bf16)
+    # bf16 arithmetic (torch's CPU kernels, bf16 everywhere else) costs more
+    judged_kld = [float(r.value) for r in judged if "KLD" in r.name]
+    in_bf16_kld = [float(r.value) for r in in_bf16 if "KLD" in r.name]
+    assert in_bf16_kld[-1] > judged_kld[-1], (judged_kld, in_bf16_kld)
 
 
 def test_the_parent_in_bf16_weights_and_arithmetic_moves_the_logits_as_information():

@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file
 
 from gpuagent.engine.loader import load_model
-from gpuagent.engine.weights import pack_int32, unpack_int32, use_cpu_kernels
+from gpuagent.engine.weights import pack_int32, unpack_int32
 from tests.gpuagent.compress.conftest import DEMO_MODEL
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
@@ -75,16 +75,18 @@ def test_it_decompresses_with_compressed_tensors_within_rounding(compressed_demo
 def test_it_decompresses_asymmetric_gptq_to_what_the_engine_runs(compressed_demo):
     folder = compressed_demo["w4a16-g64-asym-gptq"]
     _, modules = _decompressed(folder)
-    model = load_model(folder)
+    model = load_model(folder)  # float32: the torch reference
+    served_in_bf16 = load_model(folder, dtype=torch.bfloat16)  # torch's CPU kernel
 
     for module, (weight, state) in modules.items():
-        layer = model.get_submodule(module.removeprefix("model."))
+        name = module.removeprefix("model.")
+        layer = model.get_submodule(name)
         eye = torch.eye(layer.in_features)
-        cpu_weight = layer.cpu_weight
-        assert cpu_weight is not None
-        engine_weight = layer(eye).t()  # [N, K]: W e_k for every k, CPU kernel
-        layer.cpu_weight = None
-        reference_weight = layer(eye).t()  # the same through the torch reference
+        assert layer.cpu_weight is None
+        reference_weight = layer(eye).t()  # [N, K]: W e_k for every k
+        kernel_layer = served_in_bf16.get_submodule(name)
+        assert kernel_layer.cpu_weight is not None
+        engine_weight = kernel_layer(eye.bfloat16()).t().float()
 
         # compressed-tensors rounds its product to bf16 (relative 2^-9)
         torch.testing.assert_close(
@@ -124,8 +126,8 @@ def test_it_reads_mse_observer_scales_as_any_other(compressed_demo):
     for module, (weight, state) in modules.items():
         layer = model.get_submodule(module.removeprefix("model."))
         engine_weight = layer(torch.eye(layer.in_features)).t()  # [N, K]
-        # the CPU kernel rounds its output to bf16, as compressed-tensors does
-        torch.testing.assert_close(engine_weight, weight.float(), atol=1e-6, rtol=2**-7)
+        # compressed-tensors rounds its product to bf16 (relative 2^-9)
+        torch.testing.assert_close(engine_weight, weight.float(), atol=1e-6, rtol=2**-8)
         # scales from the source rows' range, some of them shrunk (GPTQ fixes
         # per-row scales before its updates)
         minmax = source[module + ".weight"].float().abs().amax(1, keepdim=True) / 127
@@ -155,10 +157,7 @@ def test_it_loads_in_transformers(compressed_demo):
     tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ours = load_model(folder)
-    # the format as both read it: float32 activations, our torch reference (the
-    # CPU kernels round activations to bf16: test_engine_weights bounds that)
-    use_cpu_kernels(ours, enabled=False)
+    ours = load_model(folder)  # float32 activations: our torch reference
     with torch.no_grad():
         hf_logits = hf(tokens).logits
         ours = ours.forward_dense(tokens)
