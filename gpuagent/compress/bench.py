@@ -18,7 +18,8 @@
   batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference, what
   the engine runs for a float32 model, and torch's CPU kernels over prepacked
   weights, what it runs for a bf16 one; the ratios are not targets);
-- lossless: the exponent coding vs zipnn (gpuagent.compress.lossless_bench).
+- lossless: the exponent coding vs zipnn on both models' bf16 weights (the demo
+  model and --model-dir; gpuagent.compress.lossless_bench).
 """
 
 from __future__ import annotations
@@ -243,11 +244,15 @@ def matmul_rows(quick: bool) -> None:
 
 
 def lossless_table(model_dir: Path, quick: bool) -> tuple[str, bool]:
-    """The lossless exponent coding vs zipnn on `model_dir`'s bf16 weights
-    (gpuagent.compress.lossless_bench), and whether it met both targets."""
+    """The lossless exponent coding vs zipnn on the demo model's and `model_dir`'s
+    bf16 weights (gpuagent.compress.lossless_bench), and whether both models met
+    both targets."""
     threads = lossless_bench.default_threads()
+    model_dirs = [lossless_bench.DEMO_MODEL_DIR]
+    if model_dir.resolve() != lossless_bench.DEMO_MODEL_DIR:
+        model_dirs.append(model_dir)
     rows = lossless_bench.lossless_rows(
-        [model_dir], threads=threads, repeats=1 if quick else 3
+        model_dirs, threads=threads, repeats=1 if quick else 3
     )
     ok = all(
         r.size_vs_zipnn <= LOSSLESS_MAX_SIZE_VS_ZIPNN

@@ -2,8 +2,12 @@
 engine runs it in the reference's arithmetic against the bars, and as information
 the same candidate and the parent run in bf16 arithmetic."""
 
+import torch
+from safetensors.torch import save_file
+
 from gpuagent.compress import bench
 from gpuagent.compress.bench import bf16_floor_rows, quality_rows
+from gpuagent.compress.lossless_bench import DEMO_MODEL_DIR
 from gpuagent.compress.recipes import weight_scheme
 from gpuagent.evaluate.evalsets import TEXT_SLICES
 from gpuagent.evaluate.inprocess import EngineModel
@@ -62,3 +66,19 @@ def test_every_bench_recipe_is_one_compress_applies():
         scheme = weight_scheme({"kv_cache_dtype": "bf16", **options})
         assert scheme is not None, label
         assert label.split()[0].split("-g")[0] == scheme.name.split("-g")[0], label
+
+
+def test_the_lossless_table_covers_the_demo_model_and_the_model_dir(tmp_path):
+    folder = tmp_path / "other-model"
+    folder.mkdir()
+    weight = torch.randn(96, 80).to(torch.bfloat16)
+    save_file({"layer.weight": weight}, folder / "model.safetensors")
+
+    table, _ = bench.lossless_table(folder, quick=True)
+    only_demo, _ = bench.lossless_table(DEMO_MODEL_DIR, quick=True)
+
+    def models(text):
+        return [line.split()[0] for line in text.splitlines()[2:-1]]
+
+    assert models(table) == ["demo_model", "other-model"]
+    assert models(only_demo) == ["demo_model"]
