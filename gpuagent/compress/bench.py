@@ -252,7 +252,10 @@ def lossless_table(model_dir: Path, quick: bool) -> tuple[str, bool]:
     if model_dir.resolve() != lossless_bench.DEMO_MODEL_DIR:
         model_dirs.append(model_dir)
     rows = lossless_bench.lossless_rows(
-        model_dirs, threads=threads, repeats=1 if quick else 3
+        model_dirs,
+        threads=threads,
+        repeats=1 if quick else 3,
+        min_seconds=0.0 if quick else 2.0,
     )
     ok = all(
         r.size_vs_zipnn <= LOSSLESS_MAX_SIZE_VS_ZIPNN
