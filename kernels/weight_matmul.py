@@ -69,17 +69,27 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return words.to(torch.int32)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_int4`: [N, K / 8] int32 -> [N, K] int8 codes in [-8, 7]."""
+def _stored_nibbles(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K / 8] int32 words -> [N, K] of `dtype`: each code's stored nibble c in
+    [0, 15] (the code is c - 8), converted to `dtype` as it is unpacked."""
+    n, k = packed.shape[0], packed.shape[1] * 8
     if sys.byteorder == "little" and packed.is_contiguous():
         # LSB-first nibbles of a little-endian word are its bytes' (low, high)
-        # nibbles in memory order: split bytes instead of shifting words.
+        # nibbles in memory order: split bytes instead of shifting words, each
+        # straight into the even or odd columns.
         as_bytes = packed.view(torch.uint8)  # [N, K/2]
-        nibbles = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1)  # [N, K/2, 2]
-        return (nibbles.flatten(-2).view(torch.int8)) - 8
+        out = torch.empty(n, k // 2, 2, dtype=dtype, device=packed.device)
+        out[..., 0].copy_(as_bytes & 0xF)
+        out[..., 1].copy_(as_bytes >> 4)
+        return out.view(n, k)
     shifts = 4 * torch.arange(8, device=packed.device, dtype=torch.int32)
     nibbles = (packed[..., None] >> shifts) & 0xF  # [N, K/8, 8]
-    return (nibbles.flatten(-2) - 8).to(torch.int8)
+    return nibbles.flatten(-2).to(dtype)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4`: [N, K / 8] int32 -> [N, K] int8 codes in [-8, 7]."""
+    return _stored_nibbles(packed, torch.int8).sub_(8)
 
 
 def quantize_weight_int4(
@@ -106,19 +116,12 @@ def dequantize_weight_int4(
 ) -> torch.Tensor:
     """Float32 W [N, K] from the pack-quantized layout (minus zp * scale per group
     when `weight_zero_scale` [N, K/g] is given)."""
-    n, k = weight_packed.shape[0], weight_packed.shape[1] * 8
-    if sys.byteorder == "little" and weight_packed.is_contiguous():
-        # Each byte's nibbles converted straight into W's even and odd columns (as
-        # `unpack_int4` splits them), W then shifted and scaled in place: per call
-        # this is what a float32 model's decode step pays for an int4 layer, and
-        # it took 0.76 ms for 576 x 1536 through int8 codes, 0.49 ms so.
-        as_bytes = weight_packed.view(torch.uint8)  # [N, K/2]
-        w = torch.empty(n, k // 2, 2, device=weight_packed.device)
-        w[..., 0].copy_(as_bytes & 0xF)
-        w[..., 1].copy_(as_bytes >> 4)
-        w = w.view(n, k // group_size, group_size).sub_(8)
-    else:
-        w = unpack_int4(weight_packed).float().view(n, k // group_size, group_size)
+    # The nibbles unpacked straight into float32, W then shifted and scaled in
+    # place: per call this is what a float32 model's decode step pays for an int4
+    # layer (0.76 ms for 576 x 1536 through int8 codes, 0.49 ms so).
+    w = _stored_nibbles(weight_packed, torch.float32)
+    n, k = w.shape
+    w = w.view(n, k // group_size, group_size).sub_(8)
     # [N, K/g, g] * [N, K/g, 1]: broadcast the group scale instead of repeating it.
     w.mul_(weight_scale.float()[..., None])
     if weight_zero_scale is not None:
@@ -465,7 +468,7 @@ def prepack_int4_cpu(
         return None
     if group_size not in CPU_INT4_GROUP_SIZES or n % 16 or k % group_size:
         return None
-    stored = unpack_int4(weight_packed).to(torch.int32) + 8  # [N, K] in [0, 15]
+    stored = _stored_nibbles(weight_packed, torch.int32)  # [N, K] in [0, 15]
     # The second argument (inner K tiles) is a CUDA layout parameter the CPU packer
     # ignores (same bytes for 1, 2, 4, 8).
     weight = torch._convert_weight_to_int4pack_for_cpu(stored, 2)  # [N, K/2] uint8

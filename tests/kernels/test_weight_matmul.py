@@ -69,20 +69,20 @@ def test_it_quantizes_int8_per_output_channel_within_half_a_step():
     assert (err <= scale[:, None] / 2 * (1 + 1e-5)).all()
 
 
+def slow_int4_codes(packed):
+    """[N, K] codes word by word with integer arithmetic (float64: exact)."""
+    rows = []
+    for words in packed.tolist():
+        rows.append(
+            [((w & 0xFFFFFFFF) >> (4 * s) & 0xF) - 8 for w in words for s in range(8)]
+        )
+    return torch.tensor(rows, dtype=torch.float64)
+
+
 def slow_int4_matmul(x, packed, scale, group_size):
-    """Row by row, word by word: unpack with integer arithmetic, dot in float64."""
-    n, words = packed.shape
-    out = torch.zeros(x.shape[0], n, dtype=torch.float64)
-    for row in range(n):
-        w_row = []
-        for j, word in enumerate(packed[row].tolist()):
-            word &= 0xFFFFFFFF
-            for s in range(8):
-                k = 8 * j + s
-                code = ((word >> (4 * s)) & 0xF) - 8
-                w_row.append(code * float(scale[row, k // group_size]))
-        out[:, row] = x.double() @ torch.tensor(w_row, dtype=torch.float64)
-    return out
+    """Codes from the word-by-word loop times their group's scale, dot in float64."""
+    w = slow_int4_codes(packed) * scale.double().repeat_interleave(group_size, dim=1)
+    return x.double() @ w.t()
 
 
 def test_it_matches_a_slow_unpacking_loop_in_the_int4_reference():
@@ -209,16 +209,6 @@ def test_it_subtracts_the_zero_point_in_the_int4_reference():
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-5)
 
 
-def slow_int4_codes(packed):
-    """[N, K] codes word by word with integer arithmetic."""
-    rows = []
-    for words in packed.tolist():
-        rows.append(
-            [((w & 0xFFFFFFFF) >> (4 * s) & 0xF) - 8 for w in words for s in range(8)]
-        )
-    return torch.tensor(rows, dtype=torch.float32)
-
-
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_it_dequantizes_int4_like_the_codes_times_their_group_scale(contiguous):
     w = weights(24, 192, seed=11)
@@ -232,7 +222,7 @@ def test_it_dequantizes_int4_like_the_codes_times_their_group_scale(contiguous):
 
     # float32 as the reference computes it: code * scale, then minus zp * scale
     expand = torch.repeat_interleave
-    want = slow_int4_codes(packed) * expand(scale, 64, dim=1)
+    want = slow_int4_codes(packed).float() * expand(scale, 64, dim=1)
     want = want - expand(zero_scale, 64, dim=1)
     assert got.dtype == torch.float32 and torch.equal(got, want)
 
