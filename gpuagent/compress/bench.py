@@ -255,7 +255,7 @@ def lossless_table(model_dir: Path, quick: bool) -> tuple[str, bool]:
         model_dirs,
         threads=threads,
         repeats=1 if quick else 3,
-        min_seconds=0.0 if quick else 2.0,
+        min_seconds=0.0 if quick else lossless_bench.DEFAULT_MIN_SECONDS,
     )
     ok = all(
         r.size_vs_zipnn <= LOSSLESS_MAX_SIZE_VS_ZIPNN
