@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import kv_quant, paged_attention, weight_matmul
+from kernels import kv_quant, matmul_tuning, paged_attention, weight_matmul
 from kernels._triton import HAS_TRITON, triton
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -196,8 +196,10 @@ def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
 
 def bench_matmul(table, device, n, k, batches, reps) -> None:
     """bf16 torch.matmul, then each weight-only op as the public op runs it: Triton
-    on CUDA; on a CPU the torch reference ("ref") and torch's CPU kernels over a
-    weight prepacked once ("cpu"; rows left out where they don't apply)."""
+    on CUDA, with the launch config tuned for this shape first (each pick and the
+    heuristic's time printed); on a CPU the torch reference ("ref") and torch's CPU
+    kernels over a weight prepacked once ("cpu"; rows left out where they don't
+    apply)."""
     w = (torch.randn(n, k, device=device) * 0.02).bfloat16()
     packed, scale4 = weight_matmul.quantize_weight_int4(w)
     q8, scale8 = weight_matmul.quantize_weight_int8(w)
@@ -205,6 +207,16 @@ def bench_matmul(table, device, n, k, batches, reps) -> None:
     cpu8 = weight_matmul.prepack_int8_cpu(q8, scale8) if on_cpu else None
     cpu4 = weight_matmul.prepack_int4_cpu(packed, scale4, 128) if on_cpu else None
     ref = " ref" if on_cpu else ""
+    if not on_cpu:  # the tiles this GPU does best with, as the engine tunes at load
+        for bits, group in ((8, None), (4, 128)):
+            tuned = [b for b in batches if b <= weight_matmul.TUNED_MAX_M]
+            for r in matmul_tuning.tune(bits, n, k, group, tuned, device=device):
+                print(
+                    f"# tuned int{bits} M<={r.batch} N={n} K={k}: {r.config} "
+                    f"{r.ms:.4f} ms (heuristic {r.heuristic_ms:.4f} ms, "
+                    f"{r.candidates} candidates)",
+                    flush=True,
+                )
     bytes8 = q8.numel() + n * 2
     bytes4 = packed.numel() * 4 + scale4.numel() * 2
     for m in batches:

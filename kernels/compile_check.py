@@ -241,8 +241,10 @@ def _configs(module: str):
         )
     elif module == "weight_matmul":
         for m in (1, 64, 256):
-            block_m, block_n, block_k, warps = weight_matmul._tile_config(m)
-            tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+            config = weight_matmul._tile_config(m)
+            warps = config.num_warps
+            tiles = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
+            tiles["BLOCK_K"] = config.block_k
             tiles["DOT_FP32"] = False
             sig8 = dict(_MATMUL_SIG, w_ptr="*i8", k_per_split="i32")
             yield f"int8[M{m}]", weight_matmul._int8_matmul_kernel, sig8, tiles, warps

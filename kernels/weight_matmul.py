@@ -18,7 +18,10 @@ in [-127, 127] (no clipping of the row maximum).
 Small batches (decode, M <= 16) are memory-bound: the launcher splits K across
 programs (partial sums in float32, added up by a small second kernel) so that a layer
 with few output tiles still fills the GPU; without a split the kernel writes the
-output directly.
+output directly. Which tile, pipeline depth and split is fastest differs by GPU and
+layer shape: at batches up to 16 a launch takes the config `kernels.matmul_tuning`
+measured fastest for its shape on this GPU (the engine tunes at load), else the
+heuristic of `_tile_config`.
 
 On a CPU the public ops run torch's own weight-only kernels
 (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`) when given a
@@ -35,7 +38,7 @@ returns None and the torch reference runs.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -293,13 +296,65 @@ def _sum_splits_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tile_config(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a batch of m rows."""
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch of the weight-only kernels: tile sizes, warps, software-pipeline
+    stages, and the K split (None: `_split_k` picks it from the grid)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 3  # Triton's own default on CUDA
+    split_k: int | None = None
+
+
+# The fastest config measured on this GPU (`kernels.matmul_tuning`) per (bits, M
+# bucket, N, K, group size), for batches up to TUNED_MAX_M (decode, where the op is
+# memory-bound and the tile shape decides how much of the bandwidth it gets);
+# anything not in it launches `_tile_config`'s heuristic.
+TUNED_MAX_M = 16
+TUNED_CONFIGS: dict[tuple[int, int, int, int, int | None], TileConfig] = {}
+
+
+def m_bucket(m: int) -> int:
+    """The batch sizes a tuned config covers: the next power of two >= m."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def launch_config(
+    bits: int, m: int, n: int, k: int, group_size: int | None
+) -> TileConfig:
+    """The config a launch of `bits` ([M, K] @ [N, K]^T) uses: the tuned one for its
+    shape and M bucket, else the heuristic."""
+    if m <= TUNED_MAX_M:
+        tuned = TUNED_CONFIGS.get((bits, m_bucket(m), n, k, group_size))
+        if tuned is not None:
+            return tuned
+    return heuristic_config(bits, m, group_size)
+
+
+def heuristic_config(bits: int, m: int, group_size: int | None) -> TileConfig:
+    """`_tile_config(m)` with its K tile cut to what the int`bits` kernel takes."""
+    config = _tile_config(m)
+    return replace(
+        config, block_k=min(config.block_k, _block_k_limit(bits, group_size))
+    )
+
+
+def _block_k_limit(bits: int, group_size: int | None) -> int:
+    # the int8 kernel masks K in tiles of at most 128; the int4 kernel's K tile must
+    # divide the group (one scale per column per tile)
+    return 128 if bits == 8 else group_size
+
+
+def _tile_config(m: int) -> TileConfig:
+    """The heuristic config for a batch of m rows."""
     if m <= 16:
-        return 16, 64, 128, 4
+        return TileConfig(16, 64, 128, 4)
     if m <= 64:
-        return 64, 64, 64, 4
-    return 128, 128, 64, 8
+        return TileConfig(64, 64, 64, 4)
+    return TileConfig(128, 128, 64, 8)
 
 
 def _split_k(grid_mn: int, k_tiles: int) -> int:
@@ -316,15 +371,12 @@ def _check_x(x: torch.Tensor, k: int) -> None:
     )
 
 
-def _launch(
-    kernel, x, w, scale, n, k, extra_strides, extra_consts, block_k_limit, split_k
-):
+def _launch(kernel, x, w, scale, n, k, extra_strides, extra_consts, config):
     m = x.shape[0]
-    block_m, block_n, block_k, num_warps = _tile_config(m)
-    block_k = min(block_k, block_k_limit)
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
-    split = split_k or _split_k(grid_m * grid_n, k_tiles)
+    split = config.split_k or _split_k(grid_m * grid_n, k_tiles)
     k_per_split = triton.cdiv(k_tiles, split) * block_k
     split = triton.cdiv(k, k_per_split)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -352,7 +404,8 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_FP32=not x.is_cuda,
-        num_warps=num_warps,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if split > 1:
         block = 1024
@@ -362,17 +415,27 @@ def _launch(
     return out
 
 
-def _weight_int8_matmul_triton(x, weight_q, scale, split_k=None):
+def _checked_config(config: TileConfig, block_k_limit: int) -> TileConfig:
+    check(
+        config.block_k <= block_k_limit and block_k_limit % config.block_k == 0,
+        f"block_k={config.block_k} must divide {block_k_limit}",
+    )
+    check(config.block_m >= 16, "block_m must be >= 16 (tl.dot's smallest tile)")
+    return config
+
+
+def _weight_int8_matmul_triton(x, weight_q, scale, config=None):
     check(x.stride(1) == 1, "x must be contiguous in K")
     check(weight_q.is_contiguous(), "weight_q must be contiguous [N, K]")
     check(scale.is_contiguous(), "scale must be contiguous [N]")
     n, k = weight_q.shape
-    return _launch(_int8_matmul_kernel, x, weight_q, scale, n, k, (), {}, 128, split_k)
+    config = _checked_config(
+        config or launch_config(8, x.shape[0], n, k, None), _block_k_limit(8, None)
+    )
+    return _launch(_int8_matmul_kernel, x, weight_q, scale, n, k, (), {}, config)
 
 
-def _weight_int4_matmul_triton(
-    x, weight_packed, weight_scale, group_size, split_k=None
-):
+def _weight_int4_matmul_triton(x, weight_packed, weight_scale, group_size, config=None):
     check(x.stride(1) == 1, "x must be contiguous in K")
     check(weight_packed.is_contiguous(), "weight_packed must be contiguous")
     check(weight_scale.stride(1) == 1, "weight_scale must be contiguous by group")
@@ -382,6 +445,10 @@ def _weight_int4_matmul_triton(
     )
     n = weight_packed.shape[0]
     k = x.shape[1]
+    config = _checked_config(
+        config or launch_config(4, x.shape[0], n, k, group_size),
+        _block_k_limit(4, group_size),
+    )
     return _launch(
         _int4_matmul_kernel,
         x,
@@ -391,8 +458,7 @@ def _weight_int4_matmul_triton(
         k,
         (weight_scale.stride(0),),
         {"GROUP_SIZE": group_size},
-        group_size,
-        split_k,
+        config,
     )
 
 

@@ -74,6 +74,7 @@ def load_model(
             raise ModelLoadError(str(exc)) from exc
         for layer in layers.values():
             weights.to_model(layer, dtype, device)
+        weights.tune_kernels(layers.values(), dtype)  # CUDA only
     try:  # fp8 KV scales (compressed-tensors kv_cache_scheme), used by the fp8 cache
         kv_scales = pop_checkpoint_kv_scales(
             checkpoint, config.num_hidden_layers, config.num_key_value_heads

@@ -29,11 +29,13 @@ Anything else in a `quantization_config` is refused by name (ModelLoadError).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from kernels import matmul_tuning, weight_matmul
 from kernels.weight_matmul import (
     CpuPackedWeight,
     prepack_int4_cpu,
@@ -282,6 +284,27 @@ def to_model(layer: QuantLinear, dtype: torch.dtype, device: str) -> QuantLinear
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         layer.prepack_cpu()
     return layer
+
+
+def tune_kernels(layers: Iterable[QuantLinear], dtype: torch.dtype) -> int:
+    """On CUDA, time the Triton launch configs of each int8 / int4 layer shape not
+    tuned yet in this process at decode batch sizes and keep the fastest
+    (`kernels.matmul_tuning`), so decode runs the tiles this GPU does best with.
+    Returns how many shapes were tuned."""
+    shapes = set()
+    for layer in layers:
+        if layer.kind in ("int8", "int4") and layer.scale.is_cuda:
+            bits = 8 if layer.kind == "int8" else 4
+            shape = (bits, layer.out_features, layer.in_features, layer.group_size)
+            shapes.add((shape, layer.scale.device))
+    todo = [
+        (s, d)
+        for s, d in shapes
+        if (s[0], 1, *s[1:]) not in weight_matmul.TUNED_CONFIGS
+    ]
+    for (bits, n, k, group_size), device in sorted(todo, key=str):
+        matmul_tuning.tune(bits, n, k, group_size, dtype=dtype, device=str(device))
+    return len(todo)
 
 
 def use_cpu_kernels(model: nn.Module, enabled: bool = True) -> int:

@@ -22,6 +22,8 @@ TOLERANCE = {
     ("int8", torch.bfloat16): (2e-2, 2e-2),  # one bf16 output rounding
     ("int4", torch.bfloat16): (2e-2, 2e-2),
 }
+# The decode tile with one K split: the kernel stores the output itself.
+NO_SPLIT = weight_matmul.TileConfig(16, 64, 128, 4, split_k=1)
 
 
 def weights(n, k, seed=0, dtype=torch.float32):
@@ -161,11 +163,11 @@ def test_it_writes_the_output_directly_without_a_split(fmt):
     x = torch.randn(4, 256).bfloat16()
     if fmt == "int8":
         q, scale = kernels.quantize_weight_int8(w)
-        got = weight_matmul._weight_int8_matmul_triton(x, q, scale, split_k=1)
+        got = weight_matmul._weight_int8_matmul_triton(x, q, scale, NO_SPLIT)
         want = kernels.weight_int8_matmul(x, q, scale, impl="reference")
     else:
         packed, scale = kernels.quantize_weight_int4(w)
-        got = weight_matmul._weight_int4_matmul_triton(x, packed, scale, 128, split_k=1)
+        got = weight_matmul._weight_int4_matmul_triton(x, packed, scale, 128, NO_SPLIT)
         want = kernels.weight_int4_matmul(x, packed, scale, impl="reference")
 
     assert got.dtype == torch.bfloat16

@@ -10,7 +10,10 @@ from gpuagent.engine.sampling import SamplingParams
 from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.engine.weights import QuantLinear, use_cpu_kernels
 from gpuagent.evaluate.evalsets import load_text_slices
+from kernels import weight_matmul
 from tests.gpuagent.compress.conftest import DEMO_MODEL
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # (mean KLD, same top-1) bars of the issue, per recipe
 BARS = {
@@ -94,3 +97,25 @@ def test_it_generates_from_a_compressed_folder(compressed_demo):
     out = engine.generate(["def add(a, b):"], SamplingParams(max_tokens=8))
 
     assert out[0].token_ids
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["w8a16", "w4a16-g128"])
+def test_it_tunes_each_quantized_shape_at_load_on_cuda(
+    compressed_demo, name, monkeypatch
+):
+    monkeypatch.setattr(weight_matmul, "TUNED_CONFIGS", {})
+    tokens = _eval_tokens()
+
+    model = load_model(compressed_demo[name], dtype=torch.bfloat16, device="cuda")
+
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    shapes = {(m.out_features, m.in_features, m.group_size) for m in layers}
+    tuned = weight_matmul.TUNED_CONFIGS
+    assert {key[2:] for key in tuned} == shapes
+    assert {key[1] for key in tuned} == {1, 2, 4, 8, 16}
+    reference = _logprobs(load_model(compressed_demo[name]), tokens)
+    served = _logprobs(model, tokens.cuda()).float().cpu()
+    kld = (reference.exp() * (reference - served)).sum(-1).mean().item()
+    assert kld <= 2e-3, kld  # bf16 arithmetic vs the float32 reference
