@@ -255,6 +255,13 @@ def _configs(module: str):
                 sig4 = dict(sig4, part_ptr="*bf16")
                 kernel = weight_matmul._int4_matmul_kernel
                 yield "int4[M1,direct]", kernel, sig4, consts, warps
+        # the gemv kernel (a tuning candidate at decode), split and direct
+        sig4 = dict(_MATMUL_SIG, w_ptr="*i32", stride_sn="i32", k_per_split="i32")
+        for block_m, part in ((1, "*fp32"), (4, "*bf16")):
+            consts = {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128}
+            consts.update(DOT_FP32=False, GROUP_SIZE=128)
+            kernel = weight_matmul._int4_gemv_kernel
+            yield f"int4_gemv[M{block_m}]", kernel, dict(sig4, part_ptr=part), consts, 4
         sig = {"part_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i32"}
         consts = {"SPLIT_K": 4, "BLOCK": 1024}
         yield "sum_splits", weight_matmul._sum_splits_kernel, sig, consts, 4

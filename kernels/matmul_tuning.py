@@ -2,11 +2,13 @@
 
 At decode batch sizes a weight-only matmul is memory-bound: its speed is how much of
 the HBM bandwidth the launch keeps busy, which the tile shape, warps, pipeline depth
-and K split decide differently per GPU and per layer shape. `tune` times a fixed set
-of candidates (the heuristic among them) for one layer shape at each batch bucket,
-checks each candidate's output against the heuristic's, and records the fastest in
-`weight_matmul.TUNED_CONFIGS`, which the public ops then launch. The engine tunes its
-quantized layers' shapes at load on CUDA; `kernels.bench` tunes before it times.
+and K split decide differently per GPU and per layer shape, and at one to four rows
+a kernel without tl.dot (`_int4_gemv_kernel`, which pads no rows) may beat one with
+it. `tune` times a fixed set of candidates (`candidate_configs`, the heuristic
+among them) for one layer shape at each batch bucket, checks each candidate's output
+against the heuristic's, and records the fastest in `weight_matmul.TUNED_CONFIGS`,
+which the public ops then launch. The engine tunes its quantized layers' shapes at
+load on CUDA; `kernels.bench` tunes before it times.
 
 A candidate that fails to build or run here (too much shared memory for this GPU) or
 that gives another result is left out, so a tuned config is never slower than the
@@ -26,6 +28,8 @@ from kernels._triton import HAS_TRITON, triton
 from kernels.weight_matmul import TileConfig
 
 DECODE_BATCHES = (1, 2, 4, 8, 16)
+# Batches the int4 gemv kernel is a candidate at (it unrolls a loop per row).
+GEMV_MAX_M = 4
 # Timer(fn) -> milliseconds per call.
 Timer = Callable[[Callable[[], object]], float]
 
@@ -46,10 +50,14 @@ class TuneResult:
     candidates: int  # how many ran and matched
 
 
-def candidate_configs(bits: int, group_size: int | None) -> list[TileConfig]:
-    """The heuristic's decode config, then tiles of 32..128 outputs by 64..256 of K
-    (as far as the int`bits` kernel takes them), 3 or 4 pipeline stages, K split by
-    the heuristic or not at all."""
+def candidate_configs(
+    bits: int, group_size: int | None, batch: int = 1
+) -> list[TileConfig]:
+    """The heuristic's decode config, then tl.dot tiles of 32..128 outputs by
+    64..256 of K (as far as the int`bits` kernel takes them), 3 or 4 pipeline
+    stages, K split by the heuristic or not at all; for int4 at batches up to
+    GEMV_MAX_M also the gemv kernel (all `batch` rows in one program, 16..64
+    outputs), split or not."""
     heuristic = weight_matmul.heuristic_config(bits, 1, group_size)
     limit = weight_matmul._block_k_limit(bits, group_size)
     out = [heuristic]
@@ -59,6 +67,12 @@ def candidate_configs(bits: int, group_size: int | None) -> list[TileConfig]:
         config = TileConfig(16, block_n, block_k, 4, stages, split)
         if block_k <= limit and limit % block_k == 0 and config not in out:
             out.append(config)
+    if bits == 4 and batch <= GEMV_MAX_M:
+        for block_n, block_k, split in itertools.product(
+            (16, 32, 64), (64, 128, 256), (None, 1)
+        ):
+            if block_k <= limit and limit % block_k == 0:
+                out.append(TileConfig(batch, block_n, block_k, 4, 3, split, gemv=True))
     return out
 
 
@@ -96,7 +110,6 @@ def tune(
             f"batch bucket {buckets[-1]} > TUNED_MAX_M={weight_matmul.TUNED_MAX_M}"
         )
     timer = timer or default_timer
-    candidates = candidates or candidate_configs(bits, group_size)
     run = _runner(bits, n, k, group_size, dtype, device)
     results = []
     for batch in buckets:
@@ -108,7 +121,7 @@ def tune(
         atol = 1e-2 * float(expected.abs().max()) + 1e-6
         heuristic_ms = timer(lambda x=x, c=heuristic: run(x, c))
         best, best_ms, ran = heuristic, heuristic_ms, 0
-        for config in candidates:
+        for config in candidates or candidate_configs(bits, group_size, batch):
             try:
                 got = run(x, config).float()
             except TritonError:  # e.g. more shared memory than this GPU has

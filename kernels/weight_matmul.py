@@ -221,6 +221,29 @@ def _int8_matmul_kernel(
 
 
 @triton.jit
+def _int4_tile(
+    w_ptr, scale_ptr, offs_n, n_mask, stride_wn, stride_sn, k0,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # The codes q [BLOCK_N, BLOCK_K // 8, 8] of K columns k0.. of rows offs_n and
+    # their group's scale [BLOCK_N] (float32). Element k of a row is nibble k % 8 of
+    # word k // 8: whole words are loaded ([BLOCK_N, BLOCK_K // 8], contiguous
+    # along K) and their 8 nibbles shifted out.
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+        mask=n_mask[:, None],
+        other=0,
+    )
+    shifts = tl.arange(0, 8) * 4
+    q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8
+    scale = tl.load(
+        scale_ptr + offs_n * stride_sn + k0 // GROUP_SIZE, mask=n_mask, other=0.0
+    ).to(tl.float32)
+    return q, scale
+
+
+@triton.jit
 def _int4_matmul_kernel(
     x_ptr,  # [M, K] activations (bf16/fp16/fp32)
     w_ptr,  # [N, K // 8] int32 packed codes, LSB first, stored as q + 8
@@ -258,26 +281,70 @@ def _int4_matmul_kernel(
             mask=m_mask[:, None],
             other=0.0,
         )
-        # Element k of a row is nibble k % 8 of word k // 8: load whole words
-        # ([BLOCK_N, BLOCK_K // 8], contiguous along K), shift out the 8 nibbles and
-        # merge (word, nibble) into k = 8 * word + nibble.
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(
-            w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-            mask=n_mask[:, None],
-            other=0,
-        )  # [BLOCK_N, BLOCK_K // 8]
-        shifts = tl.arange(0, 8) * 4
-        nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-        q = tl.reshape(nibbles, [BLOCK_N, BLOCK_K]) - 8  # [BLOCK_N, BLOCK_K]
-        scale = tl.load(
-            scale_ptr + offs_n * stride_sn + k0 // GROUP_SIZE, mask=n_mask, other=0.0
-        ).to(tl.float32)
+        q, scale = _int4_tile(
+            w_ptr, scale_ptr, offs_n, n_mask, stride_wn, stride_sn, k0,
+            GROUP_SIZE, BLOCK_K,
+        )  # fmt: skip
+        # merge (word, nibble) into k = 8 * word + nibble: [BLOCK_N, BLOCK_K]
+        q = tl.reshape(q, [BLOCK_N, BLOCK_K])
         a, b = _dot_operands(x, tl.trans(q), DOT_FP32)
         acc += tl.dot(a, b) * scale[None, :]
     out_ptrs = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
     out = acc.to(part_ptr.dtype.element_ty)
     tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,  # [M, K] activations (bf16/fp16/fp32)
+    w_ptr,  # [N, K // 8] int32 packed codes, LSB first, stored as q + 8
+    scale_ptr,  # [N, K // GROUP_SIZE] group scales
+    part_ptr,  # [SPLIT_K, M, N] float32 partial sums, or [M, N] output if no split
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    k_per_split,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # unused: the products are float32 FMAs here
+):
+    # The int4 kernel without tl.dot, for a few rows of x (decode): the words
+    # [BLOCK_N, BLOCK_K // 8] are split into nibbles [BLOCK_N, BLOCK_K // 8, 8] that
+    # line up with x viewed as [BLOCK_K // 8, 8] (k = 8 * word + nibble), multiplied
+    # and summed in float32 with no reshape of the weight tile and no padding of M
+    # to tl.dot's 16 rows.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        q, scale = _int4_tile(
+            w_ptr, scale_ptr, offs_n, n_mask, stride_wn, stride_sn, k0,
+            GROUP_SIZE, BLOCK_K,
+        )  # fmt: skip
+        w = q.to(tl.float32)  # [BLOCK_N, BLOCK_K // 8, 8]
+        offs_k = k0 + tl.arange(0, BLOCK_K).reshape(BLOCK_K // 8, 8)
+        for i in tl.static_range(BLOCK_M):
+            # rows past M read row M - 1 (K is a multiple of BLOCK_K: no mask);
+            # the store leaves them out
+            m = tl.minimum(pid_m * BLOCK_M + i, M - 1)
+            x = tl.load(x_ptr + m * stride_xm + offs_k).to(tl.float32)
+            dot = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)  # [BLOCK_N]
+            acc += tl.where(rows[:, None] == i, (dot * scale)[None, :], 0.0)
+    offs_m = pid_m * BLOCK_M + rows
+    out_ptrs = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
+    out = acc.to(part_ptr.dtype.element_ty)
+    tl.store(out_ptrs, out, mask=(offs_m[:, None] < M) & n_mask[None, :])
 
 
 @triton.jit
@@ -307,6 +374,7 @@ class TileConfig:
     num_warps: int
     num_stages: int = 3  # Triton's own default on CUDA
     split_k: int | None = None
+    gemv: bool = False  # int4: `_int4_gemv_kernel` (no tl.dot), block_m rows each
 
 
 # The fastest config measured on this GPU (`kernels.matmul_tuning`) per (bits, M
@@ -420,7 +488,8 @@ def _checked_config(config: TileConfig, block_k_limit: int) -> TileConfig:
         config.block_k <= block_k_limit and block_k_limit % config.block_k == 0,
         f"block_k={config.block_k} must divide {block_k_limit}",
     )
-    check(config.block_m >= 16, "block_m must be >= 16 (tl.dot's smallest tile)")
+    if not config.gemv:
+        check(config.block_m >= 16, "block_m must be >= 16 (tl.dot's smallest tile)")
     return config
 
 
@@ -432,6 +501,7 @@ def _weight_int8_matmul_triton(x, weight_q, scale, config=None):
     config = _checked_config(
         config or launch_config(8, x.shape[0], n, k, None), _block_k_limit(8, None)
     )
+    check(not config.gemv, "the gemv kernel is int4 only")
     return _launch(_int8_matmul_kernel, x, weight_q, scale, n, k, (), {}, config)
 
 
@@ -450,7 +520,7 @@ def _weight_int4_matmul_triton(x, weight_packed, weight_scale, group_size, confi
         _block_k_limit(4, group_size),
     )
     return _launch(
-        _int4_matmul_kernel,
+        _int4_gemv_kernel if config.gemv else _int4_matmul_kernel,
         x,
         weight_packed,
         weight_scale,

@@ -8,7 +8,7 @@ import torch
 
 import kernels
 from kernels import matmul_tuning, weight_matmul
-from kernels.weight_matmul import TileConfig
+from kernels.weight_matmul import TileConfig, m_bucket
 
 N, K, GROUP = 48, 256, 128
 
@@ -104,9 +104,11 @@ def test_it_never_picks_a_candidate_whose_result_differs(launches, monkeypatch):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_every_candidate_computes_the_references_result(bits):
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_every_candidate_computes_the_references_result(bits, batch):
+    # batch 3 runs the bucket-4 gemv tiles with a masked fourth row
     w = torch.randn(N, K) * 0.05
-    x = torch.randn(2, K)
+    x = torch.randn(batch, K)
     if bits == 4:
         packed, scale = kernels.quantize_weight_int4(w, GROUP)
         want = kernels.weight_int4_matmul(x, packed, scale, GROUP, impl="reference")
@@ -115,7 +117,9 @@ def test_every_candidate_computes_the_references_result(bits):
         want = kernels.weight_int8_matmul(x, q, scale8, impl="reference")
     group = GROUP if bits == 4 else None
 
-    for config in matmul_tuning.candidate_configs(bits, group):
+    candidates = matmul_tuning.candidate_configs(bits, group, m_bucket(batch))
+    assert any(c.gemv for c in candidates) == (bits == 4 and batch <= 4)
+    for config in candidates:
         if bits == 4:
             got = weight_matmul._weight_int4_matmul_triton(
                 x, packed, scale, GROUP, config
