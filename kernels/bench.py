@@ -1,4 +1,5 @@
-"""Side-by-side benchmark of the kernels: `python -m kernels.bench [--quick]`.
+"""Side-by-side benchmark of the kernels: `python -m kernels.bench [--quick]
+[--matmul-only]`.
 
 For each op and dtype it prints the time, the effective bandwidth (bytes the op must
 move / time) and the speed ratio to the bf16 path measured in the same run. On CUDA
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, smaller shapes")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--matmul-only", action="store_true", help="only the weight-only matmul rows"
+    )
     args = parser.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -271,24 +275,28 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(device)
     reps = 5 if not args.quick else 2
     if on_gpu:
+        batches = [1, 16] if args.quick else [1, 2, 4, 8, 16, 64, 256]
+        bench_matmul(table, device, 14336, 4096, batches, reps)
+        bench_matmul(table, device, 4096, 14336, batches, reps)
+        if args.matmul_only:
+            return
         bench_write_kv(table, device, 16384, reps)
         contexts = [4096] if args.quick else [4096, 32768]
         for context in contexts:
             bench_decode(table, device, 32, context, (32, 8, 128, 16), reps)
         bench_decode(table, device, 32, 4096, (16, 4, 64, 32), reps)  # demo-like
         bench_prefill(table, device, 4, 2048, (32, 8, 128, 16), reps)
-        batches = [1, 16] if args.quick else [1, 4, 16, 64, 256]
-        bench_matmul(table, device, 14336, 4096, batches, reps)
-        bench_matmul(table, device, 4096, 14336, batches, reps)
     else:
+        batches = [1, 16] if args.quick else [1, 4, 16]
+        bench_matmul(table, device, 1024, 2048, batches, reps)
+        if args.matmul_only:
+            return
         bench_write_kv(table, device, 512 if args.quick else 2048, reps)
         context = 512 if args.quick else 2048
         bench_decode(table, device, 4, context, (8, 2, 64, 16), reps)
         bench_prefill(
             table, device, 2, 128 if args.quick else 256, (8, 2, 64, 16), reps
         )
-        batches = [1, 16] if args.quick else [1, 4, 16]
-        bench_matmul(table, device, 1024, 2048, batches, reps)
 
 
 if __name__ == "__main__":
