@@ -90,6 +90,16 @@ RECIPES = (
             "observer": "mse",
         },
     ),
+    (
+        "w4a16-g128 awq gptq act-order mse",
+        {
+            "weights": "w4a16-g128",
+            "method": "gptq",
+            "awq": True,
+            "act_order": True,
+            "observer": "mse",
+        },
+    ),
     ("w4a16-g32 asym rtn", {"weights": "w4a16-g32", "symmetric": False}),
     (
         "w4a16-g32 asym gptq",
