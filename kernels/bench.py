@@ -209,8 +209,8 @@ def bench_matmul(table, device, n, k, batches, reps) -> None:
     cpu4 = weight_matmul.prepack_int4_cpu(packed, scale4, 128) if on_cpu else None
     ref = " ref" if on_cpu else ""
     if not on_cpu:  # the tiles this GPU does best with, as the engine tunes at load
+        tuned = [b for b in batches if b <= weight_matmul.TUNED_MAX_M]
         for bits, group in ((8, None), (4, 128)):
-            tuned = [b for b in batches if b <= weight_matmul.TUNED_MAX_M]
             for r in matmul_tuning.tune(bits, n, k, group, tuned, device=device):
                 print(
                     f"# tuned int{bits} M<={r.batch} N={n} K={k}: {r.config} "

@@ -58,22 +58,18 @@ def candidate_configs(
     stages, K split by the heuristic or not at all; for int4 at batches up to
     GEMV_MAX_M also the gemv kernel (all `batch` rows in one program, 16..64
     outputs), split or not."""
-    heuristic = weight_matmul.heuristic_config(bits, 1, group_size)
-    limit = weight_matmul._block_k_limit(bits, group_size)
-    out = [heuristic]
+    out = [weight_matmul.heuristic_config(bits, 1, group_size)]
     for block_n, block_k, stages, split in itertools.product(
         (32, 64, 128), (64, 128, 256), (3, 4), (None, 1)
     ):
-        config = TileConfig(16, block_n, block_k, 4, stages, split)
-        if block_k <= limit and limit % block_k == 0 and config not in out:
-            out.append(config)
+        out.append(TileConfig(16, block_n, block_k, 4, stages, split))
     if bits == 4 and batch <= GEMV_MAX_M:
         for block_n, block_k, split in itertools.product(
             (16, 32, 64), (64, 128, 256), (None, 1)
         ):
-            if block_k <= limit and limit % block_k == 0:
-                out.append(TileConfig(batch, block_n, block_k, 4, 3, split, gemv=True))
-    return out
+            out.append(TileConfig(batch, block_n, block_k, 4, 3, split, gemv=True))
+    fits = (c for c in out if weight_matmul.block_k_fits(c.block_k, bits, group_size))
+    return list(dict.fromkeys(fits))  # the heuristic first, once
 
 
 def default_timer(fn: Callable[[], object]) -> float:

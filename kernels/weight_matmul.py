@@ -416,6 +416,12 @@ def _block_k_limit(bits: int, group_size: int | None) -> int:
     return 128 if bits == 8 else group_size
 
 
+def block_k_fits(block_k: int, bits: int, group_size: int | None) -> bool:
+    """Whether the int`bits` kernel takes a K tile of `block_k`."""
+    limit = _block_k_limit(bits, group_size)
+    return block_k <= limit and limit % block_k == 0
+
+
 def _tile_config(m: int) -> TileConfig:
     """The heuristic config for a batch of m rows."""
     if m <= 16:
@@ -483,10 +489,12 @@ def _launch(kernel, x, w, scale, n, k, extra_strides, extra_consts, config):
     return out
 
 
-def _checked_config(config: TileConfig, block_k_limit: int) -> TileConfig:
+def _checked_config(
+    config: TileConfig, bits: int, group_size: int | None
+) -> TileConfig:
     check(
-        config.block_k <= block_k_limit and block_k_limit % config.block_k == 0,
-        f"block_k={config.block_k} must divide {block_k_limit}",
+        block_k_fits(config.block_k, bits, group_size),
+        f"block_k={config.block_k} must divide {_block_k_limit(bits, group_size)}",
     )
     if not config.gemv:
         check(config.block_m >= 16, "block_m must be >= 16 (tl.dot's smallest tile)")
@@ -499,7 +507,7 @@ def _weight_int8_matmul_triton(x, weight_q, scale, config=None):
     check(scale.is_contiguous(), "scale must be contiguous [N]")
     n, k = weight_q.shape
     config = _checked_config(
-        config or launch_config(8, x.shape[0], n, k, None), _block_k_limit(8, None)
+        config or launch_config(8, x.shape[0], n, k, None), 8, None
     )
     check(not config.gemv, "the gemv kernel is int4 only")
     return _launch(_int8_matmul_kernel, x, weight_q, scale, n, k, (), {}, config)
@@ -516,8 +524,7 @@ def _weight_int4_matmul_triton(x, weight_packed, weight_scale, group_size, confi
     n = weight_packed.shape[0]
     k = x.shape[1]
     config = _checked_config(
-        config or launch_config(4, x.shape[0], n, k, group_size),
-        _block_k_limit(4, group_size),
+        config or launch_config(4, x.shape[0], n, k, group_size), 4, group_size
     )
     return _launch(
         _int4_gemv_kernel if config.gemv else _int4_matmul_kernel,

@@ -291,20 +291,18 @@ def tune_kernels(layers: Iterable[QuantLinear], dtype: torch.dtype) -> int:
     tuned yet in this process at decode batch sizes and keep the fastest
     (`kernels.matmul_tuning`), so decode runs the tiles this GPU does best with.
     Returns how many shapes were tuned."""
-    shapes = set()
-    for layer in layers:
-        if layer.kind in ("int8", "int4") and layer.scale.is_cuda:
-            bits = 8 if layer.kind == "int8" else 4
-            shape = (bits, layer.out_features, layer.in_features, layer.group_size)
-            shapes.add((shape, layer.scale.device))
-    todo = [
-        (s, d)
-        for s, d in shapes
-        if (s[0], 1, *s[1:]) not in weight_matmul.TUNED_CONFIGS
-    ]
-    for (bits, n, k, group_size), device in sorted(todo, key=str):
-        matmul_tuning.tune(bits, n, k, group_size, dtype=dtype, device=str(device))
-    return len(todo)
+    shapes = {
+        (8 if layer.kind == "int8" else 4, layer.out_features, layer.in_features,
+         layer.group_size, str(layer.scale.device))
+        for layer in layers
+        if layer.kind in ("int8", "int4") and layer.scale.is_cuda
+    }  # fmt: skip
+    tuned = 0
+    for bits, n, k, group_size, device in sorted(shapes, key=str):
+        if (bits, 1, n, k, group_size) not in weight_matmul.TUNED_CONFIGS:
+            matmul_tuning.tune(bits, n, k, group_size, dtype=dtype, device=device)
+            tuned += 1
+    return tuned
 
 
 def use_cpu_kernels(model: nn.Module, enabled: bool = True) -> int:
