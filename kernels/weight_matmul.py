@@ -61,15 +61,29 @@ def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Pack int4 codes q [N, K] (values in [-8, 7]) into [N, K / 8] int32 words."""
-    check(q.shape[-1] % 8 == 0, "K must be a multiple of 8 to pack int4")
-    u = (q.to(torch.int64) + 8).view(q.shape[0], -1, 8)  # [N, K/8, 8]
-    shifts = 4 * torch.arange(8, device=q.device, dtype=torch.int64)
-    words = (u << shifts).sum(dim=-1)  # [N, K/8] in [0, 2^32)
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack signed codes [R, C] (values fitting `bits`) into int32 words
+    [R, C * bits / 32] along dim 1: each stored as code + 2^(bits-1), least
+    significant bits first (compressed-tensors' pack_to_int32): int4 weights and
+    zero points, int8 weights. C * bits must be a multiple of 32."""
+    check(bits in (4, 8), f"packing {bits}-bit codes is not supported (4 or 8)")
+    per_word = 32 // bits
+    rows, cols = codes.shape
+    check(
+        cols % per_word == 0,
+        f"{cols} columns don't fill whole int32 words of {bits} bits",
+    )
+    unsigned = (codes.to(torch.int64) + (1 << (bits - 1))).view(rows, -1, per_word)
+    shifts = bits * torch.arange(per_word, device=codes.device, dtype=torch.int64)
+    words = (unsigned << shifts).sum(dim=-1)  # [R, C / per_word] in [0, 2^32)
     # Reinterpret as signed int32 (two's complement), the checkpoint dtype.
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack int4 codes q [N, K] (values in [-8, 7]) into [N, K / 8] int32 words."""
+    return pack_int32(q, 4)
 
 
 def _stored_nibbles(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -90,9 +104,26 @@ def _stored_nibbles(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return nibbles.flatten(-2).to(dtype)
 
 
+def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Inverse of `pack_int32`: int32 [R, W] -> int8 codes [R, cols] (cols at most
+    W * 32 / bits: a packed zero-point row may end in padding)."""
+    check(bits in (4, 8), f"unpacking {bits}-bit codes is not supported (4 or 8)")
+    per_word = 32 // bits
+    check(
+        cols <= packed.shape[1] * per_word,
+        f"{cols} columns don't fit {packed.shape[1]} int32 words of {bits} bits",
+    )
+    if bits == 4:
+        return _stored_nibbles(packed, torch.int8)[:, :cols].sub_(8).contiguous()
+    shifts = bits * torch.arange(per_word, device=packed.device, dtype=torch.int64)
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # [R, W] unsigned
+    values = (words[..., None] >> shifts) & ((1 << bits) - 1)  # [R, W, per_word]
+    return (values.flatten(-2)[:, :cols] - (1 << (bits - 1))).to(torch.int8)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_int4`: [N, K / 8] int32 -> [N, K] int8 codes in [-8, 7]."""
-    return _stored_nibbles(packed, torch.int8).sub_(8)
+    return unpack_int32(packed, 4, packed.shape[1] * 8)
 
 
 def quantize_weight_int4(

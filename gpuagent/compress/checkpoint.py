@@ -18,7 +18,7 @@ import torch
 
 from gpuagent.compress.quantize import QuantizedWeight
 from gpuagent.compress.recipes import WeightScheme
-from gpuagent.engine.weights import pack_int32
+from kernels.weight_matmul import pack_int32
 
 DENSE_DTYPE = torch.bfloat16
 # Linear projections of a Llama block, by the input width they see.

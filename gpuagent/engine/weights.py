@@ -40,6 +40,7 @@ from kernels.weight_matmul import (
     CpuPackedWeight,
     prepack_int4_cpu,
     prepack_int8_cpu,
+    unpack_int32,
     weight_int4_matmul,
     weight_int8_matmul,
 )
@@ -222,34 +223,6 @@ def _quant_linear(module: str, p: dict[str, Tensor], group: dict) -> QuantLinear
         zp = unpack_int32(p["weight_zero_point"].t().contiguous(), 4, n).t()  # [N, G]
         tensors["zero_scale"] = zp.float() * scale.float()
     return QuantLinear("int4", n, k, tensors, group_size)
-
-
-def pack_int32(codes: Tensor, bits: int) -> Tensor:
-    """Pack int8 codes [R, C] (values fitting `bits` signed) into int32 words
-    [R, C * bits / 32] along dim 1: each stored as code + 2^(bits-1), least
-    significant bits first (compressed-tensors' pack_to_int32). C * bits must be a
-    multiple of 32."""
-    if bits not in (4, 8):
-        raise ValueError(f"packing {bits}-bit codes is not supported (4 or 8)")
-    per_word = 32 // bits
-    rows, cols = codes.shape
-    if cols % per_word:
-        raise ValueError(f"{cols} columns don't fill whole int32 words of {bits} bits")
-    unsigned = (codes.to(torch.int64) + (1 << (bits - 1))).view(rows, -1, per_word)
-    shifts = bits * torch.arange(per_word, dtype=torch.int64, device=codes.device)
-    words = (unsigned << shifts).sum(dim=-1)  # [R, C / per_word] in [0, 2^32)
-    words = torch.where(words >= 2**31, words - 2**32, words)  # as signed int32
-    return words.to(torch.int32)
-
-
-def unpack_int32(packed: Tensor, bits: int, cols: int) -> Tensor:
-    """Inverse of `pack_int32`: int32 [R, W] -> int8 codes [R, cols]."""
-    per_word = 32 // bits
-    shifts = bits * torch.arange(per_word, dtype=torch.int64, device=packed.device)
-    words = packed.to(torch.int64) & 0xFFFFFFFF  # [R, W] unsigned
-    values = (words[..., None] >> shifts) & ((1 << bits) - 1)  # [R, W, per_word]
-    codes = values.flatten(-2)[:, :cols] - (1 << (bits - 1))
-    return codes.to(torch.int8)
 
 
 def install(model: nn.Module, layers: dict[str, QuantLinear]) -> None:

@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file
 
 from gpuagent.engine.loader import load_model
-from gpuagent.engine.weights import pack_int32, unpack_int32
+from kernels.weight_matmul import pack_int32, unpack_int32
 from tests.gpuagent.compress.conftest import DEMO_MODEL
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
@@ -147,6 +147,8 @@ def test_it_packs_bit_for_bit_like_compressed_tensors(bits):
 
     assert torch.equal(packed, pack_to_int32(codes, bits))
     assert torch.equal(unpack_int32(packed, bits, 96), codes)
+    # a zero-point row packed with padding: the columns asked for, in order
+    assert torch.equal(unpack_int32(packed, bits, 90), codes[:, :90])
     assert torch.equal(unpack_from_int32(packed, bits, codes.shape), codes)
 
 
