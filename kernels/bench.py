@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import kv_quant, matmul_tuning, paged_attention, weight_matmul
+from kernels import int4_cpu, kv_quant, matmul_tuning, paged_attention, weight_matmul
 from kernels._triton import HAS_TRITON, triton
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -47,14 +47,14 @@ class Table:
 
     def __init__(self, device: str):
         self.device = device
-        cols = f"{'op':<14} {'dtype':<9} {'shape':<30} {'ms':>9} {'GB/s':>9}"
+        cols = f"{'op':<14} {'dtype':<10} {'shape':<30} {'ms':>9} {'GB/s':>9}"
         if device == "cuda":
             cols += f" {'%HBM':>6}"
         print(cols + f" {'x vs bf16':>9}")
 
     def row(self, op, dtype, shape, ms, nbytes, bf16_ms) -> None:
         gbps = nbytes / (ms * 1e-3) / 1e9
-        line = f"{op:<14} {dtype:<9} {shape:<30} {ms:>9.3f} {gbps:>9.1f}"
+        line = f"{op:<14} {dtype:<10} {shape:<30} {ms:>9.3f} {gbps:>9.1f}"
         if self.device == "cuda":
             line += f" {100 * gbps * 1e9 / HBM_BYTES_PER_S:>6.1f}"
         print(line + f" {bf16_ms / ms:>9.2f}", flush=True)
@@ -200,7 +200,8 @@ def bench_matmul(table, device, n, k, batches, reps) -> None:
     on CUDA, with the launch config tuned for this shape first (each pick and the
     heuristic's time printed); on a CPU the torch reference ("ref") and torch's CPU
     kernels over a weight prepacked once ("cpu"; rows left out where they don't
-    apply)."""
+    apply), and at decode batches a float32 model's path: dense float32 ("fp32")
+    and `kernels.int4_cpu`'s fused kernel ("int4 f32")."""
     w = (torch.randn(n, k, device=device) * 0.02).bfloat16()
     packed, scale4 = weight_matmul.quantize_weight_int4(w)
     q8, scale8 = weight_matmul.quantize_weight_int8(w)
@@ -218,6 +219,7 @@ def bench_matmul(table, device, n, k, batches, reps) -> None:
                     f"{r.candidates} candidates)",
                     flush=True,
                 )
+    w32, scale32 = (w.float(), scale4.float()) if on_cpu else (None, None)
     bytes8 = q8.numel() + n * 2
     bytes4 = packed.numel() * 4 + scale4.numel() * 2
     for m in batches:
@@ -254,6 +256,18 @@ def bench_matmul(table, device, n, k, batches, reps) -> None:
                 reps,
             )
             table.row("matmul", "int4 cpu", desc, ms, bytes4 + act_bytes, bf16_ms)
+        if on_cpu and int4_cpu.AVAILABLE and m <= int4_cpu.MAX_ROWS:
+            # a float32 model's decode: dense float32 vs the fused int4 kernel
+            x32 = x.float()
+            act32 = 2 * act_bytes
+            ms = time_ms(lambda x32=x32: torch.matmul(x32, w32.t()), device, reps)
+            table.row("matmul", "fp32", desc, ms, w.numel() * 4 + act32, bf16_ms)
+            ms = time_ms(
+                lambda x32=x32: weight_matmul.weight_int4_matmul(x32, packed, scale32),
+                device,
+                reps,
+            )
+            table.row("matmul", "int4 f32", desc, ms, bytes4 + act32, bf16_ms)
 
 
 def main(argv: list[str] | None = None) -> None:

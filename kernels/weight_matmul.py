@@ -32,7 +32,10 @@ a model in bf16 only: a float32 model runs the reference, in its own arithmetic.
 Where those kernels don't
 apply (no such op in this torch, int4 group sizes other than 32 / 64 / 128 / 256,
 N not a multiple of 16 for int4, K not a multiple of 16 for int8) the prepack
-returns None and the torch reference runs.
+returns None and the torch reference runs. Without a `CpuPackedWeight`, int4 at a
+few float32 rows (a float32 model's decode) runs `kernels.int4_cpu`, a compiled
+kernel in the reference's own arithmetic that reads each packed weight byte once
+instead of dequantizing the whole weight per call.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels import int4_cpu
 from kernels._triton import check, tl, triton, use_triton
 
 # Programs to aim for when splitting K (about 2x the SMs of an H100/H200).
@@ -734,7 +738,8 @@ def weight_int4_matmul(
 
     `weight_zero_scale` [N, K/g] (zp * scale) makes W asymmetric. On a CPU,
     impl="auto" with `cpu_weight` (`prepack_int4_cpu` of these tensors) runs torch's
-    int4 kernel, x rounded to bf16; without it, the torch reference."""
+    int4 kernel, x rounded to bf16; without it, a few float32 rows (decode) run the
+    fused kernel of `kernels.int4_cpu`, anything else the torch reference."""
     check(
         weight_packed.dim() == 2 and weight_packed.dtype == torch.int32,
         "weight_packed must be [N, K/8] int32",
@@ -763,6 +768,10 @@ def weight_int4_matmul(
     if impl == "auto" and cpu_weight is not None and x.device.type == "cpu":
         _check_cpu_weight(cpu_weight, 4, n, k, group_size, zero_scale is not None)
         return _weight_matmul_cpu(x, cpu_weight)
+    if impl == "auto" and int4_cpu.applies(x, group_size):
+        return int4_cpu.int4_matmul(
+            x, weight_packed, weight_scale, group_size, zero_scale
+        )
     return weight_int4_matmul_reference(
         x, weight_packed, weight_scale, group_size, zero_scale
     )

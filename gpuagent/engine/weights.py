@@ -2,10 +2,12 @@
 run through `kernels.weight_matmul`: Triton on a GPU; on a CPU, in the model's own
 arithmetic, as every other layer there runs:
 
-- a float32 model (the CPU default) runs the torch reference: exact codes and
-  scales, float32 accumulation, as the bf16 parent runs in float32 beside it, so
-  the two differ by the weight format alone (and the result is the same on every
-  CPU, up to float32 summation order);
+- a float32 model (the CPU default) runs in the torch reference's arithmetic:
+  exact codes and scales, float32 accumulation, as the bf16 parent runs in float32
+  beside it, so the two differ by the weight format alone (and the result is the
+  same on every CPU, up to float32 summation order); int4 at decode (a few rows)
+  through the compiled `kernels.int4_cpu`, which reads the packed weight instead of
+  dequantizing all of it per call;
 - a bf16 model runs torch's weight-only kernels (bf16 activations, float32
   accumulation, bf16 output: the "a16" of w8a16 / w4a16, as a GPU serves it), over a
   copy laid out once by `to_model`, or the reference where those don't apply.

@@ -10,7 +10,7 @@ from gpuagent.engine.sampling import SamplingParams
 from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.engine.weights import QuantLinear, use_cpu_kernels
 from gpuagent.evaluate.evalsets import load_text_slices
-from kernels import weight_matmul
+from kernels import int4_cpu, weight_matmul
 from tests.gpuagent.compress.conftest import DEMO_MODEL
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -97,6 +97,26 @@ def test_it_generates_from_a_compressed_folder(compressed_demo):
     out = engine.generate(["def add(a, b):"], SamplingParams(max_tokens=8))
 
     assert out[0].token_ids
+
+
+def test_a_float32_int4_model_decodes_through_the_fused_kernel(
+    compressed_demo, monkeypatch
+):
+    calls = []
+    fused = int4_cpu.int4_matmul
+    monkeypatch.setattr(
+        int4_cpu, "int4_matmul", lambda x, *a: calls.append(len(x)) or fused(x, *a)
+    )
+    engine = LLMEngine.from_model_dir(compressed_demo["w4a16-g128"], num_blocks=32)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+
+    out = engine.generate(["def add(a, b):"], greedy)[0].token_ids
+    assert len(calls) >= 4 * 7 * 11 and set(calls) == {1}  # each decode step, 1 row
+    monkeypatch.setattr(int4_cpu, "AVAILABLE", False)  # the torch reference
+    calls.clear()
+
+    assert engine.generate(["def add(a, b):"], greedy)[0].token_ids == out
+    assert calls == []
 
 
 @pytest.mark.gpu

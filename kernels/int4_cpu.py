@@ -1,0 +1,97 @@
+"""The fused int4 weight-only matmul for a few rows of float32 activations on a CPU
+(`_int4_cpu.c`, compiled by `pip install`): what `weight_matmul.weight_int4_matmul`
+runs at decode for a float32 model on a CPU instead of the torch reference, which
+dequantizes the whole weight to float32 on every call. Codes and scales are used
+exactly and products and sums are float32, as in the reference; the sums are ordered
+and factored differently (per group, scale times the sum of x times the codes, minus
+(8 * scale + zero_scale) times x's sum), so results agree within float32 rounding of
+|x| . |W|, not bit for bit.
+
+The extension holds an AVX-512 and an AVX2 build of its loop beside a portable one
+and runs the best this CPU has (`PATHS`, best first); `int4_matmul(..., path=)` picks
+one by name (the tests run each).
+
+Above `MAX_ROWS` rows (prefill) the reference's one dequantization is shared by
+enough rows that its float32 GEMM catches up (2 cores, AVX-512, the fused kernel's
+speed-up over the reference at 8 / 12 / 16 rows: 576x576 1.35 / 1.18 / 0.96x,
+1536x576 1.83 / 1.28 / 1.43x, 1024x2048 3.9 / 1.9 / 2.3x).
+
+Optional: where the extension is not built (a checkout run without installing it,
+as a GPU image runs `kernels.bench`) or bytes are big-endian, `AVAILABLE` is False
+and the reference runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+try:
+    from kernels import _int4_cpu
+except ImportError:  # not built: the torch reference runs (module docstring)
+    _int4_cpu = None
+
+AVAILABLE = _int4_cpu is not None and sys.byteorder == "little"
+PATHS: tuple[str, ...] = _int4_cpu.paths() if AVAILABLE else ()
+MAX_ROWS = 8
+# Rows of W are split across threads only when each thread gets this many
+# multiply-adds (rows of x times weights): a thread start costs about 70 us on the
+# 2-core dev machine, what 2^21 of them take there (two threads' speed-up over one,
+# AVX-512: N x K = 1024x2048 at one row 0.73x, at four rows 1.23x; 2048x2048 at one
+# row 1.01x; 4096x4096 at one row 1.55x).
+MIN_PRODUCTS_PER_THREAD = 1 << 21
+_MAX_THREADS = 64  # the extension's limit
+
+
+def applies(x: torch.Tensor, group_size: int) -> bool:
+    """Whether `int4_matmul` takes these activations: float32 on a CPU, at most
+    MAX_ROWS rows, a group of 16 to 1024 columns (a multiple of 16)."""
+    return (
+        AVAILABLE
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and group_size % 16 == 0
+        and 16 <= group_size <= 1024
+    )
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_size: int,
+    weight_zero_scale: torch.Tensor | None = None,
+    path: str | None = None,
+) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, N] float32, W pack-quantized int4 [N, K / 8]
+    int32 with scales (and zp * scale) [N, K / g]; shapes checked by the caller
+    (`weight_int4_matmul`), buffer sizes again by the extension. `path` names one of
+    `PATHS` (None: the best one for this group size)."""
+    m, k = x.shape
+    n = weight_packed.shape[0]
+    threads = max(1, min(torch.get_num_threads(), _MAX_THREADS))
+    threads = min(threads, max(1, m * n * k // MIN_PRODUCTS_PER_THREAD))
+    y = torch.empty(m, n, dtype=torch.float32)
+    zero_scale = None
+    if weight_zero_scale is not None:
+        zero_scale = _array(weight_zero_scale.float())
+    _int4_cpu.int4_matmul(
+        _array(x),
+        _array(weight_packed),
+        _array(weight_scale.float()),
+        zero_scale,
+        y.numpy(),
+        m,
+        n,
+        k,
+        group_size,
+        threads,
+        path,
+    )
+    return y
+
+
+def _array(t: torch.Tensor):
+    return t.detach().contiguous().numpy()
