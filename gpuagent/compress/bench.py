@@ -14,10 +14,15 @@
   itself run in bf16 against the same reference (what bf16 arithmetic alone costs
   this model), and with --bf16-arithmetic each candidate run in bf16 too (on a CPU
   torch's weight-only kernels, bf16 activations, as a GPU serves it);
+- decode: one request's greedy tokens/s in the engine for the parent and the first
+  folder of each format, all in float32 on this device, rounds interleaved, and the
+  int4 folder again with `kernels.int4_cpu` off (the torch reference) where that
+  kernel applies (information: what a float32 model costs to decode per format);
 - matmul: the weight-only kernels vs bf16 torch.matmul on a 4096x14336 layer at
-  batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference, what
-  the engine runs for a float32 model, and torch's CPU kernels over prepacked
-  weights, what it runs for a bf16 one; the ratios are not targets);
+  batch 1..16 (`kernels.bench.bench_matmul`; on a CPU the torch reference, the
+  fused int4 kernel at up to 8 rows (what the engine runs for a float32 model), and
+  torch's CPU kernels over prepacked weights, what it runs for a bf16 one; the
+  ratios are not targets);
 - lossless: the exponent coding vs zipnn on both models' bf16 weights (the demo
   model and --model-dir; gpuagent.compress.lossless_bench).
 """
@@ -35,11 +40,14 @@ import torch
 
 from gpuagent.compress import lossless_bench
 from gpuagent.compress.pipeline import compress
+from gpuagent.engine import bench as engine_bench
+from gpuagent.engine.engine import LLMEngine
 from gpuagent.engine.loader import load_model
 from gpuagent.evaluate.evalsets import TEXT_SLICES
 from gpuagent.evaluate.inprocess import EngineModel
 from gpuagent.evaluate.regression import Settings, evaluate_quality
 from gpuagent.protocol import CompressResult, QualityReport
+from kernels import int4_cpu
 
 DEFAULT_MODEL_DIR = Path("var/models/smollm2-135m")
 SIZE_TARGETS = {"w8a16": 0.52, "w4a16": 0.28}
@@ -239,6 +247,48 @@ def bf16_floor_rows(model_dir: Path, reference: EngineModel, settings) -> list[R
     ]
 
 
+def decode_rows(
+    model_dir: Path, folders: dict[str, Path], max_tokens: int, repeats: int
+) -> list[Row]:
+    """Greedy tokens/s of one request (`max_tokens`, prompt included) for the
+    parent and each of `folders` (label -> compressed folder), float32 on this
+    device, best of `repeats` interleaved rounds, and how much longer each takes
+    than the parent; an int4 folder also with `kernels.int4_cpu` switched off (the
+    torch reference) where that kernel applies."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompt = engine_bench.THROUGHPUT_PROMPTS[:1]
+    runs: list[tuple[str, LLMEngine, bool]] = []
+    for label, folder in {"parent": model_dir, **folders}.items():
+        engine = LLMEngine.from_model_dir(
+            folder, device=device, max_num_seqs=1, kv_memory_bytes=64 << 20
+        )
+        runs.append((label, engine, True))
+        if device == "cpu" and int4_cpu.AVAILABLE and _family(label) == "w4a16":
+            runs.append((f"{label}, torch reference", engine, False))
+    best = {label: float("inf") for label, _, _ in runs}
+    available = int4_cpu.AVAILABLE
+    try:
+        for round_ in range(repeats + 1):  # the first round warms up
+            for label, engine, fused in runs:
+                int4_cpu.AVAILABLE = available and fused
+                seconds, _ = engine_bench.time_engine(
+                    engine, prompt, max_tokens, concurrent=True
+                )
+                if round_:
+                    best[label] = min(best[label], seconds)
+    finally:
+        int4_cpu.AVAILABLE = available
+    return [
+        Row(
+            f"decode, float32 on {device}: {label}",
+            f"{max_tokens / seconds:.1f} {seconds / best['parent']:.2f}x",
+            "",
+            None,
+        )
+        for label, seconds in best.items()
+    ]
+
+
 def matmul_rows(quick: bool) -> None:
     """The weight-only kernels vs bf16 torch.matmul on 4096x14336, printed by
     `kernels.bench` (its own table: ms, GB/s, x vs bf16)."""
@@ -284,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max-items", type=int, default=None, help="per slice")
     parser.add_argument("--no-matmul", action="store_true")
+    parser.add_argument("--no-decode", action="store_true")
     parser.add_argument(
         "--bf16-arithmetic",
         action="store_true",
@@ -311,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in bf16_floor_rows(args.model_dir, reference, settings):
             print(row.render(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
+        folders: dict[str, Path] = {}  # the first folder of each format
         for label, options in RECIPES:
             if label not in wanted:
                 continue
@@ -334,6 +386,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for row in rows:
                 print(row.render(), flush=True)
                 failed |= row.ok is False
+            if not any(_family(f) == _family(label) for f in folders):
+                folders[label] = Path(result.out_dir)
+        if folders and not args.no_decode:
+            print("\ndecode: tokens/s of one greedy request, its time vs the parent's")
+            for row in decode_rows(args.model_dir, folders, 32, 1 if args.quick else 3):
+                print(row.render(), flush=True)
     table, lossless_ok = lossless_table(args.model_dir, args.quick)
     print(f"\n{table}\nlossless targets: {'PASS' if lossless_ok else 'FAIL'}")
     failed |= not lossless_ok

@@ -12,6 +12,7 @@ from gpuagent.compress.recipes import weight_scheme
 from gpuagent.evaluate.evalsets import TEXT_SLICES
 from gpuagent.evaluate.inprocess import EngineModel
 from gpuagent.evaluate.regression import Settings
+from kernels import int4_cpu
 from tests.gpuagent.compress.conftest import DEMO_MODEL
 
 SETTINGS = Settings(slices=TEXT_SLICES, max_items=1, continuation_tokens=2)
@@ -82,3 +83,44 @@ def test_the_lossless_table_covers_the_demo_model_and_the_model_dir(tmp_path):
 
     assert models(table) == ["demo_model", "other-model"]
     assert models(only_demo) == ["demo_model"]
+
+
+def test_decode_rows_time_each_format_and_the_int4_folder_without_its_kernel(
+    compressed_demo, monkeypatch
+):
+    folders = {
+        "w8a16 rtn": compressed_demo["w8a16"],
+        "w4a16-g128 rtn": compressed_demo["w4a16-g128"],
+    }
+    fused_calls = []
+    kernel = int4_cpu.int4_matmul
+    monkeypatch.setattr(
+        int4_cpu, "int4_matmul", lambda *a: fused_calls.append(1) or kernel(*a)
+    )
+    runs = []  # (kernel on?, fused calls made) per timed generation
+    timer = bench.engine_bench.time_engine
+
+    def timed(*args, **kwargs):
+        before = len(fused_calls)
+        result = timer(*args, **kwargs)
+        runs.append((int4_cpu.AVAILABLE, len(fused_calls) - before))
+        return result
+
+    monkeypatch.setattr(bench.engine_bench, "time_engine", timed)
+
+    rows = bench.decode_rows(DEMO_MODEL, folders, max_tokens=4, repeats=1)
+
+    labels = [r.name.split(": ", 1)[1] for r in rows]
+    assert labels == [
+        "parent",
+        "w8a16 rtn",
+        "w4a16-g128 rtn",
+        "w4a16-g128 rtn, torch reference",
+    ]
+    assert all(r.ok is None and float(r.value.split()[0]) > 0 for r in rows)
+    assert rows[0].value.endswith(" 1.00x")
+    assert int4_cpu.AVAILABLE  # switched back on
+    # two rounds of four runs: the int4 folder's kernel ran, and only there
+    assert len(runs) == 8
+    assert [calls > 0 for _, calls in runs] == [False, False, True, False] * 2
+    assert [on for on, _ in runs] == [True, True, True, False] * 2
