@@ -20,7 +20,7 @@ KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4")
 WEIGHT_FORMAT_PATTERN = re.compile(
     r"^(bf16|fp16|int8|int4-g(32|64|128)|w8a16|w4a16-g(32|64|128)|fp8)$"
 )
-WEIGHT_METHODS = ("rtn", "gptq")
+WEIGHT_METHODS = ("rtn", "gptq", "signround")
 
 JobKind = Literal[
     "inspect",
@@ -54,8 +54,11 @@ class Recipe(_Message):
         description="bf16, fp16, w8a16 (int8), w4a16-g{32,64,128} (int4-g...) or fp8"
     )
     kv_cache_dtype: str = Field(description="one of " + ", ".join(KV_CACHE_DTYPES))
-    method: Literal["rtn", "gptq"] = Field(
-        "rtn", description="round-to-nearest, or GPTQ on calibration text"
+    method: Literal["rtn", "gptq", "signround"] = Field(
+        "rtn",
+        description="round-to-nearest, GPTQ on calibration text, or signround "
+        "(rounding and scales tuned per layer by signed gradient descent on "
+        "calibration text; symmetric int formats)",
     )
     symmetric: bool = Field(
         True, description="int4 only: False adds a zero point per group"

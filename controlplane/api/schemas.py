@@ -132,7 +132,7 @@ class RecipeIn(RequestBody):
         description="bf16, fp16, w8a16 (int8), w4a16-g{32,64,128} (int4-g...) or fp8",
     )
     kv_cache_dtype: KvCacheDtype
-    method: Literal["rtn", "gptq"] = "rtn"
+    method: Literal["rtn", "gptq", "signround"] = "rtn"
     symmetric: bool = True
     act_order: bool = False
     observer: Literal["minmax", "mse"] = "minmax"

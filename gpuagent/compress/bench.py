@@ -6,7 +6,8 @@
 - quality: each recipe's folder against the source folder, both scored in-process
   by `gpuagent.evaluate` (full distributions, the english / code / korean slices):
   mean KLD and same-top-1 per slice against the bars (w8a16: <= 0.002 and
-  >= 97.5%; 4-bit: <= 0.03 and >= 92%), RTN, GPTQ and AWQ scales side by side.
+  >= 97.5%; 4-bit: <= 0.03 and >= 92%), RTN, GPTQ, AWQ scales and sign-gradient
+  rounding side by side.
   The reference is the source run in float32 (the bf16 model's values, without
   bf16 arithmetic's noise); the candidate runs as the engine runs it in the same
   arithmetic (on a CPU in float32: `kernels.weight_matmul`'s torch reference), so
@@ -108,6 +109,7 @@ RECIPES = (
             "observer": "mse",
         },
     ),
+    ("w4a16-g128 signround", {"weights": "w4a16-g128", "method": "signround"}),
     ("w4a16-g32 asym rtn", {"weights": "w4a16-g32", "symmetric": False}),
     (
         "w4a16-g32 asym gptq",

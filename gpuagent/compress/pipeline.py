@@ -39,6 +39,7 @@ from gpuagent.compress.recipes import (
     parse_recipe,
     weight_scheme,
 )
+from gpuagent.compress.signround import tune_layer
 from gpuagent.compress.size_report import size_report
 from gpuagent.engine.loader import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, load_model
 from gpuagent.engine.tokenizer import load_tokenizer
@@ -92,7 +93,7 @@ def compress(
             "(tie_word_embeddings=true), which stay unquantized"
         )
     needs_text = (
-        scheme and (scheme.method == "gptq" or scheme.awq)
+        scheme and (scheme.method != "rtn" or scheme.awq)
     ) or recipe.kv_cache_dtype == "fp8"
     sequences = None
     if needs_text:
@@ -159,7 +160,7 @@ def _quantize_model(
     layers see the inputs the quantized earlier layers produce."""
     quantized: dict[str, QuantizedWeight] = {}
     total = len(model.layers) + int(scheme.quantize_lm_head)
-    if scheme.method == "gptq" or scheme.awq:
+    if scheme.method != "rtn" or scheme.awq:
         _calibrated_layers(model, scheme, sequences, total, progress, quantized)
     else:
         for i, layer in enumerate(model.layers):
@@ -202,19 +203,28 @@ def _quantize_layer(i, layer, scheme, quantized, calibration=None) -> None:
 def _calibrated_layers(model, scheme, sequences, total, progress, quantized) -> None:
     """Layer by layer on the calibration tokens, each layer seeing the outputs of
     the quantized layers before it: AWQ scales folded in (`scheme.awq`), then
-    GPTQ on the Hessians of the (scaled) inputs, or RTN."""
+    GPTQ on the Hessians of the (scaled) inputs, sign-gradient rounding towards the
+    unquantized model's outputs (carried beside), or RTN."""
     tokens = torch.tensor(sequences)  # [B, T]
     positions = torch.arange(tokens.shape[1])
     with torch.no_grad():
         cos, sin = model._rope(positions)  # [T, 1, D]
         hidden = model.embed_tokens(tokens)  # [B, T, hidden]
+        unquantized = hidden if scheme.method == "signround" else None
         for i, layer in enumerate(model.layers):
             if scheme.awq:
                 scale_layer(layer, hidden, cos, sin, scheme)
-            gptq = scheme.method == "gptq"
-            _quantize_layer(
-                i, layer, scheme, quantized, (hidden, cos, sin) if gptq else None
-            )
+            if unquantized is not None:
+                unquantized = run_layer(layer, unquantized, cos, sin)
+                for p, qw in tune_layer(
+                    layer, hidden, unquantized, cos, sin, scheme
+                ).items():
+                    quantized[f"model.layers.{i}.{p}"] = qw
+            else:
+                gptq = scheme.method == "gptq"
+                _quantize_layer(
+                    i, layer, scheme, quantized, (hidden, cos, sin) if gptq else None
+                )
             hidden = run_layer(layer, hidden, cos, sin)
             progress(i + 1, total, f"layer {i}")
 

@@ -118,14 +118,14 @@ def _range_params(
     lo, hi = code_range(bits, symmetric)
     if symmetric:
         divisor = 7.5 if bits == 4 else float(hi)
-        return _stored(extent[0] * shrink / divisor), None
+        return stored_scale(extent[0] * shrink / divisor), None
     wmin, wmax = (e * shrink for e in extent)
-    scale = _stored((wmax - wmin) / (hi - lo))
+    scale = stored_scale((wmax - wmin) / (hi - lo))
     zero_point = (lo - torch.round(wmin / scale)).clamp(lo, hi)
     return scale, zero_point
 
 
-def _stored(scale: torch.Tensor) -> torch.Tensor:
+def stored_scale(scale: torch.Tensor) -> torch.Tensor:
     # the scale as the checkpoint will hold it, never 0 (an all-zero group)
     return scale.clamp_min(_TINY).to(SCALE_DTYPE).float().clamp_min(_TINY)
 
@@ -149,7 +149,7 @@ def quantize_values(
 
 def fp8_scale(w: torch.Tensor) -> torch.Tensor:
     """Per output channel fp8 scale [N, 1] float32 of w [N, K], as stored."""
-    return _stored(w.abs().amax(dim=1, keepdim=True) / FP8_MAX)
+    return stored_scale(w.abs().amax(dim=1, keepdim=True) / FP8_MAX)
 
 
 def fp8_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """A release `Recipe` (gpuagent.protocol) as the weight scheme `compress` applies.
 
 One recipe, one scheme: `weights` names the format (w8a16 = int8, w4a16-gN =
-int4-gN, fp8), `method` how values are rounded (round-to-nearest or GPTQ),
+int4-gN, fp8), `method` how values are rounded (round-to-nearest, GPTQ, or
+sign-gradient rounding: gpuagent.compress.signround),
 `symmetric` whether int4 groups carry a zero point, `observer` how int scales are
 chosen (absmax, or the least-error shrink: gpuagent.compress.quantize), `awq`
 whether activation-aware input-channel scales are folded in first
@@ -46,7 +47,7 @@ class WeightScheme:
     bits: int  # 4 or 8
     group_size: int | None  # int4: requested group; None: one scale per row
     symmetric: bool
-    method: str  # "rtn" or "gptq"
+    method: str  # "rtn", "gptq" or "signround"
     act_order: bool
     observer: str  # "minmax" or "mse" (gpuagent.compress.quantize)
     awq: bool
@@ -122,6 +123,11 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         raise RecipeError(f"symmetric=false is only offered for int4, not {fmt!r}")
     if recipe.act_order and recipe.method != "gptq":
         raise RecipeError("act_order=true needs method 'gptq'")
+    if recipe.method == "signround" and (kind != "int" or not recipe.symmetric):
+        raise RecipeError(
+            f"method 'signround' takes symmetric int formats only, not {fmt!r}"
+            + ("" if recipe.symmetric else " with symmetric=false")
+        )
     if recipe.observer != "minmax" and kind == "float":
         raise RecipeError(
             f"observer {recipe.observer!r} is for int formats; fp8 scales are the "

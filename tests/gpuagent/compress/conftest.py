@@ -24,6 +24,11 @@ RECIPES = {
         "method": "gptq",
         "observer": "mse",
     },
+    "w4a16-g64-signround": {
+        "weights": "w4a16-g64",
+        "kv_cache_dtype": "bf16",
+        "method": "signround",
+    },
     "w4a16-g64-asym-gptq": {
         "weights": "w4a16-g64",
         "kv_cache_dtype": "bf16",

@@ -1,0 +1,90 @@
+"""Sign-gradient rounding (gpuagent.compress.signround) on a demo-model layer."""
+
+import copy
+
+import pytest
+import torch
+
+from gpuagent.compress.calibration import run_layer
+from gpuagent.compress.checkpoint import PROJECTIONS
+from gpuagent.compress.quantize import SCALE_DTYPE, quantize_rtn
+from gpuagent.compress.recipes import RecipeError, weight_scheme
+from gpuagent.compress.signround import tune_layer
+from tests.gpuagent.compress.conftest import demo_layer_inputs
+
+
+def _scheme(weights, **options):
+    return weight_scheme(
+        {"kv_cache_dtype": "bf16", "weights": weights, "method": "signround", **options}
+    )
+
+
+def _rtn(layer, scheme):
+    layer = copy.deepcopy(layer)
+    for name in PROJECTIONS:
+        module = layer.get_submodule(name)
+        with torch.no_grad():
+            module.weight.copy_(quantize_rtn(module.weight, scheme).dequantize())
+    return layer
+
+
+def _error(layer, hidden, cos, sin, target):
+    return ((run_layer(layer, hidden, cos, sin) - target) ** 2).mean().item()
+
+
+@pytest.mark.parametrize(
+    ("weights", "options"),
+    [("w4a16-g32", {}), ("w4a16-g32", {"observer": "mse"}), ("w8a16", {})],
+)
+def test_it_beats_round_to_nearest_on_the_layer_output(weights, options):
+    layer, hidden, cos, sin = demo_layer_inputs(seed=0)
+    target = run_layer(layer, hidden, cos, sin)
+    scheme = _scheme(weights, **options)
+    original = {n: layer.get_submodule(n).weight.detach().clone() for n in PROJECTIONS}
+    rtn_error = _error(_rtn(layer, scheme), hidden, cos, sin, target)
+
+    quantized = tune_layer(layer, hidden, target, cos, sin, scheme, steps=60)
+    tuned_error = _error(layer, hidden, cos, sin, target)
+
+    assert tuned_error < 0.8 * rtn_error, (tuned_error, rtn_error)
+    lo, hi = (-8, 7) if weights.startswith("w4") else (-127, 127)
+    for name, qw in quantized.items():
+        weight = layer.get_submodule(name).weight
+        assert torch.equal(weight, qw.dequantize())  # the layer runs what is stored
+        assert qw.scale.dtype == SCALE_DTYPE and qw.zero_point is None
+        assert lo <= qw.codes.min() and qw.codes.max() <= hi
+        # a code inside the range is w / scale rounded down or up (|v| <= 0.5)
+        step = qw.scale.float().repeat_interleave(qw.group_size or weight.shape[1], 1)
+        inside = (qw.codes > lo) & (qw.codes < hi)
+        off = (qw.codes.float() - original[name] / step).abs()
+        assert (off[inside] <= 1 + 1e-4).all() and inside.float().mean() > 0.9
+    assert all(p.requires_grad for p in layer.parameters())  # left as found
+    assert not hasattr(layer.self_attn.q_proj, "parametrizations")
+
+
+def test_it_keeps_the_lowest_loss_step_so_more_steps_never_lose():
+    layer, hidden, cos, sin = demo_layer_inputs(seed=1)
+    target = run_layer(layer, hidden, cos, sin)
+    scheme = _scheme("w4a16-g32")
+    errors = []
+    for steps in (0, 40):
+        tuned = copy.deepcopy(layer)
+        tune_layer(tuned, hidden, target, cos, sin, scheme, steps=steps)
+        errors.append(_error(tuned, hidden, cos, sin, target))
+
+    # no step: round-to-nearest on the observer's scales, exactly
+    assert errors[0] == _error(_rtn(layer, scheme), hidden, cos, sin, target)
+    assert errors[1] < errors[0]
+
+
+@pytest.mark.parametrize(
+    ("weights", "options", "named"),
+    [
+        ("fp8", {}, "not 'fp8'"),
+        ("w4a16-g64", {"symmetric": False}, "symmetric=false"),
+        ("w4a16-g64", {"act_order": True}, "act_order=true needs method 'gptq'"),
+    ],
+)
+def test_a_recipe_it_cannot_apply_is_refused_by_name(weights, options, named):
+    with pytest.raises(RecipeError, match=named):
+        _scheme(weights, **options)
