@@ -63,6 +63,7 @@ class _Rounding(nn.Module):
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         s = self.s0 * self.alpha
+        s = s + (stored_scale(s) - s).detach()  # as stored (bf16), straight-through
         x = w.view(self.shape) / s + self.v
         q = (x + (x.round() - x).detach()).clamp(self.lo, self.hi)  # straight-through
         return (q * s).view_as(w)

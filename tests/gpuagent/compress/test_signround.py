@@ -9,7 +9,7 @@ from gpuagent.compress.calibration import run_layer
 from gpuagent.compress.checkpoint import PROJECTIONS
 from gpuagent.compress.quantize import SCALE_DTYPE, quantize_rtn
 from gpuagent.compress.recipes import RecipeError, weight_scheme
-from gpuagent.compress.signround import tune_layer
+from gpuagent.compress.signround import _Rounding, tune_layer
 from tests.gpuagent.compress.conftest import demo_layer_inputs
 
 
@@ -88,3 +88,15 @@ def test_it_keeps_the_lowest_loss_step_so_more_steps_never_lose():
 def test_a_recipe_it_cannot_apply_is_refused_by_name(weights, options, named):
     with pytest.raises(RecipeError, match=named):
         _scheme(weights, **options)
+
+
+def test_the_weight_tuned_is_the_weight_stored():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(24, 128, generator=g) * 0.05
+    rounding = _Rounding(w, _scheme("w4a16-g32"))
+    with torch.no_grad():
+        rounding.v.uniform_(-0.5, 0.5, generator=g)
+        rounding.alpha.uniform_(0.5, 1.0, generator=g)
+
+    # the scales are rounded to bf16 in the forward too (straight through)
+    assert torch.equal(rounding(w), rounding.quantized(w).dequantize())
