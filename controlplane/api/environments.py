@@ -19,7 +19,7 @@ from controlplane.api.scoping import (
     principal_of,
 )
 from controlplane.fleet.models import Environment
-from controlplane.releases.actions import do_rollback_environment
+from controlplane.releases.actions.rollbacks import do_rollback_environment
 
 router = Router(tags=["environments"])
 

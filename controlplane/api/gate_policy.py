@@ -11,7 +11,10 @@ from controlplane.api.schemas import (
 )
 from controlplane.api.scoping import get_environment, principal_of
 from controlplane.fleet.models import Environment
-from controlplane.releases.actions import do_set_gate_policy, gate_policy_for
+from controlplane.releases.actions.gate_policies import (
+    do_set_gate_policy,
+    gate_policy_for,
+)
 from controlplane.releases.models import EnvironmentGatePolicy
 
 router = Router(tags=["environments"])

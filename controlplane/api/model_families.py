@@ -11,7 +11,7 @@ from controlplane.api.schemas import (
     PageParams,
 )
 from controlplane.api.scoping import model_families, page, principal_of
-from controlplane.releases.actions import do_create_model_family
+from controlplane.releases.actions.registration import do_create_model_family
 
 router = Router(tags=["models"])
 

@@ -28,13 +28,15 @@ from controlplane.api.scoping import (
     releases,
 )
 from controlplane.errors import DigestMismatch
-from controlplane.releases.actions import (
+from controlplane.releases.actions.approvals import (
     do_approve_release,
-    do_register_release,
     do_reject_release,
+)
+from controlplane.releases.actions.promotion import (
     do_reopen_release,
     do_request_promotion,
 )
+from controlplane.releases.actions.registration import do_register_release
 
 router = Router(tags=["releases"])
 

@@ -11,11 +11,9 @@ from controlplane.accounts.models import Team
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import ControlPlaneError, IllegalTransition
 from controlplane.fleet.models import Deployment, Environment
-from controlplane.releases.actions import (
-    check_decide_release,
-    check_reopen_release,
-    previous_verified_deployment,
-)
+from controlplane.releases.actions.approvals import check_decide_release
+from controlplane.releases.actions.promotion import check_reopen_release
+from controlplane.releases.actions.rollbacks import previous_verified_deployment
 from controlplane.releases.models import ModelFamily, Release
 
 # The roles that may approve, reject and roll back (as in the API's actions).

@@ -59,7 +59,7 @@ def time_requests(broker_url: str, data: Path) -> list[str]:
     from controlplane import celery_app
     from controlplane.accounts.models import ApiToken, Membership, Team
     from controlplane.fleet.models import Environment
-    from controlplane.releases.actions import do_register_release
+    from controlplane.releases.actions.registration import do_register_release
     from controlplane.releases.models import ModelFamily, Release
 
     for key in ("broker_url", "broker_read_url", "broker_write_url"):

@@ -1,10 +1,12 @@
 from datetime import timedelta
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from controlplane.accounts.actions import check_actor_in_team
+from controlplane.accounts.models import Team
 from controlplane.audit.actions import Actor, do_record_event
-from controlplane.errors import ValidationFailed
+from controlplane.errors import Conflict, ValidationFailed
 from controlplane.fleet.backend import clean_backend
 from controlplane.fleet.models import AGENT_STATES, Agent, Environment
 from gpuagent.protocol import Heartbeat
@@ -128,4 +130,23 @@ def do_set_serving_backend(
             after={"serving_backend": cleaned},
             team=environment.team,
         )
+    return environment
+
+
+def do_create_environment(team: Team, name: str, *, actor: Actor) -> Environment:
+    check_actor_in_team(actor, team, roles=("admin",))
+    try:
+        with transaction.atomic():
+            environment = Environment.objects.create(team=team, name=name)
+            do_record_event(
+                actor,
+                "environment.created",
+                environment,
+                after=environment.to_dict(),
+                team=team,
+            )
+    except IntegrityError as exc:
+        raise Conflict(
+            f"environment {name!r} already exists in team {team.slug}", field="name"
+        ) from exc
     return environment

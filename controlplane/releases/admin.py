@@ -33,7 +33,7 @@ class ReleaseAdmin(admin.ModelAdmin):
     list_display = ("__str__", "state", "target_environment", "created_by", "created")
     list_filter = ("state", "model__team")
     search_fields = ("version", "model__name")
-    # State moves only through actions.do_transition_release (audited, checked).
+    # State moves only through do_transition_release (audited, checked).
     readonly_fields = ("state", "registration_body_digest", "created", "updated")
     inlines = [JobInline]
 

@@ -5,7 +5,7 @@ from django.utils import timezone
 from controlplane.releases.gates import GatePolicy
 
 # The states a release can be in; which moves between them are legal is decided in one
-# place only: TRANSITIONS in controlplane/releases/actions.py.
+# place only: TRANSITIONS in controlplane/releases/actions/transitions.py.
 RELEASE_STATES = (
     "registered",
     "verifying",

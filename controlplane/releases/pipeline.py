@@ -32,7 +32,27 @@ from controlplane.fleet.actions import (
     silent_agents,
 )
 from controlplane.fleet.models import Agent, Deployment
-from controlplane.releases import actions, evidence, stages
+from controlplane.releases import evidence, stages
+from controlplane.releases.actions.deployments import (
+    do_complete_deployment,
+    do_fail_deployment,
+    do_start_deployment,
+)
+from controlplane.releases.actions.gate_policies import gate_policy_for
+from controlplane.releases.actions.gate_results import do_evaluate_release_gates
+from controlplane.releases.actions.jobs import (
+    do_dispatch_job,
+    do_finish_job,
+    do_mark_job_running,
+    do_retry_job,
+    do_start_job,
+)
+from controlplane.releases.actions.rollbacks import (
+    do_auto_rollback_environment,
+    do_continue_rollback,
+    previous_verified_deployment,
+)
+from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job, Release
 from gpuagent.protocol import JobResult
 
@@ -107,7 +127,7 @@ def _send(job: Job, exclude: Agent | None = None) -> None:
 
 
 def dispatch(release: Release, kind: str) -> Job:
-    job = actions.do_dispatch_job(release, kind)
+    job = do_dispatch_job(release, kind)
     _send(job)
     return job
 
@@ -124,7 +144,7 @@ def advance(release_id: int) -> str:
             return "missing"
         try:
             if release.state == "registered":
-                actions.do_transition_release(release, "verifying", actor=WORKER)
+                do_transition_release(release, "verifying", actor=WORKER)
             while release.state in PROMOTION and _advance_stage(release):
                 pass
             if release.state == "gated":
@@ -154,14 +174,14 @@ def _advance_stage(release: Release) -> bool:
         failed = [job for job in jobs.values() if job.state == "failed"]
         if failed:
             job = failed[0]
-            actions.do_transition_release(
+            do_transition_release(
                 release,
                 FAILURE_STATE.get(job.kind, "failed"),
                 actor=WORKER,
                 reason=f"{job.kind}: {job.error}",
             )
             return False
-    actions.do_transition_release(release, next_state, actor=WORKER)
+    do_transition_release(release, next_state, actor=WORKER)
     return True
 
 
@@ -184,31 +204,25 @@ def integrity_ok(release: Release) -> bool | None:
 def run_gate(release: Release) -> bool:
     """Hold the recorded evidence against the environment's policy; pass moves to
     awaiting_approval, fail to failed, inconclusive pauses in gated."""
-    job = actions.do_start_job(release, "gate")
+    job = do_start_job(release, "gate")
     try:
         quality, load = evidence.quality_report(release), evidence.load_report(release)
     except evidence.EvidenceUnreadable as exc:
-        actions.do_finish_job(job, error=exc.message)
-        actions.do_transition_release(
-            release, "failed", actor=WORKER, reason=exc.message
-        )
+        do_finish_job(job, error=exc.message)
+        do_transition_release(release, "failed", actor=WORKER, reason=exc.message)
         return False
-    decision = actions.do_evaluate_release_gates(
+    decision = do_evaluate_release_gates(
         release, quality=quality, load=load, integrity_ok=integrity_ok(release)
     )
     result = {"outcome": decision.outcome, "reason": decision.reason}
     if decision.outcome == "inconclusive":
-        actions.do_finish_job(job, result=result)
+        do_finish_job(job, result=result)
         return False
-    actions.do_finish_job(
-        job, result=result, error="" if decision.ok else decision.reason
-    )
+    do_finish_job(job, result=result, error="" if decision.ok else decision.reason)
     if decision.ok:
-        actions.do_transition_release(release, "awaiting_approval", actor=WORKER)
+        do_transition_release(release, "awaiting_approval", actor=WORKER)
     else:
-        actions.do_transition_release(
-            release, "failed", actor=WORKER, reason=decision.reason
-        )
+        do_transition_release(release, "failed", actor=WORKER, reason=decision.reason)
     return decision.ok
 
 
@@ -223,7 +237,7 @@ def deploy(release_id: int) -> str:
         if release is None:
             return "missing"
         if release.state == "approved":
-            actions.do_start_deployment(release, actor=WORKER)
+            do_start_deployment(release, actor=WORKER)
         if release.state != "deploying":
             return release.state
         deployment = (
@@ -232,7 +246,7 @@ def deploy(release_id: int) -> str:
             .first()
         )
         if deployment is None:
-            deployment = actions.do_start_deployment(
+            deployment = do_start_deployment(
                 release, actor=WORKER, environment=release.target_environment
             )
         sent = release.jobs.filter(kind="deploy", created__gte=deployment.started)
@@ -246,7 +260,7 @@ def _deployment_done(job: Job) -> None:
     if deployment is None:
         return
     if job.state == "succeeded":
-        actions.do_complete_deployment(
+        do_complete_deployment(
             deployment,
             actor=WORKER,
             endpoint=str(job.result.get("endpoint", "")),
@@ -257,11 +271,11 @@ def _deployment_done(job: Job) -> None:
     else:
         verification = any(job.result.get(k) for k in ("missing", "extra", "changed"))
         verification = verification or "mismatch" in job.error.lower()
-        actions.do_fail_deployment(
+        do_fail_deployment(
             deployment, actor=WORKER, reason=job.error, verification=verification
         )
         if deployment.rollback_tried is not None:
-            actions.do_continue_rollback(deployment, why=why_refused(job))
+            do_continue_rollback(deployment, why=why_refused(job))
 
 
 def why_refused(job: Job) -> str:
@@ -283,7 +297,7 @@ def undeploy_older(environment) -> list[Job]:
     an undeploy since its last deployment ended is not sent another."""
     serving = Deployment.objects.serving().values_list("release_id", flat=True)
     keep = set(serving)
-    target = actions.previous_verified_deployment(environment)
+    target = previous_verified_deployment(environment)
     if target is not None:
         keep.add(target.release_id)
     older = (
@@ -326,14 +340,14 @@ def _reverified(job: Job) -> None:
     if deployment is None or job.state == "succeeded":
         return
     try:
-        actions.do_fail_deployment(
+        do_fail_deployment(
             deployment, actor=WORKER, reason=job.error, verification=True
         )
     except IllegalTransition:
         return  # no longer live (superseded, rolled back) meanwhile
     environment = deployment.environment
-    if actions.gate_policy_for(environment).auto_rollback_on_failed_verification:
-        actions.do_auto_rollback_environment(
+    if gate_policy_for(environment).auto_rollback_on_failed_verification:
+        do_auto_rollback_environment(
             environment,
             reason=f"{deployment.release} failed re-verification in "
             f"{environment.name}: {job.error}",
@@ -394,9 +408,7 @@ def record_progress(
     agent = agent_named(agent_name)
     if job is None or agent is None:
         return False
-    return actions.do_mark_job_running(
-        job, attempt=attempt, agent=agent, progress=progress
-    )
+    return do_mark_job_running(job, attempt=attempt, agent=agent, progress=progress)
 
 
 def retry_or_fail(job: Job, reason: str) -> str:
@@ -407,13 +419,13 @@ def retry_or_fail(job: Job, reason: str) -> str:
         if job.state not in OPEN_STATES:
             return job.state
         if job.attempts >= settings.RELEASEGATE_JOB_MAX_ATTEMPTS:
-            actions.do_finish_job(
+            do_finish_job(
                 job, error=f"{reason}; gave up after {job.attempts} attempt(s)"
             )
             _after(job)
             return "failed"
         previous = job.agent
-        actions.do_retry_job(job, reason=reason)
+        do_retry_job(job, reason=reason)
         _send(job, exclude=previous)
         return "retried"
 

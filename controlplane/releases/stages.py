@@ -7,7 +7,9 @@ moves a release; that is the pipeline's (controlplane.releases.pipeline)."""
 
 from controlplane.fleet.backend import backend_spec
 from controlplane.fleet.models import Agent, Deployment
-from controlplane.releases import actions, evidence
+from controlplane.releases import evidence
+from controlplane.releases.actions.jobs import do_finish_job
+from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.models import Job, Release
 from gpuagent.protocol import HashResult, JobRequest, JobResult, Recipe
 
@@ -85,10 +87,10 @@ def record(job: Job, result: JobResult, agent: Agent | None) -> Job:
     error = result.error or ("" if result.ok else f"{job.kind} failed on the agent")
     if result.ok and job.kind == "sign":
         signed = HashResult.model_validate(result.payload)
-        actions.do_record_manifest(
+        do_record_manifest(
             release,
             manifest_digest=signed.manifest_digest,
             files=signed.files,
             signature=signed.signature,
         )
-    return actions.do_finish_job(job, result=result.payload, error=error)
+    return do_finish_job(job, result=result.payload, error=error)

@@ -33,11 +33,9 @@ from controlplane import celery_app
 from controlplane.accounts.models import Membership, Team
 from controlplane.dispatch.models import OutboxMessage
 from controlplane.fleet.models import Environment
-from controlplane.releases.actions import (
-    do_evaluate_release_gates,
-    do_register_release,
-    do_set_gate_policy,
-)
+from controlplane.releases.actions.gate_policies import do_set_gate_policy
+from controlplane.releases.actions.gate_results import do_evaluate_release_gates
+from controlplane.releases.actions.registration import do_register_release
 from controlplane.releases.models import Job, ModelFamily, Release
 from controlplane.settings import broker_transport_options
 

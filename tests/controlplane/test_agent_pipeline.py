@@ -23,7 +23,7 @@ from controlplane import celery_app
 from controlplane.accounts.models import ApiToken
 from controlplane.celery import worker_command
 from controlplane.fleet.models import Agent
-from controlplane.releases.actions import do_set_gate_policy
+from controlplane.releases.actions.gate_policies import do_set_gate_policy
 from gpuagent.integrity.keys import ensure_key_pair
 from gpuagent.serving import Registry, loaded_deployments, undeploy
 from tests.controlplane.test_worker_integration import database_url
@@ -299,7 +299,7 @@ def test_it_retries_the_job_of_an_agent_killed_mid_job(cluster, demo_release, ow
     cluster.start_agent("signer", signer=True)
     cluster.start_agent("checker", signer=False)
     cluster.wait_for_agents("signer", "checker")
-    from controlplane.releases.actions import do_request_promotion
+    from controlplane.releases.actions.promotion import do_request_promotion
 
     do_request_promotion(release, owner)
     deadline = time.monotonic() + 300

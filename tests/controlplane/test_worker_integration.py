@@ -17,7 +17,7 @@ from django.conf import settings
 from controlplane import celery_app
 from controlplane.celery import worker_command
 from controlplane.fleet.models import Agent
-from controlplane.releases.actions import do_request_promotion
+from controlplane.releases.actions.promotion import do_request_promotion
 from controlplane.releases.models import Job
 from gpuagent.protocol import Heartbeat, InspectResult, JobResult
 

@@ -11,7 +11,7 @@ from controlplane.dashboard import access
 from controlplane.dashboard.release_page import live_release_for
 from controlplane.dashboard.views.outcome import answer, confirmed
 from controlplane.errors import ValidationFailed
-from controlplane.releases.actions import (
+from controlplane.releases.actions.approvals import (
     check_decide_release,
     do_approve_release,
     do_reject_release,

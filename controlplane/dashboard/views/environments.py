@@ -14,7 +14,7 @@ from controlplane.dashboard.health import agent_health
 from controlplane.dashboard.views.outcome import answer, confirmed
 from controlplane.errors import Conflict
 from controlplane.releases import evidence
-from controlplane.releases.actions import (
+from controlplane.releases.actions.rollbacks import (
     do_rollback_environment,
     previous_verified_deployment,
 )

@@ -11,7 +11,10 @@ from django.views.decorators.http import require_POST
 from controlplane.dashboard import access
 from controlplane.dashboard.views.outcome import answer, confirmed
 from controlplane.errors import ValidationFailed
-from controlplane.releases.actions import check_reopen_release, do_reopen_release
+from controlplane.releases.actions.promotion import (
+    check_reopen_release,
+    do_reopen_release,
+)
 
 
 @require_POST

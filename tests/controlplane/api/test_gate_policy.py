@@ -1,7 +1,7 @@
 import pytest
 
 from controlplane.audit.models import AuditEvent
-from controlplane.releases.actions import gate_policy_for
+from controlplane.releases.actions.gate_policies import gate_policy_for
 from controlplane.releases.gates import GatePolicy
 from tests.controlplane.api.helpers import error_of, field_names
 

@@ -1,7 +1,8 @@
 from django.utils import timezone
 
 from controlplane.fleet.models import Deployment
-from controlplane.releases.actions import do_record_gate_result, do_start_job
+from controlplane.releases.actions.gate_results import do_record_gate_result
+from controlplane.releases.actions.jobs import do_start_job
 from controlplane.releases.models import Approval
 from tests.controlplane.api.helpers import DIGEST, error_of, field_names
 

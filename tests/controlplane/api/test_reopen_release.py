@@ -2,13 +2,13 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import Conflict
-from controlplane.releases.actions import (
+from controlplane.releases.actions.approvals import (
     do_approve_release,
-    do_record_manifest,
     do_reject_release,
-    do_reopen_release,
-    do_transition_release,
 )
+from controlplane.releases.actions.manifests import do_record_manifest
+from controlplane.releases.actions.promotion import do_reopen_release
+from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Release
 from gpuagent.protocol import FileDigest
 from tests.controlplane.api.helpers import DIGEST, STALE_DIGEST, error_of

@@ -2,7 +2,7 @@ import pytest
 from playwright.sync_api import expect
 
 from controlplane.fleet.models import Deployment
-from controlplane.releases.actions import do_record_manifest
+from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.models import Approval, Release
 from gpuagent.protocol import FileDigest
 from tests.controlplane.browser.conftest import CHARTS_TIMEOUT_MS, LIVE_TIMEOUT_MS

@@ -9,13 +9,10 @@ from django.utils import timezone
 
 from controlplane.fleet.actions import do_record_agent_heartbeat, do_register_agent
 from controlplane.fleet.models import Agent, Deployment
-from controlplane.releases.actions import (
-    do_fail_deployment,
-    do_finish_job,
-    do_register_release,
-    do_reject_release,
-    do_start_job,
-)
+from controlplane.releases.actions.approvals import do_reject_release
+from controlplane.releases.actions.deployments import do_fail_deployment
+from controlplane.releases.actions.jobs import do_finish_job, do_start_job
+from controlplane.releases.actions.registration import do_register_release
 from controlplane.releases.models import Job
 from tests.controlplane.browser.conftest import CHARTS_TIMEOUT_MS
 from tests.controlplane.conftest import PASSWORD, RECIPE

@@ -1,7 +1,7 @@
 import pytest
 from playwright.sync_api import expect
 
-from controlplane.releases.actions import do_reject_release
+from controlplane.releases.actions.approvals import do_reject_release
 from controlplane.releases.models import Release
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]

@@ -2,7 +2,8 @@ import pytest
 from playwright.sync_api import expect
 
 from controlplane.fleet.models import Deployment
-from controlplane.releases.actions import do_approve_release, do_fail_deployment
+from controlplane.releases.actions.approvals import do_approve_release
+from controlplane.releases.actions.deployments import do_fail_deployment
 from controlplane.releases.models import Release
 from tests.controlplane.browser.conftest import LIVE_TIMEOUT_MS
 

@@ -10,16 +10,15 @@ REFERENCE.md; latency and throughput are made up but shaped like a real sweep.
 
 import hashlib
 
-from controlplane.releases.actions import (
-    do_approve_release,
+from controlplane.releases.actions.approvals import do_approve_release
+from controlplane.releases.actions.deployments import (
     do_complete_deployment,
-    do_finish_job,
-    do_record_gate_result,
-    do_record_manifest,
     do_start_deployment,
-    do_start_job,
-    do_transition_release,
 )
+from controlplane.releases.actions.gate_results import do_record_gate_result
+from controlplane.releases.actions.jobs import do_finish_job, do_start_job
+from controlplane.releases.actions.manifests import do_record_manifest
+from controlplane.releases.actions.transitions import do_transition_release
 from gpuagent.protocol import (
     FileDigest,
     Interval,

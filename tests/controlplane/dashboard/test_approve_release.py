@@ -1,7 +1,7 @@
 import pytest
 from django.test import Client
 
-from controlplane.releases.actions import do_record_manifest
+from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.models import Release
 from gpuagent.protocol import FileDigest
 

@@ -2,7 +2,7 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from controlplane.releases.actions import do_transition_release
+from controlplane.releases.actions.transitions import do_transition_release
 
 
 def _verbs(response) -> list[str]:

@@ -1,7 +1,7 @@
 import csv
 import io
 
-from controlplane.releases.actions import do_finish_job, do_start_job
+from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 from controlplane.releases.models import ModelFamily
 from tests.controlplane.dashboard.builders import load_test_report
 

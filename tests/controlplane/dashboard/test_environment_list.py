@@ -1,11 +1,8 @@
 import pytest
 
 from controlplane.fleet.models import Deployment
-from controlplane.releases.actions import (
-    do_fail_deployment,
-    do_finish_job,
-    do_start_job,
-)
+from controlplane.releases.actions.deployments import do_fail_deployment
+from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 
 REASON = "manifest digest mismatch; changed: model-00002-of-00002.safetensors"
 

@@ -5,7 +5,8 @@ from django.utils import timezone
 
 from controlplane.fleet.actions import do_register_agent
 from controlplane.fleet.models import Agent
-from controlplane.releases.actions import do_start_deployment, do_start_job
+from controlplane.releases.actions.deployments import do_start_deployment
+from controlplane.releases.actions.jobs import do_start_job
 
 
 def _rows(response) -> dict:

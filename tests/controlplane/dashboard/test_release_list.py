@@ -1,4 +1,4 @@
-from controlplane.releases.actions import do_start_job
+from controlplane.releases.actions.jobs import do_start_job
 from controlplane.releases.models import Release
 
 

@@ -1,4 +1,4 @@
-from controlplane.releases.actions import do_start_job
+from controlplane.releases.actions.jobs import do_start_job
 
 
 def test_it_renders_the_state_and_stages_fragment(client, owner, make_release):

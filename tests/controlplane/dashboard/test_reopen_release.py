@@ -2,7 +2,7 @@ import pytest
 from django.test import Client
 
 from controlplane.audit.models import AuditEvent
-from controlplane.releases.actions import do_reject_release
+from controlplane.releases.actions.approvals import do_reject_release
 from controlplane.releases.models import Release
 
 REASON = "re-ran calibration with the Korean prompts"

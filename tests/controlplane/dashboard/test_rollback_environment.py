@@ -2,7 +2,7 @@ import pytest
 from django.test import Client
 
 from controlplane.fleet.models import Deployment
-from controlplane.releases.actions import do_fail_deployment
+from controlplane.releases.actions.deployments import do_fail_deployment
 from controlplane.releases.models import Release
 
 

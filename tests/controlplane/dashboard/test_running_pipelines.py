@@ -1,4 +1,4 @@
-from controlplane.releases.actions import do_finish_job, do_start_job
+from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 
 
 def test_it_renders_the_running_pipelines_fragment(client, owner, make_release):

@@ -8,7 +8,10 @@ from controlplane.errors import (
     IllegalTransition,
     SeparationOfDuties,
 )
-from controlplane.releases.actions import check_approve_release, do_approve_release
+from controlplane.releases.actions.approvals import (
+    check_approve_release,
+    do_approve_release,
+)
 from controlplane.releases.models import Approval, Release
 
 DIGEST = "sha256:" + "ab" * 32
@@ -111,7 +114,7 @@ def test_it_binds_the_digest_it_approved_when_a_manifest_lands_concurrently(
     from django.db import connection, connections
 
     from controlplane.errors import Conflict
-    from controlplane.releases import actions
+    from controlplane.releases.actions import approvals, manifests
     from gpuagent.protocol import FileDigest
 
     if connection.vendor != "postgresql":
@@ -121,7 +124,7 @@ def test_it_binds_the_digest_it_approved_when_a_manifest_lands_concurrently(
 
     def record_other_manifest():
         try:
-            actions.do_record_manifest(
+            manifests.do_record_manifest(
                 Release.objects.get(pk=waiting.pk),
                 manifest_digest=other,
                 files=[FileDigest(path="a", size_bytes=1, digest=other)],
@@ -132,7 +135,7 @@ def test_it_binds_the_digest_it_approved_when_a_manifest_lands_concurrently(
         finally:
             connections.close_all()
 
-    real_transition = actions.do_transition_release
+    real_transition = approvals.do_transition_release
     writer = threading.Thread(target=record_other_manifest)
 
     def transition_after_a_concurrent_manifest(release, to_state, **kw):
@@ -142,7 +145,7 @@ def test_it_binds_the_digest_it_approved_when_a_manifest_lands_concurrently(
         return real_transition(release, to_state, **kw)
 
     monkeypatch.setattr(
-        actions, "do_transition_release", transition_after_a_concurrent_manifest
+        approvals, "do_transition_release", transition_after_a_concurrent_manifest
     )
 
     approval = do_approve_release(waiting, teammate, manifest_digest=DIGEST)

@@ -2,7 +2,7 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import Conflict, Forbidden, ValidationFailed
-from controlplane.releases.actions import do_create_model_family
+from controlplane.releases.actions.registration import do_create_model_family
 from controlplane.releases.models import ModelFamily
 
 

@@ -2,7 +2,7 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import Conflict, IllegalTransition
-from controlplane.releases.actions import (
+from controlplane.releases.actions.deployments import (
     do_complete_deployment,
     do_fail_deployment,
     do_start_deployment,

@@ -1,8 +1,6 @@
 from controlplane.audit.models import AuditEvent
-from controlplane.releases.actions import (
-    do_evaluate_release_gates,
-    do_set_gate_policy,
-)
+from controlplane.releases.actions.gate_policies import do_set_gate_policy
+from controlplane.releases.actions.gate_results import do_evaluate_release_gates
 from controlplane.releases.gates import evaluate_gates
 from tests.controlplane.releases.test_evaluate_policy import load_report, quality_report
 

@@ -1,12 +1,9 @@
 import pytest
 
 from controlplane.releases import evidence
-from controlplane.releases.actions import (
-    do_finish_job,
-    do_record_manifest,
-    do_start_job,
-    do_transition_release,
-)
+from controlplane.releases.actions.jobs import do_finish_job, do_start_job
+from controlplane.releases.actions.manifests import do_record_manifest
+from controlplane.releases.actions.transitions import do_transition_release
 from gpuagent.protocol import FileDigest
 from tests.controlplane.dashboard.builders import load_test_report, quality_report
 

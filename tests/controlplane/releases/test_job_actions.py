@@ -6,7 +6,7 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import JobLeaseHeld, ValidationFailed
-from controlplane.releases.actions import (
+from controlplane.releases.actions.jobs import (
     do_finish_job,
     do_start_job,
     do_update_job_progress,

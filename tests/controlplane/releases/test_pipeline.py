@@ -14,7 +14,8 @@ from django.utils import timezone
 import gpuagent.engine
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, Deployment
-from controlplane.releases.actions import do_approve_release, do_set_gate_policy
+from controlplane.releases.actions.approvals import do_approve_release
+from controlplane.releases.actions.gate_policies import do_set_gate_policy
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import (
     record_job_result,

@@ -2,7 +2,7 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import ValidationFailed
-from controlplane.releases.actions import do_record_gate_result
+from controlplane.releases.actions.gate_results import do_record_gate_result
 
 
 def test_it_records_a_gate_result(release):

@@ -1,7 +1,7 @@
 import pytest
 
 from controlplane.errors import Conflict
-from controlplane.releases.actions import do_record_manifest
+from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.models import Approval, Release
 from gpuagent.protocol import FileDigest
 

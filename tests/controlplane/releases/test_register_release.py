@@ -3,7 +3,7 @@ import pytest
 from controlplane.accounts.models import ApiToken
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import ConflictingRegistration, Forbidden, ValidationFailed
-from controlplane.releases.actions import do_register_release
+from controlplane.releases.actions.registration import do_register_release
 from controlplane.releases.models import Release
 from tests.controlplane.conftest import RECIPE, team_source_uri
 

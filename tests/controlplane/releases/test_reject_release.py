@@ -7,7 +7,7 @@ from controlplane.errors import (
     SeparationOfDuties,
     ValidationFailed,
 )
-from controlplane.releases.actions import do_reject_release
+from controlplane.releases.actions.approvals import do_reject_release
 from controlplane.releases.models import Release
 
 

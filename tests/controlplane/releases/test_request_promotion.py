@@ -3,7 +3,7 @@ import pytest
 from controlplane.accounts.models import ApiToken
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import Conflict, Forbidden
-from controlplane.releases.actions import do_request_promotion
+from controlplane.releases.actions.promotion import do_request_promotion
 from controlplane.releases.models import Release
 
 

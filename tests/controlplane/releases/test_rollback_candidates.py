@@ -6,11 +6,11 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Deployment
-from controlplane.releases.actions import (
+from controlplane.releases.actions.deployments import (
     do_complete_deployment,
-    do_rollback_environment,
     do_start_deployment,
 )
+from controlplane.releases.actions.rollbacks import do_rollback_environment
 from controlplane.releases.models import EnvironmentGatePolicy, Release
 from controlplane.releases.tasks import run_deployment, run_reverification
 from gpuagent.protocol import DeployResult, VerifyResult

@@ -4,12 +4,12 @@ from controlplane.accounts.models import ApiToken
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import Conflict, Forbidden
 from controlplane.releases import tasks
-from controlplane.releases.actions import (
+from controlplane.releases.actions.deployments import (
     do_complete_deployment,
     do_fail_deployment,
-    do_rollback_environment,
     do_start_deployment,
 )
+from controlplane.releases.actions.rollbacks import do_rollback_environment
 from controlplane.releases.models import Release
 from gpuagent.protocol import DeployResult
 

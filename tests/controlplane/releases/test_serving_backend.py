@@ -8,7 +8,7 @@ from pathlib import Path
 import gpuagent.engine
 from controlplane.fleet.actions import do_set_serving_backend
 from controlplane.fleet.models import Deployment
-from controlplane.releases.actions import do_approve_release
+from controlplane.releases.actions.approvals import do_approve_release
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import run_deployment
 from gpuagent.serving import loaded_deployments, undeploy

@@ -4,8 +4,8 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import IllegalTransition, ValidationFailed
-from controlplane.releases import actions
-from controlplane.releases.actions import (
+from controlplane.releases.actions import transitions
+from controlplane.releases.actions.transitions import (
     REASON_REQUIRED,
     TRANSITIONS,
     do_transition_release,
@@ -117,7 +117,7 @@ def test_it_changes_nothing_when_the_audit_write_fails(release, owner, monkeypat
     def broken_audit(*args, **kwargs):
         raise RuntimeError("audit store down")
 
-    monkeypatch.setattr(actions, "do_record_event", broken_audit)
+    monkeypatch.setattr(transitions, "do_record_event", broken_audit)
 
     with pytest.raises(RuntimeError):
         do_transition_release(release, "verifying", actor=owner)

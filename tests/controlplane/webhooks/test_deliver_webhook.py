@@ -5,7 +5,7 @@ import pytest
 
 from controlplane import celery_app
 from controlplane.errors import ValidationFailed
-from controlplane.releases.actions import do_transition_release
+from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.webhooks.actions import check_webhook_url, retry_delay_s
 from controlplane.webhooks.models import Webhook, WebhookDelivery
 from controlplane.webhooks.signing import verify_signature

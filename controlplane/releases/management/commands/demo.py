@@ -32,12 +32,10 @@ from controlplane.accounts.models import Membership, Team
 from controlplane.celery import worker_command
 from controlplane.fleet.models import Environment
 from controlplane.releases import pipeline
-from controlplane.releases.actions import (
-    do_approve_release,
-    do_register_release,
-    do_request_promotion,
-    do_set_gate_policy,
-)
+from controlplane.releases.actions.approvals import do_approve_release
+from controlplane.releases.actions.gate_policies import do_set_gate_policy
+from controlplane.releases.actions.promotion import do_request_promotion
+from controlplane.releases.actions.registration import do_register_release
 from controlplane.releases.models import Job, ModelFamily, Release
 from controlplane.releases.timings import stage_timings
 from gpuagent.integrity.keys import ensure_key_pair

@@ -1,0 +1,109 @@
+"""A deployment's life: started, live, failed."""
+
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.audit.actions import Actor, do_record_event
+from controlplane.errors import Conflict
+from controlplane.fleet.models import Agent, Deployment, Environment
+from controlplane.releases.actions.transitions import do_transition_release
+from controlplane.releases.models import Release
+
+
+def do_start_deployment(
+    release: Release,
+    *,
+    actor: Actor,
+    environment: Environment | None = None,
+    agent: Agent | None = None,
+) -> Deployment:
+    """approved/superseded/rolled_back -> deploying, with a Deployment row."""
+    environment = environment or release.target_environment
+    with transaction.atomic():
+        do_transition_release(release, "deploying", actor=actor)
+        deployment = Deployment.objects.create(
+            release=release, environment=environment, agent=agent, state="deploying"
+        )
+        do_record_event(
+            actor,
+            "deployment.started",
+            deployment,
+            after=deployment.to_dict(),
+            team=environment.team,
+        )
+    return deployment
+
+
+def do_complete_deployment(
+    deployment: Deployment,
+    *,
+    actor: Actor,
+    endpoint: str = "",
+    agent: Agent | None = None,
+    serving_id: str = "",
+) -> Deployment:
+    """deploying -> live; whatever was live in the environment becomes superseded
+    (and stays warm as the rollback target)."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        if deployment.state != "deploying":
+            raise Conflict(f"deployment {deployment.pk} is {deployment.state}")
+        now = timezone.now()
+        previous = (
+            Deployment.objects.select_for_update()
+            .serving()
+            .filter(environment=deployment.environment)
+            .exclude(pk=deployment.pk)
+        )
+        for old in previous:
+            # One that failed verification keeps its state (it is no rollback
+            # target) but is no longer what the environment serves.
+            if old.state == "live":
+                old.state = "superseded"
+            old.ended = now
+            old.save(update_fields=["state", "ended"])
+            if old.release.state == "live":
+                do_transition_release(old.release, "superseded", actor=actor)
+        deployment.state = "live"
+        deployment.endpoint = endpoint or deployment.endpoint
+        deployment.agent = agent or deployment.agent
+        deployment.serving_id = serving_id or deployment.serving_id
+        deployment.save(update_fields=["state", "endpoint", "agent", "serving_id"])
+        do_transition_release(deployment.release, "live", actor=actor)
+        do_record_event(
+            actor,
+            "deployment.live",
+            deployment,
+            before={"state": "deploying"},
+            after=deployment.to_dict(),
+            team=deployment.environment.team,
+        )
+    return deployment
+
+
+def do_fail_deployment(
+    deployment: Deployment, *, actor: Actor, reason: str, verification: bool = False
+) -> Deployment:
+    """Mark a deploying or live deployment failed (or failed_verification when the
+    bytes did not match) and move its release along."""
+    new_state = "failed_verification" if verification else "failed"
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        before = deployment.state
+        if before not in ("deploying", "live"):
+            raise Conflict(f"deployment {deployment.pk} is {before}")
+        deployment.state = new_state
+        deployment.reason = reason
+        if new_state == "failed":
+            deployment.ended = timezone.now()
+        deployment.save(update_fields=["state", "ended", "reason"])
+        do_transition_release(deployment.release, new_state, actor=actor, reason=reason)
+        do_record_event(
+            actor,
+            f"deployment.{new_state}",
+            deployment,
+            before={"state": before},
+            after={"state": new_state, "reason": reason},
+            team=deployment.environment.team,
+        )
+    return deployment
