@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from gpuagent.benches import DEMO_MODEL_DIR
-from gpuagent.compress.lossless import (
+from gpuagent.lossless.container import (
     decode_checkpoint,
     decode_tensors,
     encode_checkpoint,
     read_container,
     read_weights,
 )
-from gpuagent.compress.lossless_planes import DEFAULT_CHUNK_ELEMENTS, default_threads
+from gpuagent.lossless.planes import DEFAULT_CHUNK_ELEMENTS, default_threads
 
 REAL_MODEL_DIR = Path("var/models/smollm2-135m")
 MAX_REPEATS = 50
