@@ -44,7 +44,7 @@ attention weight is usually smaller (KIVI's residual). A row costs
 int4 layout, chosen by measurement against KIVI (issue 12). KIVI quantizes keys per
 channel over groups of G tokens and values per token (in groups of G channels),
 asymmetric (a float16 min and scale per group), and keeps a bf16 residual of R
-tokens; it was simulated faithfully on SmolLM2-135M (gpuagent/engine/
+tokens; it was simulated faithfully on SmolLM2-135M (gpuagent/benches/
 kv_alternatives.py; the same simulation of the served int4 scores what the engine
 does, 0.0089 / 95.0% vs 0.0089 / 95.1%), teacher-forced over the bench's 24
 passages (4206 positions) against bf16 KV, bytes/token vs bf16 with the window or
@@ -60,7 +60,7 @@ KIVI G 32, R 128 (the paper's setting)        0.0030    97.8%      0.375
 int4+w128 (served int4 at KIVI's bytes)       0.0022    98.2%      0.328
 ========================================  ==========  =======  =========
 
-Printed by `python -m gpuagent.engine.bench --model-dir var/models/smollm2-135m
+Printed by `python -m gpuagent.benches.engine --model-dir var/models/smollm2-135m
 --quality-only` (rows kivi-*, sim-int4+w*). Hence the rotation + window: every
 layout meets the int4 quality target (KLD <= 0.03, top-1 >= 92%), but KIVI's group
 minima and scales (4 D / G bytes each for K and V) and its residual of at least G

@@ -1,7 +1,10 @@
 """The layering in STYLE.md, checked on the source: torch stays out of the control
-plane, Django stays out of the agent and the kernels."""
+plane, Django stays out of the agent and the kernels, the serving engine imports
+neither the evaluator nor the compressor, and the agent's benches (which drive several
+layers) live in gpuagent/benches/, imported by nothing outside it but the tests."""
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:
+    """Each module's absolute imports: `import a.b` gives a.b, `from a import b`
+    both a and a.b (b may be a module)."""
     found: dict[str, set[str]] = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -19,17 +24,24 @@ def imported_modules(package: str) -> dict[str, set[str]]:
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
         found[str(path.relative_to(ROOT))] = names
     return found
 
 
-def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
+def offenders(packages: tuple[str, ...], bad: Callable[[str, str], bool]) -> list[str]:
+    """ "path: name" for each import `name` in `packages` for which bad(path, name)."""
     return [
         f"{path}: {name}"
+        for package in packages
         for path, names in imported_modules(package).items()
         for name in sorted(names)
-        if name.split(".")[0] in forbidden
+        if bad(path, name)
     ]
+
+
+def is_within(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
 
 
 @pytest.mark.parametrize(
@@ -41,15 +53,43 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
     ],
 )
 def test_it_keeps_layers_apart(package, forbidden):
-    assert offenders(package, forbidden) == []
+    assert offenders((package,), lambda _, name: name.split(".")[0] in forbidden) == []
 
 
 def test_it_lets_controlplane_import_only_torch_free_agent_modules():
     allowed = ("gpuagent.protocol", "gpuagent.integrity")
-    bad = [
-        f"{path}: {name}"
-        for path, names in imported_modules("controlplane").items()
-        for name in sorted(names)
-        if name.startswith("gpuagent") and not name.startswith(allowed)
+
+    def bad(_, name):
+        return name.startswith("gpuagent") and not name.startswith(allowed)
+
+    assert offenders(("controlplane",), bad) == []
+
+
+def test_it_keeps_the_engine_off_the_evaluator_and_the_compressor():
+    forbidden = ("gpuagent.evaluate", "gpuagent.compress")
+
+    def bad(_, name):
+        return any(is_within(name, module) for module in forbidden)
+
+    assert offenders(("gpuagent/engine",), bad) == []
+
+
+def test_it_keeps_the_agents_benches_in_gpuagent_benches():
+    benches = ROOT / "gpuagent" / "benches"
+    elsewhere = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "gpuagent").rglob("*.py"))
+        if (path.name == "bench.py" or path.stem.endswith("_bench"))
+        and benches not in path.parents
     ]
-    assert bad == []
+    assert elsewhere == []
+
+
+def test_it_lets_nothing_outside_the_benches_import_a_bench():
+    def bad(path, name):
+        is_bench = is_within(name, "gpuagent.benches") or name.endswith(
+            (".bench", "_bench")
+        )
+        return is_bench and not path.startswith("gpuagent/benches/")
+
+    assert offenders(("controlplane", "gpuagent", "kernels"), bad) == []

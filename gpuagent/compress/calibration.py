@@ -1,5 +1,5 @@
 """Calibration text for GPTQ and the KV scales, from the project's corpus: the
-training side of the demo model's split (`gpuagent.engine.train_demo`: Python's
+training side of the demo model's split (`gpuagent.models.corpus`: Python's
 reference-doc topics, stdlib sources, Korean message catalogs), none of which is the
 evaluation text in `gpuagent/evaluate/data` (written for the project, checked
 disjoint by `check_disjoint`).
@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from gpuagent.engine import train_demo
 from gpuagent.evaluate.evalsets import load_text_slices
+from gpuagent.models import corpus
 
 # 96 x 256 tokens: on SmolLM2, w8a16 GPTQ's mean KLD was 0.00420 with 32 sequences
 # and 0.00405 with 96 (AWQ + GPTQ act-order + mse observer: 0.00199 -> 0.00185);
@@ -32,13 +32,13 @@ def calibration_texts(num_per_domain: int) -> tuple[tuple[str, ...], ...]:
     (one tuple per domain, in that order), drawn (seeded) from the training side of
     the demo corpus."""
     rng = random.Random(_SEED)
-    english = train_demo.english_docs(heldout=False)
-    names = [p for n, p in train_demo.code_files() if not train_demo.is_heldout(n)]
+    english = corpus.english_docs(heldout=False)
+    names = [p for n, p in corpus.code_files() if not corpus.is_heldout(n)]
     code = [
         p.read_text(encoding="utf-8", errors="replace")
         for p in rng.sample(names, min(len(names), 8 * num_per_domain))
     ]
-    pairs = train_demo.korean_pairs(train_demo.django_korean_catalogs(), False)
+    pairs = corpus.korean_pairs(corpus.django_korean_catalogs(), False)
     korean_lines = [msgstr for _, msgstr in pairs]
     rng.shuffle(korean_lines)
     # Korean messages are short: join runs of them into documents.

@@ -238,19 +238,6 @@ def kv_window_bytes(config: Any, window: int) -> int:
     return num_layers * kernels.kv_window_bytes(num_kv_heads, head_dim, window)
 
 
-# The sequence length a sequence's fixed costs (its window row, the caches' static
-# scales) are spread over when KV bytes per token are compared: a 2k-token sequence.
-AMORTIZED_SEQ_TOKENS = 2048
-
-
-def amortized_bytes_ratio(config: Any, kv_dtype: str, window: int) -> float:
-    """KV bytes/token of `kv_dtype` with a `window`-token full-precision row vs
-    bf16, the window row and the static scales spread over AMORTIZED_SEQ_TOKENS."""
-    extra = kv_window_bytes(config, window) + kv_static_bytes(config, kv_dtype)
-    per_token = kv_bytes_per_token(config, kv_dtype) + extra / AMORTIZED_SEQ_TOKENS
-    return per_token / kv_bytes_per_token(config, "bf16")
-
-
 def num_blocks_for_budget(
     config: Any,
     kv_dtype: str,

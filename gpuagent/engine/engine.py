@@ -45,7 +45,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 # 0.2744 <= 0.28 of bf16; fp8: 0.5 + 16/2048 = 0.5078 <= 0.52) and keeps the
 # capacity ratios (>= 3.6x, >= 1.9x) with one row reserved per max_num_seqs (64).
 # Measured on SmolLM2-135M, rotated K/V, vs bf16 KV over the eval sets' English,
-# code and Korean passages (4206 positions; `python -m gpuagent.engine.bench
+# code and Korean passages (4206 positions; `python -m gpuagent.benches.engine
 # --model-dir var/models/smollm2-135m --quality-only`), each query reading its own
 # newest W tokens in bf16: int4+w18 KLD / top-1 0.0089 / 95.1%, fp8+w16 0.00094 /
 # 98.6%, int8 without one 0.00035 / 98.8%. (With the window of the chunk's end

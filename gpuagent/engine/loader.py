@@ -24,7 +24,7 @@ from gpuagent.engine.model import LlamaConfig, Transformer
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# gpuagent.compress.lossless's container (exponent-coded bf16/fp16/fp32 weights)
+# the lossless container (gpuagent.lossless: exponent-coded bf16/fp16/fp32 weights)
 LOSSLESS_FILE = "model.lossless.safetensors"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,7 +153,7 @@ def _read_sharded(reader: _FileReader, quantized: bool) -> dict[str, torch.Tenso
 
 
 def _read_lossless(reader: _FileReader) -> dict[str, torch.Tensor]:
-    from gpuagent.compress.lossless import LosslessFormatError, decode_checkpoint
+    from gpuagent.lossless.container import LosslessFormatError, decode_checkpoint
 
     present = [n for n in (WEIGHTS_FILE, INDEX_FILE) if reader.exists(n)]
     if present:

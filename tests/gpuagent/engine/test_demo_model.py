@@ -13,9 +13,9 @@ import torch
 import transformers
 
 import gpuagent.engine
-from gpuagent.engine import train_demo
 from gpuagent.engine.loader import load_model
 from gpuagent.engine.tokenizer import load_tokenizer
+from gpuagent.models import corpus, train_demo
 
 DEMO_DIR = Path(gpuagent.engine.__file__).parent / "demo_model"
 FOLDER_FILES = {
@@ -76,11 +76,11 @@ def test_it_runs_the_same_in_transformers(demo_model):
     assert (ours - expected).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("domain", train_demo.DOMAINS)
+@pytest.mark.parametrize("domain", corpus.DOMAINS)
 def test_it_predicts_held_out_text_well_below_chance(demo_model, domain):
     # Django's catalogs only: they ship with a project dependency on every machine,
     # while the OS catalogs the training also used may be absent.
-    heldout = train_demo.heldout_texts(train_demo.django_korean_catalogs())
+    heldout = corpus.heldout_texts(corpus.django_korean_catalogs())
     report = json.loads((DEMO_DIR / "training_report.json").read_text())
 
     bpb = train_demo.bits_per_byte(

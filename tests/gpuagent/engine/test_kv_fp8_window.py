@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import kernels
 from gpuagent import protocol
-from gpuagent.engine import bench
+from gpuagent.benches import engine as bench
 from gpuagent.engine.engine import LLMEngine, default_kv_window
 from gpuagent.engine.kv_calibration import calibration_sequences, static_kv_scales
 from gpuagent.engine.loader import ModelLoadError, load_model

@@ -237,7 +237,7 @@ RULE_TEXTS = {
 def test_it_encodes_prompts_as_transformers_does(model, slice_name, request):
     from transformers import AutoTokenizer
 
-    from gpuagent.engine.bench import DEMO_MODEL_DIR
+    from gpuagent.benches import DEMO_MODEL_DIR
 
     model_dir = (
         DEMO_MODEL_DIR if model == "demo" else request.getfixturevalue("real_model_dir")

@@ -10,7 +10,7 @@ import gpuagent.integrity as integrity
 def test_it_imports_without_torch():
     code = (
         "import sys, gpuagent.integrity, gpuagent.integrity.__main__, "
-        "gpuagent.integrity.bench; print(sorted(m for m in sys.modules "
+        "gpuagent.benches.integrity; print(sorted(m for m in sys.modules "
         "if m.split('.')[0] in ('torch', 'triton', 'django')))"
     )
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gpuagent.integrity.bench import hostile_safetensors, measure_child, wide_json
+from gpuagent.benches.integrity import hostile_safetensors, measure_child, wide_json
 from gpuagent.integrity.strict_json import Rejected, strict_json_loads
 from tests.gpuagent.integrity.builders import write_model
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from gpuagent.engine import bench
+from gpuagent.benches import engine as bench
 from gpuagent.models.smollm2 import gguf_path
 
 TEXTS = {
@@ -117,7 +117,7 @@ def test_it_keeps_special_tokens_whole_and_renders_the_chat_template(
 def test_int8_kv_stays_within_its_quality_bar_on_a_small_slice(
     real_model_and_tokenizer,
 ):
-    # A regression guard, not the measurement: python -m gpuagent.engine.bench
+    # A regression guard, not the measurement: python -m gpuagent.benches.engine
     # --model-dir var/models/smollm2-135m prints the whole table.
     model, tokenizer = real_model_and_tokenizer
     ref, cand = [], []

@@ -1,5 +1,5 @@
 """Huffman-coded literal blocks in zstd frames, built with numpy (the streams' bits
-written by `lossless_loops`).
+written by `loops`).
 
 zstd decodes Huffman-coded literals with 4 interleaved streams (what ZipNN's coder
 runs too), faster than an inflater decodes DEFLATE's single stream, but its own
@@ -21,7 +21,7 @@ import struct
 
 import numpy as np
 
-from gpuagent.compress.lossless_loops import huffman_stream
+from gpuagent.lossless.loops import huffman_stream
 
 MAX_BLOCK_SYMBOLS = 128 << 10  # zstd's Block_Maximum_Size
 MAX_SYMBOL = 128  # the direct representation stores at most 128 weights
@@ -73,7 +73,7 @@ def _literals_section(block: np.ndarray) -> bytes | None:
         (weights[0::2] << 4 | weights[1::2]).astype(np.uint8)
     )
     segment = (block.size + 3) // 4
-    # written in C (lossless_loops): numpy's bit packing was 3/4 of coding time
+    # written in C (loops): numpy's bit packing was 3/4 of coding time
     codes32, lengths8 = codes.astype("<u4"), lengths.astype(np.uint8)
     streams = [
         huffman_stream(block[i * segment : (i + 1) * segment], codes32, lengths8)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kernels
-from gpuagent.engine import bench
-from gpuagent.engine import kv_alternatives as alt
+from gpuagent.benches import engine as bench
+from gpuagent.benches import kv_alternatives as alt
 from gpuagent.engine.cache import kv_bytes_per_token
 
 KVH, D = 2, 64

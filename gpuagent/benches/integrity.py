@@ -1,4 +1,4 @@
-"""Benchmark: `python -m gpuagent.integrity.bench [--size-gb 2]`.
+"""Benchmark: `python -m gpuagent.benches.integrity [--size-gb 2]`.
 
 Generates a sharded safetensors model folder under a temp dir (deleted after),
 signs it, and in one run measures side by side:
@@ -41,13 +41,13 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from gpuagent.benches import DEMO_MODEL_DIR
 from gpuagent.integrity.errors import IntegrityError
 from gpuagent.integrity.manifest import hash_model
 from gpuagent.integrity.policy import Policy, ReleaseBinding
 from gpuagent.integrity.signing import sign_model, verify_model
 from gpuagent.integrity.verified_load import read_verified_files
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "engine" / "demo_model"
 RELEASE = ReleaseBinding("bench", "0", "none", "")
 
 
@@ -174,18 +174,18 @@ def model_signing_verify(
 
 def engine_overhead(repeats: int) -> str:
     if (
-        not DEMO_MODEL.is_dir()
+        not DEMO_MODEL_DIR.is_dir()
         or importlib.util.find_spec("gpuagent.engine.loader") is None
     ):
-        return f"skipped: {DEMO_MODEL} or the engine loader does not exist yet"
+        return f"skipped: {DEMO_MODEL_DIR} or the engine loader does not exist yet"
     from gpuagent.engine.loader import load_model  # torch, only here
 
-    digests = {a: hash_model(DEMO_MODEL, a).digest for a in ("sha256", "blake3")}
+    digests = {a: hash_model(DEMO_MODEL_DIR, a).digest for a in ("sha256", "blake3")}
     runs: dict[str, Callable[[], object]] = {
-        "plain": lambda: load_model(DEMO_MODEL),
+        "plain": lambda: load_model(DEMO_MODEL_DIR),
         **{
             a: lambda d=d: load_model(
-                DEMO_MODEL, files=read_verified_files(DEMO_MODEL, d)
+                DEMO_MODEL_DIR, files=read_verified_files(DEMO_MODEL_DIR, d)
             )
             for a, d in digests.items()
         },
@@ -200,7 +200,7 @@ def engine_overhead(repeats: int) -> str:
             run()
             times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(t) for name, t in times.items()}
-    size = sum(p.stat().st_size for p in files_of(DEMO_MODEL)) / 1e6
+    size = sum(p.stat().st_size for p in files_of(DEMO_MODEL_DIR)) / 1e6
     parts = [f"demo model ({size:.1f} MB): load {median['plain'] * 1e3:.1f} ms"]
     for algorithm in digests:
         extra = (median[algorithm] / median["plain"] - 1) * 100
@@ -304,7 +304,7 @@ def hostile_rows(root: Path, size_mb: float, signed: tuple[Path, Path, Policy]):
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and prints the table."""
-    parser = argparse.ArgumentParser(prog="python -m gpuagent.integrity.bench")
+    parser = argparse.ArgumentParser(prog="python -m gpuagent.benches.integrity")
     parser.add_argument("--size-gb", type=float, default=2.0)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)

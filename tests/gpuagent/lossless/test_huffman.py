@@ -1,17 +1,17 @@
-"""gpuagent.compress.lossless_huffman: frames libzstd decodes to the symbols."""
+"""gpuagent.lossless.huffman: frames libzstd decodes to the symbols."""
 
 import numpy as np
 import pytest
 import zstandard
 
-from gpuagent.compress.lossless_huffman import (
+from gpuagent.lossless.huffman import (
     MAX_SYMBOL,
     canonical_codes,
     encode_frame,
     frame_size,
     limited_code_lengths,
 )
-from gpuagent.compress.lossless_loops import huffman_stream
+from gpuagent.lossless.loops import huffman_stream
 
 
 def _symbols(kind, count, rng):

@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
-from gpuagent.compress.lossless import CONTAINER_FILE, compress_folder
 from gpuagent.engine.loader import ModelLoadError, load_model
 from gpuagent.integrity import read_inspected_files, read_verified_files
 from gpuagent.integrity.errors import ManifestDigestMismatchError
+from gpuagent.lossless.container import CONTAINER_FILE, compress_folder
 
 TOKENS = torch.tensor([[72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]])
 

@@ -6,12 +6,12 @@ exponent and 3 top mantissa bits), for fp32 the exponent, taken from the word ro
 left by one bit. Trained weights use few exponents (about 2.6 bits of entropy in 8),
 so it is Huffman-coded. The other W/8 - 1 bytes per element are the *rest plane*:
 for 16-bit words `sign | mantissa bits 6..0` (ZipNN's layout; merged back into words
-in one pass by `lossless_loops`), for fp32 the rotated word's low bytes, mantissa then
+in one pass by `loops`), for fp32 the rotated word's low bytes, mantissa then
 sign. They are near random, stored raw unless coding saves at least `MIN_SAVING`.
 DFloat11 likewise codes only the exponent and keeps sign and mantissa as they are.
 
 Both planes are cut into chunks of `chunk_elements` elements, each coded on its own:
-- "h": a zstd frame of Huffman-coded literals written by `lossless_huffman` (order-0
+- "h": a zstd frame of Huffman-coded literals written by `huffman` (order-0
   entropy coding; libzstd decodes its 4 interleaved streams, the coder ZipNN runs);
   the chunk's bytes are coded minus their smallest value, kept in a leading byte;
 - "d": a raw DEFLATE stream written by zlib with `Z_HUFFMAN_ONLY`, read by ISA-L,
@@ -38,8 +38,8 @@ import numpy as np
 import zstandard
 from isal import isal_zlib
 
-from gpuagent.compress import lossless_huffman
-from gpuagent.compress.lossless_loops import merge16
+from gpuagent.lossless import huffman
+from gpuagent.lossless.loops import merge16
 
 # safetensors dtype name -> the unsigned little-endian word holding one element
 WORD_TYPES: dict[str, np.dtype] = {
@@ -48,7 +48,7 @@ WORD_TYPES: dict[str, np.dtype] = {
     "F32": np.dtype("<u4"),
 }
 # Per-chunk codec letters in a plane's `codecs` string: raw bytes; a raw DEFLATE
-# stream; a byte `base` then a zstd frame of Huffman literals (lossless_huffman)
+# stream; a byte `base` then a zstd frame of Huffman literals (huffman)
 # decoding to the bytes minus `base`.
 RAW, DEFLATE, HUFFMAN = "r", "d", "h"
 CODEC_LETTERS = (RAW, DEFLATE, HUFFMAN)
@@ -122,7 +122,7 @@ def merge_words(
     being stored minus `exponent_base` and `rest_base` (mod 256)."""
     size = out.dtype.itemsize
     if size == 2:
-        # one pass in C (lossless_loops): numpy took four on 16-bit lanes, as much
+        # one pass in C (loops): numpy took four on 16-bit lanes, as much
         # time as the Huffman decoding
         merge16(exponent, rest[0], out.view(np.uint8), exponent_base, rest_base)
         return
@@ -153,8 +153,8 @@ def _code_chunk(plane: np.ndarray) -> tuple[str, bytes]:
     if plane.size == 0 or _entropy_bits(sample) > 8 * (1 - MIN_SAVING):
         return RAW, raw
     base = int(plane.min())
-    if int(plane.max()) - base <= lossless_huffman.MAX_SYMBOL:
-        frame = lossless_huffman.encode_frame(plane.reshape(-1) - np.uint8(base))
+    if int(plane.max()) - base <= huffman.MAX_SYMBOL:
+        frame = huffman.encode_frame(plane.reshape(-1) - np.uint8(base))
         if frame is not None and len(frame) + 1 < len(raw):
             return HUFFMAN, bytes([base]) + frame
     deflater = zlib.compressobj(
@@ -322,7 +322,7 @@ def _decode_chunk(
 def _decode_huffman(data: memoryview, size: int, where: str) -> np.ndarray:
     frame = data[1:]
     try:
-        frame_bytes = lossless_huffman.frame_size(frame)
+        frame_bytes = huffman.frame_size(frame)
         content_size = zstandard.frame_content_size(frame)
     except (ValueError, zstandard.ZstdError) as exc:
         raise PlaneDecodeError(f"{where}: {exc}") from exc

@@ -1,7 +1,7 @@
 """The benchmark script runs end to end on a tiny folder and cleans up after
 itself (its numbers are not asserted: benchmarks are not timed tests)."""
 
-from gpuagent.integrity.bench import main
+from gpuagent.benches.integrity import main
 
 
 def test_it_prints_the_table_and_removes_its_folder(tmp_path, capsys):

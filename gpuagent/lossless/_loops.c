@@ -1,11 +1,11 @@
-/* The lossless coder's two inner loops (gpuagent.compress.lossless_planes and
- * lossless_huffman), compiled: numpy spent as long on each as the rest of its
+/* The lossless coder's two inner loops (gpuagent.lossless.planes and
+ * .huffman), compiled: numpy spent as long on each as the rest of its
  * coding or decoding put together.
  *
  * merge16(exponent, rest, out, exponent_base, rest_base): for each element i,
  *   e = (exponent[i] + exponent_base) mod 256, r = (rest[i] + rest_base) mod 256,
  *   word i = (r & 0x80) << 8 | e << 7 | (r & 0x7f), written little-endian
- * the inverse of `lossless_planes.split_words` for bf16 and fp16 (see there). The
+ * the inverse of `planes.split_words` for bf16 and fp16 (see there). The
  * planes are read and the words written once, with the GIL released; numpy's
  * version of the same took four passes over the words.
  *
@@ -150,10 +150,10 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_lossless_loops",
+    PyModuleDef_HEAD_INIT, "_loops",
     "The lossless coder's inner loops: the merge of 16-bit words from their planes, "
     "and the writing of one Huffman stream.",
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__lossless_loops(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__loops(void) { return PyModule_Create(&module); }

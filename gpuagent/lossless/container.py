@@ -1,7 +1,7 @@
 """Lossless compression of float checkpoints for storage and distribution.
 
 Each bf16/fp16/fp32 tensor is split into an exponent plane, Huffman-coded, and a
-sign+mantissa plane stored raw (see `lossless_planes`); decoding gives the original
+sign+mantissa plane stored raw (see `planes`); decoding gives the original
 bits, every NaN payload and subnormal included.
 
 The container, `model.lossless.safetensors`, is a plain safetensors file, so the
@@ -42,7 +42,10 @@ from safetensors.numpy import save as save_numpy_safetensors
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_torch_safetensors
 
-from gpuagent.compress.lossless_planes import (
+from gpuagent.integrity.policy import DEFAULT_POLICY
+from gpuagent.integrity.safetensors_header import HeaderRejected, parse_header_bytes
+from gpuagent.integrity.strict_json import Rejected, strict_json_loads
+from gpuagent.lossless.planes import (
     DEFAULT_CHUNK_ELEMENTS,
     MAX_CHUNK_ELEMENTS,
     WORD_TYPES,
@@ -54,9 +57,6 @@ from gpuagent.compress.lossless_planes import (
     default_threads,
     encode_words,
 )
-from gpuagent.integrity.policy import DEFAULT_POLICY
-from gpuagent.integrity.safetensors_header import HeaderRejected, parse_header_bytes
-from gpuagent.integrity.strict_json import Rejected, strict_json_loads
 
 FORMAT = "releasegate.lossless"
 VERSION = 1

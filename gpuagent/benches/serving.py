@@ -1,4 +1,4 @@
-"""Benchmark: `python -m gpuagent.serving.bench [--model DIR ...] [--repeats 3]`.
+"""Benchmark: `python -m gpuagent.benches.serving [--model DIR ...] [--repeats 3]`.
 
 What the integrity checks add to a deploy on the project's engine, measured side by
 side in one run for each model folder (default: the demo model, and SmolLM2-135M
@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpuagent.benches import DEMO_MODEL_DIR
 from gpuagent.integrity import file_digests, hash_model, read_verified_files
 from gpuagent.protocol import BackendSpec, DeploySpec, Recipe
 from gpuagent.serving.deploy import deploy, undeploy
@@ -32,7 +33,7 @@ from gpuagent.serving.verify import Trust, verify_for_deploy
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS = (
-    REPO / "gpuagent" / "engine" / "demo_model",
+    DEMO_MODEL_DIR,
     REPO / "var" / "models" / "smollm2-135m",
 )
 
@@ -87,7 +88,7 @@ def bench_model(model_dir: Path, repeats: int, threads: int) -> dict[str, float]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gpuagent.serving.bench")
+    parser = argparse.ArgumentParser(prog="python -m gpuagent.benches.serving")
     parser.add_argument("--model", type=Path, action="append", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)

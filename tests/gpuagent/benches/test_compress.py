@@ -5,15 +5,15 @@ the same candidate and the parent run in bf16 arithmetic."""
 import torch
 from safetensors.torch import save_file
 
-from gpuagent.compress import bench
-from gpuagent.compress.bench import bf16_floor_rows, quality_rows
-from gpuagent.compress.lossless_bench import DEMO_MODEL_DIR
+from gpuagent.benches import DEMO_MODEL_DIR
+from gpuagent.benches import compress as bench
+from gpuagent.benches.compress import bf16_floor_rows, quality_rows
 from gpuagent.compress.recipes import weight_scheme
 from gpuagent.evaluate.evalsets import TEXT_SLICES
 from gpuagent.evaluate.inprocess import EngineModel
 from gpuagent.evaluate.regression import Settings
 from kernels import int4_cpu
-from tests.gpuagent.compress.conftest import DEMO_MODEL
+from tests.gpuagent.conftest import DEMO_MODEL
 
 SETTINGS = Settings(slices=TEXT_SLICES, max_items=1, continuation_tokens=2)
 

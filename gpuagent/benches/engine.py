@@ -1,4 +1,4 @@
-"""Engine benchmark: `python -m gpuagent.engine.bench [--quick] [--model-dir DIR]`.
+"""Engine benchmark: `python -m gpuagent.benches.engine [--quick] [--model-dir DIR]`.
 
 Prints ratios measured side by side in one run, each with its target and PASS/FAIL
 where it has one ("info" where it is information only):
@@ -56,12 +56,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpuagent.engine.cache import (
+from gpuagent.benches import DEMO_MODEL_DIR
+from gpuagent.benches.kv_alternatives import (
     AMORTIZED_SEQ_TOKENS,
-    kv_bytes_per_token,
-    kv_window_bytes,
+    Layout,
+    layout_logprobs,
+    measured_layouts,
 )
-from gpuagent.engine.cache import amortized_bytes_ratio as cache_bytes_ratio
+from gpuagent.benches.kv_alternatives import amortized_bytes_ratio as cache_bytes_ratio
+from gpuagent.engine.cache import kv_bytes_per_token, kv_window_bytes
 from gpuagent.engine.engine import (
     DEFAULT_MAX_NUM_SEQS,
     LLMEngine,
@@ -69,7 +72,6 @@ from gpuagent.engine.engine import (
     engine_kv_cache,
     prepare_inputs,
 )
-from gpuagent.engine.kv_alternatives import Layout, layout_logprobs, measured_layouts
 from gpuagent.engine.kv_calibration import (
     calibration_sequences,
     set_cache_scales,
@@ -85,7 +87,6 @@ from gpuagent.evaluate.regression import exact_position_stats
 from gpuagent.protocol import SliceQuality
 from kernels import STATIC_SCALE_DTYPES
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
 KV_DTYPES = ("bf16", "fp16", "fp8-per-token", "fp8", "int8", "int4")
 CAPACITY_SEQ_TOKENS = AMORTIZED_SEQ_TOKENS
 # (mean KLD, same top-1) vs bf16 KV that each served layout must reach (issue 12);
@@ -1064,7 +1065,7 @@ def model_quality_sections(
         served_results, simulated = results[: len(dtypes)], results[len(dtypes) :]
         return [
             *quality_table(served_results),
-            "measured, not served (information; gpuagent/engine/kv_alternatives.py):",
+            "measured, not served (information; gpuagent/benches/kv_alternatives.py):",
             "  kivi-gGrR: KIVI int4 simulated; sim-int4+wW: the served int4 simulated",
             "  (w18: the simulation's check against int4+w18 above; the longer window:",
             "  the served int4 at kivi-g32r32's bytes/token)",
@@ -1107,7 +1108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpuagent.engine.loader import load_model
     from gpuagent.engine.tokenizer import load_tokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m gpuagent.engine.bench")
+    parser = argparse.ArgumentParser(prog="python -m gpuagent.benches.engine")
     parser.add_argument("--quick", action="store_true", help="a small slice (CPU)")
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument(

@@ -1,8 +1,8 @@
-"""gpuagent.compress.lossless_bench: rows from one run, no timing asserted."""
+"""gpuagent.benches.lossless: rows from one run, no timing asserted."""
 
 import time
 
-from gpuagent.compress.lossless_bench import (
+from gpuagent.benches.lossless import (
     DEMO_MODEL_DIR,
     MAX_REPEATS,
     format_rows,

@@ -1,6 +1,6 @@
 """Lossless coding vs the `zipnn` package on the same bf16 tensors, one run.
 
-    python -m gpuagent.compress.lossless_bench [--model-dir DIR ...] [--threads N]
+    python -m gpuagent.benches.lossless [--model-dir DIR ...] [--threads N]
 
 Each model's weights are cast to bf16 in memory; both coders take the same tensors
 one at a time with the same thread count. Printed per model, side by side: the
@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 
-from gpuagent.compress.lossless import (
+from gpuagent.benches import DEMO_MODEL_DIR
+from gpuagent.lossless.container import (
     decode_checkpoint,
     decode_tensors,
     encode_checkpoint,
     read_container,
     read_weights,
 )
-from gpuagent.compress.lossless_planes import DEFAULT_CHUNK_ELEMENTS, default_threads
+from gpuagent.lossless.planes import DEFAULT_CHUNK_ELEMENTS, default_threads
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "engine" / "demo_model"
 REAL_MODEL_DIR = Path("var/models/smollm2-135m")
 MAX_REPEATS = 50
 DEFAULT_MIN_SECONDS = 2.0  # the benches' turns total at least this (see docstring)
@@ -207,7 +207,10 @@ def format_rows(rows: Sequence[LosslessRow], threads: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gpuagent.benches.lossless",
+        description=__doc__.splitlines()[0],
+    )
     parser.add_argument("--model-dir", action="append", dest="model_dirs")
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--repeats", type=int, default=3)

@@ -1,4 +1,4 @@
-"""gpuagent.compress.lossless: bit-exact round trips and a strict container."""
+"""gpuagent.lossless.container: bit-exact round trips and a strict container."""
 
 import json
 import math
@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpuagent.compress.lossless import (
+from gpuagent.integrity import inspect_model
+from gpuagent.lossless.container import (
     CONTAINER_FILE,
     LosslessFormatError,
     compress_folder,
@@ -26,9 +27,8 @@ from gpuagent.compress.lossless import (
     read_weights,
     tensors_digest,
 )
-from gpuagent.compress.lossless_loops import merge16
-from gpuagent.compress.lossless_planes import merge_words, split_words
-from gpuagent.integrity import inspect_model
+from gpuagent.lossless.loops import merge16
+from gpuagent.lossless.planes import merge_words, split_words
 
 DEMO_MODEL = "gpuagent/engine/demo_model"
 SIZES = [0, 1, 2, 5, 127, 1000, 4099, 70_001]
@@ -411,14 +411,14 @@ def test_an_unbuilt_extension_is_named_with_how_to_build_it():
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'gpuagent.compress._lossless_loops':\n"
+        "        if name == 'gpuagent.lossless._loops':\n"
         "            raise ImportError('blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import gpuagent.compress.lossless\n"
+        "import gpuagent.lossless.container\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert done.returncode != 0
-    assert "_lossless_loops.c) is not built" in done.stderr
+    assert "_loops.c) is not built" in done.stderr
     assert "make install" in done.stderr

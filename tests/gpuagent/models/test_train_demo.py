@@ -1,5 +1,4 @@
-"""`train_demo`: the corpus this machine builds is the one the shipped demo model was
-trained on, training is a function of the seed, and a run that would replace the
+"""`train_demo`: training is a function of the seed, and a run that would replace the
 shipped model with one trained on a different corpus is refused before it trains.
 
 The committed demo folder is only read here; runs write to tmp_path.
@@ -14,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuagent.engine import train_demo
 from gpuagent.engine.model import LlamaConfig
-from gpuagent.engine.tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
+from gpuagent.models import train_demo
 
 TINY = LlamaConfig(
     vocab_size=train_demo.BYTE_VOCAB_SIZE,
@@ -31,18 +29,6 @@ TINY = LlamaConfig(
     bos_token_id=train_demo.BOS_ID,
     eos_token_id=train_demo.EOS_ID,
 )
-
-
-@pytest.fixture(scope="module")
-def corpus() -> train_demo.Corpus:
-    return train_demo.build_corpus()
-
-
-@pytest.fixture(scope="module")
-def committed_report() -> dict:
-    report = train_demo.read_committed_report()
-    assert report is not None
-    return report
 
 
 @pytest.fixture(autouse=True)
@@ -67,53 +53,6 @@ def with_changed_digest(report: dict, domain: str) -> dict:
     changed = copy.deepcopy(report)
     changed["corpus_sha256"][domain] = "0" * 64
     return changed
-
-
-# ----------------------------------------------------------------------- corpus
-
-
-def test_this_machine_builds_the_corpus_the_shipped_model_was_trained_on(
-    corpus, committed_report
-):
-    tokens = {d: len(corpus.ids[d]) for d in train_demo.DOMAINS}
-
-    assert train_demo.corpus_digests(corpus.ids) == committed_report["corpus_sha256"]
-    assert tokens == committed_report["train_tokens_per_domain"]
-    assert len(corpus.korean_catalogs) == committed_report["korean_catalogs"]
-    # what the mismatch message quotes for the shipped report (which predates
-    # corpus_sources): the counts that reproduce its digests
-    shipped = train_demo.SHIPPED_CORPUS_SOURCES
-    for key in ("code_files", "english_topics", "korean_catalogs"):
-        assert corpus.sources[key] == shipped[key], key
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "",
-        "plain ascii\n",
-        "안녕하세요 \r\n\t\x00\x7f\ufffd 🙂",
-        "".join(SPECIAL_TOKENS),
-        "<|bos|<|eos|>|>",  # a cut-off special right before a whole one
-        "<|<|user|>\n<|reserved_1|x<|reserved_0|>",
-        "<|bos|>\n<|user|>\nHello<|eos|>\n<|assistant|>\n안녕<|eos|>\n",
-    ],
-)
-def test_the_fast_encoder_gives_the_byte_tokenizers_ids(text):
-    expected = build_byte_tokenizer().encode(text, add_special_tokens=False).ids
-
-    assert train_demo.encode_bytes(text).tolist() == expected
-
-
-def test_the_fast_encoder_gives_the_byte_tokenizers_ids_on_the_korean_chat_corpus():
-    catalogs = train_demo.django_korean_catalogs()
-    pairs = train_demo.korean_pairs(catalogs, heldout=False)
-    text = train_demo.korean_training_text(pairs)[:100_000]
-    assert "<|assistant|>" in text
-
-    expected = build_byte_tokenizer().encode(text, add_special_tokens=False).ids
-
-    assert train_demo.encode_bytes(text).tolist() == expected
 
 
 # --------------------------------------------------------------------- training

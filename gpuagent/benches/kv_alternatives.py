@@ -49,22 +49,31 @@ counted for every token, the residual row on top. D = 64, G = 32, R = 32: (80 + 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
 import kernels
-from gpuagent.engine.cache import (
-    AMORTIZED_SEQ_TOKENS,
-    amortized_bytes_ratio,
-    kv_bytes_per_token,
-    kv_window_bytes,
-)
+from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
 from gpuagent.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
 
 LEVELS = 15  # int4: codes 0..15
 _SCALE_MIN = 2.0**-14  # the smallest normal float16: a constant group's scale
 _SCALE_ROUND_UP = 1.0 + 2.0**-10
+
+
+# The sequence length a sequence's fixed costs (its window row, the caches' static
+# scales) are spread over when KV bytes per token are compared: a 2k-token sequence.
+AMORTIZED_SEQ_TOKENS = 2048
+
+
+def amortized_bytes_ratio(config: Any, kv_dtype: str, window: int) -> float:
+    """KV bytes/token of `kv_dtype` with a `window`-token full-precision row vs
+    bf16, the window row and the static scales spread over AMORTIZED_SEQ_TOKENS."""
+    extra = kv_window_bytes(config, window) + kv_static_bytes(config, kv_dtype)
+    per_token = kv_bytes_per_token(config, kv_dtype) + extra / AMORTIZED_SEQ_TOKENS
+    return per_token / kv_bytes_per_token(config, "bf16")
 
 
 # ------------------------------------------------------------------- quantizer
@@ -179,7 +188,7 @@ class Layout:
 
     def bytes_ratio(self, config) -> float:
         """KV bytes/token vs bf16, the residual (window) row spread over a 2k-token
-        sequence (int4: `cache.amortized_bytes_ratio`, as the served int4's)."""
+        sequence (int4: `amortized_bytes_ratio`, as the served int4's)."""
         if self.scheme == "int4":
             return amortized_bytes_ratio(config, "int4", self.residual)
         if self.scheme == "bf16":

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from gpuagent.engine import bench
+from gpuagent.benches import engine as bench
 from gpuagent.engine.cache import (
     KVCacheManager,
     kv_bytes_per_token,

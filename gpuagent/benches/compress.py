@@ -1,5 +1,5 @@
 """Benchmark of weight compression, one run, side-by-side ratios:
-`python -m gpuagent.compress.bench [--quick] [--model-dir DIR]`.
+`python -m gpuagent.benches.compress [--quick] [--model-dir DIR]`.
 
 - size: the linear layers' bytes after compression vs the same tensors in bf16
   (targets: w8a16 <= 0.52, w4a16 <= 0.28), and the whole folder;
@@ -25,7 +25,7 @@
   torch's CPU kernels over prepacked weights, what it runs for a bf16 one; the
   ratios are not targets);
 - lossless: the exponent coding vs zipnn on both models' bf16 weights (the demo
-  model and --model-dir; gpuagent.compress.lossless_bench).
+  model and --model-dir; gpuagent.benches.lossless).
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ from pathlib import Path
 
 import torch
 
-from gpuagent.compress import lossless_bench
+from gpuagent.benches import DEMO_MODEL_DIR
+from gpuagent.benches import engine as engine_bench
+from gpuagent.benches import lossless as lossless_bench
 from gpuagent.compress.pipeline import compress
-from gpuagent.engine import bench as engine_bench
 from gpuagent.engine.engine import LLMEngine
 from gpuagent.engine.loader import load_model
 from gpuagent.evaluate.evalsets import TEXT_SLICES
@@ -307,11 +308,11 @@ def matmul_rows(quick: bool) -> None:
 
 def lossless_table(model_dir: Path, quick: bool) -> tuple[str, bool]:
     """The lossless exponent coding vs zipnn on the demo model's and `model_dir`'s
-    bf16 weights (gpuagent.compress.lossless_bench), and whether both models met
+    bf16 weights (gpuagent.benches.lossless), and whether both models met
     both targets."""
     threads = lossless_bench.default_threads()
-    model_dirs = [lossless_bench.DEMO_MODEL_DIR]
-    if model_dir.resolve() != lossless_bench.DEMO_MODEL_DIR:
+    model_dirs = [DEMO_MODEL_DIR]
+    if model_dir.resolve() != DEMO_MODEL_DIR:
         model_dirs.append(model_dir)
     rows = lossless_bench.lossless_rows(
         model_dirs,
@@ -328,7 +329,10 @@ def lossless_table(model_dir: Path, quick: bool) -> tuple[str, bool]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gpuagent.benches.compress",
+        description=__doc__.splitlines()[0],
+    )
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--quick", action="store_true", help="fewer recipes, items")
     parser.add_argument(

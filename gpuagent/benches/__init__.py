@@ -1,0 +1,19 @@
+"""Benchmarks that drive several layers of the agent and print ratios, one run each,
+side by side; each is a script, `python -m gpuagent.benches.<name>`:
+
+- `engine`: KV memory, capacity, throughput and KV quality of the serving engine
+  (with `kv_alternatives`: KV layouts measured beside the served ones, not served);
+- `compress`: weight compression's size, quality, decode speed and matmuls;
+- `lossless`: the lossless checkpoint coding vs zipnn;
+- `integrity`: verify speed vs model_signing and plain reads, hostile inputs;
+- `serving`: what the agent's check and the engine's verify-on-load add to a deploy.
+
+They live above the layers they drive, so that no serving module imports the
+evaluator or the compressor because a bench sits beside it; nothing outside this
+package imports it (tests aside; tests/test_layering.py checks both).
+"""
+
+from pathlib import Path
+
+# The demo model that ships with the engine, which every bench runs on by default.
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "engine" / "demo_model"
