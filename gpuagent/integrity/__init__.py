@@ -13,6 +13,10 @@ Torch-free (the control plane imports it). Public API:
   result to `gpuagent.engine.loader.load_model(dir, files=...)`.
 - `read_inspected_files(dir)`: the same without an approved digest (inspected
   only); returns the bytes and their digest.
+
+The folder's limits (names, lengths, depth, entry count, total size, the
+signature's size) are `FolderLimits`, in `Policy.limits`: every one of these
+refuses by them alike, before reading anything.
 """
 
 from gpuagent.integrity.errors import (
@@ -27,6 +31,7 @@ from gpuagent.integrity.errors import (
     SignatureError,
     SignerNotTrustedError,
     SigningError,
+    SparseFileError,
     UnsafePathError,
 )
 from gpuagent.integrity.inspection import (
@@ -35,6 +40,7 @@ from gpuagent.integrity.inspection import (
     InspectionReport,
     inspect_model,
 )
+from gpuagent.integrity.limits import FolderLimits
 from gpuagent.integrity.manifest import (
     HashSpec,
     Manifest,
@@ -62,6 +68,7 @@ __all__ = [
     "AllowedFile",
     "BindingMismatchError",
     "FileVerdict",
+    "FolderLimits",
     "Finding",
     "HashSpec",
     "HashingError",
@@ -80,6 +87,7 @@ __all__ = [
     "SignatureError",
     "SignerNotTrustedError",
     "SigningError",
+    "SparseFileError",
     "UnsafePathError",
     "VerificationReport",
     "file_digests",

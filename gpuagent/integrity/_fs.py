@@ -13,25 +13,28 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from gpuagent.integrity._text import printable, unsafe_char
-from gpuagent.integrity.errors import HashingError, UnsafePathError
+from gpuagent.integrity._text import printable
+from gpuagent.integrity.errors import HashingError, SparseFileError, UnsafePathError
+from gpuagent.integrity.limits import DEFAULT_LIMITS, FolderLimits, name_problem
 
 # O_NONBLOCK: opening a FIFO swapped in for a file must not hang the agent.
 _O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# Walks recurse (and hold one fd) per level: a planted folder thousands of levels
-# deep must be refused, not overflow the Python stack. Models use two or three.
-MAX_FOLDER_DEPTH = 32
+# Refused by name even where a manifest ignores the path (see `limits`).
+_REFUSED_WHEN_IGNORED = frozenset({"vcs-metadata", "hidden-path"})
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One directory entry, as found (symlinks not followed)."""
+    """One directory entry, as found (symlinks not followed). `problem`: (code,
+    detail) when the entry is refused by name or past a limit of the walk; such
+    a folder is not entered, such a file must not be read."""
 
-    path: str  # posix path relative to the root
-    kind: str  # "file" | "dir" | "symlink" | "special" | "too-deep"
+    path: str  # posix path relative to the root ("." for the root itself)
+    kind: str  # "file" | "dir" | "symlink" | "special" | "folder"
     size: int
     link_target: str | None = None
+    problem: tuple[str, str] | None = None
 
 
 def normalize_ignore(paths: list[str] | tuple[str, ...] | frozenset[str]) -> list[str]:
@@ -43,26 +46,7 @@ def normalize_ignore(paths: list[str] | tuple[str, ...] | frozenset[str]) -> lis
     return sorted(set(out))
 
 
-def bad_name_reason(path: str) -> str | None:
-    """Why `path` is not an acceptable file name, or None.
-
-    A name that is not UTF-8 (decoded with surrogate escapes) cannot be put in
-    a JSON report, a protocol message or the database; a control, separator or
-    bidirectional character (newline, U+2028, U+202E) can forge or reorder lines
-    of a report.
-    """
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        return "file name is not valid UTF-8"
-    bad = sorted({c for c in path if unsafe_char(c)})
-    if bad:
-        shown = ", ".join(f"U+{ord(c):04X}" for c in bad[:8])
-        return f"file name contains a control or bidirectional character ({shown})"
-    return None
-
-
-def is_ignored(path: str, ignore: list[str]) -> bool:
+def is_ignored(path: str, ignore: list[str] | tuple[str, ...]) -> bool:
     """Same rule as model-signing: a path is ignored if it is or lies under one."""
     return any(path == ig or path.startswith(ig + "/") for ig in ignore)
 
@@ -79,73 +63,139 @@ def open_root(folder: str | Path) -> int:
         raise HashingError(f"cannot open model folder {folder}: {e}") from e
 
 
-def scan_tree(root_fd: int, prefix: str = "", depth: int = 1) -> list[Entry]:
+def prefix_bytes(folder: str | Path) -> int:
+    """Bytes a loader puts in front of a relative path: the folder's absolute
+    path and a separator (see `limits.name_problem`)."""
+    return len(os.fsencode(os.path.abspath(folder))) + 1
+
+
+def scan_tree(
+    root_fd: int,
+    limits: FolderLimits = DEFAULT_LIMITS,
+    *,
+    ignore: list[str] | tuple[str, ...] = (),
+    prefix: int = 0,
+) -> list[Entry]:
     """Every entry under the root, depth first, sorted; symlinks are reported,
-    never followed. A folder nested deeper than MAX_FOLDER_DEPTH is reported as
-    kind "too-deep" and not entered."""
-    entries: list[Entry] = []
-    with os.scandir(root_fd) as it:
-        found = sorted(it, key=lambda e: e.name)
-    for item in found:
+    never followed, and ignored paths left out (but for hidden ones, refused
+    all the same). Entries refused by name or past a limit of `limits` carry
+    their `problem` (a folder too deep is not entered); past `max_entries` the
+    walk stops with an entry "folder-too-many-files" for the folder it was in.
+    `prefix`: see `prefix_bytes`. Raises OSError when a folder can't be read."""
+    walk = _Walk(limits, ignore, prefix)
+    walk.folder(root_fd, "", 1)
+    return walk.entries
+
+
+class _Walk:
+    def __init__(
+        self, limits: FolderLimits, ignore: list[str] | tuple[str, ...], prefix: int
+    ):
+        self.limits, self.ignore, self.prefix = limits, ignore, prefix
+        self.entries: list[Entry] = []
+        self.total_bytes = 0
+        self.full = False
+
+    def folder(self, dir_fd: int, prefix: str, depth: int) -> None:
+        budget = self.limits.max_entries - len(self.entries)
+        found = []
+        with os.scandir(dir_fd) as it:
+            for item in it:  # bounded before sorting: a folder may hold millions
+                found.append(item)
+                if len(found) > budget:
+                    self.full = True
+                    detail = (
+                        f"more than {self.limits.max_entries} files and folders; "
+                        "the rest is not listed"
+                    )
+                    problem = ("folder-too-many-files", detail)
+                    where = prefix.rstrip("/") or "."
+                    self.entries.append(Entry(where, "folder", 0, problem=problem))
+                    return
+        for item in sorted(found, key=lambda e: e.name):
+            if self.full:
+                return
+            self.entry(dir_fd, item, prefix, depth)
+
+    def entry(self, dir_fd: int, item: os.DirEntry, prefix: str, depth: int) -> None:
         path = f"{prefix}{item.name}"
+        problem = name_problem(path, self.limits, self.prefix)
+        ignored = is_ignored(path, self.ignore)
+        if ignored and (problem is None or problem[0] not in _REFUSED_WHEN_IGNORED):
+            return
         st = item.stat(follow_symlinks=False)
         if stat.S_ISLNK(st.st_mode):
-            target = os.readlink(item.name, dir_fd=root_fd)
-            entries.append(Entry(path, "symlink", 0, target))
-        elif stat.S_ISDIR(st.st_mode) and depth > MAX_FOLDER_DEPTH:
-            entries.append(Entry(path, "too-deep", 0))
+            target = os.readlink(item.name, dir_fd=dir_fd)
+            self.entries.append(Entry(path, "symlink", 0, target, problem))
         elif stat.S_ISDIR(st.st_mode):
-            entries.append(Entry(path, "dir", 0))
-            sub = os.open(item.name, _O_DIR, dir_fd=root_fd)
-            try:
-                entries.extend(scan_tree(sub, path + "/", depth + 1))
-            finally:
-                os.close(sub)
-        elif stat.S_ISREG(st.st_mode):
-            entries.append(Entry(path, "file", st.st_size))
-        else:
-            entries.append(Entry(path, "special", 0))
-    return entries
-
-
-def list_files(root_fd: int, ignore: list[str]) -> list[tuple[str, int]]:
-    """(path, size) of every regular file not ignored; raises UnsafePathError on
-    a symlink or special file anywhere outside the ignored paths."""
-    files: list[tuple[str, int]] = []
-
-    def walk(dir_fd: int, prefix: str, depth: int) -> None:
-        with os.scandir(dir_fd) as it:
-            found = sorted(it, key=lambda e: e.name)
-        for item in found:
-            path = f"{prefix}{item.name}"
-            if is_ignored(path, ignore):
-                continue
-            reason = bad_name_reason(path)
-            if reason is not None:
-                raise UnsafePathError(f"{printable(path)}: {reason}")
-            st = item.stat(follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                raise UnsafePathError(f"{path} is a symlink; symlinks are refused")
-            if stat.S_ISDIR(st.st_mode):
-                if depth > MAX_FOLDER_DEPTH:
-                    raise UnsafePathError(
-                        f"{path}: folders nested deeper than {MAX_FOLDER_DEPTH}"
-                    )
+            if problem is None and depth > self.limits.max_depth:
+                detail = f"folders nested deeper than {self.limits.max_depth} levels"
+                problem = ("folder-too-deep", detail)
+            self.entries.append(Entry(path, "dir", 0, problem=problem))
+            if problem is None:
                 sub = os.open(item.name, _O_DIR, dir_fd=dir_fd)
                 try:
-                    walk(sub, path + "/", depth + 1)
+                    self.folder(sub, path + "/", depth + 1)
                 finally:
                     os.close(sub)
-            elif stat.S_ISREG(st.st_mode):
-                files.append((path, st.st_size))
-            else:
-                raise UnsafePathError(f"{path} is a special file (not a regular file)")
+        elif stat.S_ISREG(st.st_mode):
+            before, limit = self.total_bytes, self.limits.max_total_bytes
+            self.total_bytes += st.st_size
+            if problem is None and before <= limit < self.total_bytes:
+                # The file that crosses the limit names it.
+                problem = (
+                    "folder-too-large",
+                    f"the folder's files add up to more than {limit} bytes",
+                )
+            self.entries.append(Entry(path, "file", st.st_size, problem=problem))
+        else:
+            self.entries.append(Entry(path, "special", 0, problem=problem))
 
+
+def refusal(entry: Entry) -> str | None:
+    """Why a hasher or reader refuses `entry`, or None for a regular file."""
+    if entry.problem is not None:
+        return f"{printable(entry.path)}: {entry.problem[1]}"
+    if entry.kind == "symlink":
+        return f"{printable(entry.path)} is a symlink; symlinks are refused"
+    if entry.kind == "special":
+        return f"{printable(entry.path)} is a special file (not a regular file)"
+    return None
+
+
+def list_files(
+    root_fd: int,
+    ignore: list[str],
+    limits: FolderLimits = DEFAULT_LIMITS,
+    *,
+    prefix: int = 0,
+) -> list[tuple[str, int]]:
+    """(path, size) of every regular file not ignored; raises UnsafePathError,
+    naming every one, when anything outside the ignored paths is refused: a
+    symlink, a special file, a name or a limit of `limits` (`scan_tree`)."""
     try:
-        walk(root_fd, "", 1)
+        entries = scan_tree(root_fd, limits, ignore=ignore, prefix=prefix)
     except OSError as e:
         raise HashingError(f"cannot list the model folder: {e}") from e
-    return files
+    refused = [r for r in map(refusal, entries) if r is not None]
+    if len(refused) == 1:
+        raise UnsafePathError(refused[0])
+    if refused:
+        raise UnsafePathError(
+            f"{len(refused)} paths refused:\n" + "\n".join(f"  {r}" for r in refused)
+        )
+    return [(e.path, e.size) for e in entries if e.kind == "file"]
+
+
+def list_folder(
+    folder: str | Path, ignore: list[str], limits: FolderLimits = DEFAULT_LIMITS
+) -> list[tuple[str, int]]:
+    """`list_files` of a folder given by its path."""
+    root_fd = open_root(folder)
+    try:
+        return list_files(root_fd, ignore, limits, prefix=prefix_bytes(folder))
+    finally:
+        os.close(root_fd)
 
 
 def open_file(root_fd: int, path: str) -> tuple[int, int]:
@@ -213,3 +263,46 @@ def read_exact_at(fd: int, size: int, offset: int = 0) -> bytes:
         position += len(chunk)
         remaining -= len(chunk)
     return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+
+def first_hole(fd: int, size: int) -> int | None:
+    """Offset of the first hole (a range never written, read back as zeros
+    with no disk behind it) in the `size` bytes of `fd`, or None when the file
+    is dense. Found with SEEK_HOLE, which reads nothing (a filesystem that does
+    not track holes says there are none); the file position is left at 0."""
+    if size == 0:
+        return None
+    try:
+        hole = os.lseek(fd, 0, os.SEEK_HOLE)
+    except OSError:
+        return None
+    finally:
+        os.lseek(fd, 0, os.SEEK_SET)
+    return hole if hole < size else None
+
+
+def sparse_detail(hole: int, size: int) -> str:
+    """Why a sparse file is refused, for reports."""
+    return (
+        f"sparse file: a hole (a range never written) at offset {hole} of its "
+        f"{size} bytes; model files must be fully written (a sparse file costs "
+        "nothing to plant and hours to read); rewrite it without holes "
+        "(cp --sparse=never)"
+    )
+
+
+def check_dense(root_fd: int, files: list[tuple[str, int]]) -> None:
+    """Raises SparseFileError, naming every one, when any of `files` ((path,
+    size) as listed) has a hole: run before hashing, so a huge sparse file is
+    refused without reading it."""
+    sparse = {}
+    for path, _ in files:
+        fd, size = open_file(root_fd, path)
+        try:
+            hole = first_hole(fd, size)
+        finally:
+            os.close(fd)
+        if hole is not None:
+            sparse[path] = sparse_detail(hole, size)
+    if sparse:
+        raise SparseFileError(sparse)

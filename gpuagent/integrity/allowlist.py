@@ -1,13 +1,16 @@
 """What a model folder may hold: each file's kind by its name, and the format
 checks for the kinds no other module parses (text, tokenizer models).
 
-Built in, in this order: safetensors weights and their index, JSON (configs,
-tokenizer files, reports: strict, bounded), tokenizer models by content
-(sentencepiece protobuf or tiktoken ranks), text (README, LICENSE, merges.txt,
-vocab.txt, chat templates, `*.md`, `*.txt`), the signature file and git
-metadata. Then the patterns `Policy.extra_allowed_files` names. Every other
-file is refused ("file-not-allowed"), and the content checks run on every file
-all the same (defence in depth).
+Built in, in this order: safetensors weights and their indexes (any
+`*.index.json`: `model.safetensors.index.json`, `pytorch_model.bin.index.json`...,
+whatever loader follows it), JSON (configs, tokenizer files, reports: strict,
+bounded), tokenizer models by content (sentencepiece protobuf or tiktoken
+ranks), text (README, LICENSE, merges.txt, vocab.txt, chat templates, `*.md`,
+`*.txt`, the top `.gitattributes` and `.gitignore`) and the signature file. Then
+the patterns `Policy.extra_allowed_files` names. Every other file is refused
+("file-not-allowed") and, refused by name, never read; the content checks run
+on every file admitted all the same (defence in depth). Hidden files and
+version-control metadata are refused before this (see `limits`).
 """
 
 from __future__ import annotations
@@ -19,14 +22,13 @@ import posixpath
 import re
 import struct
 
-from gpuagent.integrity.policy import (
-    GIT_PATHS,
-    SIGNATURE_SUFFIXES,
-    AllowedFile,
-    Policy,
-)
+from gpuagent.integrity.limits import ALLOWED_HIDDEN_PATHS
+from gpuagent.integrity.policy import SIGNATURE_SUFFIXES, AllowedFile, Policy
 
-INDEX_SUFFIX = ".safetensors.index.json"
+# Every loader's index of shards (transformers: model.safetensors.index.json,
+# pytorch_model.bin.index.json, tf_model.h5.index.json...): the gate checks
+# each, whatever loader would follow it.
+INDEX_SUFFIX = ".index.json"
 # Tokenizer models in sentencepiece's protobuf format (tiktoken's base64 ranks
 # under the same names for Llama 3's original checkpoints).
 TOKENIZER_MODEL_NAMES = frozenset(
@@ -42,21 +44,20 @@ TOKENIZER_MODEL_NAMES = frozenset(
 # additional_chat_templates/*.jinja).
 TEXT_PREFIXES = ("readme", "license", "licence", "notice", "copying", "use_policy")
 TEXT_SUFFIXES = (".txt", ".md", ".jinja")
-TEXT_NAMES = frozenset({".gitattributes", ".gitignore"})
 
 
 def file_kind(path: str, policy: Policy) -> tuple[str, AllowedFile | None]:
     """(kind, the policy's rule or None) of a regular file at `path` (relative,
     posix). Kinds: safetensors, index, json, tokenizer-model, text, signature,
-    git, allowed (named by the policy) and "file" (not allowed)."""
+    allowed (named by the policy) and "file" (not allowed)."""
     name = posixpath.basename(path)
     lower = name.lower()
     if name.endswith(".safetensors"):
         return "safetensors", None
     if name.endswith(INDEX_SUFFIX):
         return "index", None
-    if policy.ignore_git_paths and path.split("/", 1)[0] in GIT_PATHS:
-        return ("text" if path in TEXT_NAMES else "git"), None
+    if path in ALLOWED_HIDDEN_PATHS:
+        return "text", None
     if path in policy.signature_names or (
         "/" not in path and name.endswith(SIGNATURE_SUFFIXES)
     ):

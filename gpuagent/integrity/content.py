@@ -50,6 +50,7 @@ _CHUNK_BYTES = 1 << 20
 # Compressed input fed at a time: what follows a stream's end is copied into the
 # next decoder, so small (a file can hold many streams).
 _INPUT_BYTES = 64 << 10
+_ZEROS = bytes(_INPUT_BYTES)
 _TAR_BLOCK = 512
 
 Finding = tuple[str, str]  # (code, detail)
@@ -438,7 +439,10 @@ class _DecodedReader:
         unit, zeros = self._kind.nul_unit, 0
         while True:
             if unit:
-                stripped = rest.lstrip(b"\0")
+                # A chunk of zeros (all of an all-zero file) compares as memcmp;
+                # lstrip walks it byte by byte, 80 times slower.
+                zero = len(rest) <= len(_ZEROS) and rest == _ZEROS[: len(rest)]
+                stripped = b"" if zero else rest.lstrip(b"\0")
                 zeros += len(rest) - len(stripped)
                 rest = stripped
             if rest:

@@ -58,6 +58,22 @@ class HashingError(IntegrityError):
     code = "hashing-failed"
 
 
+class SparseFileError(HashingError):
+    """Files with holes were found before hashing; `paths` maps each to why."""
+
+    code = "sparse-file"
+
+    def __init__(self, paths: dict[str, str]):
+        self.paths = {printable(p): d for p, d in sorted(paths.items())}
+        super().__init__(
+            f"{len(paths)} sparse file(s) refused before reading:\n"
+            + "\n".join(f"  {p}: {d}" for p, d in self.paths.items())
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "paths": self.paths}
+
+
 class PolicyError(IntegrityError):
     """A manifest or signature uses a setting the policy does not allow."""
 

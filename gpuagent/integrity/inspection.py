@@ -1,16 +1,20 @@
 """`inspect_model`: structural checks of a model folder before anything loads it.
 
-Every file gets a verdict and the reasons for it. Pickle-capable content is
-found by content (magic bytes, ZIP end records, and pickle opcode streams parsed
-as the unpickler would), not only by extension; remote code by `*.py` files and
-`auto_map` in JSON configs; safetensors headers are parsed strictly by
-`safetensors_header`.
+Every file gets a verdict and the reasons for it. What can be refused without
+reading is refused first: names and the folder's limits (`limits`), file names
+(`allowlist`), sizes, holes (a sparse file); a file refused so is never read.
+Pickle-capable content is found by content (magic bytes, ZIP end records, and
+pickle opcode streams parsed as the unpickler would), not only by extension;
+remote code by `*.py` files and `auto_map` in JSON configs; safetensors headers
+are parsed strictly by `safetensors_header`; every index's shards must be
+safetensors files of the folder that a signature covers.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from gpuagent.integrity.allowlist import (
 )
 from gpuagent.integrity.content import scan_content
 from gpuagent.integrity.errors import HashingError, ModelRejectedError
+from gpuagent.integrity.manifest import Manifest
 from gpuagent.integrity.policy import DEFAULT_POLICY, AllowedFile, Policy
 from gpuagent.integrity.safetensors_header import (
     HeaderRejected,
@@ -72,8 +77,8 @@ class Finding:
 class FileVerdict:
     path: str
     # A file's kind from allowlist.file_kind (safetensors, index, json, text,
-    # tokenizer-model, signature, git, allowed; "file": not allowed), or dir,
-    # symlink, special, too-deep.
+    # tokenizer-model, signature, allowed; "file": not allowed), or dir,
+    # symlink, special, folder (a limit of the whole folder).
     kind: str
     findings: list[Finding] = field(default_factory=list)
     parsed: Any = field(default=None, repr=False, compare=False)  # JSON content
@@ -141,7 +146,9 @@ def _inspect(folder: Path, policy: Policy) -> InspectionReport:
     root_fd = _fs.open_root(folder)
     try:
         try:
-            entries = _fs.scan_tree(root_fd)
+            entries = _fs.scan_tree(
+                root_fd, policy.limits, prefix=_fs.prefix_bytes(folder)
+            )
         except OSError as e:
             raise HashingError(f"cannot list {folder}: {e}") from e
         verdicts: list[FileVerdict] = []
@@ -149,21 +156,15 @@ def _inspect(folder: Path, policy: Policy) -> InspectionReport:
         for entry in entries:
             kind, rule = (
                 file_kind(entry.path, policy)
-                if entry.kind == "file"
+                if entry.kind == "file" and entry.problem is None
                 else (entry.kind, None)
             )
             verdict = FileVerdict(_fs.printable(entry.path), kind)
             verdicts.append(verdict)
-            bad_name = _fs.bad_name_reason(entry.path)
-            if bad_name is not None:
-                verdict.reject("path-name-invalid", bad_name)
+            if entry.problem is not None:  # by name or a limit: not read
+                verdict.reject(*entry.problem)
             elif entry.kind == "symlink":
                 _check_symlink(folder, entry, verdict, policy)
-            elif entry.kind == "too-deep":
-                verdict.reject(
-                    "folder-too-deep",
-                    f"folders nested deeper than {_fs.MAX_FOLDER_DEPTH} levels",
-                )
             elif entry.kind == "special":
                 verdict.reject(
                     "special-file",
@@ -173,8 +174,7 @@ def _inspect(folder: Path, policy: Policy) -> InspectionReport:
                 header = _check_file(root_fd, entry, verdict, policy, rule)
                 if header is not None:
                     headers[entry.path] = header
-        indexes = [v for v in verdicts if v.kind == "index"]
-        _check_indexes(indexes, headers, verdicts)
+        _check_indexes(verdicts, headers, sorted(policy.ignorable_paths()))
     finally:
         os.close(root_fd)
     return InspectionReport(str(folder), verdicts)
@@ -214,7 +214,8 @@ def _resolves_inside(folder: Path, path: str) -> bool:
 
 
 def check_file_name(path: str, verdict: FileVerdict) -> None:
-    """Refusals by name alone: code files, pickle-capable file types."""
+    """Refusals by name alone: code files, pickle-capable file types, and
+    (kind "file") any other name the allow-list does not admit."""
     name = path.rsplit("/", 1)[-1]
     if name.lower().endswith(PYTHON_EXTENSIONS):
         verdict.reject("python-file", "Python code (remote code) is not allowed")
@@ -222,6 +223,26 @@ def check_file_name(path: str, verdict: FileVerdict) -> None:
         verdict.reject("native-code", f"{name}: a native library is not allowed")
     if name.lower().endswith(PICKLE_EXTENSIONS):
         verdict.reject("pickle-extension", f"{name}: pickle-capable file type")
+    if verdict.kind == "file" and not verdict.findings:
+        verdict.reject("file-not-allowed", not_allowed_detail(path))
+
+
+def check_file_size(size: int, verdict: FileVerdict, policy: Policy) -> None:
+    """Refusals by size alone, for the kinds read whole (JSON, the signature,
+    text, tokenizer models): checked before reading them."""
+    if verdict.kind in ("json", "index", "signature"):
+        code = "json-too-large"
+        limit = (
+            policy.limits.max_signature_bytes
+            if verdict.kind == "signature"
+            else policy.max_header_bytes
+        )
+    elif verdict.kind in ("text", "tokenizer-model"):
+        code, limit = f"{verdict.kind}-too-large", policy.max_text_bytes
+    else:
+        return
+    if size > limit:
+        verdict.reject(code, f"{size} bytes, more than the limit of {limit}")
 
 
 def _check_file(
@@ -231,19 +252,22 @@ def _check_file(
     policy: Policy,
     rule: AllowedFile | None,
 ):
-    if verdict.kind == "git":
-        # Git's own files: never loaded, hashed or signed (the manifest leaves
-        # them out), and packed history holds any old file; not read.
-        return None
     check_file_name(entry.path, verdict)
-    if verdict.kind == "file" and not verdict.findings:  # else refused by name
-        verdict.reject("file-not-allowed", not_allowed_detail(entry.path))
+    if verdict.findings:  # refused by name: never opened, never read
+        return None
     try:
         fd, size = _fs.open_file(root_fd, entry.path)
     except Exception as e:  # noqa: BLE001 - any failure is a rejection reason
         verdict.reject("unreadable", str(e))
         return None
     try:
+        # Size and holes from the open file, before reading any of it.
+        check_file_size(size, verdict, policy)
+        hole = None if verdict.findings else _fs.first_hole(fd, size)
+        if hole is not None:
+            verdict.reject("sparse-file", _fs.sparse_detail(hole, size))
+        if verdict.findings:
+            return None
         if verdict.kind == "safetensors":
             try:
                 header = parse_header(fd, size, policy)
@@ -268,15 +292,9 @@ def _check_file(
             return header
         _check_content(fd, size, verdict, policy, rule is not None and rule.containers)
         if verdict.kind in ("json", "index", "signature"):
-            _check_json(fd, size, verdict, policy)
+            check_json_bytes(_fs.read_exact_at(fd, size), verdict, policy)
         elif verdict.kind in ("text", "tokenizer-model"):
-            if size > policy.max_text_bytes:
-                verdict.reject(
-                    f"{verdict.kind}-too-large",
-                    f"{size} bytes, more than the limit of {policy.max_text_bytes}",
-                )
-            else:
-                check_format_bytes(_fs.read_exact_at(fd, size), verdict)
+            check_format_bytes(_fs.read_exact_at(fd, size), verdict)
         return None
     finally:
         os.close(fd)
@@ -309,18 +327,11 @@ def _check_content(
         verdict.reject(code, f"{detail} detected by content")
 
 
-def _check_json(fd: int, size: int, verdict: FileVerdict, policy: Policy) -> Any:
-    if size > policy.max_header_bytes:
-        verdict.reject("json-too-large", f"{size} bytes")
-        return None
-    return check_json_bytes(_fs.read_exact_at(fd, size), verdict, policy)
-
-
 def check_json_bytes(data: bytes, verdict: FileVerdict, policy: Policy) -> Any:
     """The strict JSON checks (and, for an index, its schema) on a JSON file's
     bytes; returns the parsed value (None when it doesn't parse)."""
-    if len(data) > policy.max_header_bytes:
-        verdict.reject("json-too-large", f"{len(data)} bytes")
+    check_file_size(len(data), verdict, policy)
+    if verdict.findings:
         return None
     try:
         value = strict_json_loads(
@@ -379,6 +390,7 @@ def _check_index_schema(value: Any, verdict: FileVerdict) -> None:
             "index-schema",
             f"unknown index keys {sorted(set(value) - {'weight_map', 'metadata'})}",
         )
+    bad: dict[str, dict[str, str]] = {}  # code -> shard -> a tensor mapped to it
     for tensor, shard in value["weight_map"].items():
         if not isinstance(shard, str):
             verdict.reject("index-schema", f"{tensor}: shard name is not a string")
@@ -392,14 +404,22 @@ def _check_index_schema(value: Any, verdict: FileVerdict) -> None:
             or normal.startswith("../")
             or normal != shard
         ):
-            verdict.reject(
-                "index-path-traversal",
-                f"{tensor}: shard {shard!r} is not a plain path inside the folder",
-            )
-            return
-        if not shard.endswith(".safetensors"):
-            verdict.reject("index-shard-not-safetensors", f"{tensor}: shard {shard!r}")
-            return
+            bad.setdefault("index-path-traversal", {}).setdefault(shard, tensor)
+        elif not shard.endswith(".safetensors"):
+            bad.setdefault("index-shard-not-safetensors", {}).setdefault(shard, tensor)
+    what = {
+        "index-path-traversal": "not a plain path inside the folder",
+        "index-shard-not-safetensors": "not a .safetensors file",
+    }
+    for code, shards in bad.items():
+        named = [f"{shard!r} (for {tensor})" for shard, tensor in shards.items()]
+        verdict.reject(code, f"shard {_some(named)}: {what[code]}")
+
+
+def _some(items: list[str], shown: int = 10) -> str:
+    """The first `shown` items, and how many more."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def _index_shards(index: FileVerdict) -> dict[str, str] | None:
@@ -415,14 +435,52 @@ def _index_shards(index: FileVerdict) -> dict[str, str] | None:
     }
 
 
-def _check_indexes(
-    indexes: list[FileVerdict],
-    headers: dict[str, SafetensorsHeader],
-    verdicts: list[FileVerdict],
+def check_index_references(
+    index: FileVerdict, kinds: Mapping[str, str], ignored: Sequence[str]
 ) -> None:
-    """Each index names shards inside the folder, each tensor is in the shard it
-    is mapped to, and no safetensors file is left out of every index."""
+    """Every shard the parsed `index` names (its schema passed) must be a
+    safetensors file of the folder (`kinds`: path -> kind of what is there)
+    outside `ignored`, the paths a signature leaves out: a loader follows an
+    index, so a shard there would load weights nothing verified."""
+    weight_map = _index_shards(index)
+    if weight_map is None or index.findings:
+        return
+    unsigned, missing, other = [], [], []
+    for shard in sorted(set(weight_map.values())):
+        kind = kinds.get(shard)
+        if _fs.is_ignored(shard, ignored):
+            unsigned.append(shard)
+        elif kind is None:
+            missing.append(shard)
+        elif kind != "safetensors":
+            other.append(f"{shard} (a {kind})")
+    if unsigned:
+        index.reject(
+            "index-shard-not-signed",
+            f"shard {_some(unsigned)}: under a path a signature leaves out "
+            f"({', '.join(ignored)}), so its weights would load unverified",
+        )
+    if missing:
+        index.reject(
+            "index-missing-shard", f"shard {_some(missing)}: not a file in the folder"
+        )
+    if other:
+        index.reject(
+            "index-missing-shard", f"shard {_some(other)}: not a safetensors file"
+        )
+
+
+def _check_indexes(
+    verdicts: list[FileVerdict],
+    headers: dict[str, SafetensorsHeader],
+    ignored: Sequence[str],
+) -> None:
+    """Each index names shards of the folder that a signature covers, each
+    tensor is in the shard it is mapped to, and no safetensors file is left out
+    of every index."""
     by_path = {v.path: v for v in verdicts}
+    kinds = {v.path: v.kind for v in verdicts}
+    indexes = [v for v in verdicts if v.kind == "index"]
     referenced: set[str] = set()
     for index in indexes:
         weight_map = _index_shards(index)
@@ -432,12 +490,7 @@ def _check_indexes(
         referenced |= shards
         if index.findings:
             continue
-        for shard in sorted(shards):
-            if shard not in by_path or by_path[shard].kind != "safetensors":
-                index.reject(
-                    "index-missing-shard",
-                    f"shard {shard} is not a safetensors file in the folder",
-                )
+        check_index_references(index, kinds, ignored)
         owner: dict[str, str] = {}
         for shard in sorted(shards & set(headers)):
             for tensor in headers[shard].tensors:
@@ -465,6 +518,36 @@ def _check_indexes(
             by_path[shard].reject(
                 "index-unreferenced-shard", "safetensors file not named by any index"
             )
+
+
+def check_signed_indexes(
+    folder: str | Path, manifest: Manifest, policy: Policy
+) -> None:
+    """The index checks of `inspect_model` for what a signature covers: every
+    index among the files of `manifest` (read from `folder`, bounded: JSON) names
+    only shards the manifest covers (`check_index_references`). For `sign_model`
+    and `verify_model`, which do not inspect; raises ModelRejectedError naming
+    each bad index and shard."""
+    kinds = {path: path_kind(path, policy) for path in manifest.files()}
+    verdicts = []
+    root_fd = _fs.open_root(folder)
+    try:
+        for path in sorted(p for p, kind in kinds.items() if kind == "index"):
+            verdict = FileVerdict(_fs.printable(path), "index")
+            verdicts.append(verdict)
+            fd, size = _fs.open_file(root_fd, path)
+            try:
+                check_file_size(size, verdict, policy)
+                if not verdict.findings:
+                    check_json_bytes(_fs.read_exact_at(fd, size), verdict, policy)
+            finally:
+                os.close(fd)
+            check_index_references(verdict, kinds, manifest.ignore_paths)
+    finally:
+        os.close(root_fd)
+    report = InspectionReport(str(folder), verdicts)
+    if not report.ok:
+        raise ModelRejectedError(report)
 
 
 def _scan_nonfinite(fd: int, header: SafetensorsHeader, verdict: FileVerdict) -> None:

@@ -29,6 +29,7 @@ import blake3
 
 from gpuagent.integrity import _fs
 from gpuagent.integrity.errors import HashingError, IntegrityError, UnsafePathError
+from gpuagent.integrity.limits import DEFAULT_LIMITS, FolderLimits
 from gpuagent.integrity.policy import GIT_PATHS
 
 if TYPE_CHECKING:
@@ -337,11 +338,15 @@ def hash_folder(
     ignore_paths: list[str] | tuple[str, ...],
     *,
     max_workers: int | None = None,
+    limits: FolderLimits = DEFAULT_LIMITS,
 ) -> Manifest:
-    """Our own hasher (used by verification): fd-based, symlinks and special
-    files refused, files and shards hashed in parallel threads. Produces exactly
-    the digests model-signing produces for the same spec."""
-    return hash_folder_listing(folder, spec, ignore_paths, max_workers=max_workers)[0]
+    """Our own hasher (used by verification): fd-based, symlinks, special
+    files, the names and limits `limits` refuses and sparse files refused
+    before anything is hashed, files and shards hashed in parallel threads.
+    Produces exactly the digests model-signing produces for the same spec."""
+    return hash_folder_listing(
+        folder, spec, ignore_paths, max_workers=max_workers, limits=limits
+    )[0]
 
 
 def hash_folder_listing(
@@ -351,6 +356,7 @@ def hash_folder_listing(
     *,
     max_workers: int | None = None,
     cache: Any = None,
+    limits: FolderLimits = DEFAULT_LIMITS,
 ) -> tuple[Manifest, list[str]]:
     """`hash_folder`, plus the paths of every file found (a sharded manifest
     has no entry for an empty file). With a `digest_cache.DigestCache`, a file
@@ -358,7 +364,8 @@ def hash_folder_listing(
     ignore = _fs.normalize_ignore(ignore_paths)
     root_fd = _fs.open_root(folder)
     try:
-        files = _fs.list_files(root_fd, ignore)
+        files = _fs.list_files(root_fd, ignore, limits, prefix=_fs.prefix_bytes(folder))
+        _fs.check_dense(root_fd, files)
         reused: list[Resource] = []
         keys: dict[str, tuple[int, ...]] = {}
         to_hash = []
@@ -461,6 +468,7 @@ def hash_model(
     ignore_paths: list[str] | tuple[str, ...] = (),
     ignore_git_paths: bool = True,
     max_workers: int | None = None,
+    limits: FolderLimits = DEFAULT_LIMITS,
 ) -> Manifest:
     """Hashes every file of `folder` in parallel into a `Manifest`.
 
@@ -468,14 +476,20 @@ def hash_model(
     serialization (`model_signing.hashing`), so the digests are the upstream
     tool's; with `shard_size` files are hashed in shards of that many bytes
     ("sha256-sharded-<n>"). "blake3" hashes whole files with the multithreaded
-    `blake3` package. Symlinks and special files are refused (UnsafePathError).
+    `blake3` package. Symlinks, special files and the names and limits
+    `limits` refuses are refused (UnsafePathError), sparse files too
+    (SparseFileError), before anything is hashed.
     """
     ignore = default_ignore_paths(ignore_paths, ignore_git_paths)
     if algorithm == "blake3":
         if shard_size is not None:
             raise HashingError("blake3 does not use shards")
         return hash_folder(
-            folder, HashSpec("files", "blake3"), ignore, max_workers=max_workers
+            folder,
+            HashSpec("files", "blake3"),
+            ignore,
+            max_workers=max_workers,
+            limits=limits,
         )
     if algorithm != "sha256":
         raise HashingError(f"unsupported algorithm {algorithm!r}")
@@ -488,10 +502,11 @@ def hash_model(
     if not root.is_dir():
         raise HashingError(f"model folder {folder} does not exist or is not a folder")
     # model-signing follows a symlinked folder silently when listing; refuse
-    # links up front so both hashers see the same files.
+    # links, names, limits and holes up front so both hashers refuse alike.
     root_fd = _fs.open_root(root)
     try:
-        _fs.list_files(root_fd, ignore)
+        files = _fs.list_files(root_fd, ignore, limits, prefix=_fs.prefix_bytes(root))
+        _fs.check_dense(root_fd, files)
     finally:
         os.close(root_fd)
     from model_signing import hashing as ms_hashing

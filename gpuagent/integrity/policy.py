@@ -9,9 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuagent.integrity.limits import DEFAULT_LIMITS, FolderLimits
 from gpuagent.integrity.strict_json import DEFAULT_MAX_ELEMENTS
 
-# Files model-signing ignores by default; they never change model behaviour.
+# Files model-signing ignores by default, so its signatures may leave them out.
+# Of them a folder may only hold .gitattributes and .gitignore (see `limits`).
 GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
 
 # Byte-sized safetensors dtypes and their item size. Sub-byte (F4, F6_*) and
@@ -86,6 +88,9 @@ class Policy:
     `certificate_issuer` (the OIDC issuer) for Sigstore keyless signatures.
     """
 
+    # The folder's tree: names, path lengths, depth, entries, total size, and
+    # the signature file's size (see `limits`); refused before anything is read.
+    limits: FolderLimits = DEFAULT_LIMITS
     # Safetensors headers and JSON files: bytes, nesting (headers; JSON files
     # allow 64), and elements (see strict_json.DEFAULT_MAX_ELEMENTS).
     max_header_bytes: int = 100 * 1024 * 1024

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -41,6 +42,7 @@ from gpuagent.integrity.errors import (
     SignerNotTrustedError,
     SigningError,
 )
+from gpuagent.integrity.inspection import check_signed_indexes
 from gpuagent.integrity.manifest import (
     HashSpec,
     Manifest,
@@ -196,12 +198,8 @@ def _relative_inside(folder: Path, path: Path) -> str | None:
         return None
 
 
-def _check_no_empty_files(folder: Path, manifest: Manifest) -> None:
-    root_fd = _fs.open_root(folder)
-    try:
-        listed = _fs.list_files(root_fd, list(manifest.ignore_paths))
-    finally:
-        os.close(root_fd)
+def _check_no_empty_files(folder: Path, manifest: Manifest, policy: Policy) -> None:
+    listed = _fs.list_folder(folder, list(manifest.ignore_paths), policy.limits)
     empty = sorted(path for path, size in listed if size == 0)
     if empty:
         raise PolicyError(
@@ -352,10 +350,12 @@ def sign_model(
     unencrypted key). A signature written inside the folder is added to the
     ignore list explicitly.
 
-    What `verify_model` under `policy` would refuse is refused here first
-    (PolicyError): hash settings it does not allow (a shard size below its
-    minimum), and, with shards, an empty file (it has no shard, so verify
-    would call it unsigned).
+    What `verify_model` under `policy` would refuse is refused here first:
+    hash settings it does not allow (a shard size below its minimum), with
+    shards an empty file (it has no shard, so verify would call it unsigned),
+    a signature larger than it reads (PolicyError); the folder's names and
+    limits, sparse files (`hash_model`); an index naming a shard the manifest
+    does not cover (ModelRejectedError).
     """
     folder, signature_path = Path(folder), Path(signature_path)
     if shard_size is not None and algorithm == "sha256":
@@ -378,10 +378,15 @@ def sign_model(
     if inside is not None:
         ignore.append(inside)
     manifest = hash_model(
-        folder, algorithm, shard_size=shard_size, ignore_paths=tuple(ignore)
+        folder,
+        algorithm,
+        shard_size=shard_size,
+        ignore_paths=tuple(ignore),
+        limits=policy.limits,
     )
     if manifest.spec.method == "shards":
-        _check_no_empty_files(folder, manifest)
+        _check_no_empty_files(folder, manifest, policy)
+    check_signed_indexes(folder, manifest, policy)
     try:
         signature = signer.sign(
             _payload(manifest, release, file_sizes(folder, manifest))
@@ -389,6 +394,13 @@ def sign_model(
         signature.write(signature_path)
     except Exception as e:  # noqa: BLE001 - library failures become ours
         raise SigningError(f"signing failed: {type(e).__name__}: {e}") from e
+    written = signature_path.stat().st_size
+    if written > policy.limits.max_signature_bytes:
+        signature_path.unlink()
+        raise PolicyError(
+            f"the signature is {written} bytes, more than verify reads "
+            f"({policy.limits.max_signature_bytes}): sign with larger shards"
+        )
     return SignResult(manifest, str(signature_path), release)
 
 
@@ -403,10 +415,15 @@ def read_signed_statement(
     path = Path(signature_path)
     if not path.is_file():
         raise SignatureError(f"signature file {path} does not exist")
+    data = _read_signature(path, policy.limits.max_signature_bytes)
     try:
         with tempfile.TemporaryDirectory(prefix="rg-trust-") as tmp:
+            # model-signing reads a path: hand it the bytes checked here, so
+            # what it verifies is what was bounded, whatever the path holds now.
+            copy = Path(tmp) / "signature"
+            copy.write_bytes(data)
             payload_type, payload, signer, validity = _verify_signature(
-                path, policy, Path(tmp)
+                copy, policy, Path(tmp)
             )
     except IntegrityError:
         raise
@@ -419,6 +436,42 @@ def read_signed_statement(
     return dataclasses.replace(
         _parse_statement(payload, signer), certificate_validity=validity
     )
+
+
+def _read_signature(path: Path, max_bytes: int) -> bytes:
+    """The signature file's bytes: its size checked with fstat before reading
+    (a sparse 2 GiB file is refused without reading it), and the read bounded
+    all the same (a file that grows, a /proc file that says 0)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise SignatureError(f"cannot open the signature file {path}: {e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SignatureError(f"signature file {path} is not a regular file")
+        if st.st_size > max_bytes:
+            raise SignatureError(
+                f"signature file {path} is {st.st_size} bytes, more than the "
+                f"limit of {max_bytes}; not read"
+            )
+        os.set_blocking(fd, True)
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, min(max_bytes + 1 - total, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as e:
+        raise SignatureError(f"cannot read the signature file {path}: {e}") from e
+    finally:
+        os.close(fd)
+    if total > max_bytes:
+        raise SignatureError(
+            f"signature file {path} holds more than the limit of {max_bytes} bytes"
+        )
+    return b"".join(chunks)
 
 
 def _verify_signature(
@@ -717,15 +770,11 @@ def signed_sizes(statement: SignedStatement) -> dict[str, int]:
     return sizes
 
 
-def _check_listing(folder: Path, statement: SignedStatement) -> None:
+def _check_listing(folder: Path, statement: SignedStatement, policy: Policy) -> None:
     """Names, and sizes where signed, against the manifest before any file is
     read: a planted or swapped file (a sparse 128 GiB one) is named at once."""
     manifest = statement.manifest
-    root_fd = _fs.open_root(folder)
-    try:
-        listed = dict(_fs.list_files(root_fd, list(manifest.ignore_paths)))
-    finally:
-        os.close(root_fd)
+    listed = dict(_fs.list_folder(folder, list(manifest.ignore_paths), policy.limits))
     expected = manifest.files()
     missing = sorted(set(expected) - set(listed))
     # An empty file has no shard, so it is absent from a sharded manifest;
@@ -770,7 +819,7 @@ def verify_model(
     statement = read_signed_statement(signature_path, policy)
     check_statement(statement, policy, _relative_inside(folder, Path(signature_path)))
     expected = statement.manifest
-    _check_listing(folder, statement)
+    _check_listing(folder, statement, policy)
     cache = DigestCache.load(digest_cache) if digest_cache is not None else None
     actual, listed = hash_folder_listing(
         folder,
@@ -778,6 +827,7 @@ def verify_model(
         expected.ignore_paths,
         max_workers=max_workers,
         cache=cache,
+        limits=policy.limits,
     )
     if cache is not None:
         cache.save()
@@ -789,6 +839,7 @@ def verify_model(
         raise ManifestMismatchError(missing, extra, changed)
     if actual.digest != expected.digest:  # same files, e.g. different shard layout
         raise ManifestMismatchError([], [], sorted(actual.files()))
+    check_signed_indexes(folder, expected, policy)
     return VerificationReport(
         ok=True,
         folder=str(folder),

@@ -23,6 +23,10 @@ import numpy as np
 # first follows a comma). A 256k-token tokenizer.json with its merges holds about
 # 2M; 4M parse in about 4 s and 0.8 GB on this machine.
 DEFAULT_MAX_ELEMENTS = 1 << 22
+# A byte-order mark decoded from UTF-8: transformers reads config.json as
+# UTF-8 text and json.loads refuses it there ("Unexpected UTF-8 BOM"), as the
+# tokenizers library does tokenizer.json; refused here by name.
+BOM = "\ufeff"
 
 
 class Rejected(Exception):
@@ -131,11 +135,19 @@ def strict_json_loads(
     """json.loads that rejects duplicate keys at any depth, NaN/Infinity (as
     literals or as numbers too large for a float, "1e999"), lone surrogate
     escapes, nesting deeper than `max_depth` and more than `max_elements`
-    elements (the last two before parsing). Raises Rejected.
+    elements (the last two before parsing), and a leading byte-order mark.
+    Raises Rejected.
 
     A JSON document may have whitespace around it; a safetensors header must
     start with `{` (checked by the caller) and may only be padded with spaces.
     """
+    if text.startswith(BOM):
+        raise Rejected(
+            "utf8-bom",
+            "starts with a UTF-8 byte-order mark (EF BB BF), which JSON readers "
+            "refuse (transformers, tokenizers, json.loads of text); save it "
+            "without the BOM",
+        )
     _check_shape(text, max_depth, max_elements)
     start = 0 if safetensors_header else len(text) - len(text.lstrip(_JSON_WHITESPACE))
     try:

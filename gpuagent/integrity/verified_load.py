@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 from gpuagent.integrity import _fs
-from gpuagent.integrity.allowlist import not_allowed_detail
 from gpuagent.integrity.errors import (
     HashingError,
     ManifestDigestMismatchError,
@@ -27,7 +26,9 @@ from gpuagent.integrity.inspection import (
     FileVerdict,
     InspectionReport,
     check_file_name,
+    check_file_size,
     check_format_bytes,
+    check_index_references,
     check_json_bytes,
     inspect_model,
     path_kind,
@@ -94,7 +95,7 @@ def read_verified_files(
     else:
         ignore = default_ignore_paths(policy.signature_names, policy.ignore_git_paths)
 
-    files, actual = _read_and_hash(model_dir, spec, ignore, signed)
+    files, actual = _read_and_hash(model_dir, spec, ignore, policy, signed)
     # An empty file has no shard: it would be loaded without being covered.
     uncovered = sorted(p for p in files if p not in actual.files())
     if signed is not None:
@@ -106,7 +107,7 @@ def read_verified_files(
         raise ManifestMismatchError([], uncovered, [])
     if actual.digest != expected_manifest_digest:
         raise ManifestDigestMismatchError(expected_manifest_digest, actual.digest)
-    _check_loadable(model_dir, files, policy)
+    _check_loadable(model_dir, files, policy, ignore)
     return files
 
 
@@ -122,8 +123,10 @@ def read_inspected_files(
     model_dir = Path(model_dir)
     inspect_model(model_dir, policy)
     ignore = default_ignore_paths(policy.signature_names, policy.ignore_git_paths)
-    files, actual = _read_and_hash(model_dir, HashSpec("files", "sha256"), ignore)
-    _check_loadable(model_dir, files, policy)
+    files, actual = _read_and_hash(
+        model_dir, HashSpec("files", "sha256"), ignore, policy
+    )
+    _check_loadable(model_dir, files, policy, ignore)
     return files, actual.digest
 
 
@@ -131,20 +134,30 @@ def _read_and_hash(
     model_dir: Path,
     spec: HashSpec,
     ignore: list[str],
+    policy: Policy,
     signed: Manifest | None = None,
 ) -> tuple[dict[str, bytes], Manifest]:
-    """Every file of the folder, read once, and the manifest of those bytes."""
+    """Every file of the folder, read once, and the manifest of those bytes.
+    Before reading anything: the folder's names and limits, then (with
+    `signed`) planted or missing files, then refusals by name and size, then
+    holes: a planted file may be huge or sparse and must not be read into
+    memory."""
     root_fd = _fs.open_root(model_dir)
     try:
-        listed = _fs.list_files(root_fd, _fs.normalize_ignore(ignore))
+        listed = _fs.list_files(
+            root_fd,
+            _fs.normalize_ignore(ignore),
+            policy.limits,
+            prefix=_fs.prefix_bytes(model_dir),
+        )
         if signed is not None:
-            # Refuse planted or missing files before reading anything: a planted
-            # file may be huge (or sparse) and must not be read into memory.
             names = {p for p, _ in listed}
             missing = sorted(set(signed.files()) - names)
             extra = sorted(names - set(signed.files()))
             if missing or extra:
                 raise ManifestMismatchError(missing, extra, [])
+        _refuse_unread(model_dir, listed, policy)
+        _fs.check_dense(root_fd, listed)
         cpus = os.cpu_count() or 1
         # Twice as many readers as cores: one hashes while another waits on disk.
         with (
@@ -166,28 +179,46 @@ def _read_and_hash(
     )
 
 
-def _check_loadable(model_dir: Path, files: dict[str, bytes], policy: Policy) -> None:
+def _refuse_unread(
+    model_dir: Path, listed: list[tuple[str, int]], policy: Policy
+) -> None:
+    """What `inspect_model` refuses by name and size alone (a digest may have
+    been approved without an inspection, or under an older policy), refused
+    before any file is read: code files, names the allow-list does not admit,
+    JSON and text over their limits."""
+    verdicts = []
+    for path, size in listed:
+        verdict = FileVerdict(path, path_kind(path, policy))
+        check_file_name(path, verdict)
+        check_file_size(size, verdict, policy)
+        verdicts.append(verdict)
+    report = InspectionReport(str(model_dir), verdicts)
+    if not report.ok:
+        raise ModelRejectedError(report)
+
+
+def _check_loadable(
+    model_dir: Path, files: dict[str, bytes], policy: Policy, ignore: list[str]
+) -> None:
     """The strict checks of `inspect_model`, on the very bytes the engine gets,
     for every file the engine parses: the approved digest may have been taken of
     bytes swapped in after inspection, and the engine's parsers take what ours
     refuse (duplicate names or keys, unknown fields, a shard by another name).
-    No code files and only files the allow-list admits (by name); JSON files get
-    the strict JSON checks (an index its schema too: shards are `.safetensors`
-    files), every `.safetensors` file the strict header checks, text and
-    tokenizer models their format checks. Files the manifest ignores are not
-    read, so not checked."""
+    JSON files get the strict JSON checks (an index its schema too, and its
+    shards must be `.safetensors` files among `files`, not under `ignore`),
+    every `.safetensors` file the strict header checks, text and tokenizer
+    models their format checks. Files the manifest ignores are not read, so
+    not checked (names were refused before reading, `_refuse_unread`)."""
+    kinds = {path: path_kind(path, policy) for path in files}
     verdicts = []
     for path in sorted(files):
-        verdict = FileVerdict(path, path_kind(path, policy))
-        # As `inspect_model` refuses them (a digest may have been approved
-        # without an inspection, or under an older policy).
-        check_file_name(path, verdict)
-        if verdict.kind == "file" and not verdict.findings:  # else refused by name
-            verdict.reject("file-not-allowed", not_allowed_detail(path))
-        elif verdict.kind in ("text", "tokenizer-model"):
+        verdict = FileVerdict(path, kinds[path])
+        if verdict.kind in ("text", "tokenizer-model"):
             check_format_bytes(files[path], verdict)
         elif verdict.kind in ("json", "index", "signature"):
             check_json_bytes(files[path], verdict, policy)
+            if verdict.kind == "index":
+                check_index_references(verdict, kinds, ignore)
         elif verdict.kind == "safetensors":
             try:
                 parse_header_bytes(files[path], policy)

@@ -1,18 +1,28 @@
 """Builders shared by the integrity tests: deterministic model folders, raw
-safetensors bytes and throwaway signing keys (never committed)."""
+safetensors bytes, throwaway signing keys (never committed), sparse files and
+spies on what the gate reads."""
 
 import json
+import os
 import random
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from safetensors.numpy import save
 
-from gpuagent.integrity import DEFAULT_POLICY, AllowedFile, Policy, ReleaseBinding
+from gpuagent.integrity import (
+    DEFAULT_POLICY,
+    AllowedFile,
+    ModelRejectedError,
+    Policy,
+    ReleaseBinding,
+    inspect_model,
+)
 
 RELEASE = ReleaseBinding("demo-llama", "1.0.0", "weights=int4-g128,kv=int8", "")
 # A policy that names the data files the content tests plant, so that a refusal
@@ -195,3 +205,68 @@ class CertificateAuthority:
             "release": RELEASE,
         }
         return Policy(**{**settings, **changes})
+
+
+def make_sparse(path: Path, size: int) -> None:
+    """`path` grown (or created) to `size` bytes with a hole: no disk behind it."""
+    with open(path, "ab") as f:
+        f.truncate(size)
+
+
+class ReadFromFile(BaseException):
+    """A file the gate must not read was read. A BaseException: the gate's
+    broad `except Exception` (a reader's failure is a finding) can't hide it."""
+
+
+def refuse_reads(monkeypatch, path: Path) -> None:
+    """Makes any os.pread, os.preadv or os.read of `path` (by the gate's own
+    readers, whatever the fd) raise ReadFromFile."""
+    st = path.stat()
+    target = (st.st_dev, st.st_ino)
+
+    for name in ("pread", "preadv", "read"):
+        real = getattr(os, name)
+
+        def spy(fd, *args, _real=real):
+            found = os.fstat(fd)
+            if (found.st_dev, found.st_ino) == target:
+                raise ReadFromFile(f"{path.name} was read")
+            return _real(fd, *args)
+
+        monkeypatch.setattr(os, name, spy)
+
+
+def upstream_sign(folder: Path, signature: Path, private_key: Path, ignore=()) -> None:
+    """A publisher's signature, made by model-signing itself (no release
+    binding, none of our sign-time checks)."""
+    from model_signing import hashing, signing
+
+    config = hashing.Config().set_ignored_paths(paths=list(ignore))
+    signing.Config().use_elliptic_key_signer(
+        private_key=private_key
+    ).set_hashing_config(config).sign(folder, signature)
+
+
+def shard_under_extras(folder: Path) -> str:
+    """Moves the second shard of a sharded `write_model` folder to extras/ and
+    points the index at it there; returns its new path."""
+    shard = "model-00002-of-00002.safetensors"
+    (folder / "extras").mkdir()
+    (folder / shard).rename(folder / "extras" / shard)
+    index = folder / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace(f'"{shard}"', f'"extras/{shard}"'))
+    return f"extras/{shard}"
+
+
+def rejected_files(
+    folder: Path, policy: Policy = DEFAULT_POLICY
+) -> dict[str, set[str]]:
+    """path -> finding codes of each file `inspect_model` rejects in `folder`
+    (it must reject one)."""
+    with pytest.raises(ModelRejectedError) as refused:
+        inspect_model(folder, policy)
+    return {
+        f.path: {x.code for x in f.findings}
+        for f in refused.value.report.files
+        if f.findings
+    }

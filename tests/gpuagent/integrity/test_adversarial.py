@@ -129,7 +129,7 @@ def test_it_rejects_protocol_0_and_1_pickles_under_any_name(
     (folder / "optimizer.dat").write_bytes(pickle.dumps(payload, protocol=protocol))
 
     assert rejected_codes(folder, DATA_FILES) == {"pickle-protocol"}
-    assert rejected_codes(folder) == {"pickle-protocol", "file-not-allowed"}
+    assert rejected_codes(folder) == {"file-not-allowed"}  # by name: not read
 
 
 DEBIAN_COPYRIGHT = (  # FLOAT, then SHORT_BINSTRING: only a checked float stops it
@@ -461,10 +461,9 @@ def test_it_refuses_a_folder_nested_thousands_deep_with_its_own_error(deep_folde
 
 
 def test_it_accepts_folders_nested_up_to_the_limit(tmp_path):
-    from gpuagent.integrity._fs import MAX_FOLDER_DEPTH
-
+    depth = DEFAULT_POLICY.limits.max_depth
     folder = write_model(tmp_path / "model")
-    nest(folder, MAX_FOLDER_DEPTH)
+    nest(folder, depth)
 
     assert inspect_model(folder).ok
-    assert f"{'d/' * MAX_FOLDER_DEPTH}x.txt" in hash_model(folder).files()
+    assert f"{'d/' * depth}x.txt" in hash_model(folder).files()

@@ -19,7 +19,7 @@ from gpuagent.integrity import (
     read_verified_files,
     sign_model,
 )
-from tests.gpuagent.integrity.builders import RELEASE, write_model
+from tests.gpuagent.integrity.builders import RELEASE, rejected_files, write_model
 
 DEMO = Path(__file__).resolve().parents[3] / "gpuagent" / "engine" / "demo_model"
 
@@ -49,16 +49,6 @@ def sentencepiece_model(pieces: list[str]) -> bytes:
     out += field(2, 2, field(1, 2, b"corpus.txt") + field(3, 0, varint(2)))
     out += field(3, 2, field(1, 2, b"nmt_nfkc"))
     return out
-
-
-def reasons(folder, policy=DEFAULT_POLICY) -> dict[str, set[str]]:
-    with pytest.raises(ModelRejectedError) as refused:
-        inspect_model(folder, policy)
-    return {
-        f.path: {x.code for x in f.findings}
-        for f in refused.value.report.files
-        if f.findings
-    }
 
 
 def test_it_accepts_the_demo_model_as_shipped(tmp_path):
@@ -133,7 +123,7 @@ def test_it_accepts_tokenizer_files_and_text_by_their_formats(tmp_path):
     [
         ("optimizer.state", b"\x00\x01\x02", "file-not-allowed"),
         ("weights.npz", b"not a zip", "pickle-extension"),
-        ("tf_model.h5", b"\x89HDF\r\n\x1a\n", "hdf5"),
+        ("tf_model.h5", b"\x89HDF\r\n\x1a\n", "file-not-allowed"),
         ("tokenizer.model", b"\x0a\x05hello world", "tokenizer-model-invalid"),
         ("tokenizer.model", b"\x80\x02]q\x00.", "pickle-protocol"),
         ("merges.txt", b"a b\n\xff\xfe", "text-invalid"),
@@ -157,7 +147,7 @@ def test_it_refuses_what_the_allow_list_or_its_formats_do_not_admit(
     folder = write_model(tmp_path / "model")
     (folder / name).write_bytes(content)
 
-    assert code in reasons(folder)[name]
+    assert code in rejected_files(folder)[name]
 
 
 def test_it_admits_a_file_the_policy_names_and_still_checks_its_content(tmp_path):
@@ -169,10 +159,10 @@ def test_it_admits_a_file_the_policy_names_and_still_checks_its_content(tmp_path
         extra_allowed_files=(AllowedFile("calibration/*.f32", "KV scales"),)
     )
 
-    found = reasons(folder, policy)
+    found = rejected_files(folder, policy)
 
     assert found == {"calibration/evil.f32": {"pickle-protocol"}}
-    assert reasons(folder)["calibration/scales.f32"] == {"file-not-allowed"}
+    assert rejected_files(folder)["calibration/scales.f32"] == {"file-not-allowed"}
 
 
 def test_it_does_not_let_a_policy_pattern_weaken_a_built_in_format(tmp_path):
@@ -180,20 +170,20 @@ def test_it_does_not_let_a_policy_pattern_weaken_a_built_in_format(tmp_path):
     (folder / "config.json").write_text('{"a": 1, "a": 2}')
     policy = DEFAULT_POLICY.replace(extra_allowed_files=(AllowedFile("*", "all"),))
 
-    assert reasons(folder, policy) == {"config.json": {"json-duplicate-key"}}
+    assert rejected_files(folder, policy) == {"config.json": {"json-duplicate-key"}}
 
 
-def test_it_accepts_the_signature_and_git_metadata_in_the_folder(tmp_path, keys):
+def test_it_accepts_the_signature_and_the_git_files_a_hub_repo_carries(tmp_path, keys):
     folder = write_model(tmp_path / "model")
+    (folder / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs\n")
+    (folder / ".gitignore").write_text("*.tmp\n")
     sign_model(folder, folder / "model.sig", release=RELEASE, private_key=keys.private)
-    (folder / ".git" / "objects" / "ab").mkdir(parents=True)
-    (folder / ".git" / "objects" / "ab" / "cdef").write_bytes(b"x\x01" + b"\0" * 9)
 
     report = inspect_model(folder)
 
     kinds = {f.path: f.kind for f in report.files}
     assert kinds["model.sig"] == "signature"
-    assert kinds[".git/objects/ab/cdef"] == "git"
+    assert kinds[".gitattributes"] == kinds[".gitignore"] == "text"
 
 
 def test_it_refuses_a_file_outside_the_allow_list_on_load_too(tmp_path):

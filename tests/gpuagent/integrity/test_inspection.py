@@ -26,7 +26,14 @@ from gpuagent.integrity import (
     ModelRejectedError,
     inspect_model,
 )
-from tests.gpuagent.integrity.builders import DATA_FILES, raw_safetensors, write_model
+from tests.gpuagent.integrity.builders import (
+    DATA_FILES,
+    make_sparse,
+    raw_safetensors,
+    refuse_reads,
+    shard_under_extras,
+    write_model,
+)
 
 F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 
@@ -44,9 +51,14 @@ def nested(depth: int) -> str:
     return "[" * depth + "]" * depth
 
 
-def index(folder: Path, weight_map: dict, raw: str | None = None) -> None:
+def index(
+    folder: Path,
+    weight_map: dict,
+    raw: str | None = None,
+    name: str = "model.safetensors.index.json",
+) -> None:
     text = raw if raw is not None else json.dumps({"weight_map": weight_map})
-    (folder / "model.safetensors.index.json").write_text(text)
+    (folder / name).write_text(text)
 
 
 def shard(folder: Path, name: str, tensor_names: list[str]) -> None:
@@ -73,12 +85,6 @@ def empty_zip_bytes() -> bytes:
     with zipfile.ZipFile(buf, "w"):
         pass
     return buf.getvalue()
-
-
-def sparse(path: Path, size: int) -> None:
-    """A file of `size` zero bytes that takes no disk space."""
-    with open(path, "wb") as f:
-        f.truncate(size)
 
 
 # Pickles that call os.getcwd() when loaded but carry no protocol header, each
@@ -421,6 +427,12 @@ CASES = [
         "json-duplicate-key",
         "model.safetensors.index.json",
     ),
+    Case(
+        "config-with-utf8-bom",
+        lambda f: (f / "config.json").write_bytes(b'\xef\xbb\xbf{"model_type": "x"}'),
+        "json-utf8-bom",
+        "config.json",
+    ),
     # --- folder ---------------------------------------------------------------
     Case(
         "zip-under-innocent-name",
@@ -491,9 +503,9 @@ CASES = [
     ),
     Case(
         "7z-archive",
-        lambda f: (f / "blob").write_bytes(b"7z\xbc\xaf\x27\x1c" + b"\0" * 30),
+        lambda f: (f / "blob.dat").write_bytes(b"7z\xbc\xaf\x27\x1c" + b"\0" * 30),
         "archive-7z",
-        "blob",
+        "blob.dat",
     ),
     Case(
         "gzip-stream",
@@ -521,17 +533,15 @@ CASES = [
     ),
     Case(
         "tar-archive",
-        lambda f: (f / "data").write_bytes(tar_bytes()),
+        lambda f: (f / "data.dat").write_bytes(tar_bytes()),
         "archive-other",
-        "data",
+        "data.dat",
     ),
     Case(
         "hdf5-file",
-        lambda f: (f / "tf_model.weights").write_bytes(
-            b"\x89HDF\r\n\x1a\n" + b"\0" * 64
-        ),
+        lambda f: (f / "tf_model.dat").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64),
         "hdf5",
-        "tf_model.weights",
+        "tf_model.dat",
     ),
     Case(
         "numpy-object-array",
@@ -613,7 +623,7 @@ CASES = [
     ),
     Case(
         "config-too-large",
-        lambda f: sparse(f / "config.json", DEFAULT_POLICY.max_header_bytes + 1),
+        lambda f: make_sparse(f / "config.json", DEFAULT_POLICY.max_header_bytes + 1),
         "json-too-large",
         "config.json",
     ),
@@ -676,7 +686,9 @@ def test_it_rejects_malformed_input_for_the_right_reason(tmp_path, case):
     case.build(folder)
 
     with pytest.raises(ModelRejectedError) as info:
-        inspect_model(folder)
+        # The policy names the data files the cases plant: a file refused by
+        # name is never read, and these are refused for their content.
+        inspect_model(folder, DATA_FILES)
 
     report = info.value.report
     rejected = {
@@ -888,9 +900,8 @@ def test_it_reads_only_the_ends_of_a_large_file_that_is_no_pickle(
 ):
     folder = write_model(tmp_path / "model")
     big = folder / "notes.dat"  # named by the policy: not read whole as text
-    big.write_bytes(b"Format: https://example.org/spec\nFiles: *\n" * 100)
-    with open(big, "r+b") as f:
-        f.truncate(64 << 20)
+    line = b"Format: https://example.org/spec\nFiles: *\n"
+    big.write_bytes(line * ((64 << 20) // len(line)))  # dense: a sparse one is refused
     read = []
     real_pread = os.pread
 
@@ -926,3 +937,135 @@ def test_it_looks_for_auto_map_below_the_top_only_in_configs(tmp_path):
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
 
     assert inspect_model(folder).ok
+
+
+# --- indexes: every loader's, and what they point at ----------------------------
+
+INDEX_NAMES = [
+    "pytorch_model.bin.index.json",
+    "tf_model.h5.index.json",
+    "consolidated.safetensors.index.json",
+    "model.safetensors.index.json",
+]
+
+
+@pytest.mark.parametrize("index_name", INDEX_NAMES)
+@pytest.mark.parametrize(
+    ("reference", "code"),
+    [
+        ("../outside.safetensors", "index-path-traversal"),
+        ("{absolute}", "index-path-traversal"),
+        ("link.safetensors", "index-missing-shard"),
+    ],
+    ids=["parent", "absolute", "symlink"],
+)
+def test_it_refuses_any_index_that_points_outside_the_folder(
+    tmp_path, index_name, reference, code
+):
+    # transformers joins the folder and the shard name: "../x" and "/x" leave it.
+    folder = write_model(tmp_path / "model")
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(save({"w": np.zeros(2, dtype=np.float32)}))
+    os.symlink(outside, folder / "link.safetensors")
+    reference = str(outside) if reference == "{absolute}" else reference
+    index(folder, {"w": reference}, name=index_name)
+
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder)
+
+    [finding] = [
+        x for f in caught.value.report.files if f.path == index_name for x in f.findings
+    ]
+    assert finding.code == code
+    assert reference in finding.detail
+
+
+def test_it_refuses_an_index_naming_a_shard_a_signature_may_leave_out(tmp_path):
+    folder = write_model(tmp_path / "model", sharded=True)
+    left_out = shard_under_extras(folder)
+    assert inspect_model(folder).ok
+    # A policy that lets a signature leave out extras/: those weights would load
+    # unverified.
+    policy = DEFAULT_POLICY.replace(extra_ignorable_paths=("extras",))
+
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder, policy)
+
+    found = {f.path: {x.code for x in f.findings} for f in caught.value.report.files}
+    assert found["model.safetensors.index.json"] == {"index-shard-not-signed"}
+    assert left_out in str(caught.value)
+
+
+# --- refused before reading: by name, by size, by holes --------------------------
+
+
+def sparse_weights(path: Path) -> None:
+    """A safetensors file with a valid header for a 64 GiB tensor, the data a
+    hole: it takes no disk, and a reader of it would take hours."""
+    size = 64 << 30
+    header = {"w": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}}
+    path.write_bytes(raw_safetensors(header))
+    make_sparse(path, path.stat().st_size + size)
+
+
+@pytest.mark.parametrize(
+    ("name", "build"),
+    [
+        ("model.safetensors", sparse_weights),
+        ("notes.dat", lambda p: make_sparse(p, 64 << 30)),
+        ("config.json", lambda p: make_sparse(p, 1 << 20)),  # under its limit
+    ],
+    ids=["weights", "data-file", "config"],
+)
+def test_it_refuses_a_sparse_file_without_reading_it(
+    tmp_path, monkeypatch, name, build
+):
+    folder = write_model(tmp_path / "model")
+    build(folder / name)
+    refuse_reads(monkeypatch, folder / name)
+
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder, DATA_FILES)
+
+    [verdict] = [f for f in caught.value.report.files if f.findings]
+    assert verdict.path == name
+    assert [x.code for x in verdict.findings] == ["sparse-file"]
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        ("pytorch_model.bin", "pickle-extension"),
+        ("weights.xyz", "file-not-allowed"),
+        ("modeling_llama.py", "python-file"),
+        ("tokenizer.json", "json-too-large"),
+        ("README.md", "text-too-large"),
+    ],
+)
+def test_it_never_reads_a_file_refused_by_name_or_size(
+    tmp_path, monkeypatch, name, code
+):
+    folder = write_model(tmp_path / "model")
+    make_sparse(folder / name, 64 << 30)  # read to the end, it would take hours
+    refuse_reads(monkeypatch, folder / name)
+
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder)
+
+    assert caught.value.report.codes() == {code}
+
+
+def test_it_refuses_a_bom_in_json_as_transformers_does(tmp_path):
+    from transformers import PretrainedConfig
+
+    folder = write_model(tmp_path / "model")
+    config = folder / "config.json"
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+
+    with pytest.raises(ValueError, match="BOM"):  # what it opens configs with
+        PretrainedConfig._dict_from_json_file(config)
+    with pytest.raises(ModelRejectedError) as caught:
+        inspect_model(folder)
+
+    assert caught.value.report.codes() == {"json-utf8-bom"}
+    assert "byte-order mark" in str(caught.value)

@@ -13,11 +13,12 @@ from gpuagent.integrity import (
     HashSpec,
     IntegrityError,
     Manifest,
+    SparseFileError,
     UnsafePathError,
     hash_model,
 )
 from gpuagent.integrity.manifest import hash_folder
-from tests.gpuagent.integrity.builders import write_model
+from tests.gpuagent.integrity.builders import ReadFromFile, make_sparse, write_model
 
 GOLDEN = Path(__file__).parent / "golden"
 # Golden cases: (file name, algorithm, shard size). Regenerate with
@@ -169,3 +170,24 @@ def test_it_hashes_blake3_the_same_with_or_without_its_threads(tmp_path):
         digests.add(hasher.hexdigest())
 
     assert digests == {blake3.blake3(data).hexdigest()}
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_it_refuses_a_sparse_file_before_hashing_anything(
+    tmp_path, monkeypatch, algorithm
+):
+    folder = write_model(tmp_path / "model")
+    make_sparse(folder / "model.safetensors", 64 << 30)  # its tail: one hole
+    from gpuagent.integrity import manifest
+
+    def hashed(*args, **kwargs):
+        raise ReadFromFile("hashing started")
+
+    monkeypatch.setattr(manifest, "_hash_range", hashed)
+    monkeypatch.setattr(ms_hashing.Config, "hash", hashed)
+
+    with pytest.raises(SparseFileError) as caught:
+        hash_model(folder, algorithm)
+
+    assert list(caught.value.paths) == ["model.safetensors"]
+    assert "hole" in caught.value.paths["model.safetensors"]

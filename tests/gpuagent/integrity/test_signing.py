@@ -12,9 +12,11 @@ import pytest
 
 from gpuagent.integrity import (
     BindingMismatchError,
+    FolderLimits,
     IgnoreListError,
     IntegrityError,
     ManifestMismatchError,
+    ModelRejectedError,
     PolicyError,
     ReleaseBinding,
     SignatureError,
@@ -27,7 +29,12 @@ from gpuagent.integrity import (
 from tests.gpuagent.integrity.builders import (
     RELEASE,
     CertificateAuthority,
+    ReadFromFile,
+    make_sparse,
     mutations,
+    refuse_reads,
+    shard_under_extras,
+    upstream_sign,
     write_model,
 )
 
@@ -231,19 +238,19 @@ def test_it_refuses_an_edited_payload(signed, keys, edit):
 
 
 def test_it_refuses_a_signature_that_ignores_weights(tmp_path, keys):
-    folder = write_model(tmp_path / "model", sharded=True)
+    folder = write_model(tmp_path / "model")
     sign_model(
         folder,
         folder / "model.sig",
         release=RELEASE,
         private_key=keys.private,
-        ignore_paths=(SHARD2, "config.json"),
+        ignore_paths=("model.safetensors", "config.json"),
     )
 
     with pytest.raises(IgnoreListError) as info:
         verify_model(folder, folder / "model.sig", keys.policy())
 
-    assert info.value.paths == ["config.json", SHARD2]
+    assert info.value.paths == ["config.json", "model.safetensors"]
 
 
 def test_it_requires_the_signature_file_to_be_ignored_explicitly(tmp_path, keys):
@@ -722,3 +729,100 @@ def test_it_refuses_a_sign_command_whose_signature_verify_would_refuse(
 
     assert main([*args, "--shard-size", "4096", "--json"]) == EXIT_REJECTED
     assert json.loads(capsys.readouterr().out)["error"] == "policy-violation"
+
+
+# --- the signature file is bounded --------------------------------------------------
+
+
+def test_it_refuses_an_oversized_signature_file_before_reading_it(
+    signed, keys, tmp_path, monkeypatch
+):
+    from model_signing._signing import sign_sigstore_pb
+
+    huge = tmp_path / "huge.sig"
+    make_sparse(huge, 2 << 30)  # took 4.3 GB of memory to refuse
+    refuse_reads(monkeypatch, huge)
+
+    def parsed(*args, **kwargs):
+        raise ReadFromFile("model-signing parsed it")
+
+    monkeypatch.setattr(sign_sigstore_pb.Signature, "read", parsed)
+
+    with pytest.raises(SignatureError, match=f"{2 << 30} bytes, more than the limit"):
+        verify_model(signed, huge, keys.policy())
+
+
+def test_it_refuses_to_sign_what_verify_would_not_read(tmp_path, keys):
+    folder = write_model(tmp_path / "model")
+    policy = keys.policy(limits=FolderLimits(max_signature_bytes=1000))
+
+    with pytest.raises(PolicyError, match="more than verify reads"):
+        sign_model(
+            folder,
+            folder / "model.sig",
+            release=RELEASE,
+            private_key=keys.private,
+            policy=policy,
+        )
+    assert not (folder / "model.sig").exists()
+
+
+# --- indexes: what they name must be what was signed -----------------------------
+
+
+def index_outside(tmp_path: Path) -> Path:
+    """A folder whose pytorch_model.bin.index.json maps a tensor to a file
+    beside the folder: transformers would load it from there."""
+    folder = write_model(tmp_path / "model")
+    (tmp_path / "evil.safetensors").write_bytes(
+        (folder / "model.safetensors").read_bytes()
+    )
+    weight_map = {"lm_head.weight": "../evil.safetensors"}
+    (folder / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": weight_map})
+    )
+    return folder
+
+
+def test_it_refuses_to_sign_an_index_that_points_outside_the_folder(tmp_path, keys):
+    folder = index_outside(tmp_path)
+
+    with pytest.raises(ModelRejectedError) as caught:
+        sign_model(
+            folder, folder / "model.sig", release=RELEASE, private_key=keys.private
+        )
+
+    assert caught.value.report.codes() == {"index-path-traversal"}
+    assert "pytorch_model.bin.index.json: [index-path-traversal] shard " in str(
+        caught.value
+    )
+    assert "'../evil.safetensors'" in str(caught.value)
+    assert not (folder / "model.sig").exists()
+
+
+def test_it_refuses_a_publishers_signature_over_an_index_that_points_outside(
+    tmp_path, keys
+):
+    folder = index_outside(tmp_path)
+    signature = tmp_path / "publisher.sig"
+    upstream_sign(folder, signature, keys.private)
+
+    with pytest.raises(ModelRejectedError) as caught:
+        verify_model(folder, signature, keys.policy(release=None))
+
+    assert caught.value.report.codes() == {"index-path-traversal"}
+
+
+def test_it_refuses_a_signature_that_leaves_out_a_shard_an_index_names(tmp_path, keys):
+    # A publisher left extras/ out of the manifest; the index loads from it.
+    folder = write_model(tmp_path / "model", sharded=True)
+    left_out = shard_under_extras(folder)
+    signature = tmp_path / "publisher.sig"
+    upstream_sign(folder, signature, keys.private, ignore=["extras"])
+    policy = keys.policy(release=None, extra_ignorable_paths=("extras",))
+
+    with pytest.raises(ModelRejectedError) as caught:
+        verify_model(folder, signature, policy)
+
+    assert caught.value.report.codes() == {"index-shard-not-signed"}
+    assert left_out in str(caught.value)

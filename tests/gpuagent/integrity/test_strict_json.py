@@ -98,3 +98,13 @@ def test_it_refuses_a_99_mb_wide_document_in_bounded_time_and_memory(
     assert code in reasons
     assert seconds < TIME_LIMIT_S, seconds
     assert peak < MEMORY_LIMIT_BYTES, peak
+
+
+def test_it_names_a_utf8_byte_order_mark_at_the_start():
+    text = b'\xef\xbb\xbf{"model_type": "llama"}'.decode("utf-8")
+
+    with pytest.raises(Rejected) as info:
+        strict_json_loads(text, 4)
+
+    assert info.value.code == "utf8-bom"
+    assert "byte-order mark" in info.value.detail

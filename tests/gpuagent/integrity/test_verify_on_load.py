@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,7 @@ from gpuagent.integrity import (
     ManifestDigestMismatchError,
     ManifestMismatchError,
     ModelRejectedError,
+    SparseFileError,
     UnsafePathError,
     hash_model,
     read_inspected_files,
@@ -20,7 +22,16 @@ from gpuagent.integrity import (
     sign_model,
     verify_model,
 )
-from tests.gpuagent.integrity.builders import RELEASE, raw_safetensors, write_model
+from tests.gpuagent.integrity.builders import (
+    DATA_FILES,
+    RELEASE,
+    ReadFromFile,
+    make_sparse,
+    raw_safetensors,
+    shard_under_extras,
+    upstream_sign,
+    write_model,
+)
 
 SHARD1 = "model-00001-of-00002.safetensors"
 
@@ -188,8 +199,8 @@ def test_it_refuses_an_approved_shard_that_is_not_safetensors_by_name(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     (folder / "config.json").write_text('{"model_type": "llama"}')
 
-    with pytest.raises(ModelRejectedError) as refused:
-        read_verified_files(folder, hash_model(folder).digest)
+    with pytest.raises(ModelRejectedError) as refused:  # *.dat named: read
+        read_verified_files(folder, hash_model(folder).digest, policy=DATA_FILES)
 
     assert "index-shard-not-safetensors" in refused.value.report.codes()
 
@@ -254,16 +265,90 @@ def test_it_reads_an_unpinned_folder_only_after_inspecting_it(tmp_path):
 
 
 def test_it_does_not_inspect_what_the_manifest_ignores(tmp_path):
-    # git-lfs keeps its objects (zips, for a .bin in the history) under .git; a
-    # stale pytorch_model.bin.index.json is JSON the engine never reads as an index.
+    # The signature's name is left out of the manifest: not read, not checked.
     folder = write_model(tmp_path / "model")
-    lfs = folder / ".git" / "lfs" / "objects"
-    lfs.mkdir(parents=True)
-    (lfs / "abcd").write_bytes(b"PK\x05\x06" + b"\0" * 18)
-    stale = {"weight_map": {"w": "pytorch_model.bin"}}
-    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(stale))
+    (folder / "model.sig").write_bytes(b"PK\x05\x06" + b"\0" * 18)
+    digest = hash_model(folder, ignore_paths=("model.sig",)).digest
 
-    files = read_verified_files(folder, hash_model(folder).digest)
+    files = read_verified_files(folder, digest)
 
-    assert ".git/lfs/objects/abcd" not in files
-    assert "pytorch_model.bin.index.json" in files
+    assert "model.sig" not in files
+    assert "config.json" in files
+
+
+# --- refused before reading -----------------------------------------------------
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The paths verify-on-load reads (`.paths`); reading one in `.refused`
+    aborts the test instead (a 64 GiB sparse file, read into memory)."""
+    from gpuagent.integrity import verified_load
+
+    real_read = verified_load._read_file
+    reads = SimpleNamespace(paths=[], refused=set())
+
+    def spy(root_fd, path):
+        if path in reads.refused:
+            raise ReadFromFile(f"{path} was read")
+        reads.paths.append(path)
+        return real_read(root_fd, path)
+
+    monkeypatch.setattr(verified_load, "_read_file", spy)
+    return reads
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "code"),
+    [
+        ("model.safetensors", SparseFileError, "sparse-file"),
+        ("weights.xyz", ModelRejectedError, "file-not-allowed"),
+        ("config.json", ModelRejectedError, "json-too-large"),
+    ],
+    ids=["sparse", "by-name", "by-size"],
+)
+def test_it_refuses_a_file_by_name_size_or_holes_before_reading_any(
+    tmp_path, reads, name, error, code
+):
+    folder = write_model(tmp_path / "model")
+    digest = hash_model(folder).digest
+    make_sparse(folder / name, 64 << 30)
+    reads.refused.add(name)
+
+    with pytest.raises(error) as caught:
+        read_verified_files(folder, digest)
+
+    refused = caught.value
+    codes = refused.report.codes() if error is ModelRejectedError else {refused.code}
+    assert codes == {code}
+    assert name in str(refused)
+    assert reads.paths == []
+
+
+def test_it_refuses_a_signed_index_naming_a_shard_the_signature_left_out(
+    tmp_path, keys
+):
+    folder = write_model(tmp_path / "model", sharded=True)
+    shard_under_extras(folder)
+    signature = tmp_path / "publisher.sig"
+    upstream_sign(folder, signature, keys.private, ignore=["extras"])
+    policy = keys.policy(release=None, extra_ignorable_paths=("extras",))
+    digest = hash_model(folder, ignore_paths=("extras",)).digest
+
+    with pytest.raises(ModelRejectedError) as caught:
+        read_verified_files(folder, digest, signature_path=signature, policy=policy)
+
+    assert caught.value.report.codes() == {"index-shard-not-signed"}
+
+
+def test_it_refuses_a_bom_in_the_json_it_returns(tmp_path):
+    # The engine's loader parses bytes with json.loads, which takes a BOM;
+    # transformers does not: the gate refuses it before the engine sees it.
+    folder = write_model(tmp_path / "model")
+    config = folder / "config.json"
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+
+    with pytest.raises(ModelRejectedError) as caught:
+        read_verified_files(folder, hash_model(folder).digest)
+
+    assert caught.value.report.codes() == {"json-utf8-bom"}
