@@ -5,6 +5,7 @@ from controlplane.dashboard.views import (
     cost,
     decisions,
     environments,
+    favicon,
     fleet,
     releases,
     reopen,
@@ -47,4 +48,5 @@ urlpatterns = [
     path("cost/", cost.cost, name="cost"),
     path("cost.csv", cost.cost_csv, name="cost-csv"),
     path("audit/", audit.audit_log, name="audit-log"),
+    path("favicon.ico", favicon.favicon, name="favicon"),
 ]

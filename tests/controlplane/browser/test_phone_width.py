@@ -48,7 +48,7 @@ FRAGMENTS = {
     "release-status": "release-detail",
     "environment-rows": "environment-list",
 }
-NOT_PAGES = {"cost-csv"}  # a CSV download
+NOT_PAGES = {"cost-csv", "favicon"}  # a CSV download, an icon
 
 OVERFLOW_JS = "() => [document.documentElement.scrollWidth, window.innerWidth]"
 # Elements, and runs of text, whose right edge is past the viewport and that no
