@@ -12,7 +12,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from ninja import Field, Schema
 from pydantic import AwareDatetime, ConfigDict, field_validator
 
-from controlplane.accounts.models import API_SCOPES
+from controlplane.accounts.models import API_SCOPES, ROLES
 from controlplane.fleet.models import DEPLOYMENT_STATES
 from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
@@ -23,6 +23,7 @@ DeploymentState = Literal[DEPLOYMENT_STATES]  # type: ignore[valid-type]
 JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
 GateOutcome = Literal[GATE_OUTCOMES]  # type: ignore[valid-type]
 Scope = Literal[API_SCOPES]  # type: ignore[valid-type]
+Role = Literal[ROLES]  # type: ignore[valid-type]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]  # type: ignore[valid-type]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -370,6 +371,102 @@ class DeploymentFilters(PageParams):
     environment: str | None = Field(None, description="environment name")
     release: ObjectId | None = Field(None, description="release id")
     state: DeploymentState | None = None
+
+
+class EnvironmentIn(RequestBody):
+    name: str = Field(
+        min_length=1,
+        max_length=50,
+        pattern=r"^[-a-zA-Z0-9_]+$",
+        description="letters, digits, - and _ (e.g. staging)",
+    )
+
+
+# -- teams, members, users and tokens -------------------------------------------------
+
+# Django's username rule (UnicodeUsernameValidator) and slugify's output.
+USERNAME_PATTERN = r"^[\w.@+-]+$"
+SLUG_PATTERN = r"^[a-z0-9_-]*$"
+
+
+class TeamIn(RequestBody):
+    name: str = Field(min_length=1, max_length=100)
+    slug: str = Field(
+        "", max_length=100, pattern=SLUG_PATTERN, description="default: from the name"
+    )
+    admin: str | None = Field(
+        None,
+        max_length=150,
+        pattern=USERNAME_PATTERN,
+        description="username of the team's first admin; default: the caller",
+    )
+
+
+class TeamOut(Schema):
+    id: int
+    name: str
+    slug: str
+
+
+class MembershipIn(RequestBody):
+    role: Role
+
+
+class MembershipOut(Schema):
+    team: str
+    user: str
+    role: Role
+
+
+class UserIn(RequestBody):
+    username: str = Field(min_length=1, max_length=150, pattern=USERNAME_PATTERN)
+    email: str = Field("", max_length=254)
+    team: str = Field(
+        min_length=1, max_length=100, description="slug of the token's team"
+    )
+    role: Role = "member"
+
+
+class UserCreatedOut(MembershipOut):
+    email: str
+    set_password_url: str = Field(
+        description="a one-time link where the person sets their password (valid "
+        "for PASSWORD_RESET_TIMEOUT, 3 days by default, and until used); shown "
+        "this once"
+    )
+
+
+class ApiTokenIn(RequestBody):
+    name: str = Field(min_length=1, max_length=100, description="what it is for")
+    scopes: list[Scope] = Field(
+        min_length=1,
+        description="each allowed by the user's role, and held by the calling token",
+    )
+    user: str | None = Field(
+        None,
+        max_length=150,
+        pattern=USERNAME_PATTERN,
+        description="username of the member it is for; default: the caller",
+    )
+
+
+class ApiTokenOut(Schema):
+    id: int
+    name: str
+    prefix: str = Field(description="the secret's first characters, to tell it apart")
+    team: str
+    user: str
+    scopes: list[Scope]
+    created: datetime
+    last_used: datetime | None
+    revoked: datetime | None
+
+
+class ApiTokenCreatedOut(ApiTokenOut):
+    token: str = Field(
+        description="the secret, for `Authorization: Bearer <token>`; shown this "
+        "once (only its sha256 is stored)"
+    )
 
 
 # -- audit log ------------------------------------------------------------------------

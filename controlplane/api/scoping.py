@@ -9,6 +9,7 @@ from django.db.models import Prefetch, QuerySet
 from django.http import HttpRequest
 from django.shortcuts import get_object_or_404
 
+from controlplane.accounts.models import ApiToken, Membership, Team
 from controlplane.api.auth import Principal
 from controlplane.api.schemas import PageParams
 from controlplane.audit.models import AuditEvent
@@ -70,6 +71,27 @@ def deployments(principal: Principal) -> QuerySet[Deployment]:
     return Deployment.objects.filter(
         environment__team_id__in=principal.team_ids
     ).select_related("release__model", "environment", "agent")
+
+
+def teams(principal: Principal) -> QuerySet[Team]:
+    return Team.objects.filter(id__in=principal.team_ids)
+
+
+def get_team(principal: Principal, slug: str) -> Team:
+    return get_object_or_404(teams(principal), slug=slug)
+
+
+def memberships(principal: Principal) -> QuerySet[Membership]:
+    return Membership.objects.filter(team_id__in=principal.team_ids).select_related(
+        "team", "user"
+    )
+
+
+def api_tokens(principal: Principal) -> QuerySet[ApiToken]:
+    # Its own tokens, or all of the team's for an admin; never a secret.
+    return ApiToken.objects.visible_to(
+        principal.user, principal.team_ids
+    ).select_related("team", "user")
 
 
 def audit_events(principal: Principal) -> QuerySet[AuditEvent]:
