@@ -9,6 +9,7 @@ from controlplane.dashboard.views import (
     fleet,
     releases,
     reopen,
+    tokens,
 )
 
 app_name = "dashboard"
@@ -48,5 +49,8 @@ urlpatterns = [
     path("cost/", cost.cost, name="cost"),
     path("cost.csv", cost.cost_csv, name="cost-csv"),
     path("audit/", audit.audit_log, name="audit-log"),
+    path("tokens/", tokens.token_list, name="token-list"),
+    path("tokens/new/", tokens.create_token, name="token-create"),
+    path("tokens/<int:token_id>/revoke/", tokens.revoke_token, name="token-revoke"),
     path("favicon.ico", favicon.favicon, name="favicon"),
 ]

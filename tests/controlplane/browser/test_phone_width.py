@@ -16,6 +16,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.urls import get_resolver, resolve
 
+from controlplane.accounts.actions import do_create_api_token
 from controlplane.accounts.models import Membership
 from controlplane.dashboard import urls as dashboard_urls
 from controlplane.fleet.actions import do_record_agent_heartbeat, do_register_agent
@@ -40,6 +41,11 @@ LONG_PRODUCTION = "production-eu-west-1-inference-cluster-blue-green"  # 50
 LONG_STAGING = "staging-us-east-2-inference-cluster-canary-shadow1"  # 50
 LONG_AGENT = "gpu-node-h100-sxm5-80gb-rack-17-slot-4-eu-west-1a-inference-pool-a"
 LONG_GPU = "NVIDIA H100 80GB HBM3 (SXM5, MIG disabled, driver 550.54.15, CUDA 12.4)"
+# 100 characters, the longest name a token may have.
+LONG_TOKEN = (
+    "ci-github-actions-release-pipeline-for-llama-customer-support-models-"
+    "eu-west-1-production-deploys"
+)
 AGENT_ARTIFACTS = "/var/lib/releasegate/agent/artifacts/acme"
 LONG_USER = "bartholomew.featherstonehaugh_worthington@mlplatform.example.com"
 # Hosts the fragments load into (urls.py names -> the page that includes them).
@@ -176,6 +182,7 @@ def long_scene(
     do_finish_job(do_start_job(running, "compress", agent=agent), error=reason(running))
     do_start_job(running, "evaluate", agent=agent)
     candidate = awaiting(production)
+    do_create_api_token(viewer, production.team, LONG_TOKEN, ["read", "approve"])
     do_record_agent_heartbeat(agent)
     return {
         "family": family,
@@ -243,6 +250,14 @@ def test_it_fits_every_page_in_a_phone_viewport(
     check("cost", "/cost/")
     check("cost filtered", f"/cost/?model={long_scene['family'].pk}")
     check("audit", "/audit/")
+    check("tokens", "/tokens/")
+    check("new token", "/tokens/new/")
+    page.get_by_label("Name").fill(LONG_TOKEN + "-2")
+    page.get_by_role("button", name="Create token").click()
+    check("token created")
+    page.goto("/tokens/")
+    page.get_by_role("button", name="Revoke…").first.click()
+    check("confirm revoke token")
     context.close()
 
     assert not too_wide, "\n".join(too_wide)
