@@ -22,3 +22,4 @@ def test_it_lists_members_with_their_roles(api, owner_token, teammate, member):
 def test_it_shows_the_outsider_nothing(api, outsider_token, owner):
     error_of(api.get(url("acme"), token=outsider_token), 404, "not_found")
     error_of(api.get(url("nope"), token=outsider_token), 404, "not_found")
+    assert api.get(url("other"), token=outsider_token).status_code == 200

@@ -38,6 +38,8 @@ def test_it_shows_the_outsider_nothing(api, outsider_token, team, teammate):
     error_of(api.delete(url("bob"), token=outsider_token), 404, "not_found")
 
     assert Membership.objects.filter(team=team, user=teammate).exists()
+    # In their own team the member is found (and kept: the last admin).
+    error_of(api.delete(url("mallory", "other"), token=outsider_token), 409, "conflict")
 
 
 def test_it_needs_the_admin_scope(api, owner_token, team, teammate):

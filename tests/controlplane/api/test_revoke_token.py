@@ -42,6 +42,7 @@ def test_it_shows_a_member_only_their_own(api, make_token, teammate, owner_token
 
     error_of(api.delete(url(token_of(owner_token)), token=bobs_admin), 404, "not_found")
     assert api.get(RELEASES, token=owner_token).status_code == 200
+    assert api.delete(url(token_of(bobs_admin)), token=bobs_admin).status_code == 204
 
 
 def test_it_shows_the_outsider_nothing(api, outsider_token, owner_token):
@@ -49,3 +50,5 @@ def test_it_shows_the_outsider_nothing(api, outsider_token, owner_token):
 
     error_of(response, 404, "not_found")
     assert api.get(RELEASES, token=owner_token).status_code == 200
+    own = api.delete(url(token_of(outsider_token)), token=outsider_token)
+    assert own.status_code == 204

@@ -49,6 +49,8 @@ def test_it_shows_the_outsider_nothing(api, outsider_token, team, owner, teammat
 
     error_of(response, 404, "not_found")
     assert role_of(team, teammate) == "approver"
+    own = put_json(api, url("mallory", "other"), {"role": "admin"}, outsider_token)
+    assert own.status_code == 200, own.content  # in their own team, it works
 
 
 def test_it_keeps_an_admin(api, admin_token, team, owner):

@@ -35,7 +35,9 @@ def test_it_revokes_after_a_confirmation(client, carols, request, who):
     assert AuditEvent.objects.get(verb="api_token.revoked").actor_user == user
 
 
-def test_it_shows_others_tokens_to_nobody_else(client, carols, teammate, outsider):
+def test_it_shows_others_tokens_to_nobody_else(
+    client, carols, member, teammate, outsider
+):
     token, plaintext = carols
     for user in (teammate, outsider):
         client.force_login(user)
@@ -43,6 +45,8 @@ def test_it_shows_others_tokens_to_nobody_else(client, carols, teammate, outside
         assert client.post(url(token), {"confirmed": "yes"}).status_code == 404
 
     assert ApiToken.lookup(plaintext) == token
+    client.force_login(member)
+    assert client.post(url(token)).status_code == 200  # its user is asked to confirm
 
 
 def test_it_says_a_revoked_token_is_revoked(client, carols, member):
