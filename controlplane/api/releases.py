@@ -37,6 +37,8 @@ from controlplane.releases.actions.promotion import (
     do_request_promotion,
 )
 from controlplane.releases.actions.registration import do_register_release
+from controlplane.releases.models import Release
+from controlplane.releases.timings import stage_timings
 
 router = Router(tags=["releases"])
 
@@ -133,7 +135,13 @@ def list_releases(request: HttpRequest, filters: Query[ReleaseFilters]) -> dict:
 )
 def get_release_detail(request: HttpRequest, release_id: ObjectId) -> dict:
     release = get_release(principal_of(request), release_id, detail=True)
-    return release.to_dict(detail=True)
+    return release_detail_dict(release)
+
+
+def release_detail_dict(release: Release) -> dict:
+    """The release with its relations (`to_dict(detail=True)`) and what is derived
+    from them: the stage timings."""
+    return {**release.to_dict(detail=True), "timings": stage_timings(release)}
 
 
 @router.post(

@@ -26,9 +26,6 @@ from gpuagent.protocol import (
     QualityReport,
 )
 
-# Jobs that check a model's bytes on the way to deploy: inspecting the source,
-# hashing and signing the candidate, verifying it on another agent.
-INTEGRITY_JOB_KINDS = ("inspect", "verify_source", "sign", "verify")
 # Jobs whose success means the release's bytes were hashed and matched: the check on
 # another agent after signing, the periodic re-hash of a live copy, verify-on-load.
 VERIFYING_JOB_KINDS = ("verify", "reverify", "deploy")

@@ -24,6 +24,12 @@ RELEASE_STATES = (
     "rolled_back",
 )
 JOB_STATES = ("queued", "running", "succeeded", "failed")
+# Jobs that check a model's bytes on the way to deploy: inspecting the source,
+# hashing and signing the candidate, verifying it on another agent.
+INTEGRITY_JOB_KINDS = ("inspect", "verify_source", "sign", "verify")
+# Jobs that check a live copy after its deploy (beat, every interval): no stage of
+# the pipeline, so pages and the API show their count and the latest, not each one.
+AFTER_DEPLOY_JOB_KINDS = ("reverify",)
 GATE_OUTCOMES = ("pass", "fail", "inconclusive")
 DECISIONS = ("approve", "reject")
 
@@ -163,9 +169,6 @@ class Release(models.Model):
             data["gate_results"] = [g.to_dict() for g in self.gate_results.all()]
             data["approvals"] = [a.to_dict() for a in self.approvals.all()]
             data["deployments"] = [d.to_dict() for d in self.deployments.all()]
-            from controlplane.releases.timings import stage_timings
-
-            data["timings"] = stage_timings(self)
         return data
 
 
