@@ -303,6 +303,20 @@ class DeploySpec(_Message):
         return value
 
 
+# DeployResult.error_code values that say the agent's copy is not the approved
+# bytes: files differ from the manifest, the files or the signature give another
+# digest, the signature binds another release, or the folder changed while the
+# server started. The control plane marks such a release failed_verification
+# (its digest untrusted); any other code (a recipe the checkpoint doesn't match, a
+# server that didn't start, a quarantined digest) is a failed deploy.
+VERIFICATION_ERROR_CODES = (
+    "manifest-mismatch",
+    "manifest-digest-mismatch",
+    "binding-mismatch",
+    "changed-during-start",
+)
+
+
 class DeployResult(_Message):
     ok: bool
     endpoint: str = ""

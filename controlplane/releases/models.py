@@ -103,6 +103,12 @@ class Release(models.Model):
         max_length=30, choices=STATE_CHOICES, default="registered", db_index=True
     )
     failure_reason = models.TextField(blank=True)
+    # Control state the pipeline reads, kept with the state it belongs to (set by
+    # do_transition_release, never derived from the audit log): when the release
+    # entered its state (jobs from before belong to an earlier pass), and when it
+    # last moved back to registered (approvals from before no longer bind it).
+    state_entered_at = models.DateTimeField(default=timezone.now)
+    reopened_at = models.DateTimeField(null=True, blank=True)
     manifest_digest = models.CharField(max_length=200, blank=True)
     signature = models.TextField(blank=True)
     parent = models.ForeignKey(

@@ -17,13 +17,12 @@ attempt in force.
 """
 
 import logging
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from controlplane.audit.models import AuditEvent
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import IllegalTransition
 from controlplane.fleet.actions import (
@@ -54,7 +53,7 @@ from controlplane.releases.actions.rollbacks import (
 )
 from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job, Release
-from gpuagent.protocol import JobResult
+from gpuagent.protocol import VERIFICATION_ERROR_CODES, JobResult
 
 log = logging.getLogger(__name__)
 WORKER = "system:worker"
@@ -70,21 +69,6 @@ INTEGRITY_KINDS = ("verify_source", "sign", "verify")
 AGENT_KINDS = tuple(k for groups, _ in PROMOTION.values() for g in groups for k in g)
 AGENT_KINDS += ("deploy", "reverify", "undeploy")
 OPEN_STATES = ("queued", "running")
-
-
-def _entered(release: Release) -> datetime:
-    """When the release last moved into its current state."""
-    event = (
-        AuditEvent.objects.filter(
-            verb="release.transition",
-            object_type="release",
-            object_id=str(release.pk),
-            after__state=release.state,
-        )
-        .order_by("-created", "-id")
-        .first()
-    )
-    return event.created if event else release.created
 
 
 # -- sending jobs ----------------------------------------------------------------------
@@ -158,7 +142,7 @@ def advance(release_id: int) -> str:
 def _advance_stage(release: Release) -> bool:
     """True when the release moved to the next state."""
     groups, next_state = PROMOTION[release.state]
-    entered = _entered(release)
+    entered = release.state_entered_at
     for group in groups:
         jobs = {
             kind: release.jobs.filter(kind=kind, created__gte=entered)
@@ -269,13 +253,20 @@ def _deployment_done(job: Job) -> None:
         )
         undeploy_older(deployment.environment)
     else:
-        verification = any(job.result.get(k) for k in ("missing", "extra", "changed"))
-        verification = verification or "mismatch" in job.error.lower()
         do_fail_deployment(
-            deployment, actor=WORKER, reason=job.error, verification=verification
+            deployment,
+            actor=WORKER,
+            reason=job.error,
+            verification=failed_verification(job),
         )
         if deployment.rollback_tried is not None:
             do_continue_rollback(deployment, why=why_refused(job))
+
+
+def failed_verification(job: Job) -> bool:
+    """Whether a failed deploy job says the bytes are not the approved ones: by the
+    error code its DeployResult carries, never by the words of its message."""
+    return job.result.get("error_code") in VERIFICATION_ERROR_CODES
 
 
 def why_refused(job: Job) -> str:

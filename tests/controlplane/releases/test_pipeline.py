@@ -16,6 +16,9 @@ from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases.actions.approvals import do_approve_release
 from controlplane.releases.actions.gate_policies import do_set_gate_policy
+from controlplane.releases.actions.jobs import do_dispatch_job, do_finish_job
+from controlplane.releases.actions.promotion import do_reopen_release
+from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import (
     record_job_result,
@@ -27,6 +30,7 @@ from controlplane.releases.tasks import (
 from controlplane.releases.timings import stage_timings
 from gpuagent.protocol import DeployResult, VerifyResult
 from tests.controlplane.releases.test_evaluate_policy import load_report, quality_report
+from tests.controlplane.releases.test_transition_release import erase_audit_log
 
 BF16 = {"weights": "bf16", "kv_cache_dtype": "int8"}
 DEMO_MODEL = Path(gpuagent.engine.__file__).parent / "demo_model"
@@ -123,6 +127,33 @@ def test_it_fails_a_release_whose_evidence_fails_its_gate(bf16_release, local_ag
         "load:chat (ttft_p99_ms)"
         in Release.objects.get(pk=bf16_release.pk).failure_reason
     )
+
+
+def finish(release, kind: str) -> None:
+    """The newest `kind` job of `release` succeeded (as its agent would say)."""
+    job = Job.objects.filter(release=release, kind=kind).order_by("-id").first()
+    do_finish_job(job or do_dispatch_job(release, kind), result={})
+
+
+def test_a_reopened_release_runs_its_stages_again_whatever_the_audit_log_says(
+    release, owner
+):
+    for kind in ("verify_source", "compress", "sign", "verify"):  # the first pass
+        do_finish_job(do_dispatch_job(release, kind), result={})
+    do_transition_release(release, "failed", actor=owner, reason="evaluate failed")
+    do_reopen_release(release, owner, reason="recalibrated")
+    run_promotion(release.pk)
+    finish(release, "verify_source")
+    assert run_promotion(release.pk) == "compressing"
+    finish(release, "compress")
+    erase_audit_log()  # the record of when this pass entered compressing
+
+    state = run_promotion(release.pk)
+
+    # The first pass's sign and verify are no evidence for this pass's bytes.
+    assert state == "compressing"
+    signs = Job.objects.filter(release=release, kind="sign").order_by("id")
+    assert [j.state for j in signs] == ["succeeded", "queued"]
 
 
 def test_missing_evidence_is_inconclusive_and_pauses_in_gated(make_release):
@@ -291,6 +322,35 @@ def test_a_deploy_that_finds_other_bytes_fails_verification(approved, local_agen
     assert Job.objects.get(release=approved, kind="deploy").result["changed"] == [
         "config.json"
     ]
+
+
+@pytest.mark.parametrize(
+    ("error_code", "error", "state"),
+    [
+        # The words say mismatch, the code says the bytes were the approved ones.
+        ("recipe-mismatch", "recipe weights=int4-g128 mismatch: config.json", "failed"),
+        # The words don't, the code says the folder changed under the server.
+        (
+            "changed-during-start",
+            "the folder changed after the agent's check: server exited",
+            "failed_verification",
+        ),
+    ],
+)
+def test_a_failed_deploy_fails_verification_by_its_code_not_its_words(
+    make_release, local_agent, error_code, error, state
+):
+    release = make_release(state="approved")
+    run_deployment(release.pk)
+
+    local_agent.answer(
+        "deploy",
+        DeployResult(ok=False, error=error, error_code=error_code),
+        error=error,
+    )
+
+    assert Release.objects.get(pk=release.pk).state == state
+    assert Deployment.objects.get(release=release).state == state
 
 
 def test_reverification_of_a_tampered_copy_marks_the_deployment(approved, local_agent):
