@@ -27,7 +27,6 @@ from controlplane.api.scoping import (
     principal_of,
     releases,
 )
-from controlplane.errors import DigestMismatch
 from controlplane.releases.actions.approvals import (
     do_approve_release,
     do_reject_release,
@@ -194,23 +193,21 @@ def approve_release(
     auth=token_auth("approve"),
     response={200: DecisionOut, **WRITE_ERRORS},
     summary="Reject a release (approver role)",
+    description="With `manifest_digest`, the rejection is of that manifest: 409 when "
+    "the release's digest is another by then. The user or token that registered the "
+    "release cannot reject it (403).",
 )
 def reject_release(
     request: HttpRequest, release_id: ObjectId, payload: RejectIn
 ) -> dict:
     principal = principal_of(request)
     release = get_release(principal, release_id)
-    if (
-        payload.manifest_digest is not None
-        and payload.manifest_digest != release.manifest_digest
-    ):
-        raise DigestMismatch(
-            f"rejection is for manifest {payload.manifest_digest!r} but {release} "
-            f"has {release.manifest_digest!r}",
-            field="manifest_digest",
-        )
     approval = do_reject_release(
-        release, principal.user, token=principal.token, comment=payload.comment
+        release,
+        principal.user,
+        token=principal.token,
+        comment=payload.comment,
+        manifest_digest=payload.manifest_digest,
     )
     return {"release": release.to_dict(), "approval": approval.to_dict()}
 
