@@ -9,8 +9,10 @@ from controlplane.api.schemas import (
     WRITE_ERRORS,
     ApproveIn,
     DecisionOut,
+    JobOut,
     ObjectId,
     Page,
+    PageParams,
     PromotionOut,
     RejectIn,
     ReleaseDetailOut,
@@ -27,6 +29,7 @@ from controlplane.api.scoping import (
     principal_of,
     releases,
 )
+from controlplane.releases import evidence
 from controlplane.releases.actions.approvals import (
     do_approve_release,
     do_reject_release,
@@ -36,7 +39,7 @@ from controlplane.releases.actions.promotion import (
     do_request_promotion,
 )
 from controlplane.releases.actions.registration import do_register_release
-from controlplane.releases.models import Release
+from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Release
 from controlplane.releases.timings import stage_timings
 
 router = Router(tags=["releases"])
@@ -134,13 +137,38 @@ def list_releases(request: HttpRequest, filters: Query[ReleaseFilters]) -> dict:
 )
 def get_release_detail(request: HttpRequest, release_id: ObjectId) -> dict:
     release = get_release(principal_of(request), release_id, detail=True)
-    return release_detail_dict(release)
+    return release_detail_dict(request, release)
 
 
-def release_detail_dict(release: Release) -> dict:
+def release_detail_dict(request: HttpRequest, release: Release) -> dict:
     """The release with its relations (`to_dict(detail=True)`) and what is derived
-    from them: the stage timings."""
-    return {**release.to_dict(detail=True), "timings": stage_timings(release)}
+    from them: the stage timings, and its re-verifications counted."""
+    history_url = request.build_absolute_uri(
+        reverse("api-v1:release-reverifications", kwargs={"release_id": release.pk})
+    )
+    return {
+        **release.to_dict(detail=True),
+        "timings": stage_timings(release),
+        "reverification": {
+            **evidence.reverifications(release).to_dict(),
+            "history_url": history_url,
+        },
+    }
+
+
+@router.get(
+    "/releases/{release_id}/reverifications",
+    auth=read_auth(),
+    response={200: Page[JobOut], **READ_ERRORS},
+    url_name="release-reverifications",
+    summary="The periodic re-verifications of a release's live copy, newest first",
+)
+def list_reverifications(
+    request: HttpRequest, release_id: ObjectId, params: Query[PageParams]
+) -> dict:
+    release = get_release(principal_of(request), release_id)
+    jobs = release.jobs.filter(kind__in=AFTER_DEPLOY_JOB_KINDS).select_related("agent")
+    return page(jobs.order_by("-created", "-id"), params)
 
 
 @router.post(

@@ -298,14 +298,23 @@ class TimingsOut(Schema):
     quality_load_pct: float | None = Field(description="percent of time_to_deploy_s")
 
 
+class ReverificationsOut(Schema):
+    count: int = Field(description="re-verifications of the live copy so far")
+    newest: JobOut | None = Field(description="the latest, finished or not")
+    history_url: str = Field(description="all of them, newest first (paginated)")
+
+
 class ReleaseDetailOut(ReleaseOut):
     signature: str
     artifacts: list[ArtifactOut]
-    jobs: list[JobOut]
+    jobs: list[JobOut] = Field(
+        description="the pipeline's jobs; the re-verifications are `reverification`"
+    )
     gate_results: list[GateResultOut]
     approvals: list[ApprovalOut]
     deployments: list[DeploymentOut]
     timings: TimingsOut
+    reverification: ReverificationsOut
 
 
 class PromotionOut(Schema):

@@ -171,7 +171,10 @@ class Release(models.Model):
         if detail:
             data["signature"] = self.signature
             data["artifacts"] = [a.to_dict() for a in self.artifacts.all()]
-            data["jobs"] = [j.to_dict() for j in self.jobs.all()]
+            # The pipeline's jobs; a live copy's re-verifications grow without
+            # bound and are counted apart (evidence.reverifications).
+            pipeline_jobs = self.jobs.exclude(kind__in=AFTER_DEPLOY_JOB_KINDS)
+            data["jobs"] = [j.to_dict() for j in pipeline_jobs.select_related("agent")]
             data["gate_results"] = [g.to_dict() for g in self.gate_results.all()]
             data["approvals"] = [a.to_dict() for a in self.approvals.all()]
             data["deployments"] = [d.to_dict() for d in self.deployments.all()]

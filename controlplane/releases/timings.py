@@ -100,9 +100,14 @@ def _pct(part: float, whole: float) -> float | None:
 
 
 def stage_timings(release) -> dict:
-    """{"stages": [every job, oldest first], "time_to_deploy_s", "deployed",
+    """{"stages": [every pipeline job, oldest first; not the re-verifications of
+    the live copy], "time_to_deploy_s", "deployed",
     "integrity_s", "integrity_pct", "quality_load_s", "quality_load_pct"}."""
-    jobs = list(release.jobs.select_related("agent").order_by("created", "id"))
+    jobs = list(
+        release.jobs.exclude(kind__in=AFTER_DEPLOY_JOB_KINDS)
+        .select_related("agent")
+        .order_by("created", "id")
+    )
     spent = overhead(jobs, timezone.now())
     return {
         "stages": [
