@@ -1,3 +1,6 @@
+import time
+
+import pytest
 from django.conf import settings
 
 from controlplane import celery_app
@@ -29,3 +32,27 @@ def test_it_schedules_periodic_reverification_of_a_registered_task():
 def test_it_does_not_run_tasks_eagerly_by_default():
     # The pipeline must go through a real worker; eager mode would hide that.
     assert celery_app.conf.task_always_eager is False
+
+
+def test_it_stores_no_result_it_never_reads():
+    celery_app.loader.import_default_modules()
+
+    assert celery_app.conf.task_ignore_result is True
+    assert celery_app.tasks["controlplane.releases.run_promotion"].ignore_result
+
+
+def test_a_send_that_asks_for_its_result_gives_up_on_a_store_that_is_down_at_once(
+    working_broker, result_store_at, unreachable_broker_url
+):
+    result_store_at(unreachable_broker_url)  # Redis on a closed port
+    started = time.monotonic()
+
+    with pytest.raises(RuntimeError, match="result store"):
+        celery_app.send_task(
+            "controlplane.releases.run_promotion",
+            args=[0],
+            queue=f"never-{time.monotonic_ns()}",
+            ignore_result=False,  # as an operator's shell may
+        )
+
+    assert time.monotonic() - started < 2  # not 20 tries 1 s apart
