@@ -21,7 +21,7 @@ from django.conf import settings
 
 from controlplane import celery_app
 from controlplane.accounts.models import ApiToken
-from controlplane.celery import worker_command
+from controlplane.celery import dies_with_this_process, worker_command
 from controlplane.fleet.models import Agent
 from controlplane.releases.actions.gate_policies import do_set_gate_policy
 from gpuagent.integrity.keys import ensure_key_pair
@@ -80,7 +80,12 @@ class Cluster:
         offset = log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log:
             self.processes[name] = subprocess.Popen(
-                command, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+                command,
+                cwd=ROOT,
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=dies_with_this_process(),
             )
         self.logs[name] = log_path
         deadline = time.monotonic() + 90

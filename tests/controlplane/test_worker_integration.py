@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings
 
 from controlplane import celery_app
-from controlplane.celery import worker_command
+from controlplane.celery import dies_with_this_process, worker_command
 from controlplane.fleet.models import Agent
 from controlplane.releases.actions.promotion import do_request_promotion
 from controlplane.releases.models import Job
@@ -41,10 +41,11 @@ def database_url() -> str:
 
 
 @contextlib.contextmanager
-def celery_worker(log_path: Path, queue: str, **env: str):
-    """A real control-plane worker consuming `queue`, against the test database and
-    the app's broker and result store (`env` overrides), from when it is ready
-    until the block ends: (process, log path)."""
+def celery_worker(log_path: Path, queue: str, *args: str, **env: str):
+    """A real control-plane worker consuming `queue` (more worker `args` may
+    follow), against the test database and the app's broker and result store
+    (`env` overrides), from when it is ready until the block ends: (process, log
+    path). It dies with the test process, however that ends."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "controlplane.settings",
@@ -56,10 +57,15 @@ def celery_worker(log_path: Path, queue: str, **env: str):
         ),
         **env,
     }
-    command = worker_command("--without-heartbeat", f"--queues={queue}")
+    command = worker_command("--without-heartbeat", f"--queues={queue}", *args)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=dies_with_this_process(),
         )
     try:
         deadline = time.monotonic() + WAIT_S
