@@ -452,10 +452,14 @@ def record_heartbeat(beat: Heartbeat) -> Agent:
 
 
 def jobs_held_by(agent: Agent):
-    """The open agent jobs `agent` holds as the control plane last heard: those
-    it reported running (its progress, or its last heartbeat's running_jobs)."""
+    """The open agent jobs `agent` holds as the control plane last heard: running
+    on it by its progress reports, or, while it was not offline, listed in its last
+    heartbeat and taken by no agent since (its progress report not in yet). (An
+    offline agent's jobs were sent away by the watch already.)"""
     open_jobs = Job.objects.filter(kind__in=AGENT_KINDS, state__in=OPEN_STATES)
-    held = Q(agent=agent) | Q(pk__in=agent.running_jobs or [])
+    held = Q(agent=agent)
+    if agent.state != "offline":
+        held |= Q(pk__in=agent.running_jobs or [], agent__isnull=True)
     return open_jobs.filter(held).order_by("pk")
 
 

@@ -320,6 +320,24 @@ def test_a_restart_resends_what_the_earlier_incarnation_reported_and_no_more(
     assert (job.state, job.attempts) == ("running", 2)
 
 
+def test_a_restart_after_the_watch_sent_the_job_away_sends_it_no_more(
+    bf16_release, local_agent
+):
+    first = local_agent.agent.incarnation
+    run_promotion(bf16_release.pk)
+    (_, request), *_ = local_agent.pending("verify_source")
+    local_agent.tasks.report_progress(request, 0.1)
+    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    silence(local_agent.row)
+    assert watch_jobs()["retried"] == 1  # offline: attempt 2 is queued
+
+    record_heartbeat(beat_of(uuid.uuid4().hex))
+
+    job = Job.objects.get(pk=request.job_id)
+    assert (job.state, job.attempts) == ("queued", 2)
+    assert Agent.objects.get(pk=local_agent.row.pk).state == "online"
+
+
 @pytest.fixture
 def approved(bf16_release, local_agent, teammate):
     promote_to_approval(bf16_release, local_agent)
