@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from celery.app.backends import by_url
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
 from django.utils import timezone
@@ -263,15 +264,15 @@ def broker_at():
 
 @pytest.fixture
 def result_store_at(monkeypatch):
-    """result_store_at(url): the app's result backend is `url` for one test (the
-    backend object is cached per thread: this thread's is replaced)."""
+    """result_store_at(url): the app's result backend is `url` for one test. (A
+    CELERY_RESULT_BACKEND variable wins over conf.result_backend, and the backend
+    object is cached per thread: this thread's is replaced.)"""
 
     def point(url: str) -> None:
-        monkeypatch.setitem(celery_app.conf, "result_backend", url)
+        backend_cls, url = by_url(url, celery_app.loader)
         monkeypatch.setattr(celery_app, "_backend_cache", None)
-        monkeypatch.setattr(
-            celery_app._local, "backend", celery_app._get_backend(), raising=False
-        )
+        backend = backend_cls(app=celery_app, url=url)
+        monkeypatch.setattr(celery_app._local, "backend", backend, raising=False)
 
     return point
 
