@@ -173,6 +173,15 @@ class Heartbeat(_Message):
     agent: str
     queue: str
     pool_queue: str
+    incarnation: str = Field(
+        default="",
+        max_length=64,
+        description="random per start of the agent's process: another one under "
+        "the same name means it restarted (empty: an agent from before incarnations)",
+    )
+    started: datetime | None = Field(
+        default=None, description="when this incarnation started"
+    )
     device: Literal["cuda", "cpu"]
     gpu_model: str = Field(description="the GPU's name, or the CPU's on a CPU agent")
     memory_total_bytes: int = Field(ge=0)

@@ -5,6 +5,7 @@ evaluate and load-test jobs answered with reports shaped as gpuagent.protocol
 fixes them (their real runs are in tests/controlplane/test_agent_pipeline.py)."""
 
 import shutil
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from django.utils import timezone
 import gpuagent.engine
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, Deployment
+from controlplane.fleet.tasks import record_heartbeat
 from controlplane.releases.actions.approvals import do_approve_release
 from controlplane.releases.actions.gate_policies import do_set_gate_policy
 from controlplane.releases.actions.jobs import do_dispatch_job, do_finish_job
@@ -28,7 +30,7 @@ from controlplane.releases.tasks import (
     watch_jobs,
 )
 from controlplane.releases.timings import stage_timings
-from gpuagent.protocol import DeployResult, VerifyResult
+from gpuagent.protocol import DeployResult, Heartbeat, VerifyResult
 from tests.controlplane.releases.test_evaluate_policy import load_report, quality_report
 from tests.controlplane.releases.test_transition_release import erase_audit_log
 
@@ -279,6 +281,92 @@ def test_the_watch_resends_a_job_no_agent_took_in_time(bf16_release, local_agent
     assert watch_jobs()["retried"] == 1
 
     assert "no agent took it within" in Job.objects.get(release=bf16_release).error
+
+
+def beat_of(incarnation: str, *, running_jobs=()) -> dict:
+    """A heartbeat of the local agent's `incarnation`, as gpuagent.worker sends."""
+    return Heartbeat(
+        agent="local",
+        queue="agent.local",
+        pool_queue="agents",
+        incarnation=incarnation,
+        started=timezone.now(),
+        device="cpu",
+        gpu_model="CPU test",
+        memory_total_bytes=2**30,
+        memory_free_bytes=2**29,
+        running_jobs=list(running_jobs),
+        can_sign=True,
+    ).model_dump(mode="json")
+
+
+def test_a_restarted_agent_gets_the_job_of_its_earlier_incarnation_again_at_once(
+    bf16_release, local_agent
+):
+    record_heartbeat(beat_of(local_agent.agent.incarnation))
+    run_promotion(bf16_release.pk)
+    (message, request), *_ = local_agent.pending("verify_source")
+    local_agent.tasks.report_progress(request, 0.1)  # taken by "local"
+    late = local_agent.tasks.execute(request, local_agent.agent, timezone.now())
+
+    # Killed and started again: its next beat is another incarnation's, long
+    # before AGENT_DEAD_AFTER_S.
+    assert record_heartbeat(beat_of(uuid.uuid4().hex)) == "online"
+
+    job = Job.objects.get(release=bf16_release, kind="verify_source")
+    assert (job.state, job.attempts, job.agent) == ("queued", 2, None)
+    assert "agent local restarted" in job.error
+    retried = AuditEvent.objects.get(verb="job.retried", object_id=str(job.pk))
+    assert retried.after["attempts"] == 2
+    assert retried.before["agent"] == "local"
+    assert local_agent.record(message, request, late) == "ignored"
+    (_, resent), *_ = local_agent.pending("verify_source")
+    assert resent.attempt == 2
+
+
+def test_a_restart_resends_what_the_earlier_incarnation_reported_and_no_more(
+    bf16_release, local_agent
+):
+    first = local_agent.agent.incarnation
+    run_promotion(bf16_release.pk)
+    (message, request), *_ = local_agent.pending("verify_source")
+    # Taken: its last beat says so, its progress report was lost with it.
+    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    job = Job.objects.get(pk=request.job_id)
+    assert (job.state, job.attempts) == ("queued", 1)  # the same incarnation
+
+    second = uuid.uuid4().hex
+    record_heartbeat(beat_of(second))
+
+    job.refresh_from_db()
+    assert (job.state, job.attempts) == ("queued", 2)
+    local_agent.taken.add(message.pk)
+    (message, request), *_ = local_agent.pending("verify_source")
+    local_agent.tasks.report_progress(request, 0.1)  # the new one takes it
+    record_heartbeat(beat_of(second, running_jobs=[request.job_id]))
+    record_heartbeat(beat_of(uuid.uuid4().hex, running_jobs=[request.job_id]))
+    job.refresh_from_db()
+    # still attempt 2: the newest incarnation says it runs it
+    assert (job.state, job.attempts) == ("running", 2)
+
+
+def test_a_restart_after_the_watch_sent_the_job_away_sends_it_no_more(
+    bf16_release, local_agent
+):
+    first = local_agent.agent.incarnation
+    run_promotion(bf16_release.pk)
+    (_, request), *_ = local_agent.pending("verify_source")
+    local_agent.tasks.report_progress(request, 0.1)
+    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    silence(local_agent.row)
+    assert watch_jobs()["retried"] == 1  # offline: attempt 2 is queued
+
+    record_heartbeat(beat_of(uuid.uuid4().hex))
+
+    job = Job.objects.get(pk=request.job_id)
+    assert (job.state, job.attempts) == ("queued", 2)
+    assert Agent.objects.get(pk=local_agent.row.pk).state == "online"
 
 
 @pytest.fixture
