@@ -8,6 +8,8 @@ from django.db import models
 from django.utils import timezone
 
 ROLES = ("member", "approver", "admin")
+# The roles that may approve, reject and roll back (API, dashboard and actions alike).
+APPROVER_ROLES = ("approver", "admin")
 # admin: change an environment's gate policy and webhooks, manage the team's members,
 # environments and tokens (also needs the admin role).
 API_SCOPES = ("read", "register", "promote", "approve", "admin")
@@ -73,7 +75,7 @@ class Membership(models.Model):
 
     @property
     def can_approve(self) -> bool:
-        return self.role in ("approver", "admin")
+        return self.role in APPROVER_ROLES
 
     def to_dict(self) -> dict:
         return {"team": self.team.slug, "user": self.user.username, "role": self.role}

@@ -14,7 +14,7 @@ from controlplane.api.auth import Principal
 from controlplane.api.schemas import PageParams
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Deployment, Environment
-from controlplane.releases.models import Approval, Job, ModelFamily, Release
+from controlplane.releases.models import Approval, ModelFamily, Release
 
 
 def principal_of(request: HttpRequest) -> Principal:
@@ -33,10 +33,10 @@ def releases(principal: Principal) -> QuerySet[Release]:
     )
 
 
-# What Release.to_dict(detail=True) reads: one query per relation, not one per row.
+# What Release.to_dict(detail=True) reads: one query per relation, not one per row
+# (its jobs are read by to_dict itself: the pipeline's, without the re-verifications).
 RELEASE_DETAIL_PREFETCHES = (
     "artifacts",
-    Prefetch("jobs", queryset=Job.objects.select_related("agent")),
     "gate_results",
     Prefetch("approvals", queryset=Approval.objects.select_related("user", "token")),
     Prefetch(

@@ -24,6 +24,11 @@ urlpatterns = [
         name="release-status",
     ),
     path(
+        "releases/<int:release_id>/reverifications/",
+        releases.release_reverifications,
+        name="release-reverifications",
+    ),
+    path(
         "releases/<int:release_id>/approve/",
         decisions.approve_release,
         name="approve-release",
