@@ -165,6 +165,12 @@ def long_scene(
         return bad
 
     failed_verification = fail_verification(production)
+    for _ in range(2):  # its live copy's re-verifications, the last one failed
+        do_finish_job(do_start_job(failed_verification, "reverify", agent=agent))
+    do_finish_job(
+        do_start_job(failed_verification, "reverify", agent=agent),
+        error=reason(failed_verification),
+    )
     quarantined = fail_verification(staging)
     do_rollback_environment(staging, teammate, reason="bytes changed on disk")
     quarantined.refresh_from_db()
@@ -232,6 +238,10 @@ def test_it_fits_every_page_in_a_phone_viewport(
     check("releases filtered", f"/?model={long_scene['family'].pk}")
     for state in ("failed_verification", "quarantined", "failed", "running"):
         check(state, f"/releases/{long_scene[state].pk}/")
+    check(
+        "reverifications",
+        f"/releases/{long_scene['failed_verification'].pk}/reverifications/",
+    )
     check("awaiting_approval", f"/releases/{long_scene['candidate'].pk}/")
     page.get_by_role("button", name="Approve…").click()
     check("confirm approve")
