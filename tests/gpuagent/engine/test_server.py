@@ -955,3 +955,33 @@ def test_it_builds_model_and_tokenizer_from_the_verified_bytes_only(
     engine = LLMEngine.from_model_dir(model_dir, files=files, num_blocks=4)
 
     assert engine.encode_prompt("hi") == expected
+
+
+def test_it_routes_to_module_level_functions_that_find_the_server_on_the_app(
+    tiny_model_and_tokenizer,
+):
+    from fastapi.routing import APIRoute
+
+    import gpuagent.engine.server as server_module
+
+    model, tokenizer = tiny_model_and_tokenizer
+    engines = [LLMEngine(model, tokenizer, num_blocks=8, block_size=8) for _ in "ab"]
+
+    with (
+        serve(engines[0], "first") as (one, _),
+        serve(engines[1], "second") as (
+            two,
+            async_two,
+        ),
+    ):
+        listed = [
+            [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
+            for url in (one, two)
+        ]
+    app = server_module.build_app(async_two, "x")
+    endpoints = [r.endpoint for r in app.routes if isinstance(r, APIRoute)]
+
+    assert listed == [["first"], ["second"]]
+    assert len(endpoints) == 7
+    for endpoint in endpoints:  # the same function for every app, not a closure
+        assert getattr(server_module, endpoint.__name__) is endpoint
