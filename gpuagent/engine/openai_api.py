@@ -7,6 +7,11 @@ asks for nothing and passes. Types are strict, as OpenAI's: "5" or true is no
 max_tokens (an int is a float). The bodies check their own ranges (`n`, `logprobs`,
 `max_tokens`, prompts per request, ...); what needs the model (the context length,
 token ids) is checked by the server.
+
+OpenAI's bookkeeping fields are taken where the server honours them: `user` and
+`metadata` are recorded (the request log; answers echo `metadata`), `store: false`
+and `service_tier` `auto`/`default` ask for what the server does anyway. `store:
+true` (nothing is stored) and any other tier are refused, naming the value.
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gpuagent.engine.sampling import MAX_LOGPROBS
 
@@ -24,6 +36,15 @@ from gpuagent.engine.sampling import MAX_LOGPROBS
 MAX_PROMPTS_PER_REQUEST = 2048
 # Choices per prompt; each is a sequence of its own in the batch.
 MAX_N = 16
+# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+# `user` goes into the request log: bounded as a metadata value is.
+MAX_USER_CHARS = 512
+# The tiers a request may ask for: this server has one, which OpenAI calls "default".
+SERVICE_TIERS = ("auto", "default")
+SERVED_TIER = "default"
 
 # Far above any prompt the context holds (a 128k-token prompt is ~1 MB of JSON); a
 # bigger body is refused before it is read into memory.
@@ -39,10 +60,6 @@ UNSUPPORTED_FIELDS = {
     "parallel_tool_calls": "tool calling is not implemented",
     "functions": "function calling is not implemented",
     "function_call": "function calling is not implemented",
-    "user": "end-user ids are not recorded by this server",
-    "store": "stored completions are not implemented",
-    "metadata": "stored completions are not implemented",
-    "service_tier": "service tiers are not implemented",
     "modalities": "only text output is implemented",
     "audio": "only text output is implemented",
     "prediction": "predicted outputs are not implemented",
@@ -124,12 +141,76 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)  # recorded (log)
+    metadata: dict[str, str] | None = None  # recorded (log) and echoed
+    store: bool | None = None  # only false: nothing is stored
+    service_tier: str | None = None  # only the tier served
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_PAIRS:
+            raise InvalidField(
+                "metadata",
+                f"metadata takes at most {MAX_METADATA_PAIRS} pairs, got {len(value)}",
+            )
+        for key, text in value.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise InvalidField(
+                    "metadata",
+                    f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters, "
+                    f"got {len(key)} in {key[:MAX_METADATA_KEY_CHARS]!r}...",
+                )
+            if len(text) > MAX_METADATA_VALUE_CHARS:
+                raise InvalidField(
+                    "metadata",
+                    f"metadata values are at most {MAX_METADATA_VALUE_CHARS} "
+                    f"characters, got {len(text)} for {key!r}",
+                )
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: bool | None) -> bool | None:
+        if value:
+            raise InvalidField(
+                "store",
+                "store=true is not supported: this server does not store "
+                "completions (send false or leave it out)",
+                code="unsupported_value",
+            )
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _check_service_tier(cls, value: str | None) -> str | None:
+        if value is not None and value not in SERVICE_TIERS:
+            raise InvalidField(
+                "service_tier",
+                f"service_tier {value!r} is not offered: this server has one tier "
+                f"(ask for {' or '.join(repr(t) for t in SERVICE_TIERS)})",
+                code="unsupported_value",
+            )
+        return value
+
+    @property
+    def answer_fields(self) -> dict[str, Any]:
+        """What a non-streamed answer echoes of the request: its `metadata`, and
+        the tier that served it when it asked for one (as OpenAI answers)."""
+        fields: dict[str, Any] = {}
+        if self.metadata is not None:
+            fields["metadata"] = self.metadata
+        if self.service_tier is not None:
+            fields["service_tier"] = SERVED_TIER
+        return fields
 
     @property
     def include_usage(self) -> bool:

@@ -21,6 +21,7 @@ from gpuagent.engine.engine import (
     TokenLogprob,
 )
 from gpuagent.engine.openai_api import (
+    SERVED_TIER,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -274,8 +275,9 @@ def chunk_writer(
     stream_usage: StreamUsage,
 ) -> Callable[..., str]:
     """`chunk(choices, usage=None)`: one SSE chunk of a streamed response, every
-    chunk with the same id and creation time; with the body's continuous_usage_stats,
-    each chunk carries the usage so far (vLLM's)."""
+    chunk with the same id and creation time (and the tier served, when the request
+    asked for one); with the body's continuous_usage_stats, each chunk carries the
+    usage so far (vLLM's)."""
     created = int(time.time())
     continuous = stream_usage if body.continuous_usage else None
 
@@ -287,6 +289,8 @@ def chunk_writer(
             "model": fmt.model_name,
             "choices": choices,
         }
+        if body.service_tier is not None:
+            data["service_tier"] = SERVED_TIER
         if body.include_usage:
             if usage is None and continuous is not None:
                 usage = continuous.usage()
@@ -380,7 +384,8 @@ def answer_body(
     answers: list[dict[str, Any]],
     finals: Sequence[RequestOutput],
 ) -> dict[str, Any]:
-    """A non-streamed answer: its `answers` (one per choice) and the usage."""
+    """A non-streamed answer: its `answers` (one per choice), the usage, and what
+    it echoes of the request (`metadata`, the tier served)."""
     prompt_tokens = sum(out.num_prompt_tokens for out in finals[:: body.n])
     return {
         "id": request_id,
@@ -389,6 +394,7 @@ def answer_body(
         "model": fmt.model_name,
         "choices": answers,
         "usage": usage(prompt_tokens, sum(o.num_output_tokens for o in finals)),
+        **body.answer_fields,
     }
 
 

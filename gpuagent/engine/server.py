@@ -24,6 +24,8 @@ answers are written by `gpuagent.engine.responses`. Beyond the basics:
 - Without `max_tokens`, an answer is at most `default_max_tokens` (DEFAULT_MAX_TOKENS,
   `serve --default-max-tokens`) tokens, and never past the context.
 - An unknown model is a 404 (`model_not_found`), as OpenAI and vLLM answer it.
+- Each request is logged (its id, sequences, prompt tokens, `user` and `metadata`)
+  on the logger `gpuagent.engine.server`.
 - `max_model_len` in /v1/models is the longest sequence the KV pool can hold, not
   just the model's position limit.
 - Chat logprobs cover exactly the tokens of the returned text: a stop token (EOS or
@@ -41,6 +43,8 @@ answers are written by `gpuagent.engine.responses`. Beyond the basics:
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -75,6 +79,7 @@ from gpuagent.engine.responses import (
     chat_body,
     collect_finals,
     completion_body,
+    prompt_tokens,
     sse_stream,
     stream_chat,
     stream_completion,
@@ -84,6 +89,8 @@ from gpuagent.engine.scheduler import RequestTooLargeError
 from gpuagent.engine.token_text import TextOffsets, TokenBytes
 
 __all__ = ["TextOffsets", "TokenBytes", "build_app"]
+
+log = logging.getLogger(__name__)
 
 # Answer length when a request gives no max_tokens (bounded, unlike vLLM's "the rest
 # of the context": a forgotten max_tokens must not hold a whole context's KV).
@@ -299,6 +306,21 @@ def model_not_found(model: str, served: str) -> APIError:
     )
 
 
+def log_request(
+    request_id: str, body: _SamplingFields, choices: Sequence[Choice]
+) -> None:
+    """The request log's line: what was asked, and the caller's `user` and
+    `metadata` (as JSON, so no value can forge a line)."""
+    log.info(
+        "%s: %d sequence(s), %d prompt tokens, user %s, metadata %s",
+        request_id,
+        len(choices),
+        prompt_tokens(choices, body.n),
+        json.dumps(body.user),
+        json.dumps(body.metadata, sort_keys=True),
+    )
+
+
 def server_metrics(server: OpenAIServer) -> CollectorRegistry:
     """The server's own gauges beside the engine's: what a load tester needs to turn
     KV bytes into sessions and cost (weights, context limit, slots, threads)."""
@@ -393,6 +415,7 @@ async def completions(request: Request) -> Response:
     choices = server.completion_choices(body)
     streams = server.submit_all(choices, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    log_request(request_id, body, choices)
     fmt = server.format
     if body.stream:
         return sse_response(
@@ -410,6 +433,7 @@ async def chat_completions(request: Request) -> Response:
     choices = server.chat_choices(body)
     streams = server.submit_all(choices, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    log_request(request_id, body, choices)
     if body.stream:
         return sse_response(
             stream_chat(server.format, request_id, body, streams, choices), streams
