@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="name(s) requests may use; answers carry the first (default: the model "
-        "path as given, as vLLM does, so tools that load a tokenizer by the model's "
-        "name find the folder)",
+        "path as given, as vLLM does); /v1/models gives the folder's absolute path "
+        "as each name's `root`, for tools that load the tokenizer",
     )
     serve.add_argument(
         "--threads",
@@ -238,7 +238,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine.kv.window,
         torch.get_num_threads(),
     )
-    app = build_app(AsyncLLMEngine(engine), names, args.default_max_tokens)
+    app = build_app(
+        AsyncLLMEngine(engine),
+        names,
+        args.default_max_tokens,
+        model_root=str(args.model_dir.absolute()),
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

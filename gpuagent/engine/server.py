@@ -27,7 +27,9 @@ answers are written by `gpuagent.engine.responses`. Beyond the basics:
 - Each request is logged (its id, sequences, prompt tokens, `user` and `metadata`)
   on the logger `gpuagent.engine.server`.
 - `max_model_len` in /v1/models is the longest sequence the KV pool can hold, not
-  just the model's position limit.
+  just the model's position limit; `root` is the model folder's absolute path (as
+  vLLM's), which tools that load a tokenizer take instead of the served name
+  (guidellm: `--tokenizer kind=huggingface_auto,model=ROOT`).
 - Chat logprobs cover exactly the tokens of the returned text: a stop token (EOS or
   a `stop_token_ids` id), which the text leaves out, has no entry either. Completion
   logprobs list every generated token, a stop token too, as vLLM's do: echo scoring
@@ -106,10 +108,12 @@ class OpenAIServer:
         engine: AsyncLLMEngine,
         model_names: Sequence[str],
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        model_root: str | None = None,
     ) -> None:
         if not model_names:
             raise ValueError("give the server at least one model name")
         self.engine = engine
+        self.model_root = model_root
         self.llm = engine.engine
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]
@@ -131,6 +135,8 @@ class OpenAIServer:
             "object": "model",
             "created": self.created,
             "owned_by": "releasegate",
+            "root": self.model_root,
+            "parent": None,
             "max_model_len": self.max_model_len,
         }
 
@@ -472,13 +478,15 @@ def build_app(
     engine: AsyncLLMEngine,
     model_name: str | Sequence[str],
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    model_root: str | None = None,
 ) -> FastAPI:
     """The FastAPI app; starts the engine thread at startup, stops it at shutdown.
     `model_name` is the served name, or several (the first is the one answers
-    carry; requests may use any)."""
+    carry; requests may use any); `model_root` is the model folder /v1/models
+    names as each name's `root`."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     app = FastAPI(title="releasegate engine", lifespan=lifespan)
-    app.state.server = OpenAIServer(engine, names, default_max_tokens)
+    app.state.server = OpenAIServer(engine, names, default_max_tokens, model_root)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)

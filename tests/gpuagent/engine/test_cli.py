@@ -85,16 +85,19 @@ def refusal(argv) -> str:
 
 @pytest.mark.timeout(180)
 def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
+    from transformers import AutoTokenizer
+
     folder, digest, publisher, _ = signed_demo
     port = free_port()
     argv = serve_argv(folder, digest, publisher.public, *RELEASE_FLAGS)
+    argv[1] = folder.name  # relative to the server's folder, not to this test's
     argv += ["--port", str(port), "--kv-cache-dtype", "fp32", "--max-num-seqs", "2"]
     argv += ["--threads", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)  # the engine runs the torch references on CPU
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuagent.engine", *argv],
-        cwd=REPO,
+        cwd=folder.parent,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -115,6 +118,8 @@ def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
         body = {"model": argv[1], "prompt": "def ", "max_tokens": 3, "temperature": 0}
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        (card,) = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+        tokens = httpx.post(f"{base}/tokenize", json={"prompt": "def f(x):"}).json()
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -125,6 +130,11 @@ def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
 
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 3
+    # `root` finds the folder from anywhere: what guidellm's --tokenizer takes
+    assert card["id"] == folder.name and card["root"] == str(folder)
+    assert Path.cwd() != folder.parent
+    tokenizer = AutoTokenizer.from_pretrained(card["root"])
+    assert tokenizer("def f(x):").input_ids == tokens["tokens"]
     # --kv-cache-dtype fp32 was taken: K and V, 4 bytes per element, no scales.
     config = json.loads((folder / "config.json").read_text())
     want = 2 * 4 * config["num_hidden_layers"] * config["num_key_value_heads"]

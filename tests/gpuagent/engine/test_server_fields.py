@@ -579,7 +579,7 @@ def test_models_report_the_context_the_kv_pool_can_hold(tiny_model_and_tokenizer
     # 8 blocks of 8 tokens hold 64 tokens, less than the model's 256 positions.
     engine = LLMEngine(model, tokenizer, num_blocks=8, block_size=8)
 
-    with serve(engine, ["tiny", "alias"]) as (base_url, _):
+    with serve(engine, ["tiny", "alias"], model_root="/models/tiny") as (base_url, _):
         models = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]
         by_alias = post(
             base_url, "/v1/completions", {"prompt": "a", "max_tokens": 1}
@@ -591,9 +591,9 @@ def test_models_report_the_context_the_kv_pool_can_hold(tiny_model_and_tokenizer
         )
         too_long = post(base_url, "/v1/completions", {"prompt": "x" * 64})
 
-    assert [(m["id"], m["max_model_len"]) for m in models] == [
-        ("tiny", 64),
-        ("alias", 64),
+    assert [(m["id"], m["max_model_len"], m["root"]) for m in models] == [
+        ("tiny", 64, "/models/tiny"),
+        ("alias", 64, "/models/tiny"),
     ]
     assert alias.status_code == 200 and alias.json()["model"] == "tiny"
     assert by_alias["model"] == "tiny"
