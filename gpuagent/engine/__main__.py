@@ -14,7 +14,8 @@ repeatable; or `--certificate-chain` / `--sigstore-trust-config` with `--identit
 nothing approved to compare with, so the folder is only inspected
 (`gpuagent.integrity.read_inspected_files`: `inspect_model`, then the strict checks on
 the bytes loaded) and a warning names its digest for pinning. A folder that fails any
-check is refused: exit status 1, the reason on stderr.
+check is refused: exit status 1, the reason on stderr; so is a tokenizer or chat
+template that fails its probe (`gpuagent.engine.untrusted`).
 """
 
 from __future__ import annotations
@@ -238,12 +239,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine.kv.window,
         torch.get_num_threads(),
     )
-    app = build_app(
-        AsyncLLMEngine(engine),
-        names,
-        args.default_max_tokens,
-        model_root=str(args.model_dir.absolute()),
-    )
+    try:
+        app = build_app(
+            AsyncLLMEngine(engine),
+            names,
+            args.default_max_tokens,
+            model_root=str(args.model_dir.absolute()),
+        )
+    except ValueError as e:  # e.g. a chat template that fails its probe
+        raise SystemExit(f"error: refused to serve {args.model_dir}: {e}") from None
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -44,6 +44,7 @@ answers are written by `gpuagent.engine.responses`. Beyond the basics:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -89,6 +90,12 @@ from gpuagent.engine.responses import (
 from gpuagent.engine.sampling import SamplingParams
 from gpuagent.engine.scheduler import RequestTooLargeError
 from gpuagent.engine.token_text import TextOffsets, TokenBytes
+from gpuagent.engine.untrusted import (
+    ChatTemplateRenderer,
+    LimitError,
+    ProbeError,
+    TemplateRefusedError,
+)
 
 __all__ = ["TextOffsets", "TokenBytes", "build_app"]
 
@@ -121,6 +128,15 @@ class OpenAIServer:
         self.created = int(time.time())
         self.format = ResponseFormat(self.llm, self.model_name)
         self.metrics = server_metrics(self)
+        self.templates = ChatTemplateRenderer()
+        tokenizer = self.llm.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        if template:
+            try:
+                self.templates.probe(template, **self.special_tokens())
+            except ProbeError:
+                self.templates.close()
+                raise
 
     @property
     def max_model_len(self) -> int:
@@ -214,9 +230,9 @@ class OpenAIServer:
             choices += [Choice(first + j, ids, text, p) for j, p in enumerate(params)]
         return choices
 
-    def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
+    async def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
         """The `n` sequences of a /v1/chat/completions request."""
-        ids = self.encode(self.chat_prompt(body.messages), "messages")
+        ids = self.encode(await self.chat_prompt(body.messages), "messages")
         params = self.sampling_params(
             body, len(ids), body.answer_limit, body.top_logprobs_asked, "messages"
         )
@@ -260,8 +276,10 @@ class OpenAIServer:
             raise APIError("the prompt is empty", param=param)
         return ids
 
-    def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        """The prompt text of chat `messages`, through the model's chat template.
+    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt text of chat `messages`, through the model's chat template,
+        rendered in a child process under time, memory and output limits
+        (`untrusted.ChatTemplateRenderer`; a thread waits on it, not the loop).
 
         A `developer` message is rendered as `system` unless the template knows the
         developer role; `tool_calls` are refused unless the template renders them
@@ -286,20 +304,36 @@ class OpenAIServer:
                 turn["tool_calls"] = m.tool_calls
             turns.append(turn)
         if template:
-            from jinja2 import TemplateError  # rendering the template needs it anyway
-
             try:
-                return tokenizer.apply_chat_template(turns, add_generation_prompt=True)
-            except (TemplateError, TypeError) as exc:
+                return await asyncio.to_thread(
+                    self.templates.render,
+                    template,
+                    turns,
+                    add_generation_prompt=True,
+                    **self.special_tokens(),
+                )
+            except TemplateRefusedError as exc:
                 # The folder's template refuses these messages (e.g. roles that
                 # must alternate, or its `raise_exception`, which we don't provide).
                 raise APIError(
                     f"the model's chat template refused the messages: {exc}",
                     param="messages",
                 ) from None
+            except LimitError as exc:
+                raise APIError(
+                    str(exc), param="messages", code="chat_template_limit"
+                ) from None
         # No template in the folder: a plain transcript ending in the assistant's turn.
         lines = [f"{t['role']}: {t['content']}" for t in turns]
         return "\n".join(lines) + "\nassistant:"
+
+    def special_tokens(self) -> dict[str, Any]:
+        """bos_token and eos_token, as a chat template sees them."""
+        tokenizer = self.llm.tokenizer
+        return {
+            name: getattr(tokenizer, name, None) or ""
+            for name in ("bos_token", "eos_token")
+        }
 
 
 def model_not_found(model: str, served: str) -> APIError:
@@ -410,7 +444,7 @@ async def model_by_id(request: Request, model_id: str) -> dict[str, Any]:
 async def tokenize(request: Request) -> dict[str, Any]:
     server, body = await server_and_body(request, TokenizeRequest)
     if body.messages is not None:
-        ids = server.encode(server.chat_prompt(body.messages), "messages")
+        ids = server.encode(await server.chat_prompt(body.messages), "messages")
     else:
         ids = server.encode(body.prompt or "", "prompt")
     return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
@@ -436,7 +470,7 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     server, body = await server_and_body(request, ChatCompletionRequest)
-    choices = server.chat_choices(body)
+    choices = await server.chat_choices(body)
     streams = server.submit_all(choices, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     log_request(request_id, body, choices)
@@ -465,13 +499,15 @@ async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Runs the engine thread while the app serves."""
-    engine = app.state.server.engine
-    engine.start()
+    """Runs the engine thread while the app serves (and stops the template
+    renderer's children after)."""
+    server = app.state.server
+    server.engine.start()
     try:
         yield
     finally:
-        engine.shutdown()
+        server.engine.shutdown()
+        server.templates.close()
 
 
 def build_app(

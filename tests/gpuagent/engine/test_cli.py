@@ -284,3 +284,25 @@ def test_it_inspects_a_folder_served_without_a_manifest_digest(tmp_path, caplog)
     message = refusal(argv)
     assert "refused to load" in message and "[model-rejected]" in message
     assert "modeling_llama.py" in message
+
+
+def test_it_refuses_to_serve_a_folder_whose_tokenizer_or_template_fails_its_probe(
+    tmp_path,
+):
+    from tests.gpuagent.engine.test_tokenizer import backtracking_tokenizer
+
+    hostile_tokenizer, hostile_template = tmp_path / "tok", tmp_path / "tpl"
+    for folder in (hostile_tokenizer, hostile_template):
+        shutil.copytree(DEMO_MODEL, folder)
+    backtracking_tokenizer().save(str(hostile_tokenizer / "tokenizer.json"))
+    (hostile_template / "chat_template.jinja").write_text("{{ 'x' * 4000000000 }}")
+    flags = ["--device", "cpu", "--kv-memory-gb", "0.005", "--log-level", "warning"]
+
+    tokenizer_refused = refusal(["serve", str(hostile_tokenizer), *flags])
+    template_refused = refusal(["serve", str(hostile_template), *flags])
+
+    assert "tokenizer.json is refused" in tokenizer_refused
+    assert "PanicException" in tokenizer_refused
+    assert "refused to serve" in template_refused
+    assert "chat template failed its probe" in template_refused
+    assert "MiB of memory" in template_refused
