@@ -24,6 +24,10 @@ answers are written by `gpuagent.engine.responses`. Beyond the basics:
 - Without `max_tokens`, an answer is at most `default_max_tokens` (DEFAULT_MAX_TOKENS,
   `serve --default-max-tokens`) tokens, and never past the context.
 - An unknown model is a 404 (`model_not_found`), as OpenAI and vLLM answer it.
+- The model's chat template renders in a child process under time, memory and
+  output limits (`gpuagent.engine.untrusted`): past one, a 400 naming it
+  (`chat_template_limit`); a template that fails them on sample conversations
+  keeps the server from starting.
 - Each request is logged (its id, sequences, prompt tokens, `user` and `metadata`)
   on the logger `gpuagent.engine.server`.
 - `max_model_len` in /v1/models is the longest sequence the KV pool can hold, not

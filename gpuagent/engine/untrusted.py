@@ -167,10 +167,16 @@ class _Child:
             bufsize=0,
         )
         self.pending = bytearray()
-        ready = self._read_line(time.monotonic() + CHILD_START_S, "start")
+        try:
+            ready = self._read_line(time.monotonic() + CHILD_START_S, "start")
+        except (TimeoutError, EOFError, OSError):
+            ready = b""
         if ready != b"ready":
-            self.kill()
-            raise RuntimeError(f"the {kind} child did not start: {ready[:200]!r}")
+            status = self.kill()
+            raise RuntimeError(
+                f"the {kind} child did not start (exit status {status}): "
+                f"{ready[:200]!r}"
+            )
 
     def call(self, task: dict[str, Any], time_s: float, what: str) -> dict[str, Any]:
         """The child's answer to `task` within `time_s` (LimitError otherwise,
