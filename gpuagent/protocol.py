@@ -287,7 +287,9 @@ class DeploySpec(_Message):
     `release` is the binding a signature must carry (model, version, recipe as
     signed); `approved_files` (the manifest's per-file digests, as `HashResult`
     gives them) lets a refusal name the changed files when there is no signature.
-    `port` pins a port; else the first free one of `port_range` (inclusive)."""
+    `port` pins a port; else the first free one of `port_range` (inclusive). The
+    server answers to `served_model_name` (default: `release_model`) and to
+    `release_model@release_version`."""
 
     manifest_digest: str = Field(min_length=1)
     recipe: Recipe

@@ -63,10 +63,9 @@ LOAD_REQUESTS = 4
 LOAD_CONCURRENCY = 2
 LOAD_MAX_SECONDS = 60.0
 LOAD_PROMPT_TOKENS = 160  # room for the longest profile instruction + template
-# What the agent's servers are called (the `model` of a completion request), how
-# long one may take to answer /health, and the engine's KV budget when the
-# environment's backend sets none.
-SERVED_MODEL_NAME = "candidate"
+# How long an agent's server may take to answer /health, and the engine's KV budget
+# when the environment's backend sets none. (A server answers to the release's model
+# name and `model@version`: gpuagent.serving.deploy.served_model_names.)
 HEALTH_TIMEOUT_S = 120.0
 ENGINE_KV_MEMORY_GB = 0.05
 
@@ -361,7 +360,15 @@ def load_test(req: JobRequest, me: Agent):
             bounds=Bounds(requests=LOAD_REQUESTS, max_seconds=LOAD_MAX_SECONDS),
             seed=req.release_id,
         )
-        return asyncio.run(run_load_test(server.endpoint, profiles, plan, Costs()))
+        return asyncio.run(
+            run_load_test(
+                server.endpoint,
+                profiles,
+                plan,
+                Costs(),
+                model=spec.served_model_name or None,
+            )
+        )
     finally:
         if server.deployment_id not in before:  # never stop a live deployment
             serving.undeploy(server.deployment_id, registry=me.registry)
@@ -383,7 +390,7 @@ def deploy_spec(req: JobRequest, me: Agent, backend: BackendSpec) -> DeploySpec:
         manifest_digest=req.manifest_digest,
         recipe=req.recipe,
         backend=backend,
-        served_model_name=SERVED_MODEL_NAME,
+        served_model_name=req.model,
         health_timeout_s=HEALTH_TIMEOUT_S,
         release_model=req.model,
         release_version=req.version,

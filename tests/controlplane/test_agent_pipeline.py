@@ -157,12 +157,12 @@ class Cluster:
         )
 
 
-def complete(endpoint: str, max_tokens: int = 4) -> dict:
-    """A chat completion from the server at `endpoint` (asserted 200)."""
+def complete(endpoint: str, model: str, max_tokens: int = 4) -> dict:
+    """A chat completion of `model` from the server at `endpoint` (asserted 200)."""
     completion = httpx.post(
         f"{endpoint}/v1/chat/completions",
         json={
-            "model": "candidate",
+            "model": model,
             "messages": [{"role": "user", "content": "Hello"}],
             "max_tokens": max_tokens,
         },
@@ -284,7 +284,12 @@ def test_it_takes_a_release_from_registration_to_live_on_agents(
 
         approve_to_live(release, detail, cluster, client, approver)
         deployment = release.deployments.get()
-        assert complete(deployment.endpoint)["usage"]["completion_tokens"] >= 1
+        # served under the release's own model name (the dashboard's), and pinned
+        model = release.model.name
+        answer = complete(deployment.endpoint, model)
+        assert answer["model"] == model and answer["usage"]["completion_tokens"] >= 1
+        pinned = complete(deployment.endpoint, f"{model}@{release.version}")
+        assert pinned["model"] == model
         timings = api(client, ci, "get", f"/releases/{release.pk}").json()["timings"]
         assert timings["time_to_deploy_s"] > 0
         assert 0 < timings["integrity_pct"] < 100
@@ -503,7 +508,8 @@ def test_a_tampered_live_copy_is_quarantined_and_rolled_back(
         assert second.state == "quarantined"
         endpoint = first.deployments.get(state="live").endpoint
         assert httpx.get(f"{endpoint}/health", timeout=10).status_code == 200
-        assert complete(endpoint)["usage"]["completion_tokens"] >= 1
+        answer = complete(endpoint, f"{first.model.name}@{first.version}")
+        assert answer["usage"]["completion_tokens"] >= 1
         assert rolled_back_s < TAMPER_TO_ROLLED_BACK_S, rolled_back_s
         # The tampered server, superseded beyond the rollback target, is stopped.
         deadline = time.monotonic() + 60
