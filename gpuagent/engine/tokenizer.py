@@ -275,7 +275,9 @@ def load_tokenizer(
         raise TokenizerLoadError(f"tokenizer.json is refused: {e}") from None
     config_bytes = files.get("tokenizer_config.json")
     try:
-        config = json.loads(config_bytes) if config_bytes is not None else {}
+        # Decoded first, so a UTF-8 byte-order mark is refused as by transformers.
+        config_text = config_bytes.decode("utf-8") if config_bytes is not None else "{}"
+        config = json.loads(config_text)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise TokenizerLoadError(f"tokenizer_config.json is not JSON: {e}") from e
     if not isinstance(config, dict):

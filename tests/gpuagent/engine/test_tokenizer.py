@@ -122,8 +122,9 @@ def test_it_loads_only_from_the_given_file_bytes(tmp_path):
         ("tokenizer.json", b"\xff\xfe", "not a valid tokenizer"),
         ("tokenizer_config.json", b"{not json", "not JSON"),
         ("tokenizer_config.json", b"[1, 2]", "not a JSON object"),
+        ("tokenizer_config.json", b'\xef\xbb\xbf{"model_max_length": 8}', "BOM"),
     ],
-    ids=["truncated-tokenizer", "not-utf8", "config-not-json", "config-array"],
+    ids=["truncated-tokenizer", "not-utf8", "config-not-json", "config-array", "bom"],
 )
 def test_it_names_a_broken_tokenizer_file(tmp_path, name, content, reason):
     save_byte_tokenizer(tmp_path / "real")
