@@ -54,6 +54,10 @@ def _document_no_nul(schema: dict[str, Any]) -> None:
                 variant["pattern"] = NO_NUL_PATTERN
 
 
+# A text path parameter (a team's slug, a username): storable like any client string.
+PathText = Annotated[str, Field(pattern=NO_NUL_PATTERN, max_length=150)]
+
+
 class ClientInput(Schema):
     """Anything a client sends: strings must be storable and comparable everywhere
     (PostgreSQL text cannot hold NUL, and would answer a 500)."""

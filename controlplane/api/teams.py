@@ -26,6 +26,7 @@ from controlplane.api.schemas import (
     MembershipOut,
     Page,
     PageParams,
+    PathText,
     TeamIn,
     TeamOut,
     UserCreatedOut,
@@ -97,7 +98,9 @@ def create_team(request: HttpRequest, payload: TeamIn) -> Status:
     response={200: Page[MembershipOut], **READ_ERRORS},
     summary="List a team's members and their roles",
 )
-def list_members(request: HttpRequest, slug: str, params: Query[PageParams]) -> dict:
+def list_members(
+    request: HttpRequest, slug: PathText, params: Query[PageParams]
+) -> dict:
     principal = principal_of(request)
     team = get_team(principal, slug)
     return page(
@@ -113,7 +116,7 @@ def list_members(request: HttpRequest, slug: str, params: Query[PageParams]) -> 
     description="Idempotent. The last admin of a team can't step down (409).",
 )
 def set_member(
-    request: HttpRequest, slug: str, username: str, payload: MembershipIn
+    request: HttpRequest, slug: PathText, username: PathText, payload: MembershipIn
 ) -> dict:
     principal = principal_of(request)
     team = get_team(principal, slug)
@@ -130,7 +133,7 @@ def set_member(
     summary="Remove a member from the team (admin role); revokes their team tokens",
     description="The last admin of a team can't be removed (409).",
 )
-def remove_member(request: HttpRequest, slug: str, username: str) -> Status:
+def remove_member(request: HttpRequest, slug: PathText, username: PathText) -> Status:
     principal = principal_of(request)
     team = get_team(principal, slug)
     membership = get_object_or_404(

@@ -53,7 +53,9 @@ def test_an_external_backend_deploys_through_its_template(
         assert deployment.serving_id == job.result["deployment_id"]
         (served,) = loaded_deployments(registry)
         assert served.backend == "external"
-        assert complete(deployment.endpoint, max_tokens=2)["choices"]
+        assert complete(deployment.endpoint, release.model.name, max_tokens=2)[
+            "choices"
+        ]
     finally:
         for info in loaded_deployments(registry):
             undeploy(info.deployment_id, registry=registry, grace_s=5)

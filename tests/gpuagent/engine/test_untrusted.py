@@ -41,6 +41,17 @@ def untrusted_children() -> dict[int, str]:
     return found
 
 
+def children_once_idle(within_s: float = 5.0) -> dict[int, str]:
+    """untrusted_children() once none is running, or as they are after `within_s`
+    (a child that spins never sleeps)."""
+    deadline = time.monotonic() + within_s
+    children = untrusted_children()
+    while "R" in children.values() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        children = untrusted_children()
+    return children
+
+
 @pytest.fixture
 def renderer():
     renderer = ChatTemplateRenderer(workers=2)
@@ -88,8 +99,9 @@ def test_it_stops_a_template_past_a_limit_and_names_it(
     assert named in str(stopped.value)
     assert took_s < untrusted.TEMPLATE_TIME_S + 1
     assert after.endswith("<|assistant|>\n")
-    # the child that passed the limit is gone: only the idle one is left, asleep
-    assert list(untrusted_children().values()) == ["S"]
+    # the child that passed the limit is gone: only the idle one is left, and it
+    # falls asleep (on a loaded machine it may still be finishing its answer)
+    assert list(children_once_idle().values()) == ["S"]
 
 
 def test_it_reports_what_the_template_refuses(renderer):
