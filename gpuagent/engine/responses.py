@@ -131,19 +131,28 @@ async def collect_finals(
 
 
 class StreamUsage:
-    """Tokens so far of a streamed response's choices."""
+    """Tokens so far of a streamed response's choices (cached prompt tokens once
+    per prompt: each has `choices_per_prompt` choices in a row)."""
 
     def __init__(
-        self, server: OpenAIServer, prompt_tokens: int, num_choices: int
+        self,
+        server: OpenAIServer,
+        prompt_tokens: int,
+        num_choices: int,
+        choices_per_prompt: int = 1,
     ) -> None:
         self.server, self.prompt_tokens = server, prompt_tokens
         self.tokens = [0] * num_choices
+        self.cached = [0] * num_choices
+        self.choices_per_prompt = choices_per_prompt
 
     def update(self, index: int, out: RequestOutput) -> None:
         self.tokens[index] = out.num_output_tokens
+        self.cached[index] = out.num_cached_tokens
 
-    def usage(self) -> dict[str, int]:
-        return self.server.usage(self.prompt_tokens, sum(self.tokens))
+    def usage(self) -> dict[str, Any]:
+        cached = sum(self.cached[:: self.choices_per_prompt])
+        return self.server.usage(self.prompt_tokens, sum(self.tokens), cached)
 
 
 def chunk_writer(
@@ -205,10 +214,11 @@ async def stream_completion(
     with_logprobs: bool,
     echo: bool,
     continuous_usage: bool = False,
+    choices_per_prompt: int = 1,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/completions request; with `echo`, each choice's
     first chunk starts with its prompt (and the prompt's logprobs)."""
-    usage = StreamUsage(server, prompt_tokens, len(streams))
+    usage = StreamUsage(server, prompt_tokens, len(streams), choices_per_prompt)
     chunk = chunk_writer(
         server,
         request_id,
@@ -268,7 +278,7 @@ async def stream_chat(
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/chat/completions request: a role chunk per
     choice, then its content."""
-    usage = StreamUsage(server, prompt_tokens, len(streams))
+    usage = StreamUsage(server, prompt_tokens, len(streams), len(streams))
     chunk = chunk_writer(
         server,
         request_id,

@@ -28,6 +28,13 @@ or refused with a 400 naming it. Beyond the basics:
   a `stop_token_ids` id), which the text leaves out, has no entry either. Completion
   logprobs list every generated token, a stop token too, as vLLM's do: echo scoring
   (lm-evaluation-harness) counts on prompt + max_tokens entries.
+- `usage.prompt_tokens_details.cached_tokens` (OpenAI's field) counts the prompt
+  tokens the prefix cache served (once per prompt, as `prompt_tokens`), streamed
+  usage too. A request may name its session in the `x-session-affinity` header:
+  where an environment runs several replicas a router sends a session to the same
+  one, whose prefix cache holds its history; this server is one replica, so the
+  header is recorded (logged with the request id, counted in
+  `engine_session_affinity_requests_total`) and never refused.
 - /metrics has, beside the engine's gauges and counters, the histogram
   `engine_iteration_num_requests_running`: the running batch observed once per
   engine step, one bucket per count up to max_num_seqs. Two readings bracket a span
@@ -39,9 +46,10 @@ or refused with a 400 naming it. Beyond the basics:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +58,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
+    Counter,
     Gauge,
     generate_latest,
 )
@@ -97,6 +106,9 @@ MAX_N = 16
 # Answer length when a request gives no max_tokens (bounded, unlike vLLM's "the rest
 # of the context": a forgotten max_tokens must not hold a whole context's KV).
 DEFAULT_MAX_TOKENS = 1024
+SESSION_AFFINITY_HEADER = "x-session-affinity"
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- app
@@ -121,6 +133,8 @@ class OpenAIServer:
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
         self._token_bytes: TokenBytes | None = None
+        # set by server_metrics
+        self.session_affinity_requests: Counter | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -365,12 +379,25 @@ class OpenAIServer:
         return {"content": content}
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    def usage(
+        prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
+
+    def note_session(self, headers: Mapping[str, str], request_id: str) -> None:
+        """Record the session a request names in x-session-affinity (module
+        docstring): logged with the request id and counted."""
+        session = headers.get(SESSION_AFFINITY_HEADER)
+        if session is None:
+            return
+        if self.session_affinity_requests is not None:
+            self.session_affinity_requests.inc()
+        log.info("%s: session %r", request_id, session[:200])
 
 
 def model_not_found(model: str, served: str) -> APIError:
@@ -405,6 +432,11 @@ def server_metrics(server: OpenAIServer) -> CollectorRegistry:
     Gauge(
         "engine_torch_threads", "Intra-op CPU threads of the engine", registry=registry
     ).set_function(torch.get_num_threads)
+    server.session_affinity_requests = Counter(
+        "engine_session_affinity_requests",
+        f"Requests that named their session in {SESSION_AFFINITY_HEADER}",
+        registry=registry,
+    )
     return registry
 
 
@@ -539,6 +571,7 @@ def build_app(
             choices += [Choice(first + j, ids, text, p) for j, p in enumerate(params)]
         streams = server.submit_all(choices, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        server.note_session(request.headers, request_id)
         prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: body.n])
         if body.stream:
             events = stream_completion(
@@ -551,6 +584,7 @@ def build_app(
                 body.logprobs is not None,
                 body.echo,
                 body.continuous_usage,
+                body.n,
             )
             return StreamingResponse(
                 sse_stream(events, streams), media_type="text/event-stream"
@@ -580,6 +614,7 @@ def build_app(
                 }
             )
         completion_tokens = sum(o.num_output_tokens for o in finals)
+        cached_tokens = sum(o.num_cached_tokens for o in finals[:: body.n])
         return JSONResponse(
             {
                 "id": request_id,
@@ -587,7 +622,7 @@ def build_app(
                 "created": int(time.time()),
                 "model": server.model_name,
                 "choices": answers,
-                "usage": server.usage(prompt_tokens, completion_tokens),
+                "usage": server.usage(prompt_tokens, completion_tokens, cached_tokens),
             }
         )
 
@@ -614,6 +649,7 @@ def build_app(
         choices = [Choice(j, ids, "", p) for j, p in enumerate(params)]
         streams = server.submit_all(choices, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        server.note_session(request.headers, request_id)
         if body.stream:
             events = stream_chat(
                 server,
@@ -650,7 +686,9 @@ def build_app(
                 "created": int(time.time()),
                 "model": server.model_name,
                 "choices": answers,
-                "usage": server.usage(len(ids), completion_tokens),
+                "usage": server.usage(
+                    len(ids), completion_tokens, finals[0].num_cached_tokens
+                ),
             }
         )
 

@@ -274,3 +274,15 @@ def test_it_inspects_a_folder_served_without_a_manifest_digest(tmp_path, caplog)
     message = refusal(argv)
     assert "refused to load" in message and "[model-rejected]" in message
     assert "modeling_llama.py" in message
+
+
+def test_it_turns_prefix_caching_off_only_when_asked():
+    from gpuagent.engine.__main__ import build_engine
+
+    argv = ["serve", str(DEMO_MODEL), "--device", "cpu", "--kv-memory-gb", "0.005"]
+
+    default = build_engine(build_parser().parse_args(argv))
+    off = build_engine(build_parser().parse_args([*argv, "--no-enable-prefix-caching"]))
+
+    assert default.kv.blocks.prefix_caching
+    assert not off.kv.blocks.prefix_caching
