@@ -29,9 +29,9 @@ class ValidationFailed(ControlPlaneError):
 
 def validation_failed(exc: ValidationError, prefix: str) -> ValidationFailed:
     """The first error of a pydantic ValidationError, named by its dotted field
-    under `prefix` ("recipe.weights")."""
+    under `prefix` ("recipe.weights"; "" for a field at the top of a body)."""
     first = exc.errors()[0]
-    where = ".".join([prefix, *(str(p) for p in first["loc"])])
+    where = ".".join([*([prefix] if prefix else []), *(str(p) for p in first["loc"])])
     return ValidationFailed(f"{where}: {first['msg']}", field=where)
 
 

@@ -217,6 +217,14 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {
 }
 CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = BROKER_CONNECT_TIMEOUT_S
 CELERY_REDIS_SOCKET_TIMEOUT = envfloat("BROKER_SOCKET_TIMEOUT_S", "5")
+# Nothing reads a task's result (what a task does is in the database), so none is
+# stored and no publish subscribes to one: before a send, the Redis result backend
+# subscribed to the task's result channel and, with the store down, retried that 20
+# times 1 s apart, so a promote answered after ~19 s. Anything that does touch the
+# store anyway fails after one try of BROKER_CONNECT_TIMEOUT_S.
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"retry_policy": {"max_retries": 0}}
+CELERY_RESULT_BACKEND_ALWAYS_RETRY = False
 # The outbox: a committed write publishes its tasks at once unless this is off (then
 # only the relay does); the relay runs every RELEASEGATE_OUTBOX_RELAY_S on beat and
 # backs off a failing message up to RELEASEGATE_OUTBOX_MAX_DELAY_S.

@@ -173,6 +173,15 @@ class Heartbeat(_Message):
     agent: str
     queue: str
     pool_queue: str
+    incarnation: str = Field(
+        default="",
+        max_length=64,
+        description="random per start of the agent's process: another one under "
+        "the same name means it restarted (empty: an agent from before incarnations)",
+    )
+    started: datetime | None = Field(
+        default=None, description="when this incarnation started"
+    )
     device: Literal["cuda", "cpu"]
     gpu_model: str = Field(description="the GPU's name, or the CPU's on a CPU agent")
     memory_total_bytes: int = Field(ge=0)
@@ -278,7 +287,9 @@ class DeploySpec(_Message):
     `release` is the binding a signature must carry (model, version, recipe as
     signed); `approved_files` (the manifest's per-file digests, as `HashResult`
     gives them) lets a refusal name the changed files when there is no signature.
-    `port` pins a port; else the first free one of `port_range` (inclusive)."""
+    `port` pins a port; else the first free one of `port_range` (inclusive). The
+    server answers to `served_model_name` (default: `release_model`) and to
+    `release_model@release_version`."""
 
     manifest_digest: str = Field(min_length=1)
     recipe: Recipe
@@ -301,6 +312,20 @@ class DeploySpec(_Message):
         if not 1 <= low <= high <= 65535:
             raise ValueError(f"port_range {value} is not 1 <= low <= high <= 65535")
         return value
+
+
+# DeployResult.error_code values that say the agent's copy is not the approved
+# bytes: files differ from the manifest, the files or the signature give another
+# digest, the signature binds another release, or the folder changed while the
+# server started. The control plane marks such a release failed_verification
+# (its digest untrusted); any other code (a recipe the checkpoint doesn't match, a
+# server that didn't start, a quarantined digest) is a failed deploy.
+VERIFICATION_ERROR_CODES = (
+    "manifest-mismatch",
+    "manifest-digest-mismatch",
+    "binding-mismatch",
+    "changed-during-start",
+)
 
 
 class DeployResult(_Message):

@@ -14,12 +14,9 @@ copy), whose Registry (`<artifacts>/serving`) is this agent's record of what it
 serves. A handler that can't do what the request asks raises JobFailed (with a
 payload where it has one): never a success that did no work.
 
-Configuration (set by `python -m gpuagent run`, or the environment of the embedded
-worker): GPUAGENT_NAME, GPUAGENT_ARTIFACTS, GPUAGENT_SIGNING_KEY (a PEM private
-key: only the agent that signs holds it), GPUAGENT_TRUSTED_KEYS (PEM public keys,
-comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS,
-GPUAGENT_ALLOWED_PROGRAMS (programs an external backend's template may start,
-comma-separated, as the template writes them; unset: any).
+Who this agent is (`Agent`, `agent()`), its heartbeat and what starts it when its
+worker is ready live in gpuagent.worker, which this module imports (and which
+imports nothing of it): importing the tasks also connects that start.
 """
 
 from __future__ import annotations
@@ -28,19 +25,16 @@ import asyncio
 import logging
 import os
 import tempfile
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from celery import current_app, shared_task
-from celery.signals import worker_ready
+from celery import shared_task
 from pydantic import BaseModel
 
 from gpuagent import serving
-from gpuagent.artifacts import ArtifactStore, candidate_key
+from gpuagent.artifacts import candidate_key
 from gpuagent.integrity.keys import public_key_pem
 from gpuagent.protocol import (
     BackendSpec,
@@ -55,7 +49,8 @@ from gpuagent.protocol import (
     UndeployResult,
     VerifyResult,
 )
-from gpuagent.serving import Registry, Trust
+from gpuagent.serving import Trust
+from gpuagent.worker import Agent, agent, send_to_controlplane
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +63,9 @@ LOAD_REQUESTS = 4
 LOAD_CONCURRENCY = 2
 LOAD_MAX_SECONDS = 60.0
 LOAD_PROMPT_TOKENS = 160  # room for the longest profile instruction + template
-# What the agent's servers are called (the `model` of a completion request), how
-# long one may take to answer /health, and the engine's KV budget when the
-# environment's backend sets none.
-SERVED_MODEL_NAME = "candidate"
+# How long an agent's server may take to answer /health, and the engine's KV budget
+# when the environment's backend sets none. (A server answers to the release's model
+# name and `model@version`: gpuagent.serving.deploy.served_model_names.)
 HEALTH_TIMEOUT_S = 120.0
 ENGINE_KV_MEMORY_GB = 0.05
 
@@ -83,76 +77,6 @@ class JobFailed(Exception):
     def __init__(self, message: str, payload: BaseModel | None = None):
         super().__init__(message)
         self.payload = payload
-
-
-@dataclass
-class Agent:
-    """This agent: who it is, where its artifacts live, which keys it holds."""
-
-    name: str
-    store: ArtifactStore
-    signing_key: Path | None
-    trusted_keys: tuple[Path, ...]
-    controlplane_queue: str
-    pool_queue: str
-    threads: int
-    # Programs an external backend's template may start (None: any).
-    allowed_programs: frozenset[str] | None = None
-    running_jobs: set[int] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    _registry: Registry | None = None
-
-    @property
-    def queue(self) -> str:
-        return f"agent.{self.name}"
-
-    @property
-    def registry(self) -> Registry:
-        """The servers this agent runs and the digests it refuses to load."""
-        if self._registry is None:
-            self._registry = Registry(self.store.root / "serving")
-        return self._registry
-
-    def public_keys(self) -> tuple[Path, ...]:
-        """Keys a signature may be made with: the trusted ones, and this agent's
-        own signing key's public half."""
-        keys = list(self.trusted_keys)
-        if self.signing_key is not None:
-            public = self.store.root / "keys" / f"{self.name}.pub.pem"
-            if not public.is_file():
-                public.parent.mkdir(exist_ok=True)
-                public.write_bytes(public_key_pem(self.signing_key))
-            keys.append(public)
-        return tuple(keys)
-
-
-_agent: Agent | None = None
-
-
-def agent() -> Agent:
-    """This process's agent, from the environment (once)."""
-    global _agent
-    if _agent is None:
-        env = os.environ
-        key = env.get("GPUAGENT_SIGNING_KEY") or None
-        trusted = tuple(
-            Path(p) for p in env.get("GPUAGENT_TRUSTED_KEYS", "").split(",") if p
-        )
-        _agent = Agent(
-            name=env.get("GPUAGENT_NAME", "local"),
-            store=ArtifactStore(env.get("GPUAGENT_ARTIFACTS", "var/artifacts")),
-            signing_key=Path(key) if key else None,
-            trusted_keys=trusted,
-            controlplane_queue=env.get("GPUAGENT_CONTROLPLANE_QUEUE", "celery"),
-            pool_queue=env.get("GPUAGENT_POOL", "agents"),
-            threads=int(env.get("GPUAGENT_THREADS", "1")),
-            allowed_programs=(
-                frozenset(p for p in env["GPUAGENT_ALLOWED_PROGRAMS"].split(",") if p)
-                if "GPUAGENT_ALLOWED_PROGRAMS" in env
-                else None
-            ),
-        )
-    return _agent
 
 
 # -- the task ------------------------------------------------------------------------
@@ -201,10 +125,6 @@ def execute(req: JobRequest, me: Agent, started: datetime) -> JobResult:
         error=error,
         payload=payload,
     )
-
-
-def send_to_controlplane(task: str, *args) -> None:
-    current_app.send_task(task, args=list(args), queue=agent().controlplane_queue)
 
 
 def report_progress(req: JobRequest, fraction: float) -> None:
@@ -440,7 +360,15 @@ def load_test(req: JobRequest, me: Agent):
             bounds=Bounds(requests=LOAD_REQUESTS, max_seconds=LOAD_MAX_SECONDS),
             seed=req.release_id,
         )
-        return asyncio.run(run_load_test(server.endpoint, profiles, plan, Costs()))
+        return asyncio.run(
+            run_load_test(
+                server.endpoint,
+                profiles,
+                plan,
+                Costs(),
+                model=spec.served_model_name or None,
+            )
+        )
     finally:
         if server.deployment_id not in before:  # never stop a live deployment
             serving.undeploy(server.deployment_id, registry=me.registry)
@@ -462,7 +390,7 @@ def deploy_spec(req: JobRequest, me: Agent, backend: BackendSpec) -> DeploySpec:
         manifest_digest=req.manifest_digest,
         recipe=req.recipe,
         backend=backend,
-        served_model_name=SERVED_MODEL_NAME,
+        served_model_name=req.model,
         health_timeout_s=HEALTH_TIMEOUT_S,
         release_model=req.model,
         release_version=req.version,
@@ -556,19 +484,3 @@ HANDLERS: dict[str, Callable[[JobRequest, Agent], BaseModel]] = {
     "undeploy": undeploy,
     "reverify": reverify,
 }
-
-
-@worker_ready.connect
-def _start_heartbeat(sender=None, **_) -> None:
-    """Any worker that runs these tasks as an agent (GPUAGENT_NAME set: `python -m
-    gpuagent run`, or the embedded control-plane worker) recovers the servers it
-    ran and sends heartbeats."""
-    if os.environ.get("GPUAGENT_NAME"):
-        from gpuagent.worker import start_heartbeat
-
-        # Servers started before a restart that still run are kept (and
-        # reported); records of dead ones are dropped.
-        found = serving.recover_deployments(agent().registry)
-        if found:
-            log.info("serving %d deployment(s) found running", len(found))
-        start_heartbeat(sender.app if sender is not None else None)

@@ -1,12 +1,25 @@
-"""The agent's Celery app (no Django) and its heartbeat.
+"""This process as an agent: who it is (`Agent`, from the environment), its Celery
+app (no Django), and its heartbeat.
 
 `python -m gpuagent run --name NAME --broker URL --artifacts PATH` starts a worker
-of this app consuming the agent's own queue (agent.NAME) and its pool's queue. The
-heartbeat thread sends `controlplane.fleet.record_heartbeat` with a Heartbeat (the
-servers its serving Registry runs among it) every HEARTBEAT_S; the control plane
-notices an agent whose beats stop and retries its job on another one. The embedded
-control-plane worker runs the same task and the same heartbeat (see
-`start_heartbeat`)."""
+of this app consuming the agent's own queue (agent.NAME) and its pool's queue; the
+embedded control-plane worker runs the same task (`--include=gpuagent.tasks`) and
+the same heartbeat. When such a worker is ready (GPUAGENT_NAME set), it recovers
+the servers its serving Registry names and starts the heartbeat thread, which
+sends `controlplane.fleet.record_heartbeat` with a Heartbeat every HEARTBEAT_S; the
+control plane notices an agent whose beats stop and retries its job on another
+one. Every beat carries the agent's incarnation, new at every process start, so
+an agent killed and restarted under the same name before its beats are missed is
+still seen to have restarted (its jobs died with the earlier incarnation).
+
+The job handlers (`gpuagent.tasks`) import this module; it never imports them.
+
+Configuration (set by `python -m gpuagent run`, or the environment of the embedded
+worker): GPUAGENT_NAME, GPUAGENT_ARTIFACTS, GPUAGENT_SIGNING_KEY (a PEM private
+key: only the agent that signs holds it), GPUAGENT_TRUSTED_KEYS (PEM public keys,
+comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS,
+GPUAGENT_ALLOWED_PROGRAMS (programs an external backend's template may start,
+comma-separated, as the template writes them; unset: any)."""
 
 from __future__ import annotations
 
@@ -14,17 +27,108 @@ import logging
 import os
 import platform
 import threading
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 
 from celery import Celery, current_app
+from celery.signals import worker_ready
 
+from gpuagent import serving
+from gpuagent.artifacts import ArtifactStore
+from gpuagent.integrity.keys import public_key_pem
 from gpuagent.protocol import Heartbeat
+from gpuagent.serving import Registry
 
 log = logging.getLogger(__name__)
 RECORD_HEARTBEAT = "controlplane.fleet.record_heartbeat"
 HEARTBEAT_S = float(os.environ.get("GPUAGENT_HEARTBEAT_S", "3"))
 
 
+@dataclass
+class Agent:
+    """This agent: who it is, where its artifacts live, which keys it holds, and
+    which start of it this is (`incarnation`, `started`)."""
+
+    name: str
+    store: ArtifactStore
+    signing_key: Path | None
+    trusted_keys: tuple[Path, ...]
+    controlplane_queue: str
+    pool_queue: str
+    threads: int
+    # Programs an external backend's template may start (None: any).
+    allowed_programs: frozenset[str] | None = None
+    running_jobs: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Random per process start: a restart under the same name is a new incarnation.
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started: datetime = field(default_factory=lambda: datetime.now(UTC))
+    _registry: Registry | None = None
+
+    @property
+    def queue(self) -> str:
+        return f"agent.{self.name}"
+
+    @property
+    def registry(self) -> Registry:
+        """The servers this agent runs and the digests it refuses to load."""
+        if self._registry is None:
+            self._registry = Registry(self.store.root / "serving")
+        return self._registry
+
+    def public_keys(self) -> tuple[Path, ...]:
+        """Keys a signature may be made with: the trusted ones, and this agent's
+        own signing key's public half."""
+        keys = list(self.trusted_keys)
+        if self.signing_key is not None:
+            public = self.store.root / "keys" / f"{self.name}.pub.pem"
+            if not public.is_file():
+                public.parent.mkdir(exist_ok=True)
+                public.write_bytes(public_key_pem(self.signing_key))
+            keys.append(public)
+        return tuple(keys)
+
+
+_agent: Agent | None = None
+_agent_lock = threading.Lock()
+
+
+def agent() -> Agent:
+    """This process's agent, from the environment (once: one incarnation per
+    process)."""
+    global _agent
+    with _agent_lock:
+        if _agent is None:
+            _agent = agent_from_environment(os.environ)
+    return _agent
+
+
+def agent_from_environment(env) -> Agent:
+    """An Agent configured by the GPUAGENT_* variables of `env`."""
+    key = env.get("GPUAGENT_SIGNING_KEY") or None
+    trusted = tuple(
+        Path(p) for p in env.get("GPUAGENT_TRUSTED_KEYS", "").split(",") if p
+    )
+    return Agent(
+        name=env.get("GPUAGENT_NAME", "local"),
+        store=ArtifactStore(env.get("GPUAGENT_ARTIFACTS", "var/artifacts")),
+        signing_key=Path(key) if key else None,
+        trusted_keys=trusted,
+        controlplane_queue=env.get("GPUAGENT_CONTROLPLANE_QUEUE", "celery"),
+        pool_queue=env.get("GPUAGENT_POOL", "agents"),
+        threads=int(env.get("GPUAGENT_THREADS", "1")),
+        allowed_programs=(
+            frozenset(p for p in env["GPUAGENT_ALLOWED_PROGRAMS"].split(",") if p)
+            if "GPUAGENT_ALLOWED_PROGRAMS" in env
+            else None
+        ),
+    )
+
+
 def make_app(broker_url: str) -> Celery:
+    """The agent's Celery app on `broker_url`, running gpuagent.tasks."""
     app = Celery("gpuagent", broker=broker_url, include=["gpuagent.tasks"])
     app.conf.update(
         task_serializer="json",
@@ -37,6 +141,14 @@ def make_app(broker_url: str) -> Celery:
         worker_hijack_root_logger=False,
     )
     return app
+
+
+def send_to_controlplane(task: str, *args, app: Celery | None = None) -> None:
+    """Send the control plane's task named `task` to its queue. Nobody reads what
+    it returns: no result store is asked to expect it."""
+    (app or current_app).send_task(
+        task, args=list(args), queue=agent().controlplane_queue, ignore_result=True
+    )
 
 
 def memory() -> tuple[str, str, int, int]:
@@ -59,47 +171,60 @@ def memory() -> tuple[str, str, int, int]:
 
 
 def heartbeat() -> Heartbeat:
-    from gpuagent.serving import loaded_deployments
-    from gpuagent.tasks import agent
-
+    """What this agent says about itself now."""
     me = agent()
     device, model, total, free = memory()
     with me.lock:
         running = sorted(me.running_jobs)
-    deployments = loaded_deployments(me.registry)
     return Heartbeat(
         agent=me.name,
         queue=me.queue,
         pool_queue=me.pool_queue,
+        incarnation=me.incarnation,
+        started=me.started,
         device=device,
         gpu_model=model,
         memory_total_bytes=total,
         memory_free_bytes=free,
         running_jobs=running,
-        deployments=deployments,
+        deployments=serving.loaded_deployments(me.registry),
         can_sign=me.signing_key is not None,
     )
 
 
 def start_heartbeat(app: Celery | None = None) -> threading.Event:
-    """Beat every HEARTBEAT_S from a daemon thread until the returned event is set."""
-    from gpuagent.tasks import agent
-
-    app = app or current_app
+    """Beat now, then every HEARTBEAT_S from a daemon thread until the returned
+    event is set. The first beat leaves before the caller (the worker, once
+    ready) takes a job, so the control plane hears of a new incarnation before it
+    hears of that incarnation's jobs."""
     stop = threading.Event()
 
-    def beat() -> None:
-        while True:
-            try:
-                app.send_task(
-                    RECORD_HEARTBEAT,
-                    args=[heartbeat().model_dump(mode="json")],
-                    queue=agent().controlplane_queue,
-                )
-            except Exception:  # the broker is away: the next beat tries again
-                log.warning("heartbeat not sent", exc_info=True)
-            if stop.wait(HEARTBEAT_S):
-                return
+    def send() -> None:
+        try:
+            send_to_controlplane(
+                RECORD_HEARTBEAT, heartbeat().model_dump(mode="json"), app=app
+            )
+        except Exception:  # the broker is away: the next beat tries again
+            log.warning("heartbeat not sent", exc_info=True)
 
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            send()
+
+    send()
     threading.Thread(target=beat, name="gpuagent-heartbeat", daemon=True).start()
     return stop
+
+
+@worker_ready.connect
+def _start_agent(sender=None, **_) -> None:
+    """Any worker that runs the agent's tasks as an agent (GPUAGENT_NAME set:
+    `python -m gpuagent run`, or the embedded control-plane worker) recovers the
+    servers it ran and sends heartbeats."""
+    if os.environ.get("GPUAGENT_NAME"):
+        # Servers started before a restart that still run are kept (and
+        # reported); records of dead ones are dropped.
+        found = serving.recover_deployments(agent().registry)
+        if found:
+            log.info("serving %d deployment(s) found running", len(found))
+        start_heartbeat(sender.app if sender is not None else None)

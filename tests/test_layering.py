@@ -93,3 +93,42 @@ def test_it_lets_nothing_outside_the_benches_import_a_bench():
         return is_bench and not path.startswith("gpuagent/benches/")
 
     assert offenders(("controlplane", "gpuagent", "kernels"), bad) == []
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    """The groups of `package`'s modules that import each other round in a circle
+    (strongly connected components of more than one module), imports inside
+    functions included: a lazy import hides a circle, it does not break it."""
+    modules = {
+        path.removesuffix(".py").removesuffix("/__init__").replace("/", "."): names
+        for path, names in imported_modules(package).items()
+        if "/migrations/" not in path
+    }
+    graph = {
+        m: {n for n in names if n in modules and n != m} for m, names in modules.items()
+    }
+    order, lowest, stack, cycles = {}, {}, [], []
+
+    def visit(module: str) -> None:
+        order[module] = lowest[module] = len(order)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in order:
+                visit(other)
+                lowest[module] = min(lowest[module], lowest[other])
+            elif other in stack:
+                lowest[module] = min(lowest[module], order[other])
+        if lowest[module] == order[module]:
+            group = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_it_keeps_the_control_plane_free_of_import_cycles():
+    assert import_cycles("controlplane") == []

@@ -8,8 +8,19 @@ from django.db import models
 from django.utils import timezone
 
 ROLES = ("member", "approver", "admin")
-# admin: change an environment's gate policy and webhooks (also needs the admin role).
+# The roles that may approve, reject and roll back (API, dashboard and actions alike).
+APPROVER_ROLES = ("approver", "admin")
+# admin: change an environment's gate policy and webhooks, manage the team's members,
+# environments and tokens (also needs the admin role).
 API_SCOPES = ("read", "register", "promote", "approve", "admin")
+# The scopes a token of a member with each role may carry (least privilege: a token
+# never holds more than its user could do): approve needs the approver or admin
+# role, admin the admin role.
+ROLE_SCOPES = {
+    "member": ("read", "register", "promote"),
+    "approver": ("read", "register", "promote", "approve"),
+    "admin": API_SCOPES,
+}
 TOKEN_PREFIX_LENGTH = 8
 
 
@@ -64,10 +75,26 @@ class Membership(models.Model):
 
     @property
     def can_approve(self) -> bool:
-        return self.role in ("approver", "admin")
+        return self.role in APPROVER_ROLES
 
     def to_dict(self) -> dict:
         return {"team": self.team.slug, "user": self.user.username, "role": self.role}
+
+
+class ApiTokenQuerySet(models.QuerySet):
+    def visible_to(self, user, team_ids=None):
+        """The tokens `user` may see and revoke: their own, and every token of a
+        team they are an admin of; only in `team_ids` when given (an API token
+        sees its own team only)."""
+        if user is None or not user.is_authenticated:
+            return self.none()
+        memberships = Membership.objects.filter(user=user)
+        if team_ids is not None:
+            memberships = memberships.filter(team_id__in=team_ids)
+        admin_of = memberships.filter(role="admin").values("team_id")
+        return self.filter(team_id__in=memberships.values("team_id")).filter(
+            models.Q(user=user) | models.Q(team_id__in=admin_of)
+        )
 
 
 class ApiToken(models.Model):
@@ -85,6 +112,8 @@ class ApiToken(models.Model):
     created = models.DateTimeField(default=timezone.now)
     last_used = models.DateTimeField(null=True, blank=True)
     revoked = models.DateTimeField(null=True, blank=True)
+
+    objects = ApiTokenQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created"]

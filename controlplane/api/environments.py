@@ -6,6 +6,7 @@ from controlplane.api.releases import release_url
 from controlplane.api.schemas import (
     READ_ERRORS,
     WRITE_ERRORS,
+    EnvironmentIn,
     EnvironmentOut,
     ObjectId,
     Page,
@@ -18,6 +19,7 @@ from controlplane.api.scoping import (
     page,
     principal_of,
 )
+from controlplane.fleet.actions import do_create_environment
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions.rollbacks import do_rollback_environment
 
@@ -40,6 +42,22 @@ def environment_dict(environment: Environment) -> dict:
 )
 def list_environments(request: HttpRequest, params: Query[PageParams]) -> dict:
     return page(environments(principal_of(request)), params, row=environment_dict)
+
+
+@router.post(
+    "/environments",
+    auth=token_auth("admin"),
+    response={201: EnvironmentOut, **WRITE_ERRORS},
+    summary="Create an environment in the token's team (admin role)",
+    description="Its gate policy is the default until one is set "
+    "(PUT /environments/{id}/gate-policy). A name the team has is a 409.",
+)
+def create_environment(request: HttpRequest, payload: EnvironmentIn) -> Status:
+    principal = principal_of(request)
+    environment = do_create_environment(
+        principal.token.team, payload.name, actor=principal.token
+    )
+    return Status(201, environment_dict(environment))
 
 
 @router.post(

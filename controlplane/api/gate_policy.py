@@ -5,6 +5,7 @@ from controlplane.api.auth import read_auth, token_auth
 from controlplane.api.schemas import (
     READ_ERRORS,
     WRITE_ERRORS,
+    GatePolicyChangeIn,
     GatePolicyIn,
     GatePolicyOut,
     ObjectId,
@@ -13,6 +14,7 @@ from controlplane.api.scoping import get_environment, principal_of
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions.gate_policies import (
     do_set_gate_policy,
+    do_update_gate_policy,
     gate_policy_for,
 )
 from controlplane.releases.models import EnvironmentGatePolicy
@@ -47,8 +49,9 @@ def get_gate_policy(request: HttpRequest, environment_id: ObjectId) -> dict:
     response={200: GatePolicyOut, **WRITE_ERRORS},
     summary="Replace the environment's gate policy (admin role)",
     description="The body is the whole policy: `quality` and `load` (null stops "
-    "gating on it), inside which a key left out takes its default. Integrity is "
-    "always gated. Defaults and meanings: README, Gate policy.",
+    "gating on it), inside which a key left out takes its default and null turns "
+    "that check off. Answers the policy now in force. Integrity is always gated. "
+    "Defaults and meanings: README, Gate policy.",
 )
 def put_gate_policy(
     request: HttpRequest, environment_id: ObjectId, payload: GatePolicyIn
@@ -57,5 +60,30 @@ def put_gate_policy(
     environment = get_environment(principal, environment_id)
     do_set_gate_policy(
         environment, payload.model_dump(mode="json"), actor=principal.token
+    )
+    return gate_policy_dict(environment)
+
+
+@router.patch(
+    "/environments/{environment_id}/gate-policy",
+    auth=token_auth("admin"),
+    response={200: GatePolicyOut, **WRITE_ERRORS},
+    summary="Change keys of the environment's gate policy (admin role)",
+    description="Only the keys the body names change; every other keeps its "
+    "current value (the default's, when no policy is set). An object merges key by "
+    'key, anything else replaces: `{"quality": {"thresholds": '
+    '{"max_mean_kld": 0.01}}}` changes one threshold, null turns it off. '
+    "Answers the policy now in force. README, Gate policy.",
+)
+def patch_gate_policy(
+    request: HttpRequest, environment_id: ObjectId, payload: GatePolicyChangeIn
+) -> dict:
+    principal = principal_of(request)
+    environment = get_environment(principal, environment_id)
+    do_update_gate_policy(
+        environment,
+        payload.model_dump(mode="json", exclude_unset=True),
+        actor=principal.token,
+        prefix="",
     )
     return gate_policy_dict(environment)

@@ -14,6 +14,8 @@ from controlplane.api import (
     model_families,
     releases,
     serving_backend,
+    teams,
+    tokens,
     webhooks,
 )
 from controlplane.api.auth import ApiTokenAuth
@@ -55,9 +57,10 @@ api = ReleasegateAPI(
     title="releasegate",
     version="1",
     description="Release registration, promotion, approval and rollback for CI. "
-    "Authenticate with `Authorization: Bearer <token>` (create one with "
-    "`manage.py create_api_token`); each operation names the scope it needs. Every "
-    'error body is `{"error": {"code", "message", ...}}`.',
+    "Authenticate with `Authorization: Bearer <token>`: make one on the "
+    "dashboard's Tokens page (/tokens/), or `POST /tokens` with an admin token, or "
+    "`manage.py create_api_token` on the server; each operation names the scope it "
+    'needs. Every error body is `{"error": {"code", "message", ...}}`.',
     urls_namespace="api-v1",
     openapi_url="/openapi.json",
     docs_url="/docs",
@@ -73,5 +76,7 @@ for module in (
     webhooks,
     deployments,
     audit,
+    teams,
+    tokens,
 ):
     api.add_router("", module.router)

@@ -9,8 +9,10 @@ from controlplane.api.schemas import (
     WRITE_ERRORS,
     ApproveIn,
     DecisionOut,
+    JobOut,
     ObjectId,
     Page,
+    PageParams,
     PromotionOut,
     RejectIn,
     ReleaseDetailOut,
@@ -27,7 +29,7 @@ from controlplane.api.scoping import (
     principal_of,
     releases,
 )
-from controlplane.errors import DigestMismatch
+from controlplane.releases import evidence
 from controlplane.releases.actions.approvals import (
     do_approve_release,
     do_reject_release,
@@ -37,6 +39,8 @@ from controlplane.releases.actions.promotion import (
     do_request_promotion,
 )
 from controlplane.releases.actions.registration import do_register_release
+from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Release
+from controlplane.releases.timings import stage_timings
 
 router = Router(tags=["releases"])
 
@@ -133,7 +137,38 @@ def list_releases(request: HttpRequest, filters: Query[ReleaseFilters]) -> dict:
 )
 def get_release_detail(request: HttpRequest, release_id: ObjectId) -> dict:
     release = get_release(principal_of(request), release_id, detail=True)
-    return release.to_dict(detail=True)
+    return release_detail_dict(request, release)
+
+
+def release_detail_dict(request: HttpRequest, release: Release) -> dict:
+    """The release with its relations (`to_dict(detail=True)`) and what is derived
+    from them: the stage timings, and its re-verifications counted."""
+    history_url = request.build_absolute_uri(
+        reverse("api-v1:release-reverifications", kwargs={"release_id": release.pk})
+    )
+    return {
+        **release.to_dict(detail=True),
+        "timings": stage_timings(release),
+        "reverification": {
+            **evidence.reverifications(release).to_dict(),
+            "history_url": history_url,
+        },
+    }
+
+
+@router.get(
+    "/releases/{release_id}/reverifications",
+    auth=read_auth(),
+    response={200: Page[JobOut], **READ_ERRORS},
+    url_name="release-reverifications",
+    summary="The periodic re-verifications of a release's live copy, newest first",
+)
+def list_reverifications(
+    request: HttpRequest, release_id: ObjectId, params: Query[PageParams]
+) -> dict:
+    release = get_release(principal_of(request), release_id)
+    jobs = release.jobs.filter(kind__in=AFTER_DEPLOY_JOB_KINDS).select_related("agent")
+    return page(jobs.order_by("-created", "-id"), params)
 
 
 @router.post(
@@ -186,23 +221,21 @@ def approve_release(
     auth=token_auth("approve"),
     response={200: DecisionOut, **WRITE_ERRORS},
     summary="Reject a release (approver role)",
+    description="With `manifest_digest`, the rejection is of that manifest: 409 when "
+    "the release's digest is another by then. The user or token that registered the "
+    "release cannot reject it (403).",
 )
 def reject_release(
     request: HttpRequest, release_id: ObjectId, payload: RejectIn
 ) -> dict:
     principal = principal_of(request)
     release = get_release(principal, release_id)
-    if (
-        payload.manifest_digest is not None
-        and payload.manifest_digest != release.manifest_digest
-    ):
-        raise DigestMismatch(
-            f"rejection is for manifest {payload.manifest_digest!r} but {release} "
-            f"has {release.manifest_digest!r}",
-            field="manifest_digest",
-        )
     approval = do_reject_release(
-        release, principal.user, token=principal.token, comment=payload.comment
+        release,
+        principal.user,
+        token=principal.token,
+        comment=payload.comment,
+        manifest_digest=payload.manifest_digest,
     )
     return {"release": release.to_dict(), "approval": approval.to_dict()}
 

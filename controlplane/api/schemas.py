@@ -6,13 +6,20 @@ models' `to_dict()`; views return those dicts and ninja validates them here, whi
 also what the OpenAPI document shows.
 """
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from ninja import Field, Schema
-from pydantic import AwareDatetime, ConfigDict, field_validator
+from pydantic import (
+    AwareDatetime,
+    BeforeValidator,
+    ConfigDict,
+    field_validator,
+    model_validator,
+)
 
-from controlplane.accounts.models import API_SCOPES
+from controlplane.accounts.models import API_SCOPES, ROLES
 from controlplane.fleet.models import DEPLOYMENT_STATES
 from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
@@ -23,6 +30,7 @@ DeploymentState = Literal[DEPLOYMENT_STATES]  # type: ignore[valid-type]
 JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
 GateOutcome = Literal[GATE_OUTCOMES]  # type: ignore[valid-type]
 Scope = Literal[API_SCOPES]  # type: ignore[valid-type]
+Role = Literal[ROLES]  # type: ignore[valid-type]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]  # type: ignore[valid-type]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -61,7 +69,12 @@ class ClientInput(Schema):
 
 
 class RequestBody(ClientInput):
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_no_nul)
+    """A JSON body: unknown keys are refused by name, and values are taken as the
+    JSON types they are (strict): 0 is no boolean, "5" no id, 2.0 no count."""
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, json_schema_extra=_document_no_nul
+    )
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -91,10 +104,34 @@ class ErrorOut(Schema):
 # -- pagination -----------------------------------------------------------------------
 
 
+def _query_int(value: Any) -> Any:
+    """A query string's integer as decimal digits only: pydantic alone would also
+    take "5.0", " 5" and "5_0"."""
+    if isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value):
+        raise ValueError("must be a whole number in decimal digits")
+    return value
+
+
+QueryInt = Annotated[int, BeforeValidator(_query_int)]
+
+
+def _query_datetime(value: Any) -> Any:
+    """A query string's date-time as ISO 8601 only: pydantic alone would also
+    take a number of seconds since 1970 ("0.5")."""
+    if isinstance(value, datetime):
+        return value
+    try:
+        return datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            "must be an ISO 8601 date-time with a UTC offset, e.g. 2026-12-01T00:00:00Z"
+        ) from None
+
+
 class PageParams(ClientInput):
-    limit: int = Field(50, ge=1, le=200)
+    limit: QueryInt = Field(50, ge=1, le=200)
     # Bounded like ObjectId: the database takes OFFSET as a signed 64-bit integer.
-    offset: int = Field(0, ge=0, le=2**63 - 1)
+    offset: QueryInt = Field(0, ge=0, le=2**63 - 1)
 
 
 class Page(Schema, Generic[T]):
@@ -262,14 +299,23 @@ class TimingsOut(Schema):
     quality_load_pct: float | None = Field(description="percent of time_to_deploy_s")
 
 
+class ReverificationsOut(Schema):
+    count: int = Field(description="re-verifications of the live copy so far")
+    newest: JobOut | None = Field(description="the latest, finished or not")
+    history_url: str = Field(description="all of them, newest first (paginated)")
+
+
 class ReleaseDetailOut(ReleaseOut):
     signature: str
     artifacts: list[ArtifactOut]
-    jobs: list[JobOut]
+    jobs: list[JobOut] = Field(
+        description="the pipeline's jobs; the re-verifications are `reverification`"
+    )
     gate_results: list[GateResultOut]
     approvals: list[ApprovalOut]
     deployments: list[DeploymentOut]
     timings: TimingsOut
+    reverification: ReverificationsOut
 
 
 class PromotionOut(Schema):
@@ -331,10 +377,33 @@ class ServingBackendOut(Schema):
 
 class GatePolicyIn(GatePolicy):
     """A whole policy, stated: `quality` and `load` are required (null: not gated
-    on it); inside them a key left out takes its default."""
+    on it); inside them a key left out takes its default, and null turns a
+    threshold off."""
 
     quality: QualityPolicy | None
     load: LoadPolicy | None
+
+
+class GatePolicyChangeIn(RequestBody):
+    """The keys to change, as in the policy; the rest keep their current values. An
+    object merges key by key, anything else (a number, a list, null) replaces: null
+    turns a threshold off, `"quality": null` stops gating on quality."""
+
+    quality: dict[str, Any] | None = Field(
+        None, description="keys of the policy's `quality` to change"
+    )
+    load: dict[str, Any] | None = Field(
+        None, description="keys of the policy's `load` to change"
+    )
+    auto_rollback_on_failed_verification: bool = False
+
+    @model_validator(mode="after")
+    def _names_a_change(self) -> "GatePolicyChangeIn":
+        if not self.model_fields_set:
+            raise ValueError(
+                "name at least one key to change: " + ", ".join(type(self).model_fields)
+            )
+        return self
 
 
 class GatePolicyOut(Schema):
@@ -372,6 +441,102 @@ class DeploymentFilters(PageParams):
     state: DeploymentState | None = None
 
 
+class EnvironmentIn(RequestBody):
+    name: str = Field(
+        min_length=1,
+        max_length=50,
+        pattern=r"^[-a-zA-Z0-9_]+$",
+        description="letters, digits, - and _ (e.g. staging)",
+    )
+
+
+# -- teams, members, users and tokens -------------------------------------------------
+
+# Django's username rule (UnicodeUsernameValidator) and slugify's output.
+USERNAME_PATTERN = r"^[\w.@+-]+$"
+SLUG_PATTERN = r"^[a-z0-9_-]*$"
+
+
+class TeamIn(RequestBody):
+    name: str = Field(min_length=1, max_length=100)
+    slug: str = Field(
+        "", max_length=100, pattern=SLUG_PATTERN, description="default: from the name"
+    )
+    admin: str | None = Field(
+        None,
+        max_length=150,
+        pattern=USERNAME_PATTERN,
+        description="username of the team's first admin; default: the caller",
+    )
+
+
+class TeamOut(Schema):
+    id: int
+    name: str
+    slug: str
+
+
+class MembershipIn(RequestBody):
+    role: Role
+
+
+class MembershipOut(Schema):
+    team: str
+    user: str
+    role: Role
+
+
+class UserIn(RequestBody):
+    username: str = Field(min_length=1, max_length=150, pattern=USERNAME_PATTERN)
+    email: str = Field("", max_length=254)
+    team: str = Field(
+        min_length=1, max_length=100, description="slug of the token's team"
+    )
+    role: Role = "member"
+
+
+class UserCreatedOut(MembershipOut):
+    email: str
+    set_password_url: str = Field(
+        description="a one-time link where the person sets their password (valid "
+        "for PASSWORD_RESET_TIMEOUT, 3 days by default, and until used); shown "
+        "this once"
+    )
+
+
+class ApiTokenIn(RequestBody):
+    name: str = Field(min_length=1, max_length=100, description="what it is for")
+    scopes: list[Scope] = Field(
+        min_length=1,
+        description="each allowed by the user's role, and held by the calling token",
+    )
+    user: str | None = Field(
+        None,
+        max_length=150,
+        pattern=USERNAME_PATTERN,
+        description="username of the member it is for; default: the caller",
+    )
+
+
+class ApiTokenOut(Schema):
+    id: int
+    name: str
+    prefix: str = Field(description="the secret's first characters, to tell it apart")
+    team: str
+    user: str
+    scopes: list[Scope]
+    created: datetime
+    last_used: datetime | None
+    revoked: datetime | None
+
+
+class ApiTokenCreatedOut(ApiTokenOut):
+    token: str = Field(
+        description="the secret, for `Authorization: Bearer <token>`; shown this "
+        "once (only its sha256 is stored)"
+    )
+
+
 # -- audit log ------------------------------------------------------------------------
 
 
@@ -392,9 +557,10 @@ class AuditFilters(PageParams):
     object_type: str | None = Field(None, description="e.g. release, deployment")
     object_id: str | None = None
     actor: str | None = Field(None, description="substring of the actor name")
-    # With a UTC offset ("2026-12-01T00:00:00Z"): a naive time would be ambiguous.
-    since: AwareDatetime | None = None
-    until: AwareDatetime | None = None
+    # ISO 8601 with a UTC offset ("2026-12-01T00:00:00Z"): a naive time would be
+    # ambiguous, and a bare number is no date-time.
+    since: Annotated[AwareDatetime, BeforeValidator(_query_datetime)] | None = None
+    until: Annotated[AwareDatetime, BeforeValidator(_query_datetime)] | None = None
 
     @field_validator("since", "until", mode="after")
     @classmethod

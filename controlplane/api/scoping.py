@@ -9,11 +9,12 @@ from django.db.models import Prefetch, QuerySet
 from django.http import HttpRequest
 from django.shortcuts import get_object_or_404
 
+from controlplane.accounts.models import ApiToken, Membership, Team
 from controlplane.api.auth import Principal
 from controlplane.api.schemas import PageParams
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Deployment, Environment
-from controlplane.releases.models import Approval, Job, ModelFamily, Release
+from controlplane.releases.models import Approval, ModelFamily, Release
 
 
 def principal_of(request: HttpRequest) -> Principal:
@@ -32,10 +33,10 @@ def releases(principal: Principal) -> QuerySet[Release]:
     )
 
 
-# What Release.to_dict(detail=True) reads: one query per relation, not one per row.
+# What Release.to_dict(detail=True) reads: one query per relation, not one per row
+# (its jobs are read by to_dict itself: the pipeline's, without the re-verifications).
 RELEASE_DETAIL_PREFETCHES = (
     "artifacts",
-    Prefetch("jobs", queryset=Job.objects.select_related("agent")),
     "gate_results",
     Prefetch("approvals", queryset=Approval.objects.select_related("user", "token")),
     Prefetch(
@@ -70,6 +71,27 @@ def deployments(principal: Principal) -> QuerySet[Deployment]:
     return Deployment.objects.filter(
         environment__team_id__in=principal.team_ids
     ).select_related("release__model", "environment", "agent")
+
+
+def teams(principal: Principal) -> QuerySet[Team]:
+    return Team.objects.filter(id__in=principal.team_ids)
+
+
+def get_team(principal: Principal, slug: str) -> Team:
+    return get_object_or_404(teams(principal), slug=slug)
+
+
+def memberships(principal: Principal) -> QuerySet[Membership]:
+    return Membership.objects.filter(team_id__in=principal.team_ids).select_related(
+        "team", "user"
+    )
+
+
+def api_tokens(principal: Principal) -> QuerySet[ApiToken]:
+    # Its own tokens, or all of the team's for an admin; never a secret.
+    return ApiToken.objects.visible_to(
+        principal.user, principal.team_ids
+    ).select_related("team", "user")
 
 
 def audit_events(principal: Principal) -> QuerySet[AuditEvent]:

@@ -6,18 +6,14 @@ API, so an outsider learns nothing, not even that it exists."""
 from django.db.models import QuerySet
 from django.http import Http404
 
-from controlplane.accounts.actions import check_actor_in_team
 from controlplane.accounts.models import Team
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import ControlPlaneError, IllegalTransition
 from controlplane.fleet.models import Deployment, Environment
 from controlplane.releases.actions.approvals import check_decide_release
 from controlplane.releases.actions.promotion import check_reopen_release
-from controlplane.releases.actions.rollbacks import previous_verified_deployment
+from controlplane.releases.actions.rollbacks import check_rollback_environment
 from controlplane.releases.models import ModelFamily, Release
-
-# The roles that may approve, reject and roll back (as in the API's actions).
-DECIDER_ROLES = ("approver", "admin")
 
 
 def teams(user) -> QuerySet[Team]:
@@ -81,14 +77,9 @@ def decision_refusal(release: Release, user) -> str:
 def rollback_refusal(environment: Environment, user) -> str:
     """Why `user` may not roll `environment` back now; "" when they may."""
     try:
-        check_actor_in_team(user, environment.team, roles=DECIDER_ROLES)
+        check_rollback_environment(environment, user)
     except ControlPlaneError as exc:
         return exc.message
-    live = environment.live_deployment
-    if live is None:
-        return f"nothing is live in {environment}"
-    if previous_verified_deployment(environment, live.release_id) is None:
-        return f"{environment} has no previous verified release to roll back to"
     return ""
 
 

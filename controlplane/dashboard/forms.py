@@ -4,8 +4,20 @@ error shown on the page, never a filter silently dropped."""
 
 from django import forms
 
+from controlplane.accounts.actions import TOKEN_NAME_MAX_LENGTH
+from controlplane.accounts.models import API_SCOPES, ROLE_SCOPES, Membership
 from controlplane.dashboard import access
 from controlplane.releases.models import RELEASE_STATES
+
+# What each scope lets a token do (as the README's table says).
+SCOPE_LABELS = {
+    "read": "read: list and read releases, environments, deployments, the audit log",
+    "register": "register: create model families, register releases",
+    "promote": "promote: promote, reopen, roll back",
+    "approve": "approve: approve or reject releases (approver or admin role)",
+    "admin": "admin: gate policies, webhooks, members, environments, tokens "
+    "(admin role)",
+}
 
 
 def _blank(label: str) -> list[tuple[str, str]]:
@@ -104,3 +116,52 @@ class AuditFilterForm(forms.Form):
         if data.get("until"):
             events = events.filter(created__lt=data["until"])
         return events
+
+
+class ApiTokenForm(forms.Form):
+    """A new API token of the signed-in user: in one of their teams, with scopes
+    their role there allows (least privilege: read is the one ticked at first)."""
+
+    team = forms.ChoiceField()
+    name = forms.CharField(
+        max_length=TOKEN_NAME_MAX_LENGTH, help_text="what it is for, e.g. ci-main"
+    )
+    scopes = forms.MultipleChoiceField(
+        choices=[(scope, SCOPE_LABELS[scope]) for scope in API_SCOPES],
+        widget=forms.CheckboxSelectMultiple,
+        initial=["read"],
+    )
+
+    def __init__(self, user, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.memberships = {
+            str(m.team_id): m
+            for m in Membership.objects.filter(user=user).select_related("team")
+        }
+        self.fields["team"].choices = [
+            (pk, m.team.slug) for pk, m in self.memberships.items()
+        ]
+
+    def allowed_scopes(self) -> list[tuple[str, str, tuple[str, ...]]]:
+        """(team slug, role, scopes the role allows) for each of the user's teams."""
+        return [
+            (m.team.slug, m.role, ROLE_SCOPES[m.role])
+            for m in self.memberships.values()
+        ]
+
+    def clean(self):
+        data = super().clean()
+        membership = self.memberships.get(data.get("team", ""))
+        if membership is None:
+            return data
+        data["team"] = membership.team
+        allowed = ROLE_SCOPES[membership.role]
+        beyond = [s for s in data.get("scopes", ()) if s not in allowed]
+        if beyond:
+            self.add_error(
+                "scopes",
+                f"not allowed for your role in {membership.team.slug} "
+                f"({membership.role}): {', '.join(beyond)}; it allows "
+                f"{', '.join(allowed)}",
+            )
+        return data

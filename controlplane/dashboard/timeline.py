@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from controlplane.dashboard.health import JobHealth, job_health
+from controlplane.releases.evidence import Reverifications
 from controlplane.releases.gates import evaluate_gates
-from controlplane.releases.models import GATE_OUTCOMES
+from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, GATE_OUTCOMES
 from controlplane.releases.timings import skipped_reason
 from gpuagent.protocol import JOB_KINDS
 
@@ -33,10 +34,18 @@ class Stage:
     health: JobHealth
     duration_s: float | None  # a running job: so far
     outcome: Outcome
+    # How many jobs of its kind the row stands for: a live copy's periodic
+    # re-verifications are one row, the newest, however many ran.
+    runs: int = 1
 
     @property
     def kind(self) -> str:
         return self.job.kind
+
+    @property
+    def periodic(self) -> bool:
+        """A check of the live copy, repeated every interval (not a pipeline stage)."""
+        return self.job.kind in AFTER_DEPLOY_JOB_KINDS
 
 
 def outcome(job, gate_results=None, *, newest_gate: bool = True) -> Outcome:
@@ -57,12 +66,13 @@ def outcome(job, gate_results=None, *, newest_gate: bool = True) -> Outcome:
     return Outcome("inconclusive", job.error or "no gate outcome recorded")
 
 
-def _stage(job, now: datetime, gate_results, newest_gate_pk) -> Stage:
+def _stage(job, now: datetime, gate_results, newest_gate_pk, runs: int = 1) -> Stage:
     return Stage(
         job,
         job_health(job, now),
         _duration_s(job, now),
         outcome(job, gate_results, newest_gate=job.pk == newest_gate_pk),
+        runs,
     )
 
 
@@ -71,12 +81,19 @@ def _newest_gate_pk(jobs) -> int | None:
     return max(gates, key=lambda j: j.pk).pk if gates else None
 
 
-def stages(jobs, now: datetime, gate_results=None) -> list[Stage]:
-    """Every job of the release in the order they started (queued ones last)."""
-    jobs = list(jobs)
+def stages(
+    jobs, now: datetime, gate_results=None, reverified: Reverifications | None = None
+) -> list[Stage]:
+    """Every job of the release's pipeline in the order they started (queued ones
+    last). The re-verifications of a live copy, one per interval without end, are
+    no stage: they are one row, the newest of `reverified`, with how many ran."""
+    jobs = [job for job in jobs if job.kind not in AFTER_DEPLOY_JOB_KINDS]
     newest_gate = _newest_gate_pk(jobs)
     ordered = sorted(jobs, key=lambda j: (j.started is None, j.started or now, j.pk))
-    return [_stage(job, now, gate_results, newest_gate) for job in ordered]
+    rows = [_stage(job, now, gate_results, newest_gate) for job in ordered]
+    if reverified is not None and reverified.newest is not None:
+        rows.append(_stage(reverified.newest, now, None, None, reverified.count))
+    return rows
 
 
 def latest_per_kind(jobs, now: datetime, gate_results=None) -> list[Stage]:

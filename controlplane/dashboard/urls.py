@@ -5,9 +5,11 @@ from controlplane.dashboard.views import (
     cost,
     decisions,
     environments,
+    favicon,
     fleet,
     releases,
     reopen,
+    tokens,
 )
 
 app_name = "dashboard"
@@ -20,6 +22,11 @@ urlpatterns = [
         "releases/<int:release_id>/status/",
         releases.release_status,
         name="release-status",
+    ),
+    path(
+        "releases/<int:release_id>/reverifications/",
+        releases.release_reverifications,
+        name="release-reverifications",
     ),
     path(
         "releases/<int:release_id>/approve/",
@@ -47,4 +54,8 @@ urlpatterns = [
     path("cost/", cost.cost, name="cost"),
     path("cost.csv", cost.cost_csv, name="cost-csv"),
     path("audit/", audit.audit_log, name="audit-log"),
+    path("tokens/", tokens.token_list, name="token-list"),
+    path("tokens/new/", tokens.create_token, name="token-create"),
+    path("tokens/<int:token_id>/revoke/", tokens.revoke_token, name="token-revoke"),
+    path("favicon.ico", favicon.favicon, name="favicon"),
 ]

@@ -75,6 +75,8 @@ def publish_pending(*, ids: list[int] | None = None, limit: int = 200) -> int:
                         queue=message.queue or None,
                         connection=connection,
                         retry=False,  # this table is the retry
+                        # no result store to wait on: nothing reads results
+                        ignore_result=True,
                     )
                     message.sent = timezone.now()
                     message.attempts += 1

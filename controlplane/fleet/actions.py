@@ -1,4 +1,4 @@
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -73,16 +73,57 @@ def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Ag
 
 def do_record_heartbeat(beat: Heartbeat) -> Agent:
     """A heartbeat from the agent named in it: registered on its first beat (and
-    after being marked offline it is online again)."""
-    agent = Agent.objects.filter(name=beat.agent).first()
-    if agent is None:
-        agent = do_register_agent(
-            beat.agent,
-            queue=beat.queue,
-            gpu_model=beat.gpu_model[:100],
-            gpu_memory_bytes=beat.memory_total_bytes,
+    after being marked offline it is online again). A beat from another
+    incarnation than the recorded one (the agent restarted under its name) records
+    the new incarnation and its start, audited `agent.restarted`; a late beat of an
+    incarnation that started before the recorded one (a dead process's, delivered
+    after its successor's) changes nothing."""
+    with transaction.atomic():
+        agent = Agent.objects.select_for_update().filter(name=beat.agent).first()
+        if agent is None:
+            agent = do_register_agent(
+                beat.agent,
+                queue=beat.queue,
+                gpu_model=beat.gpu_model[:100],
+                gpu_memory_bytes=beat.memory_total_bytes,
+            )
+        if beat.incarnation and beat.incarnation != agent.incarnation:
+            if _started_before(beat.started, agent.started):
+                return agent
+            do_record_agent_incarnation(agent, beat.incarnation, started=beat.started)
+        return do_record_agent_heartbeat(agent, beat)
+
+
+def _started_before(started, other) -> bool:
+    return started is not None and other is not None and started < other
+
+
+def do_record_agent_incarnation(
+    agent: Agent, incarnation: str, *, started: datetime | None
+) -> Agent:
+    """Record which start of the agent's process beats now. Audited
+    `agent.restarted` when it replaces another incarnation (not on the first one
+    an agent reports)."""
+    with transaction.atomic():
+        before = _incarnation_of(agent)
+        Agent.objects.filter(pk=agent.pk).update(
+            incarnation=incarnation, started=started
         )
-    return do_record_agent_heartbeat(agent, beat)
+        agent.incarnation, agent.started = incarnation, started
+        if before["incarnation"]:
+            do_record_event(
+                "system:fleet",
+                "agent.restarted",
+                agent,
+                before=before,
+                after=_incarnation_of(agent),
+            )
+    return agent
+
+
+def _incarnation_of(agent: Agent) -> dict:
+    data = agent.to_dict()
+    return {"incarnation": data["incarnation"], "started": data["started"]}
 
 
 def silent_agents(timeout_s: float):

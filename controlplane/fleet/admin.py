@@ -32,7 +32,15 @@ class EnvironmentAdmin(admin.ModelAdmin):
 
 @admin.register(Agent)
 class AgentAdmin(admin.ModelAdmin):
-    list_display = ("name", "queue", "gpu_model", "gpu_memory_bytes", "state")
+    list_display = (
+        "name",
+        "queue",
+        "gpu_model",
+        "gpu_memory_bytes",
+        "state",
+        "incarnation",
+        "started",
+    )
     list_filter = ("state",)
 
 

@@ -74,6 +74,11 @@ class Agent(models.Model):
     capabilities = models.JSONField(default=dict, blank=True)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=20, choices=STATE_CHOICES, default="offline")
+    # Which start of the agent's process beats now (random per start; "" until a
+    # beat names one) and when it started, as the agent reports: another
+    # incarnation under the same name means the agent restarted.
+    incarnation = models.CharField(max_length=64, blank=True)
+    started = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -95,6 +100,8 @@ class Agent(models.Model):
             "capabilities": self.capabilities,
             "last_heartbeat": _iso(self.last_heartbeat),
             "state": self.state,
+            "incarnation": self.incarnation,
+            "started": _iso(self.started),
         }
 
 

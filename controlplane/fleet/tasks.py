@@ -1,15 +1,16 @@
 from celery import shared_task
 
-from controlplane.fleet.actions import do_record_heartbeat
+from controlplane.releases import pipeline
 from gpuagent.protocol import Heartbeat
 
 
 @shared_task(name="controlplane.fleet.record_heartbeat")
 def record_heartbeat(beat: dict) -> str:
-    """An agent's heartbeat (gpuagent.worker): who it is, its memory, what it runs.
-    A malformed beat is dropped (returns why) rather than retried."""
+    """An agent's heartbeat (gpuagent.worker): who it is, which start of it, its
+    memory, what it runs; a restarted agent's jobs are sent again at once. A
+    malformed beat is dropped (returns why) rather than retried."""
     try:
         parsed = Heartbeat.model_validate(beat)
     except ValueError as exc:
         return f"invalid heartbeat: {exc}"
-    return do_record_heartbeat(parsed).state
+    return pipeline.record_heartbeat(parsed).state

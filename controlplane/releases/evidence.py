@@ -18,7 +18,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ValidationError
 
-from controlplane.releases.models import Job, Release
+from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Job, Release
 from gpuagent.protocol import (
     LOAD_TEST_JOB_KIND,
     QUALITY_JOB_KIND,
@@ -26,9 +26,6 @@ from gpuagent.protocol import (
     QualityReport,
 )
 
-# Jobs that check a model's bytes on the way to deploy: inspecting the source,
-# hashing and signing the candidate, verifying it on another agent.
-INTEGRITY_JOB_KINDS = ("inspect", "verify_source", "sign", "verify")
 # Jobs whose success means the release's bytes were hashed and matched: the check on
 # another agent after signing, the periodic re-hash of a live copy, verify-on-load.
 VERIFYING_JOB_KINDS = ("verify", "reverify", "deploy")
@@ -99,6 +96,27 @@ def load_reports(releases) -> dict[int, LoadTestReport]:
         if _measured(job):
             reports[job.release_id] = _validated(job, LoadTestReport)
     return reports
+
+
+@dataclass(frozen=True)
+class Reverifications:
+    """The periodic re-verifications of a release's live copy in one line: how
+    many ran, and the newest (finished or not), None before the first."""
+
+    count: int
+    newest: Job | None = None
+
+    def to_dict(self) -> dict:
+        newest = self.newest.to_dict() if self.newest else None
+        return {"count": self.count, "newest": newest}
+
+
+def reverifications(release: Release) -> Reverifications:
+    """How often the release's live copy was re-verified, and the newest check;
+    the whole history is the release's jobs of AFTER_DEPLOY_JOB_KINDS."""
+    jobs = Job.objects.filter(release=release, kind__in=AFTER_DEPLOY_JOB_KINDS)
+    newest = jobs.select_related("agent").order_by("-created", "-id").first()
+    return Reverifications(count=jobs.count() if newest else 0, newest=newest)
 
 
 @dataclass(frozen=True)

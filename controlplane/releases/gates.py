@@ -18,8 +18,17 @@ capacity and cost limits off until a team sets them; integrity must pass, always
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from math import floor
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gpuagent.protocol import (
     LOAD_PROFILES,
@@ -35,43 +44,114 @@ PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 
 
 class _Policy(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Strict: a policy says what it means. 0 is no boolean, "0.03" no number and
+    # 16.0 no count; lax coercion would let a typo pass for a setting.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+# A slice name the evaluator reports: one of QUALITY_SLICES, or "overall" (all of
+# them together). A policy naming another slice could never be met.
+QUALITY_SLICE_NAMES = (*QUALITY_SLICES, "overall")
 
 
 class SliceThresholds(_Policy):
-    """Thresholds for one quality slice; a field left out (None) is not checked."""
+    """Thresholds for one quality slice. A key left out takes its default (inside
+    `per_slice`: the policy's `thresholds`); null turns that check off."""
 
-    max_mean_kld: float | None = Field(None, ge=0)
-    min_same_top1: float | None = Field(None, ge=0, le=1)
-    max_ppl_ratio: float | None = Field(None, gt=0)
+    max_mean_kld: float | None = Field(0.03, ge=0)
+    min_same_top1: float | None = Field(0.92, ge=0, le=1)
+    max_ppl_ratio: float | None = Field(1.05, gt=0)
     max_flip_rate: float | None = Field(
-        None, ge=0, le=1, description="flips / continuations compared"
+        0.25, ge=0, le=1, description="flips / continuations compared"
     )
+
+
+class WorkloadThresholds(_Policy):
+    """Thresholds for one workload. A key left out takes its default (inside
+    `per_workload`: the policy's `thresholds`); null turns that check off."""
+
+    max_ttft_p99_ms: float | None = Field(2000, gt=0)
+    max_tpot_p99_ms: float | None = Field(100, gt=0)
+    max_cost_per_1m_output_tokens: float | None = Field(
+        None, gt=0, description="USD at the highest load meeting the SLO"
+    )
+
+
+# A workload's name as a report gives it: one of LOAD_PROFILES or a team's own;
+# printable (PostgreSQL's JSON refuses NUL, and a control character hides in logs).
+WorkloadName = Annotated[
+    str, Field(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
+
+
+def _names(values: list[str], what: str, known: tuple[str, ...] = ()) -> list[str]:
+    """`values` unless one is repeated or (with `known`) not one of `known`."""
+    for index, name in enumerate(values):
+        if name in values[:index]:
+            raise ValueError(f"{what} {name!r} is named twice")
+        if known and name not in known:
+            raise ValueError(f"unknown {what} {name!r}; known: {', '.join(known)}")
+    return values
+
+
+def _field_error(field: str, message: str, value) -> ValidationError:
+    """A check across fields, named by the field it is about (a model validator's
+    own ValueError would name the whole model)."""
+    error = PydanticCustomError("value_error", message)
+    return ValidationError.from_exception_data(
+        "policy", [InitErrorDetails(type=error, loc=(field,), input=value)]
+    )
+
+
+def _overrides(entries: dict, base: _Policy) -> dict:
+    """`per_slice` / `per_workload` with each entry's unnamed keys taken from the
+    policy's `thresholds` (`base`), so an override changes only what it names. A
+    null entry is no override."""
+    merged = {}
+    for name, entry in entries.items():
+        if entry is None:
+            continue
+        inherited = {
+            key: getattr(base, key)
+            for key in type(base).model_fields
+            if key not in entry.model_fields_set
+        }
+        merged[name] = entry.model_copy(update=inherited)
+    return merged
 
 
 class QualityPolicy(_Policy):
-    slices: list[str] = Field(
+    slices: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=lambda: list(QUALITY_SLICES),
-        description="slices the report must have; every reported slice is judged",
+        min_length=1,
+        description="slices the report must have (at least one; `quality: null` "
+        "stops gating on quality); every reported slice is judged",
     )
-    thresholds: SliceThresholds = SliceThresholds(
-        max_mean_kld=0.03, min_same_top1=0.92, max_ppl_ratio=1.05, max_flip_rate=0.25
-    )
-    per_slice: dict[str, SliceThresholds] = Field(
+    thresholds: SliceThresholds = Field(default_factory=SliceThresholds)
+    per_slice: dict[str, SliceThresholds | None] = Field(
         default_factory=dict,
-        description="replaces `thresholds` for the named slices",
+        description="replaces the named keys of `thresholds` for the named slices "
+        "(null: no override)",
     )
     require_retrieval: bool = Field(
         True, description="long_context: the planted fact must be retrieved"
     )
 
+    @field_validator("slices")
+    @classmethod
+    def _known_slices(cls, slices: list[str]) -> list[str]:
+        return _names(slices, "slice", QUALITY_SLICE_NAMES)
 
-class WorkloadThresholds(_Policy):
-    max_ttft_p99_ms: float | None = Field(None, gt=0)
-    max_tpot_p99_ms: float | None = Field(None, gt=0)
-    max_cost_per_1m_output_tokens: float | None = Field(
-        None, gt=0, description="USD at the highest load meeting the SLO"
-    )
+    @field_validator("per_slice")
+    @classmethod
+    def _known_override_slices(cls, per_slice: dict) -> dict:
+        _names(list(per_slice), "slice", QUALITY_SLICE_NAMES)
+        return per_slice
+
+    @model_validator(mode="after")
+    def _inherit_thresholds(self) -> "QualityPolicy":
+        self.per_slice = _overrides(self.per_slice, self.thresholds)
+        return self
 
 
 class CapacityThreshold(_Policy):
@@ -80,20 +160,38 @@ class CapacityThreshold(_Policy):
 
 
 class LoadPolicy(_Policy):
-    workloads: list[str] = Field(
+    workloads: list[WorkloadName] = Field(
         default_factory=lambda: list(LOAD_PROFILES),
-        description="workloads the report must have; every reported one is judged",
+        description="workloads the report must have (none only with `capacity`; "
+        "`load: null` stops gating on load); every reported one is judged",
     )
-    thresholds: WorkloadThresholds = WorkloadThresholds(
-        max_ttft_p99_ms=2000, max_tpot_p99_ms=100
-    )
-    per_workload: dict[str, WorkloadThresholds] = Field(
+    thresholds: WorkloadThresholds = Field(default_factory=WorkloadThresholds)
+    per_workload: dict[WorkloadName, WorkloadThresholds | None] = Field(
         default_factory=dict,
-        description="replaces `thresholds` for the named workloads",
+        description="replaces the named keys of `thresholds` for the named "
+        "workloads (null: no override)",
     )
     capacity: CapacityThreshold | None = Field(
         None, description="concurrent sessions the KV budget must hold"
     )
+
+    @field_validator("workloads")
+    @classmethod
+    def _distinct_workloads(cls, workloads: list[str]) -> list[str]:
+        return _names(workloads, "workload")
+
+    @model_validator(mode="after")
+    def _inherit_thresholds(self) -> "LoadPolicy":
+        if not self.workloads and self.capacity is None:
+            # Nothing required and nothing to measure: a gate that passes anything.
+            raise _field_error(
+                "workloads",
+                "no workload and no capacity: this load gate checks nothing "
+                "(name a workload, set capacity, or set load to null)",
+                self.workloads,
+            )
+        self.per_workload = _overrides(self.per_workload, self.thresholds)
+        return self
 
 
 class GatePolicy(_Policy):
@@ -104,7 +202,7 @@ class GatePolicy(_Policy):
 
     quality: QualityPolicy | None = Field(default_factory=QualityPolicy)
     load: LoadPolicy | None = Field(default_factory=LoadPolicy)
-    auto_rollback_on_failed_verification: StrictBool = False
+    auto_rollback_on_failed_verification: bool = False
 
 
 @dataclass(frozen=True)

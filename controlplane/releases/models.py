@@ -24,6 +24,12 @@ RELEASE_STATES = (
     "rolled_back",
 )
 JOB_STATES = ("queued", "running", "succeeded", "failed")
+# Jobs that check a model's bytes on the way to deploy: inspecting the source,
+# hashing and signing the candidate, verifying it on another agent.
+INTEGRITY_JOB_KINDS = ("inspect", "verify_source", "sign", "verify")
+# Jobs that check a live copy after its deploy (beat, every interval): no stage of
+# the pipeline, so pages and the API show their count and the latest, not each one.
+AFTER_DEPLOY_JOB_KINDS = ("reverify",)
 GATE_OUTCOMES = ("pass", "fail", "inconclusive")
 DECISIONS = ("approve", "reject")
 
@@ -97,6 +103,12 @@ class Release(models.Model):
         max_length=30, choices=STATE_CHOICES, default="registered", db_index=True
     )
     failure_reason = models.TextField(blank=True)
+    # Control state the pipeline reads, kept with the state it belongs to (set by
+    # do_transition_release, never derived from the audit log): when the release
+    # entered its state (jobs from before belong to an earlier pass), and when it
+    # last moved back to registered (approvals from before no longer bind it).
+    state_entered_at = models.DateTimeField(default=timezone.now)
+    reopened_at = models.DateTimeField(null=True, blank=True)
     manifest_digest = models.CharField(max_length=200, blank=True)
     signature = models.TextField(blank=True)
     parent = models.ForeignKey(
@@ -159,13 +171,13 @@ class Release(models.Model):
         if detail:
             data["signature"] = self.signature
             data["artifacts"] = [a.to_dict() for a in self.artifacts.all()]
-            data["jobs"] = [j.to_dict() for j in self.jobs.all()]
+            # The pipeline's jobs; a live copy's re-verifications grow without
+            # bound and are counted apart (evidence.reverifications).
+            pipeline_jobs = self.jobs.exclude(kind__in=AFTER_DEPLOY_JOB_KINDS)
+            data["jobs"] = [j.to_dict() for j in pipeline_jobs.select_related("agent")]
             data["gate_results"] = [g.to_dict() for g in self.gate_results.all()]
             data["approvals"] = [a.to_dict() for a in self.approvals.all()]
             data["deployments"] = [d.to_dict() for d in self.deployments.all()]
-            from controlplane.releases.timings import stage_timings
-
-            data["timings"] = stage_timings(self)
         return data
 
 

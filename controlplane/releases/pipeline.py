@@ -17,16 +17,17 @@ attempt in force.
 """
 
 import logging
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.audit.models import AuditEvent
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import IllegalTransition
 from controlplane.fleet.actions import (
+    do_record_heartbeat,
     do_register_agent,
     do_set_agent_state,
     silent_agents,
@@ -54,7 +55,7 @@ from controlplane.releases.actions.rollbacks import (
 )
 from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job, Release
-from gpuagent.protocol import JobResult
+from gpuagent.protocol import VERIFICATION_ERROR_CODES, Heartbeat, JobResult
 
 log = logging.getLogger(__name__)
 WORKER = "system:worker"
@@ -70,21 +71,6 @@ INTEGRITY_KINDS = ("verify_source", "sign", "verify")
 AGENT_KINDS = tuple(k for groups, _ in PROMOTION.values() for g in groups for k in g)
 AGENT_KINDS += ("deploy", "reverify", "undeploy")
 OPEN_STATES = ("queued", "running")
-
-
-def _entered(release: Release) -> datetime:
-    """When the release last moved into its current state."""
-    event = (
-        AuditEvent.objects.filter(
-            verb="release.transition",
-            object_type="release",
-            object_id=str(release.pk),
-            after__state=release.state,
-        )
-        .order_by("-created", "-id")
-        .first()
-    )
-    return event.created if event else release.created
 
 
 # -- sending jobs ----------------------------------------------------------------------
@@ -158,7 +144,7 @@ def advance(release_id: int) -> str:
 def _advance_stage(release: Release) -> bool:
     """True when the release moved to the next state."""
     groups, next_state = PROMOTION[release.state]
-    entered = _entered(release)
+    entered = release.state_entered_at
     for group in groups:
         jobs = {
             kind: release.jobs.filter(kind=kind, created__gte=entered)
@@ -269,13 +255,20 @@ def _deployment_done(job: Job) -> None:
         )
         undeploy_older(deployment.environment)
     else:
-        verification = any(job.result.get(k) for k in ("missing", "extra", "changed"))
-        verification = verification or "mismatch" in job.error.lower()
         do_fail_deployment(
-            deployment, actor=WORKER, reason=job.error, verification=verification
+            deployment,
+            actor=WORKER,
+            reason=job.error,
+            verification=failed_verification(job),
         )
         if deployment.rollback_tried is not None:
             do_continue_rollback(deployment, why=why_refused(job))
+
+
+def failed_verification(job: Job) -> bool:
+    """Whether a failed deploy job says the bytes are not the approved ones: by the
+    error code its DeployResult carries, never by the words of its message."""
+    return job.result.get("error_code") in VERIFICATION_ERROR_CODES
 
 
 def why_refused(job: Job) -> str:
@@ -411,9 +404,10 @@ def record_progress(
     return do_mark_job_running(job, attempt=attempt, agent=agent, progress=progress)
 
 
-def retry_or_fail(job: Job, reason: str) -> str:
-    """Send `job` again to another agent, or, after RELEASEGATE_JOB_MAX_ATTEMPTS,
-    fail it (and so its release or deployment) with `reason`."""
+def retry_or_fail(job: Job, reason: str, *, avoid_agent: bool = True) -> str:
+    """Send `job` again, to another agent than the one it had where `avoid_agent`
+    and another can do it, or, after RELEASEGATE_JOB_MAX_ATTEMPTS, fail it (and so
+    its release or deployment) with `reason`."""
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).get(pk=job.pk)
         if job.state not in OPEN_STATES:
@@ -424,10 +418,40 @@ def retry_or_fail(job: Job, reason: str) -> str:
             )
             _after(job)
             return "failed"
-        previous = job.agent
+        previous = job.agent if avoid_agent else None
         do_retry_job(job, reason=reason)
         _send(job, exclude=previous)
         return "retried"
+
+
+def record_heartbeat(beat: Heartbeat) -> Agent:
+    """Record an agent's heartbeat. The first beat of a new incarnation (the agent
+    restarted under its name, e.g. killed and started again sooner than
+    AGENT_DEAD_AFTER_S would tell) sends again, at once and in the same
+    transaction, every job its earlier incarnation held: those died with it."""
+    with transaction.atomic():
+        earlier = Agent.objects.select_for_update().filter(name=beat.agent).first()
+        agent = do_record_heartbeat(beat)
+        if earlier is None or earlier.incarnation in ("", agent.incarnation):
+            return agent
+        reason = f"agent {agent.name} restarted; the job died with its earlier run"
+        for job in jobs_held_by(earlier).exclude(pk__in=beat.running_jobs):
+            # The agent is back: it may take the job again (it may be the only
+            # one able to, e.g. the only signer).
+            retry_or_fail(job, reason, avoid_agent=False)
+    return agent
+
+
+def jobs_held_by(agent: Agent):
+    """The open agent jobs `agent` holds as the control plane last heard: running
+    on it by its progress reports, or, while it was not offline, listed in its last
+    heartbeat and taken by no agent since (its progress report not in yet). (An
+    offline agent's jobs were sent away by the watch already.)"""
+    open_jobs = Job.objects.filter(kind__in=AGENT_KINDS, state__in=OPEN_STATES)
+    held = Q(agent=agent)
+    if agent.state != "offline":
+        held |= Q(pk__in=agent.running_jobs or [], agent__isnull=True)
+    return open_jobs.filter(held).order_by("pk")
 
 
 def watch_jobs() -> dict[str, int]:

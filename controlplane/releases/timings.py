@@ -19,11 +19,10 @@ from datetime import datetime
 
 from django.utils import timezone
 
-from controlplane.releases import evidence
+from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, INTEGRITY_JOB_KINDS
+from gpuagent.protocol import LOAD_TEST_JOB_KIND, QUALITY_JOB_KIND
 
-INTEGRITY_KINDS = evidence.INTEGRITY_JOB_KINDS
-TEST_KINDS = (evidence.QUALITY_JOB_KIND, evidence.LOAD_TEST_JOB_KIND)
-AFTER_DEPLOY_KINDS = ("reverify",)
+TEST_KINDS = (QUALITY_JOB_KIND, LOAD_TEST_JOB_KIND)
 
 
 def skipped_reason(job) -> str | None:
@@ -53,7 +52,7 @@ class Overhead:
 
 
 def overhead(jobs, now: datetime) -> Overhead:
-    jobs = [j for j in jobs if j.started and j.kind not in AFTER_DEPLOY_KINDS]
+    jobs = [j for j in jobs if j.started and j.kind not in AFTER_DEPLOY_JOB_KINDS]
     deploys = [
         j.finished for j in jobs if j.kind == "deploy" and j.state == "succeeded"
     ]
@@ -70,7 +69,7 @@ def overhead(jobs, now: datetime) -> Overhead:
 
     return Overhead(
         time_to_deploy_s=_union_s(spans()),
-        integrity_s=_union_s(spans(INTEGRITY_KINDS)),
+        integrity_s=_union_s(spans(INTEGRITY_JOB_KINDS)),
         tests_s=_union_s(spans(TEST_KINDS)),
         deployed=bool(deploys),
     )
@@ -101,9 +100,14 @@ def _pct(part: float, whole: float) -> float | None:
 
 
 def stage_timings(release) -> dict:
-    """{"stages": [every job, oldest first], "time_to_deploy_s", "deployed",
+    """{"stages": [every pipeline job, oldest first; not the re-verifications of
+    the live copy], "time_to_deploy_s", "deployed",
     "integrity_s", "integrity_pct", "quality_load_s", "quality_load_pct"}."""
-    jobs = list(release.jobs.select_related("agent").order_by("created", "id"))
+    jobs = list(
+        release.jobs.exclude(kind__in=AFTER_DEPLOY_JOB_KINDS)
+        .select_related("agent")
+        .order_by("created", "id")
+    )
     spent = overhead(jobs, timezone.now())
     return {
         "stages": [

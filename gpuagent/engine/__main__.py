@@ -14,7 +14,8 @@ repeatable; or `--certificate-chain` / `--sigstore-trust-config` with `--identit
 nothing approved to compare with, so the folder is only inspected
 (`gpuagent.integrity.read_inspected_files`: `inspect_model`, then the strict checks on
 the bytes loaded) and a warning names its digest for pinning. A folder that fails any
-check is refused: exit status 1, the reason on stderr.
+check is refused: exit status 1, the reason on stderr; so is a tokenizer or chat
+template that fails its probe (`gpuagent.engine.untrusted`).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="name(s) requests may use; answers carry the first (default: the model "
-        "path as given, as vLLM does, so tools that load a tokenizer by the model's "
-        "name find the folder)",
+        "path as given, as vLLM does); /v1/models gives the folder's absolute path "
+        "as each name's `root`, for tools that load the tokenizer",
     )
     serve.add_argument(
         "--threads",
@@ -246,7 +247,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine.kv.window,
         torch.get_num_threads(),
     )
-    app = build_app(AsyncLLMEngine(engine), names, args.default_max_tokens)
+    try:
+        app = build_app(
+            AsyncLLMEngine(engine),
+            names,
+            args.default_max_tokens,
+            model_root=str(args.model_dir.absolute()),
+        )
+    except ValueError as e:  # e.g. a chat template that fails its probe
+        raise SystemExit(f"error: refused to serve {args.model_dir}: {e}") from None
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -123,7 +123,9 @@ def read_checkpoint(
 
 def _read_json_object(reader: _FileReader, name: str) -> dict[str, Any]:
     try:
-        value = json.loads(reader.read(name))
+        # Decoded first: json.loads of bytes would drop a UTF-8 byte-order mark that
+        # transformers, vLLM and the integrity gate refuse ("Unexpected UTF-8 BOM").
+        value = json.loads(reader.read(name).decode("utf-8"))
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise ModelLoadError(f"{name} is not JSON: {exc}") from exc
     if not isinstance(value, dict):

@@ -1,5 +1,7 @@
-"""Engine outputs as OpenAI responses: the streams of one request merged, collected
-for a plain answer (aborted when the client goes away), or written as SSE chunks."""
+"""Engine outputs as OpenAI responses: how tokens, logprobs and usage are written
+(`ResponseFormat`), the streams of one request merged, collected for a plain answer
+(aborted when the client goes away) and written as one JSON body, or written as SSE
+chunks. Knows the request bodies (`openai_api`), never the server's routes."""
 
 from __future__ import annotations
 
@@ -8,17 +10,29 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 
-from gpuagent.engine.engine import RequestOutput, RequestStream, TokenLogprob
-from gpuagent.engine.openai_api import APIError
+from gpuagent.engine.engine import (
+    LLMEngine,
+    RequestOutput,
+    RequestStream,
+    TokenLogprob,
+)
+from gpuagent.engine.openai_api import (
+    SERVED_TIER,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from gpuagent.engine.sampling import SamplingParams
-from gpuagent.engine.token_text import TextOffsets
-
-if TYPE_CHECKING:
-    from gpuagent.engine.server import OpenAIServer
+from gpuagent.engine.token_text import (
+    TextOffsets,
+    TokenBytes,
+    bytes_text,
+    prompt_text_offsets,
+)
 
 # How often a non-streamed request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -32,6 +46,119 @@ class Choice:
     prompt_ids: list[int]
     prompt_text: str
     params: SamplingParams
+
+
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are the prompt tokens the prefix
+    cache served (prompt_tokens_details.cached_tokens)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ResponseFormat:
+    """How answers are written: the served model name they carry, each token's text
+    and exact bytes, and logprobs in OpenAI's completion and chat shapes (over the
+    engine's current tokenizer)."""
+
+    def __init__(self, llm: LLMEngine, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self._token_bytes: TokenBytes | None = None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (see `TokenBytes`)."""
+        return self.token_bytes_table()(token_id)
+
+    def token_bytes_table(self) -> TokenBytes:
+        """The (cached) `TokenBytes` of the engine's tokenizer."""
+        tokenizer = self.llm.tokenizer
+        if self._token_bytes is None or self._token_bytes.tokenizer is not tokenizer:
+            self._token_bytes = TokenBytes(tokenizer)
+        return self._token_bytes
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as OpenAI reports it: its bytes decoded when they are valid
+        UTF-8 on their own, else `bytes:\\xNN...` (so distinct tokens stay apart)."""
+        return bytes_text(self.token_bytes(token_id))
+
+    def text_offsets(self) -> TextOffsets:
+        """A tracker of the text offsets of one request's tokens."""
+        return TextOffsets(self.llm.tokenizer)
+
+    def prompt_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        """The text `echo` returns: a text prompt as given, token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.llm.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def answer_logprobs(
+        self, out: RequestOutput, params: SamplingParams
+    ) -> list[TokenLogprob]:
+        """`out.new_logprobs` without a stop token's: the chat text leaves it out,
+        and chat logprobs cover exactly the text's tokens."""
+        logprobs = out.new_logprobs
+        stopped_by_token = (
+            out.finish_reason == "stop"
+            and out.new_token_ids
+            and out.new_token_ids[-1] in self.llm.stop_token_ids(params)
+        )
+        return logprobs[:-1] if stopped_by_token and logprobs else logprobs
+
+    def completion_logprobs(
+        self, logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
+    ) -> dict[str, Any]:
+        """Completion-style logprobs of generated tokens at text `offsets`."""
+        tokens, token_logprobs, top = [], [], []
+        for lp in logprobs:
+            tokens.append(self.token_text(lp.token_id))
+            token_logprobs.append(lp.logprob)
+            top.append(self.top_dict(lp.top_logprobs))
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": list(offsets[: len(tokens)]),
+        }
+
+    def top_dict(self, top_logprobs: Sequence[tuple[int, float]]) -> dict[str, float]:
+        """Alternatives by token text, the best of tokens with the same text."""
+        alternatives: dict[str, float] = {}
+        for token_id, logprob in top_logprobs:  # best first: keep the best
+            alternatives.setdefault(self.token_text(token_id), logprob)
+        return alternatives
+
+    def echo_logprobs(
+        self, prompt_ids: Sequence[int], prompt_logprobs: Sequence[Any]
+    ) -> dict[str, Any]:
+        """Completion-style logprobs of the prompt's tokens (null for the first)."""
+        return {
+            "tokens": [self.token_text(t) for t in prompt_ids],
+            "token_logprobs": [lp and lp.logprob for lp in prompt_logprobs],
+            "top_logprobs": [
+                lp and self.top_dict(lp.top_logprobs) for lp in prompt_logprobs
+            ],
+            "text_offset": prompt_text_offsets(self.token_bytes_table(), prompt_ids),
+        }
+
+    def chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """Chat-style logprobs: each token's text, logprob, bytes and top-N."""
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            raw = self.token_bytes(token_id)
+            return {"token": bytes_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+        content = []
+        for lp in logprobs:
+            item = entry(lp.token_id, lp.logprob)
+            item["top_logprobs"] = [entry(t, v) for t, v in lp.top_logprobs]
+            content.append(item)
+        return {"content": content}
 
 
 def join_logprobs(first: dict[str, Any], then: dict[str, Any], shift: int) -> dict:
@@ -132,50 +259,47 @@ async def collect_finals(
 
 class StreamUsage:
     """Tokens so far of a streamed response's choices (cached prompt tokens once
-    per prompt: each has `choices_per_prompt` choices in a row)."""
+    per prompt, as its prompt tokens: each prompt has `n` choices in a row)."""
 
-    def __init__(
-        self,
-        server: OpenAIServer,
-        prompt_tokens: int,
-        num_choices: int,
-        choices_per_prompt: int = 1,
-    ) -> None:
-        self.server, self.prompt_tokens = server, prompt_tokens
+    def __init__(self, prompt_tokens: int, num_choices: int, n: int) -> None:
+        self.prompt_tokens, self.n = prompt_tokens, n
         self.tokens = [0] * num_choices
         self.cached = [0] * num_choices
-        self.choices_per_prompt = choices_per_prompt
 
     def update(self, index: int, out: RequestOutput) -> None:
         self.tokens[index] = out.num_output_tokens
         self.cached[index] = out.num_cached_tokens
 
     def usage(self) -> dict[str, Any]:
-        cached = sum(self.cached[:: self.choices_per_prompt])
-        return self.server.usage(self.prompt_tokens, sum(self.tokens), cached)
+        cached = sum(self.cached[:: self.n])
+        return usage(self.prompt_tokens, sum(self.tokens), cached)
 
 
 def chunk_writer(
-    server: OpenAIServer,
+    fmt: ResponseFormat,
     request_id: str,
     object_name: str,
-    include_usage: bool,
-    continuous: StreamUsage | None = None,
+    body: CompletionRequest | ChatCompletionRequest,
+    stream_usage: StreamUsage,
 ) -> Callable[..., str]:
     """`chunk(choices, usage=None)`: one SSE chunk of a streamed response, every
-    chunk with the same id and creation time; with `continuous`, each chunk
-    carries the usage so far (vLLM's continuous_usage_stats)."""
+    chunk with the same id and creation time (and the tier served, when the request
+    asked for one); with the body's continuous_usage_stats, each chunk carries the
+    usage so far (vLLM's)."""
     created = int(time.time())
+    continuous = stream_usage if body.continuous_usage else None
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
         data: dict[str, Any] = {
             "id": request_id,
             "object": object_name,
             "created": created,
-            "model": server.model_name,
+            "model": fmt.model_name,
             "choices": choices,
         }
-        if include_usage:
+        if body.service_tier is not None:
+            data["service_tier"] = SERVED_TIER
+        if body.include_usage:
             if usage is None and continuous is not None:
                 usage = continuous.usage()
             data["usage"] = usage
@@ -204,39 +328,114 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-async def stream_completion(
-    server: OpenAIServer,
+def completion_body(
+    fmt: ResponseFormat,
     request_id: str,
+    body: CompletionRequest,
+    choices: Sequence[Choice],
+    finals: Sequence[RequestOutput],
+    offsets: Sequence[TextOffsets],
+) -> dict[str, Any]:
+    """The JSON body of a non-streamed /v1/completions answer (`offsets`: each
+    choice's, fed its outputs, when logprobs were asked)."""
+    answers = []
+    for choice, out in zip(choices, finals, strict=True):
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = fmt.completion_logprobs(
+                out.new_logprobs, offsets[choice.index].offsets
+            )
+            if body.echo:
+                logprobs = join_logprobs(
+                    fmt.echo_logprobs(choice.prompt_ids, out.prompt_logprobs),
+                    logprobs,
+                    len(choice.prompt_text),
+                )
+        answers.append(
+            {
+                "index": choice.index,
+                "text": choice.prompt_text + out.text,
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason,
+            }
+        )
+    return answer_body(fmt, request_id, "text_completion", body, answers, finals)
+
+
+def chat_body(
+    fmt: ResponseFormat,
+    request_id: str,
+    body: ChatCompletionRequest,
+    choices: Sequence[Choice],
+    finals: Sequence[RequestOutput],
+) -> dict[str, Any]:
+    """The JSON body of a non-streamed /v1/chat/completions answer."""
+    answers = [
+        {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": fmt.chat_logprobs(fmt.answer_logprobs(out, choice.params))
+            if body.logprobs
+            else None,
+            "finish_reason": out.finish_reason,
+        }
+        for choice, out in zip(choices, finals, strict=True)
+    ]
+    return answer_body(fmt, request_id, "chat.completion", body, answers, finals)
+
+
+def answer_body(
+    fmt: ResponseFormat,
+    request_id: str,
+    object_name: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    answers: list[dict[str, Any]],
+    finals: Sequence[RequestOutput],
+) -> dict[str, Any]:
+    """A non-streamed answer: its `answers` (one per choice), the usage, and what
+    it echoes of the request (`metadata`, the tier served)."""
+    prompt_tokens = sum(out.num_prompt_tokens for out in finals[:: body.n])
+    cached_tokens = sum(out.num_cached_tokens for out in finals[:: body.n])
+    completion_tokens = sum(o.num_output_tokens for o in finals)
+    return {
+        "id": request_id,
+        "object": object_name,
+        "created": int(time.time()),
+        "model": fmt.model_name,
+        "choices": answers,
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        **body.answer_fields,
+    }
+
+
+def prompt_tokens(choices: Sequence[Choice], n: int) -> int:
+    """Prompt tokens of a request: each prompt once, however many choices it has."""
+    return sum(len(c.prompt_ids) for c in choices[::n])
+
+
+async def stream_completion(
+    fmt: ResponseFormat,
+    request_id: str,
+    body: CompletionRequest,
     streams: Sequence[RequestStream],
     choices: Sequence[Choice],
-    prompt_tokens: int,
-    include_usage: bool,
-    with_logprobs: bool,
-    echo: bool,
-    continuous_usage: bool = False,
-    choices_per_prompt: int = 1,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/completions request; with `echo`, each choice's
     first chunk starts with its prompt (and the prompt's logprobs)."""
-    usage = StreamUsage(server, prompt_tokens, len(streams), choices_per_prompt)
-    chunk = chunk_writer(
-        server,
-        request_id,
-        "text_completion",
-        include_usage,
-        usage if continuous_usage else None,
-    )
-    offsets = [server.text_offsets() for _ in streams]
+    stream_usage = StreamUsage(prompt_tokens(choices, body.n), len(streams), body.n)
+    chunk = chunk_writer(fmt, request_id, "text_completion", body, stream_usage)
+    with_logprobs, echo = body.logprobs is not None, body.echo
+    offsets = [fmt.text_offsets() for _ in streams]
     echoed = [not echo] * len(streams)
 
     async for index, out in merge_streams(streams):
         choice = choices[index]
-        usage.update(index, out)
+        stream_usage.update(index, out)
         if not (out.new_text or out.finished or with_logprobs or not echoed[index]):
             continue
         text, logprobs = out.new_text, None
         if with_logprobs:
-            logprobs = server.completion_logprobs(
+            logprobs = fmt.completion_logprobs(
                 out.new_logprobs, offsets[index].feed(out)
             )
         if not echoed[index]:
@@ -244,7 +443,7 @@ async def stream_completion(
             text = choice.prompt_text + text
             if with_logprobs:
                 logprobs = join_logprobs(
-                    server.echo_logprobs(choice.prompt_ids, out.prompt_logprobs),
+                    fmt.echo_logprobs(choice.prompt_ids, out.prompt_logprobs),
                     logprobs,
                     len(choice.prompt_text),
                 )
@@ -262,30 +461,22 @@ async def stream_completion(
                 }
             ]
         )
-    if include_usage:
-        yield chunk([], usage.usage())
+    if body.include_usage:
+        yield chunk([], stream_usage.usage())
 
 
 async def stream_chat(
-    server: OpenAIServer,
+    fmt: ResponseFormat,
     request_id: str,
+    body: ChatCompletionRequest,
     streams: Sequence[RequestStream],
     choices: Sequence[Choice],
-    prompt_tokens: int,
-    include_usage: bool,
-    with_logprobs: bool,
-    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/chat/completions request: a role chunk per
     choice, then its content."""
-    usage = StreamUsage(server, prompt_tokens, len(streams), len(streams))
-    chunk = chunk_writer(
-        server,
-        request_id,
-        "chat.completion.chunk",
-        include_usage,
-        usage if continuous_usage else None,
-    )
+    stream_usage = StreamUsage(prompt_tokens(choices, body.n), len(streams), body.n)
+    chunk = chunk_writer(fmt, request_id, "chat.completion.chunk", body, stream_usage)
+    with_logprobs = body.logprobs
     for choice in choices:
         yield chunk(
             [
@@ -298,14 +489,14 @@ async def stream_chat(
             ]
         )
     async for index, out in merge_streams(streams):
-        usage.update(index, out)
+        stream_usage.update(index, out)
         if not (out.new_text or out.finished or with_logprobs):
             continue
         delta = {"content": out.new_text} if out.new_text else {}
         logprobs = None
         if with_logprobs:
-            logprobs = server.chat_logprobs(
-                server.answer_logprobs(out, choices[index].params)
+            logprobs = fmt.chat_logprobs(
+                fmt.answer_logprobs(out, choices[index].params)
             )
         yield chunk(
             [
@@ -317,8 +508,8 @@ async def stream_chat(
                 }
             ]
         )
-    if include_usage:
-        yield chunk([], usage.usage())
+    if body.include_usage:
+        yield chunk([], stream_usage.usage())
 
 
 async def sse_stream(

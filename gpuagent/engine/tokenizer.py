@@ -15,6 +15,8 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from gpuagent.engine.untrusted import ProbeError, probe_tokenizer, render_template
+
 SPECIAL_TOKENS = (
     "<|bos|>",
     "<|eos|>",
@@ -30,6 +32,11 @@ BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # 264
 
 class TokenizerLoadError(ValueError):
     """Tokenizer files missing or unreadable; the message says which and why."""
+
+
+class TokenizerError(ValueError):
+    """The tokenizer failed on a text (its Rust code panicked, e.g. a pre-tokenizer
+    regex past its backtracking limit); the message says so."""
 
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -73,8 +80,20 @@ class Tokenizer:
         return self.inner.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings in it map to their ids."""
-        return self.inner.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special-token strings in it map to their ids.
+        TokenizerError where the tokenizer fails on it."""
+        return self._encode(text, add_special_tokens=False)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a Rust panic is a BaseException
+            raise TokenizerError(
+                f"the model's tokenizer failed on this text ({type(exc).__name__}: "
+                f"{exc})"
+            ) from None
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt by the tokenizer's own rule (what transformers'
@@ -99,8 +118,8 @@ class Tokenizer:
             add_eos = bool(self.config.get("add_eos_token")) and eos is not None
             return ([bos] if add_bos else []), ([eos] if add_eos else [])
         # The post-processor's template, read off one encoding of a probe text.
-        plain = self.inner.encode("a", add_special_tokens=False).ids
-        full = self.inner.encode("a", add_special_tokens=True).ids
+        plain = self._encode("a", add_special_tokens=False)
+        full = self._encode("a", add_special_tokens=True)
         for start in range(len(full) - len(plain) + 1):
             if full[start : start + len(plain)] == plain:
                 return full[:start], full[start + len(plain) :]
@@ -115,16 +134,14 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        """Render chat `messages` ({"role", "content"}) to the prompt text."""
+        """Render chat `messages` ({"role", "content"}) to the prompt text, in
+        Jinja's sandbox, in this process: the server renders a template under time
+        and memory limits instead (`untrusted.ChatTemplateRenderer`)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        # Templates come from model folders, so render them sandboxed, as HF does.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=messages,
+        return render_template(
+            self.chat_template,
+            messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
@@ -235,7 +252,9 @@ def load_tokenizer(
     present) from a folder.
 
     With `files` (names relative to model_dir -> bytes, as verify-on-load returns
-    them) only those bytes are used, as in `loader.load_model`.
+    them) only those bytes are used, as in `loader.load_model`. The tokenizer first
+    encodes sample texts in a child process within a time limit
+    (`untrusted.probe_tokenizer`): one that panics or hangs there is refused.
     """
     if files is None:
         model_dir = Path(model_dir)
@@ -246,12 +265,19 @@ def load_tokenizer(
     if "tokenizer.json" not in files:
         raise TokenizerLoadError(f"no tokenizer.json in {model_dir}")
     try:
-        inner = HFTokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        text = files["tokenizer.json"].decode("utf-8")
+        inner = HFTokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
         raise TokenizerLoadError(f"tokenizer.json is not a valid tokenizer: {e}") from e
+    try:
+        probe_tokenizer(text)
+    except ProbeError as e:
+        raise TokenizerLoadError(f"tokenizer.json is refused: {e}") from None
     config_bytes = files.get("tokenizer_config.json")
     try:
-        config = json.loads(config_bytes) if config_bytes is not None else {}
+        # Decoded first, so a UTF-8 byte-order mark is refused as by transformers.
+        config_text = config_bytes.decode("utf-8") if config_bytes is not None else "{}"
+        config = json.loads(config_text)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise TokenizerLoadError(f"tokenizer_config.json is not JSON: {e}") from e
     if not isinstance(config, dict):

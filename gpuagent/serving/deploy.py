@@ -89,7 +89,8 @@ def deploy(
         f"{spec.manifest_digest.rpartition(':')[2][:12]}-{uuid.uuid4().hex[:8]}"
     )
     backend = spec.backend.kind
-    name = spec.served_model_name or str(model_dir)
+    names = served_model_names(spec, model_dir)
+    name = names[0]
     try:
         template, kv_value = _backend_template(spec)  # refused before any hashing
         if template and allowed_programs is not None:
@@ -117,7 +118,7 @@ def deploy(
         for attempt in range(1 if spec.port is not None else PORT_RACE_ATTEMPTS):
             port = process.pick_port(host, spec.port, (low, high))
             if backend == "engine":
-                argv = _engine_argv(model_dir, spec, trust, host, port, name)
+                argv = _engine_argv(model_dir, spec, trust, host, port, names)
                 check_name: str | None = name
             else:
                 argv = render_command(
@@ -129,11 +130,13 @@ def deploy(
                         "port": str(port),
                         "kv_cache_dtype": kv_value,
                         "served_model_name": name,
+                        "served_model_names": names,
                         "tensor_parallel_size": str(spec.backend.tensor_parallel_size),
                         "manifest_digest": spec.manifest_digest,
                     },
                 )
-                check_name = name if "{served_model_name}" in template else None
+                named = ("{served_model_name}", "{served_model_names}")
+                check_name = name if any(p in template for p in named) else None
             pid, started = process.spawn(argv, log_path, server_env(env))
             local_url = f"http://{_local_host(host)}:{port}"
             try:
@@ -227,6 +230,20 @@ def deploy(
         deployment_id=deployment_id,
         backend=backend,
     )
+
+
+def served_model_names(spec: DeploySpec, model_dir: Path) -> list[str]:
+    """The names a deployment answers to, the first the one its answers carry:
+    `spec.served_model_name`, else the release's model name (what the dashboard
+    shows), else the folder's path; then `model@version` when the release is
+    known, so that a client can pin the version it tested."""
+    name = spec.served_model_name or spec.release_model or str(model_dir)
+    names = [name]
+    if spec.release_model and spec.release_version:
+        pinned = f"{spec.release_model}@{spec.release_version}"
+        if pinned != name:
+            names.append(pinned)
+    return names
 
 
 def undeploy(deployment_id: str, *, registry: Registry, grace_s: float = 10.0) -> bool:
@@ -434,7 +451,12 @@ def _backend_template(spec: DeploySpec) -> tuple[str, str]:
 
 
 def _engine_argv(
-    model_dir: Path, spec: DeploySpec, trust: Trust, host: str, port: int, name: str
+    model_dir: Path,
+    spec: DeploySpec,
+    trust: Trust,
+    host: str,
+    port: int,
+    names: list[str],
 ) -> list[str]:
     """`python -m gpuagent.engine serve` with verify-on-load: the engine hashes the
     bytes it loads against the same digest (and signature) the agent checked."""
@@ -443,7 +465,7 @@ def _engine_argv(
     argv += ["--host", host, "--port", str(port)]
     argv += ["--kv-cache-dtype", spec.recipe.kv_cache_dtype]
     argv += ["--dtype", engine_dtype(spec.recipe.weights)]
-    argv += ["--served-model-name", name]
+    argv += ["--served-model-name", *names]
     argv += ["--manifest-digest", spec.manifest_digest]
     for flag, value in (
         ("--kv-memory-gb", backend.kv_memory_gb),

@@ -3,16 +3,18 @@
 A template is one command line with `{placeholder}` fields, split into an argv list
 with `shlex` (quotes group words) and never run through a shell: a value with spaces
 or `;` stays one argument. Placeholders are substituted per argument; `{{`/`}}` are
-literal braces. An unknown placeholder, a format spec or conversion (`{port:>5}`,
-`{model_dir!r}`), attribute or index access, or an empty template is refused with a
-`TemplateError` that names it.
+literal braces. A list placeholder (`{served_model_names}`: the release's model name,
+then `model@version`) stands alone as an argument and becomes one argument per name.
+An unknown placeholder, a list placeholder inside a word, a format spec or conversion
+(`{port:>5}`, `{model_dir!r}`), attribute or index access, or an empty template is
+refused with a `TemplateError` that names it.
 """
 
 from __future__ import annotations
 
 import shlex
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from gpuagent.serving.errors import TemplateError
 
@@ -22,10 +24,13 @@ PLACEHOLDERS = (
     "host",
     "port",
     "kv_cache_dtype",
-    "served_model_name",
+    "served_model_name",  # the name answers carry
+    "served_model_names",  # every name it answers to, the first that one
     "tensor_parallel_size",
     "manifest_digest",
 )
+# Placeholders whose value is several words: one argument each.
+LIST_PLACEHOLDERS = ("served_model_names",)
 
 # Named presets: the template and how our KV-cache dtype names map to the engine's
 # flag values (a dtype missing from the map is refused, never passed through).
@@ -34,7 +39,7 @@ PRESETS: dict[str, tuple[str, dict[str, str]]] = {
         "vllm serve {model_dir} --quantization compressed-tensors "
         "--kv-cache-dtype {kv_cache_dtype} --tensor-parallel-size "
         "{tensor_parallel_size} --host {host} --port {port} "
-        "--served-model-name {served_model_name}",
+        "--served-model-name {served_model_names}",
         # vLLM's "auto" is the checkpoint's dtype (bf16 for compressed-tensors
         # int4/int8 weight-only checkpoints); it has no int8/int4 KV cache.
         {"fp8": "fp8", "bf16": "auto"},
@@ -66,6 +71,13 @@ def parse_template(template: str) -> list[str]:
             + "; known: "
             + ", ".join("{" + n + "}" for n in PLACEHOLDERS)
         )
+    for token in tokens:
+        for name in _fields(token):
+            if name in LIST_PLACEHOLDERS and token != "{" + name + "}":
+                raise TemplateError(
+                    f"{{{name}}} must stand alone as an argument (it becomes one "
+                    f"argument per name), not inside {token!r}"
+                )
     program_fields = _fields(tokens[0])
     if program_fields and tokens[0] != "{python}":
         raise TemplateError(
@@ -74,18 +86,27 @@ def parse_template(template: str) -> list[str]:
     return tokens
 
 
-def render_command(template: str, values: Mapping[str, str]) -> list[str]:
+def render_command(
+    template: str, values: Mapping[str, str | Sequence[str]]
+) -> list[str]:
     """The argv list of `template` with `values` substituted (see the module
-    docstring). Every placeholder the template uses must have a value."""
+    docstring; a list placeholder's value is a list of words, or one word). Every
+    placeholder the template uses must have a value."""
     tokens = parse_template(template)
     used = {name for token in tokens for name in _fields(token)}
     absent = sorted(used - values.keys())
     if absent:
         raise TemplateError(f"no value for placeholder(s): {', '.join(absent)}")
-    argv = [
-        token.format_map({k: str(v) for k, v in values.items()}) for token in tokens
-    ]
-    if not argv[0]:
+    words = {k: v for k, v in values.items() if k not in LIST_PLACEHOLDERS}
+    argv: list[str] = []
+    for token in tokens:
+        name = token[1:-1]
+        if name in LIST_PLACEHOLDERS and token == "{" + name + "}":
+            value = values[name]
+            argv += [value] if isinstance(value, str) else [str(v) for v in value]
+        else:
+            argv.append(token.format_map({k: str(v) for k, v in words.items()}))
+    if not argv or not argv[0]:
         raise TemplateError("the command template's program is empty")
     return argv
 

@@ -14,17 +14,22 @@
 - `broker_at(url)` points Celery at a real broker for one test (with the timeouts
   settings.py gives that kind of URL): `working_broker` (the embedded SQLAlchemy
   transport in a file of the test's own), `unreachable_broker_url` (Redis on a port
-  nothing listens on).
+  nothing listens on); `result_store_at(url)` does the same for the result backend;
+- `redis_server`: a real Redis of the test's own, which the test may stop and start.
 
 Every user's password is PASSWORD.
 """
 
+import contextlib
 import itertools
 import socket
+import subprocess
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from celery.app.backends import by_url
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
 from django.utils import timezone
@@ -258,6 +263,21 @@ def broker_at():
 
 
 @pytest.fixture
+def result_store_at(monkeypatch):
+    """result_store_at(url): the app's result backend is `url` for one test. (A
+    CELERY_RESULT_BACKEND variable wins over conf.result_backend, and the backend
+    object is cached per thread: this thread's is replaced.)"""
+
+    def point(url: str) -> None:
+        backend_cls, url = by_url(url, celery_app.loader)
+        monkeypatch.setattr(celery_app, "_backend_cache", None)
+        backend = backend_cls(app=celery_app, url=url)
+        monkeypatch.setattr(celery_app._local, "backend", backend, raising=False)
+
+    return point
+
+
+@pytest.fixture
 def working_broker(broker_at, tmp_path) -> str:
     url = f"sqla+sqlite:///{tmp_path / 'broker.sqlite3'}"
     broker_at(url)
@@ -368,3 +388,52 @@ def local_agent(db, tmp_path, queued, monkeypatch) -> LocalAgent:
 
     monkeypatch.setattr(tasks, "report_progress", progress)
     return LocalAgent(tmp_path)
+
+
+class RedisServer:
+    """A redis-server of the test's own on a free port, stopped and started again
+    at will (on the same port, with nothing kept across)."""
+
+    def __init__(self, tmp_path: Path):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.tmp = tmp_path
+        self.process: subprocess.Popen | None = None
+
+    def url(self, db: int) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+            + ["--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock,
+            ):
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return
+            assert self.process.poll() is None, "redis-server exited"
+            assert time.monotonic() < deadline, "redis-server did not answer"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A running RedisServer; stopped after the test."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -21,7 +21,7 @@ from django.conf import settings
 
 from controlplane import celery_app
 from controlplane.accounts.models import ApiToken
-from controlplane.celery import worker_command
+from controlplane.celery import dies_with_this_process, worker_command
 from controlplane.fleet.models import Agent
 from controlplane.releases.actions.gate_policies import do_set_gate_policy
 from gpuagent.integrity.keys import ensure_key_pair
@@ -54,6 +54,7 @@ class Cluster:
         suffix = uuid.uuid4().hex[:8]
         self.queue = f"cp-{suffix}"
         self.pool = f"pool-{suffix}"
+        self.dead_after_s = AGENT_TIMEOUT_S
 
     def env(self) -> dict:
         return {
@@ -67,21 +68,28 @@ class Cluster:
             ),
             "RELEASEGATE_AGENT_POOL_QUEUE": self.pool,
             "CELERY_TASK_DEFAULT_QUEUE": self.queue,  # beat's tasks too
-            "AGENT_DEAD_AFTER_S": str(AGENT_TIMEOUT_S),
+            "AGENT_DEAD_AFTER_S": str(self.dead_after_s),
             "RELEASEGATE_AGENT_CHECK_S": str(AGENT_CHECK_S),
             "GPUAGENT_HEARTBEAT_S": "1",
             "OMP_NUM_THREADS": "1",
         }
 
     def start(self, name: str, command: list[str], ready: bytes) -> None:
+        """Start `name` (again: its log goes on) and wait for `ready` in its log."""
         log_path = self.tmp / f"{name}.log"
-        with open(log_path, "wb") as log:
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        with open(log_path, "ab") as log:
             self.processes[name] = subprocess.Popen(
-                command, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+                command,
+                cwd=ROOT,
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=dies_with_this_process(),
             )
         self.logs[name] = log_path
         deadline = time.monotonic() + 90
-        while ready not in log_path.read_bytes():
+        while ready not in log_path.read_bytes()[offset:]:
             assert self.processes[name].poll() is None, self.log_tail()
             assert time.monotonic() < deadline, self.log_tail()
             time.sleep(0.2)
@@ -149,12 +157,12 @@ class Cluster:
         )
 
 
-def complete(endpoint: str, max_tokens: int = 4) -> dict:
-    """A chat completion from the server at `endpoint` (asserted 200)."""
+def complete(endpoint: str, model: str, max_tokens: int = 4) -> dict:
+    """A chat completion of `model` from the server at `endpoint` (asserted 200)."""
     completion = httpx.post(
         f"{endpoint}/v1/chat/completions",
         json={
-            "model": "candidate",
+            "model": model,
             "messages": [{"role": "user", "content": "Hello"}],
             "max_tokens": max_tokens,
         },
@@ -276,7 +284,12 @@ def test_it_takes_a_release_from_registration_to_live_on_agents(
 
         approve_to_live(release, detail, cluster, client, approver)
         deployment = release.deployments.get()
-        assert complete(deployment.endpoint)["usage"]["completion_tokens"] >= 1
+        # served under the release's own model name (the dashboard's), and pinned
+        model = release.model.name
+        answer = complete(deployment.endpoint, model)
+        assert answer["model"] == model and answer["usage"]["completion_tokens"] >= 1
+        pinned = complete(deployment.endpoint, f"{model}@{release.version}")
+        assert pinned["model"] == model
         timings = api(client, ci, "get", f"/releases/{release.pk}").json()["timings"]
         assert timings["time_to_deploy_s"] > 0
         assert 0 < timings["integrity_pct"] < 100
@@ -302,19 +315,7 @@ def test_it_retries_the_job_of_an_agent_killed_mid_job(cluster, demo_release, ow
     from controlplane.releases.actions.promotion import do_request_promotion
 
     do_request_promotion(release, owner)
-    deadline = time.monotonic() + 300
-    while True:  # an evaluate or load-test job running on some agent
-        job = release.jobs.filter(
-            kind__in=("evaluate", "load_test"), state="running", agent__isnull=False
-        ).first()
-        if job is not None:
-            break
-        release.refresh_from_db()
-        assert release.state not in ("failed", "failed_verification"), (
-            release.failure_reason
-        )
-        assert time.monotonic() < deadline, cluster.log_tail()
-        time.sleep(0.1)
+    job = running_test_job(release, cluster)
     victim = job.agent.name
     killed_at = time.monotonic()
     cluster.kill(victim)
@@ -338,6 +339,72 @@ def test_it_retries_the_job_of_an_agent_killed_mid_job(cluster, demo_release, ow
     assert job.agent.name != victim
     assert release.state == "awaiting_approval", release.failure_reason
     print(f"agent death noticed and job re-sent {noticed_s:.1f} s after kill -9")
+
+
+def running_test_job(release, cluster):
+    """An evaluate or load-test job of `release` running on some agent (waited
+    for)."""
+    deadline = time.monotonic() + 300
+    while True:
+        job = release.jobs.filter(
+            kind__in=("evaluate", "load_test"), state="running", agent__isnull=False
+        ).first()
+        if job is not None:
+            return job
+        release.refresh_from_db()
+        assert release.state not in ("failed", "failed_verification"), (
+            release.failure_reason
+        )
+        assert time.monotonic() < deadline, cluster.log_tail()
+        time.sleep(0.1)
+
+
+# An agent killed and started again under its name gets its job again this soon;
+# its silence alone would tell only after AGENT_DEAD_AFTER_S (here far longer).
+RESTART_RESENT_S = 30
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.django_db(transaction=True)
+def test_it_resends_the_job_of_an_agent_killed_and_restarted_under_its_name(
+    cluster, demo_release, owner, settings
+):
+    release = demo_release
+    do_set_gate_policy(
+        release.target_environment, {**POLICY, "load": None}, actor=owner
+    )
+    cluster.dead_after_s = settings.AGENT_DEAD_AFTER_S = 10 * RESTART_RESENT_S
+    cluster.start_controlplane()
+    cluster.start_agent("solo", signer=True)
+    cluster.wait_for_agents("solo")
+    first = Agent.objects.get(name="solo")
+    from controlplane.releases.actions.promotion import do_request_promotion
+
+    do_request_promotion(release, owner)
+    job = running_test_job(release, cluster)
+    attempt = job.attempts
+    killed_at = time.monotonic()
+    cluster.kill("solo")
+    cluster.start_agent("solo", signer=True)
+
+    while True:
+        job.refresh_from_db()
+        if job.attempts > attempt:
+            break
+        assert time.monotonic() - killed_at < RESTART_RESENT_S, cluster.log_tail()
+        time.sleep(0.2)
+    resent_s = time.monotonic() - killed_at
+    restarted = Agent.objects.get(name="solo")
+    assert restarted.state == "online"  # never seen silent: the restart told
+    assert restarted.incarnation not in ("", first.incarnation)
+    assert restarted.started > first.started
+    assert "agent solo restarted" in job.error
+    wait_for_state(release, ("awaiting_approval", "failed", "gated"), cluster, 300)
+    job.refresh_from_db()
+    assert (job.state, job.agent.name) == ("succeeded", "solo"), job.error
+    assert release.state == "awaiting_approval", release.failure_reason
+    print(f"restart noticed and job re-sent {resent_s:.1f} s after kill -9")
 
 
 def to_live(release, cluster, client, ci: str, approver: str) -> None:
@@ -441,7 +508,8 @@ def test_a_tampered_live_copy_is_quarantined_and_rolled_back(
         assert second.state == "quarantined"
         endpoint = first.deployments.get(state="live").endpoint
         assert httpx.get(f"{endpoint}/health", timeout=10).status_code == 200
-        assert complete(endpoint)["usage"]["completion_tokens"] >= 1
+        answer = complete(endpoint, f"{first.model.name}@{first.version}")
+        assert answer["usage"]["completion_tokens"] >= 1
         assert rolled_back_s < TAMPER_TO_ROLLED_BACK_S, rolled_back_s
         # The tampered server, superseded beyond the rollback target, is stopped.
         deadline = time.monotonic() + 60

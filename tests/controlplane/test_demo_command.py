@@ -2,6 +2,7 @@
 (SQLite file + SQLAlchemy transport) in a fresh data folder, with a real worker."""
 
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -9,22 +10,30 @@ from pathlib import Path
 
 import pytest
 
+from gpuagent.serving.process import start_time
+from tests.controlplane.test_celery import children_of, wait_until_gone
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "gpuagent" / "engine" / "demo_model"
 PASSWORD = "demo-password-for-tests"
 
 
-def run_demo(data_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+def demo_env(data_dir: Path) -> dict[str, str]:
+    """The embedded defaults in `data_dir`, whatever the test settings point at."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("DATABASE_URL", "CELERY_"))
     }
     env.update(RELEASEGATE_DATA_DIR=str(data_dir), DEMO_PASSWORD=PASSWORD)
+    return env
+
+
+def run_demo(data_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "manage.py", "demo", "--no-serve", "--timeout", "400", *extra],
         cwd=ROOT,
-        env=env,
+        env=demo_env(data_dir),
         capture_output=True,
         text=True,
         timeout=420,
@@ -99,3 +108,38 @@ def test_it_fails_loudly_when_verification_fails(tmp_path, model_folder):
     assert result.returncode != 0
     assert "failed_verification" in result.stderr
     assert "pytorch_model.bin" in result.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(200)
+def test_its_worker_dies_with_it_even_when_it_is_killed(tmp_path):
+    demo = subprocess.Popen(
+        [sys.executable, "manage.py", "demo", "--no-serve"],
+        cwd=ROOT,
+        env={**demo_env(tmp_path / "var"), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    started: dict[int, int | None] = {}  # the worker and its children
+    try:
+        for line in demo.stdout:
+            if line.startswith("celery worker pid "):
+                worker = int(line.split()[3])
+                break
+        else:
+            pytest.fail(f"the demo started no worker (exit {demo.wait()})")
+        started = {pid: start_time(pid) for pid in {worker, *children_of(worker)}}
+
+        demo.kill()  # SIGKILL: nothing of the demo's own cleanup runs
+        demo.wait()
+
+        # Its warm shutdown: stops its embedded beat, finishes a job it has begun.
+        for pid, pid_started in started.items():
+            assert wait_until_gone(pid, pid_started, 60), pid
+    finally:
+        demo.kill()
+        demo.wait()
+        for pid, pid_started in started.items():
+            if start_time(pid) == pid_started:  # left behind: stop it here
+                os.kill(pid, signal.SIGKILL)

@@ -4,6 +4,7 @@ DATABASE_URL/CELERY_BROKER_URL say so (as .ci/run sets), else the embedded defau
 (SQLite file + SQLAlchemy transport). A queue of its own keeps other workers on the
 same broker from taking this test's tasks."""
 
+import contextlib
 import os
 import subprocess
 import time
@@ -15,7 +16,7 @@ import pytest
 from django.conf import settings
 
 from controlplane import celery_app
-from controlplane.celery import worker_command
+from controlplane.celery import dies_with_this_process, worker_command
 from controlplane.fleet.models import Agent
 from controlplane.releases.actions.promotion import do_request_promotion
 from controlplane.releases.models import Job
@@ -39,13 +40,12 @@ def database_url() -> str:
     return f"postgres://{auth}@{host}:{db['PORT'] or 5432}/{db['NAME']}"
 
 
-@pytest.fixture
-def worker(tmp_path):
-    queue = f"it-{uuid.uuid4().hex[:10]}"
-    default_queue = celery_app.conf.task_default_queue
-    # Read at send time by celery's router: this test's tasks go to its own queue.
-    celery_app.conf.task_default_queue = queue
-    log_path = tmp_path / "worker.log"
+@contextlib.contextmanager
+def celery_worker(log_path: Path, queue: str, *args: str, **env: str):
+    """A real control-plane worker consuming `queue` (more worker `args` may
+    follow), against the test database and the app's broker and result store
+    (`env` overrides), from when it is ready until the block ends: (process, log
+    path). It dies with the test process, however that ends."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "controlplane.settings",
@@ -55,11 +55,17 @@ def worker(tmp_path):
         "RELEASEGATE_SOURCE_ROOTS": ",".join(
             str(root) for root in settings.RELEASEGATE_SOURCE_ROOTS
         ),
+        **env,
     }
-    command = worker_command("--without-heartbeat", f"--queues={queue}")
+    command = worker_command("--without-heartbeat", f"--queues={queue}", *args)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=dies_with_this_process(),
         )
     try:
         deadline = time.monotonic() + WAIT_S
@@ -69,13 +75,25 @@ def worker(tmp_path):
             time.sleep(0.2)
         yield process, log_path
     finally:
-        celery_app.conf.task_default_queue = default_queue
         process.terminate()
         try:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def worker(tmp_path):
+    queue = f"it-{uuid.uuid4().hex[:10]}"
+    default_queue = celery_app.conf.task_default_queue
+    # Read at send time by celery's router: this test's tasks go to its own queue.
+    celery_app.conf.task_default_queue = queue
+    try:
+        with celery_worker(tmp_path / "worker.log", queue) as started:
+            yield started
+    finally:
+        celery_app.conf.task_default_queue = default_queue
 
 
 def wait_for(predicate, worker, what: str) -> None:

@@ -199,8 +199,12 @@ def test_it_deploys_reverifies_and_undeploys_through_the_serving_registry(setup)
     source, signer, checker = setup
     made, fields, deployed = deploy_signed(source, signer, checker)
     serving_id = deployed.payload["deployment_id"]
+    endpoint = deployed.payload["endpoint"]
     try:
-        assert httpx.get(deployed.payload["endpoint"] + "/health").status_code == 200
+        assert httpx.get(endpoint + "/health").status_code == 200
+        models = httpx.get(endpoint + "/v1/models").json()["data"]
+        # the release's own model name, then model@version
+        assert [m["id"] for m in models] == ["demo", "demo@1.0"]
         assert [d.deployment_id for d in loaded_deployments(checker.registry)] == [
             serving_id
         ]

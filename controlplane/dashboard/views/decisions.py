@@ -44,13 +44,9 @@ def approve_release(request, release_id: int):
             return do_approve_release(
                 release, request.user, comment=comment, manifest_digest=manifest_digest
             )
-        if manifest_digest != release.manifest_digest:
-            raise ValidationFailed(
-                "the manifest changed since the page was loaded: approval is for "
-                f"manifest {manifest_digest!r} but {release} has "
-                f"{release.manifest_digest!r}; review it again",
-                field="manifest_digest",
-            )
+        check_decide_release(
+            release, request.user, decision="approve", manifest_digest=manifest_digest
+        )
         return _confirm(
             request,
             release,
@@ -75,6 +71,8 @@ def approve_release(request, release_id: int):
 def reject_release(request, release_id: int):
     release = access.release_or_404(request.user, release_id)
     comment = request.POST.get("comment", "").strip()
+    # The manifest the page showed: a rejection is of what was reviewed, too.
+    manifest_digest = request.POST.get("manifest_digest")
 
     def attempt():
         # Who may decide first (403: role, separation of duties), then the reason.
@@ -82,8 +80,15 @@ def reject_release(request, release_id: int):
         if not comment:
             raise ValidationFailed("a rejection needs a reason", field="comment")
         if confirmed(request):
-            return do_reject_release(release, request.user, comment=comment)
-        return _confirm(request, release, "reject", comment=comment)
+            return do_reject_release(
+                release, request.user, comment=comment, manifest_digest=manifest_digest
+            )
+        check_decide_release(
+            release, request.user, decision="reject", manifest_digest=manifest_digest
+        )
+        return _confirm(
+            request, release, "reject", comment=comment, manifest_digest=manifest_digest
+        )
 
     return answer(
         request,

@@ -8,13 +8,13 @@ from django.shortcuts import render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.accounts.actions import check_actor_in_team
 from controlplane.dashboard import access
 from controlplane.dashboard.health import agent_health
 from controlplane.dashboard.views.outcome import answer, confirmed
-from controlplane.errors import Conflict
+from controlplane.errors import ValidationFailed
 from controlplane.releases import evidence
 from controlplane.releases.actions.rollbacks import (
+    check_rollback_environment,
     do_rollback_environment,
     previous_verified_deployment,
 )
@@ -71,22 +71,23 @@ def rollback_environment(request, environment_id: int):
     environment = access.environment_or_404(request.user, environment_id)
 
     def attempt():
-        check_actor_in_team(request.user, environment.team, roles=access.DECIDER_ROLES)
-        refusal = access.rollback_refusal(environment, request.user)
-        if refusal:
-            raise Conflict(refusal)
-        row = environment_row(environment, request.user, timezone.now())
         if not confirmed(request):
+            check_rollback_environment(environment, request.user)
+            row = environment_row(environment, request.user, timezone.now())
             return render(request, "dashboard/confirm_rollback.html", row)
         # Like an approval's digest: the confirmed post names the target the page
-        # showed, and a different one now (another rollback, a quarantine) is not
-        # rolled back to unseen.
-        if request.POST.get("target_release_id", "") != str(row["target"].release_id):
-            raise Conflict(
-                f"the rollback target of {environment} changed since the page was "
-                f"loaded (now {row['target'].release}); review it again"
+        # showed, and the action refuses another one (another rollback, a
+        # quarantine in between) under its lock, so none is rolled back to unseen.
+        target = _posted_target(request)
+        if target is None:
+            check_rollback_environment(environment, request.user)  # who may: first
+            raise ValidationFailed(
+                "a rollback names the target release the page showed",
+                field="target_release_id",
             )
-        return do_rollback_environment(environment, request.user)
+        return do_rollback_environment(
+            environment, request.user, expected_target_release_id=target
+        )
 
     return answer(
         request,
@@ -96,3 +97,8 @@ def rollback_environment(request, environment_id: int):
         ),
         then="dashboard:environment-list",
     )
+
+
+def _posted_target(request) -> int | None:
+    posted = request.POST.get("target_release_id", "")
+    return int(posted) if posted.isascii() and posted.isdigit() else None

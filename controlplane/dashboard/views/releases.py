@@ -8,10 +8,11 @@ from controlplane.audit.models import AuditEvent
 from controlplane.dashboard import access, charts, timeline
 from controlplane.dashboard.forms import filter_releases
 from controlplane.dashboard.release_page import release_evidence
-from controlplane.releases import timings
-from controlplane.releases.models import Job, Release
+from controlplane.releases import evidence, timings
+from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Job, Release
 
 RELEASES_PER_PAGE = 25
+REVERIFICATIONS_PER_PAGE = 25
 RUNNING_PIPELINES_SHOWN = 50
 # A pipeline is running while the release is in one of these states, except a gated
 # release whose gate stage has finished: it waits for a person or for new evidence
@@ -68,10 +69,13 @@ def running_pipelines(request):
 
 def _status_context(release: Release) -> dict:
     now = timezone.now()
-    jobs = list(release.jobs.select_related("agent"))
+    pipeline_jobs = release.jobs.exclude(kind__in=AFTER_DEPLOY_JOB_KINDS)
+    jobs = list(pipeline_jobs.select_related("agent"))
+    gate_results = list(release.gate_results.all())
+    reverified = evidence.reverifications(release)
     return {
         "release": release,
-        "stages": timeline.stages(jobs, now, list(release.gate_results.all())),
+        "stages": timeline.stages(jobs, now, gate_results, reverified),
         "overhead": timings.overhead(jobs, now),
     }
 
@@ -114,3 +118,12 @@ def release_detail(request, release_id: int):
 def release_status(request, release_id: int):
     release = access.release_or_404(request.user, release_id)
     return render(request, "dashboard/_release_status.html", _status_context(release))
+
+
+@login_required
+def release_reverifications(request, release_id: int):
+    release = access.release_or_404(request.user, release_id)
+    jobs = release.jobs.filter(kind__in=AFTER_DEPLOY_JOB_KINDS).select_related("agent")
+    page = Paginator(jobs.order_by("-created", "-id"), REVERIFICATIONS_PER_PAGE)
+    ctx = {"release": release, "page": page.get_page(request.GET.get("page"))}
+    return render(request, "dashboard/reverifications.html", ctx)

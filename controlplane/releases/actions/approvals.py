@@ -3,7 +3,7 @@
 from django.db import transaction
 
 from controlplane.accounts.actions import check_actor_in_team
-from controlplane.accounts.models import ApiToken
+from controlplane.accounts.models import APPROVER_ROLES, ApiToken
 from controlplane.audit.actions import do_record_event
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import (
@@ -24,25 +24,36 @@ from controlplane.releases.models import (
     Release,
 )
 
+# The state each decision moves a release to.
+DECIDED = {"approve": "approved", "reject": "rejected"}
+
 
 def _check_approver(release: Release, user, token: ApiToken | None) -> None:
-    """Raise unless `user` (through `token` when given) holds the approver or admin
-    role in the release's team and, for a token, the approve scope."""
+    """Raise unless `user` (through `token` when given) holds an approver role in
+    the release's team and, for a token, the approve scope."""
     if token is not None and token.user_id != user.pk:
         raise Forbidden("token and user do not match")
     check_actor_in_team(
-        token or user, release.team, scope="approve", roles=("approver", "admin")
+        token or user, release.team, scope="approve", roles=APPROVER_ROLES
     )
 
 
 def check_decide_release(
-    release: Release, user, token: ApiToken | None = None, *, decision: str
+    release: Release,
+    user,
+    token: ApiToken | None = None,
+    *,
+    decision: str,
+    manifest_digest: str | None = None,
 ) -> None:
     """Raise unless `user` (acting through `token` when given) may approve or
-    reject `release`: approver or admin in its team, not the user or token that
-    registered it (separation of duties holds both ways: a registrant can neither
-    wave its release through nor take a colleague's review away), and the release
-    in a state that decision leaves."""
+    reject `release` as it is now: approver or admin in its team, not the user or
+    token that registered it (separation of duties holds both ways: a registrant
+    can neither wave its release through nor take a colleague's review away), the
+    release in a state that decision leaves, and, when the caller says which
+    manifest it reviewed (`manifest_digest`), that manifest still the release's
+    (else DigestMismatch). do_approve_release and do_reject_release run it again
+    on the row they lock."""
     assert decision in DECISIONS
     _check_approver(release, user, token)
     if release.created_by_id == user.pk:
@@ -53,13 +64,21 @@ def check_decide_release(
         raise SeparationOfDuties(
             f"token {token.name!r} registered {release} and cannot also {decision} it"
         )
-    to_state = "approved" if decision == "approve" else "rejected"
+    to_state = DECIDED[decision]
     if decision == "approve":
         allowed = release.state == "awaiting_approval"
     else:
         allowed = to_state in legal_targets(release.state)
     if not allowed:
         raise IllegalTransition(release.state, to_state, legal_targets(release.state))
+    if manifest_digest is not None and manifest_digest != release.manifest_digest:
+        noun = "approval" if decision == "approve" else "rejection"
+        raise DigestMismatch(
+            f"{noun} is for manifest {manifest_digest!r} but {release} has "
+            f"{release.manifest_digest!r}: the manifest changed since it was "
+            "reviewed; review it again",
+            field="manifest_digest",
+        )
 
 
 def check_approve_release(
@@ -79,65 +98,74 @@ def do_approve_release(
     """Approve; the approval records the manifest digest it is bound to. When the
     caller says which digest it reviewed (`manifest_digest`), it must be the current
     one, else DigestMismatch. Queues the deployment on commit."""
-    release.refresh_from_db()
-    check_approve_release(release, user, token)
-    actor = token or user
-    with transaction.atomic():
-        # Hold the row from the digest check to the approval row: a manifest recorded
-        # in between would otherwise go live under an approval of the old digest.
-        release.refresh_from_db(from_queryset=Release.objects.select_for_update())
-        if manifest_digest is not None and manifest_digest != release.manifest_digest:
-            raise DigestMismatch(
-                f"approval is for manifest {manifest_digest!r} but {release} has "
-                f"{release.manifest_digest!r}",
-                field="manifest_digest",
-            )
-        do_transition_release(release, "approved", actor=actor)
-        approval = Approval.objects.create(
-            release=release,
-            user=user,
-            token=token,
-            decision="approve",
-            comment=comment,
-            manifest_digest=release.manifest_digest,
-        )
-        do_record_event(
-            actor,
-            "release.approved",
-            release,
-            after=approval.to_dict(),
-            team=release.team,
-        )
-        do_enqueue_task(RUN_DEPLOYMENT, release.pk)
-    return approval
+    return _decide(
+        release,
+        user,
+        token,
+        decision="approve",
+        comment=comment,
+        manifest_digest=manifest_digest,
+    )
 
 
 def do_reject_release(
-    release: Release, user, *, token: ApiToken | None = None, comment: str = ""
+    release: Release,
+    user,
+    *,
+    token: ApiToken | None = None,
+    comment: str = "",
+    manifest_digest: str | None = None,
 ) -> Approval:
     """Reject with a reason (the comment, required), under the same rules as an
-    approval: see check_decide_release."""
-    release.refresh_from_db()
-    check_decide_release(release, user, token, decision="reject")
+    approval (check_decide_release), including the digest the caller reviewed."""
     comment = comment.strip()
     if not comment:
+        check_decide_release(release, user, token, decision="reject")  # 403 first
         raise ValidationFailed("a rejection needs a reason", field="comment")
+    return _decide(
+        release,
+        user,
+        token,
+        decision="reject",
+        comment=comment,
+        manifest_digest=manifest_digest,
+    )
+
+
+def _decide(
+    release: Release,
+    user,
+    token: ApiToken | None,
+    *,
+    decision: str,
+    comment: str,
+    manifest_digest: str | None,
+) -> Approval:
     actor = token or user
     with transaction.atomic():
-        do_transition_release(release, "rejected", actor=actor, reason=comment)
+        # Hold the row from the checks to the decision's row: a manifest recorded
+        # in between would otherwise be decided on under the old digest's review.
+        release.refresh_from_db(from_queryset=Release.objects.select_for_update())
+        check_decide_release(
+            release, user, token, decision=decision, manifest_digest=manifest_digest
+        )
+        reason = comment if decision == "reject" else ""
+        do_transition_release(release, DECIDED[decision], actor=actor, reason=reason)
         approval = Approval.objects.create(
             release=release,
             user=user,
             token=token,
-            decision="reject",
+            decision=decision,
             comment=comment,
             manifest_digest=release.manifest_digest,
         )
         do_record_event(
             actor,
-            "release.rejected",
+            f"release.{DECIDED[decision]}",
             release,
             after=approval.to_dict(),
             team=release.team,
         )
+        if decision == "approve":
+            do_enqueue_task(RUN_DEPLOYMENT, release.pk)
     return approval

@@ -1,11 +1,19 @@
-"""An environment's gate policy."""
+"""An environment's gate policy: replaced whole (PUT) or changed key by key (PATCH).
+
+Either way a key the caller leaves out never turns a check off: on a replacement it
+takes its default, on a change it keeps its current value. Only an explicit null
+turns a threshold (or `quality`, `load`, `capacity`) off. Every write is audited
+with both whole policies and the dotted keys that changed.
+"""
+
+from typing import Any
 
 from django.db import transaction
 from pydantic import ValidationError
 
 from controlplane.accounts.actions import check_actor_in_team
 from controlplane.audit.actions import Actor, do_record_event
-from controlplane.errors import validation_failed
+from controlplane.errors import ValidationFailed, validation_failed
 from controlplane.fleet.models import Environment
 from controlplane.releases.gates import GatePolicy
 from controlplane.releases.models import EnvironmentGatePolicy
@@ -17,27 +25,87 @@ def gate_policy_for(environment: Environment) -> GatePolicy:
     return row.spec if row is not None else GatePolicy()
 
 
+def check_gate_policy(policy: Any, *, prefix: str = "policy") -> GatePolicy:
+    """`policy` (GatePolicy's JSON) validated; ValidationFailed names the first bad
+    field under `prefix`, e.g. policy.quality.thresholds.max_kld."""
+    if not isinstance(policy, dict):
+        raise ValidationFailed(f"{prefix}: must be a JSON object", field=prefix)
+    try:
+        return GatePolicy.model_validate(policy)
+    except ValidationError as exc:
+        raise validation_failed(exc, prefix) from exc
+
+
+def merged(current: Any, change: Any) -> Any:
+    """`change` applied to `current` as a JSON merge patch (RFC 7396), except that
+    null is a value, not a removal: an object merges key by key, anything else
+    (a number, a list, null) replaces."""
+    if not isinstance(change, dict):
+        return change
+    base = dict(current) if isinstance(current, dict) else {}
+    for key, value in change.items():
+        base[key] = merged(base.get(key), value)
+    return base
+
+
+def changed_keys(before: Any, after: Any, path: str = "") -> list[str]:
+    """The dotted keys whose values differ between two policies' JSON."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        keys = sorted(set(before) | set(after))
+        return [
+            changed
+            for key in keys
+            for changed in changed_keys(
+                before.get(key), after.get(key), f"{path}.{key}" if path else key
+            )
+        ]
+    return [] if before == after else [path]
+
+
 def do_set_gate_policy(
     environment: Environment, policy: dict, *, actor: Actor
 ) -> EnvironmentGatePolicy:
     """Replace the environment's gate policy (admin role; a token needs the admin
-    scope). ValidationFailed names the first bad field, e.g. policy.quality.x."""
+    scope): a key `policy` leaves out takes its default."""
     check_actor_in_team(actor, environment.team, scope="admin", roles=("admin",))
-    try:
-        spec = GatePolicy.model_validate(policy)
-    except ValidationError as exc:
-        raise validation_failed(exc, "policy") from exc
+    spec = check_gate_policy(policy)
+    return _save(environment, lambda _: spec, actor=actor)
+
+
+def do_update_gate_policy(
+    environment: Environment, change: dict, *, actor: Actor, prefix: str = "policy"
+) -> EnvironmentGatePolicy:
+    """Change the named keys of the environment's gate policy (see `merged`); the
+    others keep their current values. Read and written under the environment's row
+    lock, so two changes at once both count."""
+    check_actor_in_team(actor, environment.team, scope="admin", roles=("admin",))
+    if not isinstance(change, dict):
+        raise ValidationFailed(f"{prefix}: must be a JSON object", field=prefix)
+    return _save(
+        environment,
+        lambda current: check_gate_policy(
+            merged(current.model_dump(mode="json"), change), prefix=prefix
+        ),
+        actor=actor,
+    )
+
+
+def _save(environment: Environment, new_policy, *, actor: Actor):
     with transaction.atomic():
-        before = gate_policy_for(environment).model_dump(mode="json")
+        Environment.objects.select_for_update().get(pk=environment.pk)
+        current = gate_policy_for(environment)
+        spec = new_policy(current)
+        before = current.model_dump(mode="json")
+        after = spec.model_dump(mode="json")
         row, _ = EnvironmentGatePolicy.objects.update_or_create(
-            environment=environment, defaults={"policy": spec.model_dump(mode="json")}
+            environment=environment, defaults={"policy": after}
         )
         do_record_event(
             actor,
             "environment.gate_policy_set",
             environment,
             before={"policy": before},
-            after={"policy": row.policy},
+            after={"policy": after, "changed": changed_keys(before, after)},
             team=environment.team,
         )
     return row

@@ -4,7 +4,6 @@ from django.db import transaction
 
 from controlplane.audit.actions import Actor, do_record_event
 from controlplane.errors import Conflict
-from controlplane.releases.actions.promotion import _last_reopened
 from controlplane.releases.models import (
     Artifact,
     Release,
@@ -26,9 +25,8 @@ def do_record_manifest(
     with transaction.atomic():
         locked = Release.objects.select_for_update().get(pk=release.pk)
         approvals = locked.approvals.filter(decision="approve")
-        reopened = _last_reopened(locked)
-        if reopened is not None:
-            approvals = approvals.filter(created__gt=reopened)
+        if locked.reopened_at is not None:
+            approvals = approvals.filter(created__gt=locked.reopened_at)
         if approvals.exists() and locked.manifest_digest != manifest_digest:
             raise Conflict(f"{locked} is approved for {locked.manifest_digest}")
         before = {"manifest_digest": locked.manifest_digest}

@@ -1,12 +1,9 @@
 """Asking for promotion, and reopening a rejected or failed release."""
 
-from datetime import datetime
-
 from django.db import transaction
 
 from controlplane.accounts.actions import check_actor_in_team
 from controlplane.audit.actions import Actor, do_record_event
-from controlplane.audit.models import AuditEvent
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import (
     Conflict,
@@ -116,18 +113,3 @@ def _check_reopenable(release: Release) -> None:
             f"release {release} is {release.state}; only a rejected or failed "
             "release can be reopened" + NEXT_STEP.get(release.state, "")
         )
-
-
-def _last_reopened(release: Release) -> datetime | None:
-    """When `release` last moved back to registered (None: never)."""
-    return (
-        AuditEvent.objects.filter(
-            verb="release.transition",
-            object_type="release",
-            object_id=str(release.pk),
-            after__state="registered",
-        )
-        .order_by("-created", "-id")
-        .values_list("created", flat=True)
-        .first()
-    )

@@ -5,6 +5,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.accounts.actions import check_actor_in_team
+from controlplane.accounts.models import APPROVER_ROLES
 from controlplane.audit.actions import Actor, do_record_event
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import Conflict
@@ -32,18 +33,41 @@ def previous_verified_deployment(
     )
 
 
+def check_rollback_environment(
+    environment: Environment,
+    actor: Actor,
+    *,
+    expected_target_release_id: int | None = None,
+) -> Deployment:
+    """Raise as do_rollback_environment would now: not allowed (Forbidden: the
+    promote scope and an approver role), nothing live, no previous verified
+    release, or another target than `expected_target_release_id`, the one the
+    caller showed (Conflict). Returns the target deployment."""
+    check_actor_in_team(actor, environment.team, scope="promote", roles=APPROVER_ROLES)
+    return _rollback_plan(environment, expected_target_release_id)[1]
+
+
 def do_rollback_environment(
-    environment: Environment, actor: Actor, *, reason: str = ""
+    environment: Environment,
+    actor: Actor,
+    *,
+    reason: str = "",
+    expected_target_release_id: int | None = None,
 ) -> Deployment:
     """Replace what is live (or failed verification) in `environment` with its
     previous verified release. The current release becomes rolled_back, or
     quarantined when it failed verification. Returns the new deploying Deployment;
     the deployment task finishes it on commit (and, should its copy no longer
-    verify, do_continue_rollback tries the next older candidate)."""
-    check_actor_in_team(
-        actor, environment.team, scope="promote", roles=("approver", "admin")
+    verify, do_continue_rollback tries the next older candidate). With
+    `expected_target_release_id` (what the caller was shown), a target that changed
+    in the meantime is refused (Conflict), checked under the deployment's lock."""
+    check_actor_in_team(actor, environment.team, scope="promote", roles=APPROVER_ROLES)
+    return _roll_back(
+        environment,
+        actor,
+        reason=reason,
+        expected_target_release_id=expected_target_release_id,
     )
-    return _roll_back(environment, actor, reason=reason)
 
 
 def do_auto_rollback_environment(
@@ -66,22 +90,45 @@ def do_auto_rollback_environment(
         return None
 
 
-def _roll_back(environment: Environment, actor: Actor, *, reason: str) -> Deployment:
-    with transaction.atomic():
-        current = (
-            Deployment.objects.select_for_update()
-            .serving()
-            .filter(environment=environment)
-            .order_by("-started", "-id")
-            .first()
+def _rollback_plan(
+    environment: Environment,
+    expected_target_release_id: int | None = None,
+    *,
+    lock: bool = False,
+) -> tuple[Deployment, Deployment]:
+    """(what is served now, the deployment to go back to), or Conflict."""
+    serving = Deployment.objects.serving().filter(environment=environment)
+    if lock:
+        serving = serving.select_for_update()
+    current = serving.order_by("-started", "-id").first()
+    if current is None:
+        raise Conflict(f"nothing is live in {environment} to roll back")
+    target = previous_verified_deployment(environment, current.release_id)
+    if target is None:
+        raise Conflict(
+            f"{environment} has no previous verified release to roll back to"
         )
-        if current is None:
-            raise Conflict(f"nothing is live in {environment} to roll back")
-        target = previous_verified_deployment(environment, current.release_id)
-        if target is None:
-            raise Conflict(
-                f"{environment} has no previous verified release to roll back to"
-            )
+    expected = expected_target_release_id
+    if expected is not None and target.release_id != expected:
+        raise Conflict(
+            f"the rollback target of {environment} changed since it was shown "
+            f"(now {target.release}, not release {expected}); review it again",
+            field="target_release_id",
+        )
+    return current, target
+
+
+def _roll_back(
+    environment: Environment,
+    actor: Actor,
+    *,
+    reason: str,
+    expected_target_release_id: int | None = None,
+) -> Deployment:
+    with transaction.atomic():
+        current, target = _rollback_plan(
+            environment, expected_target_release_id, lock=True
+        )
         release = current.release
         if release.state == "failed_verification":
             do_transition_release(

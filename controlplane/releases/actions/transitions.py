@@ -30,6 +30,7 @@ registered (both are checked by tests over this table).
 """
 
 from django.db import transaction
+from django.utils import timezone
 
 from controlplane.accounts.models import Team
 from controlplane.audit.actions import Actor, do_record_event
@@ -95,6 +96,9 @@ def do_transition_release(
         earlier_reason = locked.failure_reason
         reason = relative_to_source(reason, locked.source_uri)
         locked.state = to_state
+        locked.state_entered_at = timezone.now()
+        if to_state == "registered":
+            locked.reopened_at = locked.state_entered_at
         if from_state in REASON_REQUIRED and to_state in REASON_REQUIRED:
             # One incident in two steps (failed verification, then quarantined):
             # the first reason names the missing/extra/changed files; keep it.
@@ -103,7 +107,15 @@ def do_transition_release(
             locked.failure_reason = reason
         elif to_state == "registered":
             locked.failure_reason = ""
-        locked.save(update_fields=["state", "failure_reason", "updated"])
+        locked.save(
+            update_fields=[
+                "state",
+                "failure_reason",
+                "state_entered_at",
+                "reopened_at",
+                "updated",
+            ]
+        )
         do_record_event(
             actor,
             "release.transition",
@@ -113,7 +125,7 @@ def do_transition_release(
             team=Team.objects.get(model_families__releases=locked),
         )
         do_queue_release_event(locked, from_state, to_state, reason)
-    release.state = locked.state
-    release.failure_reason = locked.failure_reason
+    for field in ("state", "failure_reason", "state_entered_at", "reopened_at"):
+        setattr(release, field, getattr(locked, field))
     release.updated = locked.updated
     return release

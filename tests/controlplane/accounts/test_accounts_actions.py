@@ -5,9 +5,11 @@ from controlplane.accounts.actions import (
     do_add_member,
     do_create_api_token,
     do_create_team,
+    do_create_user,
+    do_remove_member,
     do_revoke_api_token,
 )
-from controlplane.accounts.models import ApiToken
+from controlplane.accounts.models import API_SCOPES, ApiToken
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import Conflict, Forbidden, ValidationFailed
 
@@ -68,3 +70,73 @@ def test_it_revokes_a_token(team, owner):
     assert ApiToken.lookup(plaintext) is None
     with pytest.raises(Forbidden):
         check_actor_in_team(ApiToken.objects.get(pk=token.pk), team)
+
+
+def test_it_lets_only_staff_create_teams(owner, admin_user):
+    with pytest.raises(Forbidden, match="staff or superuser"):
+        do_create_team("Shadow", actor=owner)
+
+    team = do_create_team("Search Infra", actor=admin_user, admin=owner)
+
+    assert check_actor_in_team(owner, team, roles=("admin",))
+
+
+@pytest.mark.parametrize(
+    ("who", "allowed"),
+    [
+        ("member", {"read", "register", "promote"}),
+        ("teammate", {"read", "register", "promote", "approve"}),
+        ("owner", set(API_SCOPES)),
+    ],
+)
+def test_it_gives_a_token_no_scope_beyond_its_users_role(request, team, who, allowed):
+    user = request.getfixturevalue(who)
+
+    for scope in API_SCOPES:
+        if scope in allowed:
+            assert do_create_api_token(user, team, scope, [scope])[0].scopes == [scope]
+        else:
+            with pytest.raises(Forbidden, match=f"'{scope}' scope needs"):
+                do_create_api_token(user, team, scope, [scope])
+
+
+def test_it_lets_a_token_grant_only_what_it_holds(team, owner, teammate):
+    reader, _ = do_create_api_token(owner, team, "reader", ["read", "admin"])
+
+    with pytest.raises(Forbidden, match="can't grant scopes it lacks: promote"):
+        do_create_api_token(owner, team, "ci", ["promote"], actor=reader)
+    with pytest.raises(Forbidden, match="needs role admin"):
+        do_create_api_token(owner, team, "ci", ["read"], actor=teammate)
+
+
+def test_it_lets_only_its_user_or_an_admin_revoke_a_token(
+    team, owner, teammate, member
+):
+    token, plaintext = do_create_api_token(member, team, "carol-ci", ["read"])
+
+    with pytest.raises(Forbidden):
+        do_revoke_api_token(token, actor=teammate)
+    assert ApiToken.lookup(plaintext) == token
+    do_revoke_api_token(token, actor=owner)
+    assert ApiToken.lookup(plaintext) is None
+
+
+def test_it_revokes_a_removed_members_tokens_and_keeps_an_admin(team, owner, member):
+    _, plaintext = do_create_api_token(member, team, "carol-ci", ["read"])
+
+    do_remove_member(team, member, actor=owner)
+
+    assert ApiToken.lookup(plaintext) is None
+    with pytest.raises(Conflict, match="only admin"):
+        do_remove_member(team, owner, actor=owner)
+    with pytest.raises(Conflict, match="only admin"):
+        do_add_member(team, owner, "member", actor=owner)
+
+
+def test_it_creates_a_user_without_a_password_in_the_team(team, owner):
+    user = do_create_user("dave", team=team, role="approver", actor=owner)
+
+    assert not user.has_usable_password()
+    assert check_actor_in_team(user, team, roles=("approver",))
+    with pytest.raises(Conflict, match="taken"):
+        do_create_user("DAVE", team=team, role="member", actor=owner)

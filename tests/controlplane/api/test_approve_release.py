@@ -5,6 +5,7 @@ import pytest
 from controlplane.dispatch.models import OutboxMessage
 from controlplane.releases.models import Approval, Release
 from tests.controlplane.api.helpers import DIGEST, STALE_DIGEST, error_of, field_names
+from tests.controlplane.api.test_reject_release import signed_again_once_read
 
 
 def url(release_id) -> str:
@@ -167,3 +168,15 @@ def test_it_approves_fast_with_the_broker_down_and_keeps_the_deployment_task(
     assert Release.objects.get(pk=waiting.pk).state == "approved"
     message = OutboxMessage.objects.get(task="controlplane.releases.run_deployment")
     assert (message.args, message.sent) == ([waiting.pk], None)
+
+
+def test_it_refuses_a_digest_that_changes_before_the_approval_commits(
+    api, approver_token, waiting, monkeypatch, queued
+):
+    signed_again_once_read(monkeypatch, STALE_DIGEST)
+
+    response = approve(api, waiting, approver_token)
+
+    error_of(response, 409, "manifest_digest_mismatch")
+    assert Release.objects.get(pk=waiting.pk).state == "awaiting_approval"
+    assert queued("run_deployment") == []

@@ -2,8 +2,9 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.releases.actions.gate_policies import gate_policy_for
-from controlplane.releases.gates import GatePolicy
+from controlplane.releases.gates import GatePolicy, evaluate_policy
 from tests.controlplane.api.helpers import error_of, field_names
+from tests.controlplane.releases.test_evaluate_policy import load_report, quality_report
 
 NOTHING_GATED = {"quality": None, "load": None}
 
@@ -17,13 +18,17 @@ def admin_token(make_token, owner):
     return make_token(owner, "read", "admin")
 
 
-def put(api, environment, body, token):
-    return api.client.put(
+def put(api, environment, body, token, method="put"):
+    return getattr(api.client, method)(
         url(environment.pk),
         body,
         content_type="application/json",
         headers={"Authorization": f"Bearer {token}"},
     )
+
+
+def patch(api, environment, body, token):
+    return put(api, environment, body, token, method="patch")
 
 
 def test_it_shows_the_default_until_one_is_set(api, owner_token, environment):
@@ -51,11 +56,141 @@ def test_an_admin_sets_thresholds_and_the_gate_uses_them(api, admin_token, envir
     data = response.json()
     assert data["is_default"] is False
     policy = gate_policy_for(environment)
+    assert data["policy"] == policy.model_dump(mode="json")  # the policy in force
     assert policy.quality.thresholds.max_mean_kld == 0.002
-    assert policy.quality.thresholds.max_ppl_ratio is None  # replaced as a whole
     assert policy.load.capacity.min_sessions == 16
     event = AuditEvent.objects.get(verb="environment.gate_policy_set")
     assert event.after["policy"]["load"]["workloads"] == ["chat"]
+
+
+def test_a_put_keeps_the_defaults_of_the_thresholds_it_leaves_out(
+    api, admin_token, environment
+):
+    default = GatePolicy()
+    body = {
+        "quality": {"thresholds": {"max_mean_kld": 0.002}},
+        "load": {"thresholds": {"max_ttft_p99_ms": 5000}},
+    }
+
+    response = put(api, environment, body, admin_token)
+
+    assert response.status_code == 200, response.content
+    policy = gate_policy_for(environment)
+    assert policy.quality.thresholds.min_same_top1 == (
+        default.quality.thresholds.min_same_top1
+    )
+    assert policy.load.thresholds.max_tpot_p99_ms == (
+        default.load.thresholds.max_tpot_p99_ms
+    )
+    evidence = (quality_report(), load_report(), True)
+    checks = {(o.gate, o.metric) for o in evaluate_policy(policy, *evidence)}
+    assert checks == {(o.gate, o.metric) for o in evaluate_policy(default, *evidence)}
+
+
+def test_only_an_explicit_null_turns_a_check_off(api, admin_token, environment):
+    body = {
+        "quality": {
+            "thresholds": {"max_flip_rate": None},
+            "per_slice": {"code": {"max_mean_kld": 0.05}},
+        },
+        "load": None,
+    }
+
+    response = put(api, environment, body, admin_token)
+
+    assert response.status_code == 200, response.content
+    quality = response.json()["policy"]["quality"]
+    assert quality["thresholds"]["max_flip_rate"] is None
+    # An override changes what it names; the rest comes from `thresholds`.
+    assert quality["per_slice"]["code"] == {
+        **quality["thresholds"],
+        "max_mean_kld": 0.05,
+    }
+    checks = evaluate_policy(gate_policy_for(environment), quality_report(), None, True)
+    metrics = {o.metric for o in checks}
+    assert "flip_rate" not in metrics and "same_top1" in metrics
+
+
+def test_a_patch_changes_only_the_keys_it_names(api, admin_token, environment):
+    put(
+        api,
+        environment,
+        {"quality": {"thresholds": {"max_mean_kld": 0.002}}, "load": None},
+        admin_token,
+    )
+    change = {"quality": {"thresholds": {"min_same_top1": 0.99, "max_flip_rate": None}}}
+
+    response = patch(api, environment, change, admin_token)
+
+    assert response.status_code == 200, response.content
+    policy = gate_policy_for(environment)
+    assert response.json()["policy"] == policy.model_dump(mode="json")
+    thresholds = policy.quality.thresholds
+    assert (thresholds.max_mean_kld, thresholds.min_same_top1) == (0.002, 0.99)
+    assert thresholds.max_flip_rate is None
+    assert thresholds.max_ppl_ratio == GatePolicy().quality.thresholds.max_ppl_ratio
+    assert policy.load is None
+    event = AuditEvent.objects.filter(verb="environment.gate_policy_set").first()
+    assert event.before["policy"]["quality"]["thresholds"]["min_same_top1"] == 0.92
+    assert event.after["changed"] == [
+        "quality.thresholds.max_flip_rate",
+        "quality.thresholds.min_same_top1",
+    ]
+
+
+def test_a_patch_starts_from_the_default_and_names_a_bad_key(
+    api, admin_token, environment
+):
+    response = patch(api, environment, {"load": {"workloads": ["chat"]}}, admin_token)
+
+    assert response.status_code == 200, response.content
+    policy = gate_policy_for(environment)
+    assert policy.load.workloads == ["chat"]
+    assert policy.quality == GatePolicy().quality
+    bad = patch(
+        api, environment, {"quality": {"thresholds": {"max_kld": 1}}}, admin_token
+    )
+    error = error_of(bad, 422, "validation_failed")
+    assert field_names(error) == {"quality.thresholds.max_kld"}
+    for nothing, field in (({}, ""), ({"qualty": {}}, "qualty")):
+        error = error_of(
+            patch(api, environment, nothing, admin_token), 422, "validation_error"
+        )
+        assert field_names(error) == {field}
+    assert gate_policy_for(environment) == policy
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"quality": {"require_retrieval": 0}}, "quality.require_retrieval"),
+        ({"quality": {"slices": []}}, "quality.slices"),
+        ({"quality": {"slices": ["english", "english"]}}, "quality.slices"),
+        ({"quality": {"slices": ["klingon"]}}, "quality.slices"),
+        ({"quality": {"per_slice": {"klingon": {}}}}, "quality.per_slice"),
+        (
+            {"quality": {"thresholds": {"max_mean_kld": "0.03"}}},
+            "quality.thresholds.max_mean_kld",
+        ),
+        ({"load": {"workloads": [], "capacity": None}}, "load.workloads"),
+        ({"load": {"workloads": ["chat", "chat"]}}, "load.workloads"),
+        (
+            {"load": {"capacity": {"min_sessions": 16.0, "context_tokens": 8192}}},
+            "load.capacity.min_sessions",
+        ),
+    ],
+)
+def test_it_refuses_what_the_schema_does_not_say(
+    api, admin_token, environment, body, field
+):
+    response = put(api, environment, {**NOTHING_GATED, **body}, admin_token)
+
+    assert field in field_names(error_of(response, 422, "validation_error"))
+    assert gate_policy_for(environment) == GatePolicy()
+    error = error_of(
+        patch(api, environment, body, admin_token), 422, "validation_failed"
+    )
+    assert field_names(error) == {field}
 
 
 def test_it_names_an_unknown_or_bad_threshold(api, admin_token, environment):

@@ -2,13 +2,24 @@ from django.utils import timezone
 
 from controlplane.fleet.models import Deployment
 from controlplane.releases.actions.gate_results import do_record_gate_result
-from controlplane.releases.actions.jobs import do_start_job
+from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 from controlplane.releases.models import Approval
 from tests.controlplane.api.helpers import DIGEST, error_of, field_names
 
 
 def url(release_id) -> str:
     return f"/api/v1/releases/{release_id}"
+
+
+def reverified(release, times: int, *, last_error: str = "") -> list:
+    """`times` re-verifications of the release's live copy, as the agent answered
+    them: all matched, but the last fails with `last_error` when given."""
+    jobs = []
+    for n in range(times):
+        job = do_start_job(release, "reverify")
+        error = last_error if n == times - 1 else ""
+        jobs.append(do_finish_job(job, result={"ok": not error}, error=error))
+    return jobs
 
 
 def test_it_shows_a_release_with_jobs_gates_approvals_and_deployments(
@@ -94,3 +105,22 @@ def test_it_names_a_bad_id(api, owner_token):
 
     assert field_names(error) == {"release_id"}
     assert error["fields"][0]["location"] == "path"
+
+
+def test_it_counts_the_re_verifications_instead_of_listing_them(
+    api, owner_token, make_release
+):
+    release = make_release("3.0.0", state="live", manifest_digest=DIGEST)
+    do_start_job(release, "verify_source")
+    *_, last = reverified(release, 5, last_error="changed: config.json")
+
+    data = api.get(url(release.pk), token=owner_token).json()
+
+    assert [j["kind"] for j in data["jobs"]] == ["verify_source"]
+    assert [s["kind"] for s in data["timings"]["stages"]] == ["verify_source"]
+    summary = data["reverification"]
+    assert summary["count"] == 5
+    assert (summary["newest"]["id"], summary["newest"]["state"]) == (last.pk, "failed")
+    assert summary["history_url"].endswith(
+        f"/api/v1/releases/{release.pk}/reverifications"
+    )

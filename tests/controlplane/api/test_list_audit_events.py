@@ -63,6 +63,23 @@ def test_it_names_a_bad_or_naive_timestamp(api, owner_token):
     assert field_names(error) == {"since", "until"}
 
 
+def test_it_takes_only_an_iso_date_time_not_a_number_of_seconds(api, owner_token):
+    for value in ("0.5", "1700000000"):
+        response = api.get(URL, token=owner_token, since=value, until=value)
+
+        error = error_of(response, 422, "validation_error")
+        assert field_names(error) == {"since", "until"}, value
+        assert "ISO 8601" in error["fields"][0]["message"]
+
+
+def test_it_takes_a_page_size_only_in_decimal_digits(api, owner_token):
+    for value in ("5.0", " 5", "5_0"):
+        response = api.get(URL, token=owner_token, limit=value, offset=value)
+
+        error = error_of(response, 422, "validation_error")
+        assert field_names(error) == {"limit", "offset"}, value
+
+
 def test_it_needs_credentials(api, db):
     error_of(api.get(URL), 401, "not_authenticated")
 

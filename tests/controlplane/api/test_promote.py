@@ -1,9 +1,16 @@
 import time
+import uuid
 
+import pytest
+from django.utils import timezone
+
+from controlplane import celery_app
 from controlplane.audit.models import AuditEvent
 from controlplane.dispatch.models import OutboxMessage
+from controlplane.dispatch.tasks import relay_outbox
 from controlplane.releases import tasks
 from tests.controlplane.api.helpers import error_of
+from tests.controlplane.test_worker_integration import celery_worker
 
 
 def url(release_id) -> str:
@@ -103,3 +110,51 @@ def test_it_answers_202_fast_with_the_broker_down_and_keeps_the_task(
     assert (message.args, message.sent, message.attempts) == ([release.pk], None, 1)
     assert "refused" in message.last_error.lower()
     assert AuditEvent.objects.filter(verb="release.promotion_requested").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_it_answers_202_fast_with_redis_down_and_the_work_runs_once_it_is_back(
+    api,
+    owner_token,
+    release,
+    redis_server,
+    broker_at,
+    result_store_at,
+    monkeypatch,
+    tmp_path,
+):
+    # PostgreSQL + Redis mode: one Redis is the broker and the result store.
+    broker, results = redis_server.url(3), redis_server.url(4)
+    broker_at(broker)
+    result_store_at(results)
+    queue = f"promote-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setitem(celery_app.conf, "task_default_queue", queue)
+    redis_server.stop()
+    started = time.monotonic()
+
+    response = api.post(url(release.pk), token=owner_token)
+
+    answered_s = time.monotonic() - started
+    assert response.status_code == 202, response.content
+    assert answered_s < 2  # was ~19 s: the result store's 20 retries 1 s apart
+    message = OutboxMessage.objects.get(task="controlplane.releases.run_promotion")
+    assert (message.sent, message.attempts) == (None, 1)
+    assert "refused" in message.last_error.lower()
+
+    redis_server.start()  # empty: what the broker held is gone, the outbox is not
+    worker_log = tmp_path / "worker.log"
+    with celery_worker(
+        worker_log, queue, CELERY_BROKER_URL=broker, CELERY_RESULT_BACKEND=results
+    ) as (process, _):
+        OutboxMessage.objects.filter(pk=message.pk).update(next_attempt=timezone.now())
+        assert relay_outbox() == 1
+        deadline = time.monotonic() + 60
+        while not release.jobs.filter(kind="verify_source").exists():
+            assert process.poll() is None, worker_log.read_text()
+            assert time.monotonic() < deadline, worker_log.read_text()
+            time.sleep(0.2)
+    release.refresh_from_db()
+    assert release.state == "verifying"
+    print(f"promote with Redis down answered {answered_s:.2f} s")

@@ -114,6 +114,20 @@ def test_it_rejects_unknown_keys(api, owner_token, model_family, environment):
     assert field_names(error) == {"weights"}
 
 
+def test_it_takes_values_only_as_the_json_types_the_schema_says(
+    api, owner_token, model_family, environment, release
+):
+    recipe = {"weights": "int4-g128", "kv_cache_dtype": "int8", "symmetric": 0}
+
+    response = api.post(
+        URL, body(recipe=recipe, parent=str(release.pk)), token=owner_token
+    )
+
+    error = error_of(response, 422, "validation_error")
+    assert field_names(error) == {"recipe.symmetric", "parent"}
+    assert not Release.objects.filter(version="2.0.0").exists()
+
+
 def test_it_rejects_a_body_that_is_not_json(api, owner_token, model_family):
     response = api.post(URL, raw="{not json", token=owner_token)
 

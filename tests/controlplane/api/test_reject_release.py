@@ -1,6 +1,7 @@
 import pytest
 
-from controlplane.releases.models import Approval
+from controlplane.api import releases as release_views
+from controlplane.releases.models import Approval, Release
 from tests.controlplane.api.helpers import DIGEST, STALE_DIGEST, error_of, field_names
 
 
@@ -38,6 +39,31 @@ def test_it_refuses_a_stale_manifest_digest(api, approver_token, waiting):
     }
     waiting.refresh_from_db()
     assert waiting.state == "awaiting_approval"
+
+
+def signed_again_once_read(monkeypatch, digest: str) -> None:
+    """The release's manifest is recorded anew (a late sign job) right after the
+    view has read the release, before the rejection commits."""
+    read = release_views.get_release
+
+    def read_then_resign(*args, **kwargs):
+        release = read(*args, **kwargs)
+        Release.objects.filter(pk=release.pk).update(manifest_digest=digest)
+        return release
+
+    monkeypatch.setattr(release_views, "get_release", read_then_resign)
+
+
+def test_it_refuses_a_digest_that_changes_before_the_rejection_commits(
+    api, approver_token, waiting, monkeypatch
+):
+    signed_again_once_read(monkeypatch, STALE_DIGEST)
+
+    response = reject(api, waiting, approver_token, manifest_digest=DIGEST)
+
+    error_of(response, 409, "manifest_digest_mismatch")
+    assert Release.objects.get(pk=waiting.pk).state == "awaiting_approval"
+    assert not Approval.objects.filter(release=waiting).exists()
 
 
 def test_it_needs_a_comment(api, approver_token, waiting):

@@ -5,12 +5,23 @@ import re
 
 import pytest
 
-PAGES = ("/", "/environments/", "/fleet/", "/cost/", "/audit/")
+from controlplane.accounts.actions import do_create_api_token
+
+PAGES = (
+    "/",
+    "/environments/",
+    "/fleet/",
+    "/cost/",
+    "/audit/",
+    "/tokens/",
+    "/tokens/new/",
+)
 POST_FORM = re.compile(r'<form[^>]*method="post"[^>]*>(.*?)</form>', re.S)
 
 
 @pytest.fixture
-def pages(client, teammate, make_live, awaiting):
+def pages(client, teammate, team, make_live, awaiting):
+    do_create_api_token(teammate, team, "bob-ci", ["read"])
     make_live("0.9.0")
     make_live("0.9.5")
     candidate = awaiting("1.0.0")
@@ -25,8 +36,9 @@ def test_it_puts_the_csrf_token_in_every_post_form(client, pages):
         for form in POST_FORM.findall(body):
             forms += 1
             assert 'name="csrfmiddlewaretoken"' in form, url
-    # log out on each page, approve and reject, one rollback form
-    assert forms == len(pages) + 3
+    # log out on each page, approve and reject, one rollback form, a new token,
+    # revoke bob-ci
+    assert forms == len(pages) + 5
 
 
 def test_it_sets_the_viewport_on_every_page(client, pages):

@@ -41,6 +41,29 @@ def test_it_rejects_once_confirmed(client, teammate, awaiting):
     )
 
 
+def test_it_rejects_only_the_manifest_the_page_showed(client, teammate, awaiting):
+    release = awaiting("1.0.0")
+    client.force_login(teammate)
+    page = client.get(f"/releases/{release.pk}/")
+    shown = f'name="manifest_digest" value="{release.manifest_digest}"'
+    assert page.content.decode().count(shown) == 2  # the approve and reject forms
+    Release.objects.filter(pk=release.pk).update(manifest_digest="sha256:" + "9" * 64)
+
+    response = client.post(
+        f"/releases/{release.pk}/reject/",
+        {
+            "comment": REASON,
+            "confirmed": "yes",
+            "manifest_digest": release.manifest_digest,
+        },
+        follow=True,
+    )
+
+    assert b"the manifest changed since it was reviewed" in response.content
+    assert _stored(release).state == "awaiting_approval"
+    assert not release.approvals.exists()
+
+
 @pytest.mark.parametrize("comment", ["", "   "])
 def test_it_needs_a_comment(client, teammate, awaiting, comment):
     release = awaiting("1.0.0")

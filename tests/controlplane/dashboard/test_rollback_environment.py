@@ -1,8 +1,10 @@
 import pytest
 from django.test import Client
 
+from controlplane.dashboard.views import environments as environment_views
 from controlplane.fleet.models import Deployment
 from controlplane.releases.actions.deployments import do_fail_deployment
+from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Release
 
 
@@ -69,6 +71,37 @@ def test_it_refuses_when_the_target_changed_since_the_page_loaded(
 
     assert b"the rollback target of acme/staging changed" in response.content
     assert _state(new) == "failed_verification"
+    assert deploys() == []
+
+
+def test_it_refuses_a_target_that_changes_before_the_rollback_commits(
+    client, teammate, make_live, environment, deploys, monkeypatch
+):
+    oldest, shown, live = make_live("0.9.0"), make_live("0.9.3"), make_live("0.9.5")
+    deploys.clear()
+    roll_back = environment_views.do_rollback_environment
+
+    def shown_target_quarantined_first(*args, **kwargs):
+        # Between the view's reading and the action: the target's warm copy fails
+        # its re-verification, so the target would now be 0.9.0, never shown.
+        do_transition_release(
+            shown, "quarantined", actor="system:worker", reason="changed"
+        )
+        return roll_back(*args, **kwargs)
+
+    monkeypatch.setattr(
+        environment_views, "do_rollback_environment", shown_target_quarantined_first
+    )
+    client.force_login(teammate)
+
+    response = client.post(
+        f"/environments/{environment.pk}/rollback/",
+        {"confirmed": "yes", "target_release_id": shown.pk},
+        follow=True,
+    )
+
+    assert b"the rollback target of acme/staging changed" in response.content
+    assert (_state(live), _state(oldest)) == ("live", "superseded")
     assert deploys() == []
 
 

@@ -67,3 +67,25 @@ def test_a_broker_that_accepts_and_never_answers_costs_the_publish_timeout(
     message.refresh_from_db()
     assert (message.sent, message.attempts) == (None, 1)
     assert "timeout" in message.last_error.lower()
+
+
+def test_a_result_store_that_is_down_costs_the_publish_nothing(
+    db,
+    working_broker,
+    result_store_at,
+    unreachable_broker_url,
+    queue_name,
+    django_capture_on_commit_callbacks,
+):
+    result_store_at(unreachable_broker_url)  # Redis on a closed port
+    started = time.monotonic()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        message = do_enqueue_task(TASK, 7, queue=queue_name)
+
+    # Was ~19 s: the result backend retried subscribing to the result 20 x 1 s.
+    assert time.monotonic() - started < 2
+    message.refresh_from_db()
+    assert (message.attempts, message.last_error) == (1, "")
+    assert message.sent is not None
+    assert received(queue_name) == [(TASK, [7])]

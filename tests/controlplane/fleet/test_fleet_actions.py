@@ -1,4 +1,7 @@
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import ValidationFailed
@@ -117,3 +120,51 @@ def test_a_heartbeat_brings_an_offline_agent_back_but_not_a_draining_one(db, own
     do_set_agent_state(agent, "draining", actor=owner)
 
     assert do_record_heartbeat(beat()).state == "draining"
+
+
+def test_it_records_the_incarnation_an_agent_reports_first_without_a_restart(db):
+    from controlplane.fleet.actions import do_record_heartbeat
+
+    started = timezone.now() - timedelta(seconds=5)
+
+    agent = do_record_heartbeat(beat(incarnation="a" * 32, started=started))
+
+    stored = Agent.objects.get(pk=agent.pk)
+    assert (stored.incarnation, stored.started) == ("a" * 32, started)
+    assert not AuditEvent.objects.filter(verb="agent.restarted").exists()
+
+
+def test_it_records_a_new_incarnation_of_an_agent_as_a_restart(db):
+    from controlplane.fleet.actions import do_record_heartbeat
+
+    first_started = timezone.now() - timedelta(minutes=5)
+    do_record_heartbeat(beat(incarnation="a" * 32, started=first_started))
+    do_record_heartbeat(beat(incarnation="a" * 32, started=first_started))
+    restarted = timezone.now()
+
+    agent = do_record_heartbeat(beat(incarnation="b" * 32, started=restarted))
+
+    stored = Agent.objects.get(pk=agent.pk)
+    assert (stored.incarnation, stored.started) == ("b" * 32, restarted)
+    (event,) = AuditEvent.objects.filter(verb="agent.restarted")
+    assert event.before == {
+        "incarnation": "a" * 32,
+        "started": first_started.isoformat(),
+    }
+    assert event.after == {"incarnation": "b" * 32, "started": restarted.isoformat()}
+
+
+def test_a_late_beat_of_an_earlier_incarnation_changes_nothing(db):
+    from controlplane.fleet.actions import do_record_heartbeat
+
+    earlier = timezone.now() - timedelta(minutes=5)
+    do_record_heartbeat(beat(incarnation="a" * 32, started=earlier, running_jobs=[7]))
+    do_record_heartbeat(
+        beat(incarnation="b" * 32, started=timezone.now(), running_jobs=[])
+    )
+    before = Agent.objects.get().to_dict()
+
+    do_record_heartbeat(beat(incarnation="a" * 32, started=earlier, running_jobs=[7]))
+
+    assert Agent.objects.get().to_dict() == before
+    assert AuditEvent.objects.filter(verb="agent.restarted").count() == 1

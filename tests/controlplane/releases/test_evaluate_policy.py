@@ -196,10 +196,14 @@ def test_a_policy_chooses_the_grade():
     assert "0.01 is not <= 0.002" in kld.reason
 
 
-def test_per_slice_thresholds_replace_the_defaults():
+def test_per_slice_thresholds_replace_the_keys_they_name():
     policy = GatePolicy(
         quality=QualityPolicy(
-            per_slice={"korean": SliceThresholds(max_mean_kld=0.005)}
+            thresholds=SliceThresholds(min_same_top1=0.9),
+            per_slice={
+                "korean": SliceThresholds(max_mean_kld=0.005),
+                "code": SliceThresholds(min_same_top1=None),
+            },
         ),
         load=None,
     )
@@ -207,7 +211,8 @@ def test_per_slice_thresholds_replace_the_defaults():
     outcomes = by_key(evaluate_policy(policy, quality_report(), None, True))
 
     assert outcomes[("quality:korean", "mean_kld")].outcome == "fail"
-    assert ("quality:korean", "same_top1") not in outcomes
+    assert outcomes[("quality:korean", "same_top1")].threshold == 0.9  # inherited
+    assert ("quality:code", "same_top1") not in outcomes  # turned off by name
     assert outcomes[("quality:english", "mean_kld")].outcome == "pass"
 
 
@@ -227,7 +232,7 @@ def test_no_tokens_and_an_interval_across_the_threshold_are_inconclusive():
         quality_slice("english", num_tokens=0),
         quality_slice("code", mean_kld_ci95=Interval(low=0.02, high=0.04)),
     )
-    policy = GatePolicy(quality=QualityPolicy(slices=[]), load=None)
+    policy = GatePolicy(quality=QualityPolicy(slices=["english"]), load=None)
 
     outcomes = by_key(evaluate_policy(policy, report, None, True))
 
@@ -300,7 +305,10 @@ def test_it_gates_cost_per_million_tokens():
         ),
     )
 
-    [_, cost] = evaluate_policy(policy, None, load_report(workload("chat")), True)
+    outcomes = by_key(
+        evaluate_policy(policy, None, load_report(workload("chat")), True)
+    )
+    cost = outcomes[("load:chat", "cost_per_1m_output_tokens")]
 
     assert (cost.metric, cost.outcome, cost.observed) == (
         "cost_per_1m_output_tokens",

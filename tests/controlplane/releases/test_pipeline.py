@@ -5,6 +5,7 @@ evaluate and load-test jobs answered with reports shaped as gpuagent.protocol
 fixes them (their real runs are in tests/controlplane/test_agent_pipeline.py)."""
 
 import shutil
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,8 +15,12 @@ from django.utils import timezone
 import gpuagent.engine
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.models import Agent, Deployment
+from controlplane.fleet.tasks import record_heartbeat
 from controlplane.releases.actions.approvals import do_approve_release
 from controlplane.releases.actions.gate_policies import do_set_gate_policy
+from controlplane.releases.actions.jobs import do_dispatch_job, do_finish_job
+from controlplane.releases.actions.promotion import do_reopen_release
+from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import (
     record_job_result,
@@ -25,8 +30,9 @@ from controlplane.releases.tasks import (
     watch_jobs,
 )
 from controlplane.releases.timings import stage_timings
-from gpuagent.protocol import DeployResult, VerifyResult
+from gpuagent.protocol import DeployResult, Heartbeat, VerifyResult
 from tests.controlplane.releases.test_evaluate_policy import load_report, quality_report
+from tests.controlplane.releases.test_transition_release import erase_audit_log
 
 BF16 = {"weights": "bf16", "kv_cache_dtype": "int8"}
 DEMO_MODEL = Path(gpuagent.engine.__file__).parent / "demo_model"
@@ -123,6 +129,33 @@ def test_it_fails_a_release_whose_evidence_fails_its_gate(bf16_release, local_ag
         "load:chat (ttft_p99_ms)"
         in Release.objects.get(pk=bf16_release.pk).failure_reason
     )
+
+
+def finish(release, kind: str) -> None:
+    """The newest `kind` job of `release` succeeded (as its agent would say)."""
+    job = Job.objects.filter(release=release, kind=kind).order_by("-id").first()
+    do_finish_job(job or do_dispatch_job(release, kind), result={})
+
+
+def test_a_reopened_release_runs_its_stages_again_whatever_the_audit_log_says(
+    release, owner
+):
+    for kind in ("verify_source", "compress", "sign", "verify"):  # the first pass
+        do_finish_job(do_dispatch_job(release, kind), result={})
+    do_transition_release(release, "failed", actor=owner, reason="evaluate failed")
+    do_reopen_release(release, owner, reason="recalibrated")
+    run_promotion(release.pk)
+    finish(release, "verify_source")
+    assert run_promotion(release.pk) == "compressing"
+    finish(release, "compress")
+    erase_audit_log()  # the record of when this pass entered compressing
+
+    state = run_promotion(release.pk)
+
+    # The first pass's sign and verify are no evidence for this pass's bytes.
+    assert state == "compressing"
+    signs = Job.objects.filter(release=release, kind="sign").order_by("id")
+    assert [j.state for j in signs] == ["succeeded", "queued"]
 
 
 def test_missing_evidence_is_inconclusive_and_pauses_in_gated(make_release):
@@ -250,6 +283,92 @@ def test_the_watch_resends_a_job_no_agent_took_in_time(bf16_release, local_agent
     assert "no agent took it within" in Job.objects.get(release=bf16_release).error
 
 
+def beat_of(incarnation: str, *, running_jobs=()) -> dict:
+    """A heartbeat of the local agent's `incarnation`, as gpuagent.worker sends."""
+    return Heartbeat(
+        agent="local",
+        queue="agent.local",
+        pool_queue="agents",
+        incarnation=incarnation,
+        started=timezone.now(),
+        device="cpu",
+        gpu_model="CPU test",
+        memory_total_bytes=2**30,
+        memory_free_bytes=2**29,
+        running_jobs=list(running_jobs),
+        can_sign=True,
+    ).model_dump(mode="json")
+
+
+def test_a_restarted_agent_gets_the_job_of_its_earlier_incarnation_again_at_once(
+    bf16_release, local_agent
+):
+    record_heartbeat(beat_of(local_agent.agent.incarnation))
+    run_promotion(bf16_release.pk)
+    (message, request), *_ = local_agent.pending("verify_source")
+    local_agent.tasks.report_progress(request, 0.1)  # taken by "local"
+    late = local_agent.tasks.execute(request, local_agent.agent, timezone.now())
+
+    # Killed and started again: its next beat is another incarnation's, long
+    # before AGENT_DEAD_AFTER_S.
+    assert record_heartbeat(beat_of(uuid.uuid4().hex)) == "online"
+
+    job = Job.objects.get(release=bf16_release, kind="verify_source")
+    assert (job.state, job.attempts, job.agent) == ("queued", 2, None)
+    assert "agent local restarted" in job.error
+    retried = AuditEvent.objects.get(verb="job.retried", object_id=str(job.pk))
+    assert retried.after["attempts"] == 2
+    assert retried.before["agent"] == "local"
+    assert local_agent.record(message, request, late) == "ignored"
+    (_, resent), *_ = local_agent.pending("verify_source")
+    assert resent.attempt == 2
+
+
+def test_a_restart_resends_what_the_earlier_incarnation_reported_and_no_more(
+    bf16_release, local_agent
+):
+    first = local_agent.agent.incarnation
+    run_promotion(bf16_release.pk)
+    (message, request), *_ = local_agent.pending("verify_source")
+    # Taken: its last beat says so, its progress report was lost with it.
+    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    job = Job.objects.get(pk=request.job_id)
+    assert (job.state, job.attempts) == ("queued", 1)  # the same incarnation
+
+    second = uuid.uuid4().hex
+    record_heartbeat(beat_of(second))
+
+    job.refresh_from_db()
+    assert (job.state, job.attempts) == ("queued", 2)
+    local_agent.taken.add(message.pk)
+    (message, request), *_ = local_agent.pending("verify_source")
+    local_agent.tasks.report_progress(request, 0.1)  # the new one takes it
+    record_heartbeat(beat_of(second, running_jobs=[request.job_id]))
+    record_heartbeat(beat_of(uuid.uuid4().hex, running_jobs=[request.job_id]))
+    job.refresh_from_db()
+    # still attempt 2: the newest incarnation says it runs it
+    assert (job.state, job.attempts) == ("running", 2)
+
+
+def test_a_restart_after_the_watch_sent_the_job_away_sends_it_no_more(
+    bf16_release, local_agent
+):
+    first = local_agent.agent.incarnation
+    run_promotion(bf16_release.pk)
+    (_, request), *_ = local_agent.pending("verify_source")
+    local_agent.tasks.report_progress(request, 0.1)
+    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    silence(local_agent.row)
+    assert watch_jobs()["retried"] == 1  # offline: attempt 2 is queued
+
+    record_heartbeat(beat_of(uuid.uuid4().hex))
+
+    job = Job.objects.get(pk=request.job_id)
+    assert (job.state, job.attempts) == ("queued", 2)
+    assert Agent.objects.get(pk=local_agent.row.pk).state == "online"
+
+
 @pytest.fixture
 def approved(bf16_release, local_agent, teammate):
     promote_to_approval(bf16_release, local_agent)
@@ -291,6 +410,35 @@ def test_a_deploy_that_finds_other_bytes_fails_verification(approved, local_agen
     assert Job.objects.get(release=approved, kind="deploy").result["changed"] == [
         "config.json"
     ]
+
+
+@pytest.mark.parametrize(
+    ("error_code", "error", "state"),
+    [
+        # The words say mismatch, the code says the bytes were the approved ones.
+        ("recipe-mismatch", "recipe weights=int4-g128 mismatch: config.json", "failed"),
+        # The words don't, the code says the folder changed under the server.
+        (
+            "changed-during-start",
+            "the folder changed after the agent's check: server exited",
+            "failed_verification",
+        ),
+    ],
+)
+def test_a_failed_deploy_fails_verification_by_its_code_not_its_words(
+    make_release, local_agent, error_code, error, state
+):
+    release = make_release(state="approved")
+    run_deployment(release.pk)
+
+    local_agent.answer(
+        "deploy",
+        DeployResult(ok=False, error=error, error_code=error_code),
+        error=error,
+    )
+
+    assert Release.objects.get(pk=release.pk).state == state
+    assert Deployment.objects.get(release=release).state == state
 
 
 def test_reverification_of_a_tampered_copy_marks_the_deployment(approved, local_agent):

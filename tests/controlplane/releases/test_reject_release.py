@@ -2,12 +2,16 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import (
+    DigestMismatch,
     Forbidden,
     IllegalTransition,
     SeparationOfDuties,
     ValidationFailed,
 )
-from controlplane.releases.actions.approvals import do_reject_release
+from controlplane.releases.actions.approvals import (
+    check_decide_release,
+    do_reject_release,
+)
 from controlplane.releases.models import Release
 
 
@@ -65,3 +69,18 @@ def test_it_refuses_the_registrant(make_release, owner, teammate):
     assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
     do_reject_release(release, owner, comment="a colleague may")
     assert Release.objects.get(pk=release.pk).state == "rejected"
+
+
+def test_it_refuses_a_manifest_recorded_after_the_check(make_release, teammate):
+    reviewed = "sha256:" + "a" * 64
+    release = make_release(state="awaiting_approval", manifest_digest=reviewed)
+    check_decide_release(release, teammate, decision="reject", manifest_digest=reviewed)
+    Release.objects.filter(pk=release.pk).update(manifest_digest="sha256:" + "b" * 64)
+
+    with pytest.raises(DigestMismatch):
+        do_reject_release(
+            release, teammate, comment="too slow", manifest_digest=reviewed
+        )
+
+    assert Release.objects.get(pk=release.pk).state == "awaiting_approval"
+    assert not release.approvals.exists()

@@ -39,9 +39,11 @@ def state(release) -> str:
 
 
 def refuse(local_agent, release, *, changed=(), error=CHANGED) -> None:
-    """The agent answers the rollback target's deploy job: it does not verify."""
+    """The agent answers the rollback target's deploy job: its files differ
+    (`changed`), or it fails otherwise (`error` alone)."""
     assert run_deployment(release.pk) == "deploying"
-    result = DeployResult(ok=False, error=error, changed=list(changed))
+    code = "manifest-mismatch" if changed else "start-failed"
+    result = DeployResult(ok=False, error=error, error_code=code, changed=list(changed))
     local_agent.answer("deploy", result, error=error)
 
 

@@ -9,7 +9,11 @@ from controlplane.releases.actions.deployments import (
     do_fail_deployment,
     do_start_deployment,
 )
-from controlplane.releases.actions.rollbacks import do_rollback_environment
+from controlplane.releases.actions.rollbacks import (
+    check_rollback_environment,
+    do_rollback_environment,
+)
+from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Release
 from gpuagent.protocol import DeployResult
 
@@ -150,3 +154,24 @@ def test_it_requires_the_promote_scope(history, environment, teammate, team):
 
     with pytest.raises(Forbidden):
         do_rollback_environment(environment, token)
+
+
+def test_it_refuses_a_target_that_changed_after_the_check(
+    make_release, history, environment, owner, teammate, deploys
+):
+    old, _, new, _ = history
+    newest = make_release(state="approved")
+    go_live(newest, owner)
+    target = check_rollback_environment(environment, teammate)
+    assert target.release == new
+    do_transition_release(new, "quarantined", actor=owner, reason="copy changed")
+
+    with pytest.raises(Conflict) as refused:
+        do_rollback_environment(
+            environment, teammate, expected_target_release_id=target.release_id
+        )
+
+    assert refused.value.field == "target_release_id"
+    assert Release.objects.get(pk=newest.pk).state == "live"
+    assert Release.objects.get(pk=old.pk).state == "superseded"
+    assert deploys() == []

@@ -1,6 +1,9 @@
+import importlib
 from collections import deque
 
 import pytest
+from django.apps import apps
+from django.db.models import QuerySet
 
 from controlplane.audit.models import AuditEvent
 from controlplane.errors import IllegalTransition, ValidationFailed
@@ -11,6 +14,13 @@ from controlplane.releases.actions.transitions import (
     do_transition_release,
 )
 from controlplane.releases.models import RELEASE_STATES, Release
+
+
+def erase_audit_log() -> None:
+    """Delete every audit event, as only someone with the database could (the
+    model refuses it): what the code under test decides must not change."""
+    QuerySet.delete(AuditEvent.objects.all())
+
 
 LEGAL = [(a, b) for a in RELEASE_STATES for b in RELEASE_STATES if b in TRANSITIONS[a]]
 ILLEGAL = [
@@ -137,3 +147,39 @@ def test_it_names_a_token_actor_in_the_audit_event(release, owner, team):
     assert event.actor_token == token
     assert event.actor_user == owner
     assert event.actor_name == "token:ci (alice)"
+
+
+def test_it_keeps_when_the_release_entered_its_state_and_was_reopened(release, owner):
+    do_transition_release(release, "failed", actor=owner, reason="disk full")
+    failed = Release.objects.get(pk=release.pk)
+    assert failed.state_entered_at > release.created
+    assert failed.reopened_at is None
+
+    do_transition_release(release, "registered", actor=owner)
+
+    stored = Release.objects.get(pk=release.pk)
+    assert stored.state_entered_at > failed.state_entered_at
+    assert stored.reopened_at == stored.state_entered_at
+    assert (release.state_entered_at, release.reopened_at) == (
+        stored.state_entered_at,
+        stored.reopened_at,
+    )
+
+
+def test_the_migration_fills_them_from_the_audit_log(make_release, owner):
+    migration = importlib.import_module(
+        "controlplane.releases.migrations.0004_release_state_entered_at"
+    )
+    reopened, untouched = make_release(), make_release()
+    do_transition_release(reopened, "failed", actor=owner, reason="disk full")
+    do_transition_release(reopened, "registered", actor=owner)
+    do_transition_release(reopened, "verifying", actor=owner)
+    events = AuditEvent.objects.filter(verb="release.transition").order_by("id")
+    Release.objects.update(state_entered_at=untouched.created, reopened_at=None)
+
+    migration.fill_from_audit_log(apps, None)
+
+    stored = Release.objects.get(pk=reopened.pk)
+    assert stored.state_entered_at == events[2].created
+    assert stored.reopened_at == events[1].created
+    assert Release.objects.get(pk=untouched.pk).state_entered_at == untouched.created

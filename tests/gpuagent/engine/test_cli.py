@@ -85,16 +85,19 @@ def refusal(argv) -> str:
 
 @pytest.mark.timeout(180)
 def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
+    from transformers import AutoTokenizer
+
     folder, digest, publisher, _ = signed_demo
     port = free_port()
     argv = serve_argv(folder, digest, publisher.public, *RELEASE_FLAGS)
+    argv[1] = folder.name  # relative to the server's folder, not to this test's
     argv += ["--port", str(port), "--kv-cache-dtype", "fp32", "--max-num-seqs", "2"]
     argv += ["--threads", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)  # the engine runs the torch references on CPU
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuagent.engine", *argv],
-        cwd=REPO,
+        cwd=folder.parent,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -115,6 +118,8 @@ def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
         body = {"model": argv[1], "prompt": "def ", "max_tokens": 3, "temperature": 0}
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        (card,) = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+        tokens = httpx.post(f"{base}/tokenize", json={"prompt": "def f(x):"}).json()
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -125,6 +130,11 @@ def test_it_serves_a_signed_model_verified_against_its_public_key(signed_demo):
 
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 3
+    # `root` finds the folder from anywhere: what guidellm's --tokenizer takes
+    assert card["id"] == folder.name and card["root"] == str(folder)
+    assert Path.cwd() != folder.parent
+    tokenizer = AutoTokenizer.from_pretrained(card["root"])
+    assert tokenizer("def f(x):").input_ids == tokens["tokens"]
     # --kv-cache-dtype fp32 was taken: K and V, 4 bytes per element, no scales.
     config = json.loads((folder / "config.json").read_text())
     want = 2 * 4 * config["num_hidden_layers"] * config["num_key_value_heads"]
@@ -274,6 +284,28 @@ def test_it_inspects_a_folder_served_without_a_manifest_digest(tmp_path, caplog)
     message = refusal(argv)
     assert "refused to load" in message and "[model-rejected]" in message
     assert "modeling_llama.py" in message
+
+
+def test_it_refuses_to_serve_a_folder_whose_tokenizer_or_template_fails_its_probe(
+    tmp_path,
+):
+    from tests.gpuagent.engine.test_tokenizer import backtracking_tokenizer
+
+    hostile_tokenizer, hostile_template = tmp_path / "tok", tmp_path / "tpl"
+    for folder in (hostile_tokenizer, hostile_template):
+        shutil.copytree(DEMO_MODEL, folder)
+    backtracking_tokenizer().save(str(hostile_tokenizer / "tokenizer.json"))
+    (hostile_template / "chat_template.jinja").write_text("{{ 'x' * 4000000000 }}")
+    flags = ["--device", "cpu", "--kv-memory-gb", "0.005", "--log-level", "warning"]
+
+    tokenizer_refused = refusal(["serve", str(hostile_tokenizer), *flags])
+    template_refused = refusal(["serve", str(hostile_template), *flags])
+
+    assert "tokenizer.json is refused" in tokenizer_refused
+    assert "PanicException" in tokenizer_refused
+    assert "refused to serve" in template_refused
+    assert "chat template failed its probe" in template_refused
+    assert "MiB of memory" in template_refused
 
 
 def test_it_turns_prefix_caching_off_only_when_asked():

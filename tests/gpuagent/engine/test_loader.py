@@ -203,6 +203,16 @@ def test_it_refuses_a_file_that_is_not_safetensors(tmp_path):
         load_model(tmp_path)
 
 
+def test_it_refuses_a_config_that_starts_with_a_byte_order_mark(tmp_path):
+    # transformers and the integrity gate refuse it; json.loads of bytes would not
+    _hf_folder(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+
+    with pytest.raises(ModelLoadError, match="config.json is not JSON.*BOM"):
+        load_model(tmp_path)
+
+
 @pytest.mark.parametrize(
     "name, content, message",
     [

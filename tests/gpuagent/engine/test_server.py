@@ -955,3 +955,125 @@ def test_it_builds_model_and_tokenizer_from_the_verified_bytes_only(
     engine = LLMEngine.from_model_dir(model_dir, files=files, num_blocks=4)
 
     assert engine.encode_prompt("hi") == expected
+
+
+def test_it_routes_to_module_level_functions_that_find_the_server_on_the_app(
+    tiny_model_and_tokenizer,
+):
+    from fastapi.routing import APIRoute
+
+    import gpuagent.engine.server as server_module
+
+    model, tokenizer = tiny_model_and_tokenizer
+    engines = [LLMEngine(model, tokenizer, num_blocks=8, block_size=8) for _ in "ab"]
+
+    with (
+        serve(engines[0], "first") as (one, _),
+        serve(engines[1], "second") as (
+            two,
+            async_two,
+        ),
+    ):
+        listed = [
+            [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
+            for url in (one, two)
+        ]
+    app = server_module.build_app(async_two, "x")
+    endpoints = [r.endpoint for r in app.routes if isinstance(r, APIRoute)]
+
+    assert listed == [["first"], ["second"]]
+    assert len(endpoints) == 7
+    for endpoint in endpoints:  # the same function for every app, not a closure
+        assert getattr(server_module, endpoint.__name__) is endpoint
+
+
+@pytest.mark.parametrize(
+    ("template", "named"),
+    [
+        (  # nested loops: 10^10 iterations
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+            "{% endfor %}",
+            "longer than 2 s",
+        ),
+        ("{{ 'x' * 4000000000 }}", "1024 MiB of memory"),  # about 4 GB at once
+        (
+            "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+            "33554432 characters",
+        ),
+    ],
+)
+def test_it_answers_a_chat_template_past_a_limit_with_a_400_and_keeps_serving(
+    served, monkeypatch, template, named
+):
+    base_url, engine = served
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    good_template = engine.tokenizer.chat_template
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+
+    started = time.monotonic()
+    stopped = httpx.post(f"{base_url}/v1/chat/completions", json=chat, timeout=60)
+    took_s = time.monotonic() - started
+    tokenized = httpx.post(f"{base_url}/tokenize", json=chat, timeout=60)
+    monkeypatch.setattr(engine.tokenizer, "chat_template", good_template)
+    after = httpx.post(
+        f"{base_url}/v1/chat/completions", json={**chat, "max_tokens": 2}, timeout=60
+    )
+
+    assert stopped.status_code == 400, stopped.text
+    error = stopped.json()["error"]
+    assert (error["param"], error["code"]) == ("messages", "chat_template_limit")
+    assert named in error["message"]
+    assert took_s < 5
+    assert tokenized.status_code == 400
+    assert after.status_code == 200, after.text
+
+
+def test_it_refuses_to_start_with_a_chat_template_that_fails_its_probe(
+    tiny_model_and_tokenizer,
+):
+    from gpuagent.engine.engine import AsyncLLMEngine
+    from gpuagent.engine.server import build_app
+    from gpuagent.engine.tokenizer import Tokenizer
+    from gpuagent.engine.untrusted import ProbeError
+
+    model, tokenizer = tiny_model_and_tokenizer
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+    config = {**tokenizer.config, "chat_template": endless + "{% endfor %}"}
+    engine = LLMEngine(model, Tokenizer(tokenizer.inner, config), num_blocks=8)
+
+    with pytest.raises(ProbeError) as refused:
+        build_app(AsyncLLMEngine(engine), MODEL)
+
+    assert "chat template failed its probe" in str(refused.value)
+    assert "longer than 2 s" in str(refused.value)
+
+
+def test_it_answers_a_prompt_the_tokenizer_panics_on_with_a_400_and_keeps_serving(
+    tiny_model_and_tokenizer,
+):
+    from gpuagent.engine.tokenizer import Tokenizer
+    from tests.gpuagent.engine.test_tokenizer import backtracking_tokenizer
+
+    model, tokenizer = tiny_model_and_tokenizer
+    panicky = Tokenizer(backtracking_tokenizer(), tokenizer.config)
+    engine = LLMEngine(model, panicky, num_blocks=16, block_size=8)
+    hostile = "a" * 40 + "!"  # 41 characters
+
+    with serve(engine) as (base_url, _):
+        answers = [
+            httpx.post(f"{base_url}{path}", json={"model": MODEL, **body}, timeout=60)
+            for path, body in [
+                ("/v1/completions", {"prompt": hostile, "max_tokens": 2}),
+                ("/v1/chat/completions", {"messages": chat(hostile)}),
+                ("/tokenize", {"prompt": hostile}),
+                ("/v1/completions", {"prompt": "hello", "max_tokens": 2}),
+            ]
+        ]
+        health = httpx.get(f"{base_url}/health", timeout=10)
+
+    for resp, param in zip(answers[:3], ["prompt", "messages", "prompt"], strict=True):
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param
+        assert "tokenizer failed" in resp.json()["error"]["message"]
+    assert answers[3].status_code == 200, answers[3].text
+    assert health.status_code == 200

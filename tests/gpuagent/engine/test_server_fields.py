@@ -1,9 +1,14 @@
 """Request fields beyond the basics, on a live server: each is implemented or refused
-with a 400 naming it (unknown and unsupported fields, penalties, logit_bias,
+with a 400 naming it (unknown and unsupported fields, OpenAI's bookkeeping fields
+user, metadata, store and service_tier, penalties, logit_bias,
 min_tokens, n, echo with prompt logprobs, chat roles, unknown model, default
 max_tokens, max_model_len, chat logprobs without the stop token)."""
 
+import json
+import logging
+
 import httpx
+import openai
 import pytest
 import torch
 
@@ -124,7 +129,7 @@ def test_it_answers_unknown_fields_with_a_400_naming_them(
         ("response_format", {"type": "json_object"}),
         ("suffix", "end"),
         ("best_of", 3),
-        ("user", "u-1"),
+        ("prediction", {"type": "content", "content": "x"}),
     ],
 )
 def test_it_refuses_openai_fields_it_does_not_implement(served_fp32, field, value):
@@ -141,6 +146,85 @@ def test_it_refuses_openai_fields_it_does_not_implement(served_fp32, field, valu
     error = refused.json()["error"]
     assert (error["param"], error["code"]) == (field, "unsupported_field")
     assert as_null.status_code == 200, as_null.text  # null asks for nothing
+
+
+BOOKKEEPING = {
+    "user": "user-42",
+    "store": False,
+    "metadata": {"team": "search", "ticket": "T-7"},
+    "service_tier": "auto",
+}
+BODIES = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    },
+}
+
+
+def test_it_takes_openai_bookkeeping_fields_and_records_them(served_fp32, caplog):
+    base_url, _ = served_fp32
+    caplog.set_level(logging.INFO, logger="gpuagent.engine.server")
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=30)
+
+    answers = {
+        path: post(base_url, path, {**body, **BOOKKEEPING})
+        for path, body in BODIES.items()
+    }
+    events = stream_events(
+        base_url,
+        "/v1/chat/completions",
+        {**BODIES["/v1/chat/completions"], **BOOKKEEPING},
+    )
+    by_client = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        user="user-42",
+        store=False,
+        metadata={"team": "search"},
+        service_tier="default",
+    )
+
+    for path, resp in answers.items():
+        assert resp.status_code == 200, (path, resp.text)
+        assert resp.json()["metadata"] == BOOKKEEPING["metadata"]
+        assert resp.json()["service_tier"] == "default"  # the tier that served it
+    assert {e["service_tier"] for e in events} == {"default"}
+    assert by_client.metadata == {"team": "search"}
+    logged = [r.getMessage() for r in caplog.records if "user-42" in r.getMessage()]
+    assert len(logged) == 4
+    metadata = json.dumps(BOOKKEEPING["metadata"], sort_keys=True)
+    assert sum(metadata in line for line in logged) == 3
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("store", True, "store"),
+        ("service_tier", "flex", "flex"),
+        ("metadata", {f"k{i}": "v" for i in range(17)}, "16"),
+        ("metadata", {"k" * 65: "v"}, "64"),
+        ("metadata", {"k": "v" * 513}, "512"),
+        ("metadata", {"k": 1}, "metadata"),
+        ("user", "u" * 513, "512"),
+    ],
+)
+def test_it_refuses_bookkeeping_values_it_cannot_honour(
+    served_fp32, path, field, value, named
+):
+    base_url, _ = served_fp32
+
+    refused = post(base_url, path, {**BODIES[path], field: value})
+    as_null = post(base_url, path, {**BODIES[path], field: None})
+
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"].split(".")[0] == field
+    assert named in error["message"]
+    assert as_null.status_code == 200, as_null.text
 
 
 def test_it_takes_best_of_equal_to_n(served_fp32):
@@ -497,7 +581,7 @@ def test_models_report_the_context_the_kv_pool_can_hold(tiny_model_and_tokenizer
     # 8 blocks of 8 tokens hold 64 tokens, less than the model's 256 positions.
     engine = LLMEngine(model, tokenizer, num_blocks=8, block_size=8)
 
-    with serve(engine, ["tiny", "alias"]) as (base_url, _):
+    with serve(engine, ["tiny", "alias"], model_root="/models/tiny") as (base_url, _):
         models = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]
         by_alias = post(
             base_url, "/v1/completions", {"prompt": "a", "max_tokens": 1}
@@ -509,9 +593,9 @@ def test_models_report_the_context_the_kv_pool_can_hold(tiny_model_and_tokenizer
         )
         too_long = post(base_url, "/v1/completions", {"prompt": "x" * 64})
 
-    assert [(m["id"], m["max_model_len"]) for m in models] == [
-        ("tiny", 64),
-        ("alias", 64),
+    assert [(m["id"], m["max_model_len"], m["root"]) for m in models] == [
+        ("tiny", 64, "/models/tiny"),
+        ("alias", 64, "/models/tiny"),
     ]
     assert alias.status_code == 200 and alias.json()["model"] == "tiny"
     assert by_alias["model"] == "tiny"

@@ -122,8 +122,9 @@ def test_it_loads_only_from_the_given_file_bytes(tmp_path):
         ("tokenizer.json", b"\xff\xfe", "not a valid tokenizer"),
         ("tokenizer_config.json", b"{not json", "not JSON"),
         ("tokenizer_config.json", b"[1, 2]", "not a JSON object"),
+        ("tokenizer_config.json", b'\xef\xbb\xbf{"model_max_length": 8}', "BOM"),
     ],
-    ids=["truncated-tokenizer", "not-utf8", "config-not-json", "config-array"],
+    ids=["truncated-tokenizer", "not-utf8", "config-not-json", "config-array", "bom"],
 )
 def test_it_names_a_broken_tokenizer_file(tmp_path, name, content, reason):
     save_byte_tokenizer(tmp_path / "real")
@@ -284,3 +285,47 @@ def test_it_lets_the_configs_add_bos_token_decide(tmp_path):
     assert bos.encode_prompt("ab") == [2, 0, 1, 3]
     # a prompt that a chat template started with BOS does not get a second one
     assert bos.encode_prompt("<s>ab") == [2, 0, 1, 3]
+
+
+def backtracking_tokenizer() -> HFTokenizer:
+    """The byte-level tokenizer behind a pre-tokenizer regex that backtracks
+    catastrophically on a run of "a"s that does not end the text: the `tokenizers`
+    package panics (PanicException, a BaseException) past onig's retry limit."""
+    from tokenizers import Regex
+
+    from gpuagent.engine.tokenizer import build_byte_tokenizer
+
+    inner = build_byte_tokenizer()
+    inner.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("(a+)+$"), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    return inner
+
+
+def test_it_turns_a_tokenizer_panic_into_an_error_naming_it():
+    from gpuagent.engine.tokenizer import TokenizerError, byte_tokenizer_config
+
+    tokenizer = Tokenizer(backtracking_tokenizer(), byte_tokenizer_config())
+
+    with pytest.raises(TokenizerError) as failed:
+        tokenizer.encode_prompt("a" * 40 + "!")  # 41 characters
+    after = tokenizer.encode("hello")
+
+    assert "tokenizer failed" in str(failed.value)
+    assert "PanicException" in str(failed.value)
+    assert after == list(b"hello")
+
+
+def test_it_refuses_to_load_a_tokenizer_that_panics_on_its_probe(tmp_path):
+    save_byte_tokenizer(tmp_path)
+    backtracking_tokenizer().save(str(tmp_path / "tokenizer.json"))
+
+    with pytest.raises(TokenizerLoadError) as refused:
+        load_tokenizer(tmp_path)
+
+    message = str(refused.value)
+    assert "tokenizer.json is refused" in message and "probe" in message
+    assert "PanicException" in message and "aaaa" in message

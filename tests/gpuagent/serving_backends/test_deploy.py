@@ -28,7 +28,7 @@ RELEASE_FIELDS = {
 SMALL_ENGINE = {"kv_memory_gb": 0.005, "max_num_seqs": 2, "threads": 1, "device": "cpu"}
 ENGINE_TEMPLATE = (
     "{python} -m gpuagent.engine serve {model_dir} --host {host} --port {port} "
-    "--kv-cache-dtype {kv_cache_dtype} --served-model-name {served_model_name} "
+    "--kv-cache-dtype {kv_cache_dtype} --served-model-name {served_model_names} "
     "--manifest-digest {manifest_digest} --kv-memory-gb 0.005 --max-num-seqs 2 "
     "--threads 1 --device cpu --dtype float32"
 )
@@ -39,6 +39,12 @@ def complete(endpoint: str, model: str) -> dict:
     reply = httpx.post(f"{endpoint}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     return reply.json()
+
+
+def served_names(endpoint: str) -> list[str]:
+    """The ids /v1/models lists, in order."""
+    models = httpx.get(f"{endpoint}/v1/models", timeout=10).json()["data"]
+    return [m["id"] for m in models]
 
 
 @pytest.mark.timeout(180)
@@ -84,18 +90,43 @@ def test_it_deploys_a_signed_release_on_the_engine_and_undeploys_it(
 
 
 @pytest.mark.timeout(180)
+def test_it_serves_a_release_under_its_model_name_and_model_at_version(
+    approved, registry, engine_env
+):
+    model = new_marker()  # the release's model name, as the dashboard shows it
+    spec = spec_for(
+        approved,
+        BackendSpec(kind="engine", **SMALL_ENGINE),
+        release_model=model,
+        release_version="2.1.0",
+    )
+
+    result = deploy(approved.folder, spec, registry=registry, env=engine_env)
+
+    assert result.ok, result.error
+    assert served_names(result.endpoint) == [model, f"{model}@2.1.0"]
+    assert complete(result.endpoint, model)["model"] == model
+    assert complete(result.endpoint, f"{model}@2.1.0")["model"] == model
+    (info,) = loaded_deployments(registry)
+    assert info.served_model_name == model
+
+
+@pytest.mark.timeout(180)
 def test_it_starts_an_external_engine_from_a_template(approved, registry, engine_env):
     marker = new_marker()
     spec = spec_for(
         approved,
         BackendSpec(kind="external", command_template=ENGINE_TEMPLATE),
         served_model_name=marker,
+        release_model="demo",
+        release_version="1.0.0",
     )
 
     result = deploy(approved.folder, spec, registry=registry, env=engine_env)
 
     assert result.ok and result.backend == "external", result.error
     assert complete(result.endpoint, marker)["usage"]["completion_tokens"] == 3
+    assert served_names(result.endpoint) == [marker, "demo@1.0.0"]
     assert undeploy(result.deployment_id, registry=registry)
     assert processes_with(marker) == []
 

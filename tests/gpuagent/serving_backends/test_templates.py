@@ -85,3 +85,25 @@ def test_it_refuses_a_kv_dtype_or_preset_the_engine_does_not_have():
         preset_template("vllm", "int8")
     with pytest.raises(TemplateError, match="unknown serving preset 'sglang'"):
         preset_template("sglang", "fp8")
+
+
+def test_it_gives_each_served_name_its_own_argument():
+    template = "srv --served-model-name {served_model_names} --port {port}"
+    names = ["demo-llama", "demo-llama@1.0"]
+
+    argv = render_command(template, {**VALUES, "served_model_names": names})
+    preset, kv = preset_template("vllm", "fp8")
+    vllm = render_command(
+        preset, {**VALUES, "kv_cache_dtype": kv, "served_model_names": names}
+    )
+
+    assert argv == ["srv", "--served-model-name", *names, "--port", "<port>"]
+    i = vllm.index("--served-model-name")
+    assert vllm[i + 1 : i + 3] == names
+
+
+def test_it_refuses_a_list_placeholder_inside_a_word():
+    with pytest.raises(TemplateError) as info:
+        render_command("srv --names={served_model_names}", VALUES)
+
+    assert "{served_model_names} must stand alone" in str(info.value)

@@ -29,7 +29,7 @@ from django.db import transaction
 
 from controlplane.accounts.actions import team_source_roots
 from controlplane.accounts.models import Membership, Team
-from controlplane.celery import worker_command
+from controlplane.celery import dies_with_this_process, worker_command
 from controlplane.fleet.models import Environment
 from controlplane.releases import pipeline
 from controlplane.releases.actions.approvals import do_approve_release
@@ -182,6 +182,8 @@ class Command(BaseCommand):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
+                # killed however this command ends, even by SIGKILL (its beat too)
+                preexec_fn=dies_with_this_process(),
             )
         self.stdout.write(
             f"celery worker pid {worker.pid} on {settings.CELERY_BROKER_URL} "

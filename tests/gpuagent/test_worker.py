@@ -1,0 +1,63 @@
+"""The agent process (gpuagent.worker): who it is, which start of it this is, and
+its heartbeat, sent through a real (embedded SQLAlchemy) broker."""
+
+import pytest
+
+from gpuagent import worker
+from tests.test_layering import imported_modules, is_within
+
+
+@pytest.fixture
+def me(tmp_path, monkeypatch) -> worker.Agent:
+    """This process's agent, as `python -m gpuagent run` would configure it."""
+    agent = worker.agent_from_environment(
+        {
+            "GPUAGENT_NAME": "gpu-7",
+            "GPUAGENT_ARTIFACTS": str(tmp_path / "artifacts"),
+            "GPUAGENT_CONTROLPLANE_QUEUE": f"cp-{tmp_path.name}",
+        }
+    )
+    monkeypatch.setattr(worker, "_agent", agent)
+    return agent
+
+
+def test_it_never_imports_the_job_handlers():
+    imports = imported_modules("gpuagent")
+
+    assert not any(
+        is_within(name, "gpuagent.tasks") for name in imports["gpuagent/worker.py"]
+    )
+    assert "gpuagent.worker" in imports["gpuagent/tasks.py"]  # one way
+
+
+def test_each_start_of_an_agent_is_another_incarnation(me):
+    again = worker.agent_from_environment({"GPUAGENT_NAME": "gpu-7"})
+
+    assert me.incarnation != again.incarnation
+    assert len(me.incarnation) == 32
+    assert again.started >= me.started
+
+
+def test_it_beats_with_its_incarnation(me):
+    me.running_jobs.add(41)
+
+    beat = worker.heartbeat()
+
+    assert (beat.agent, beat.queue) == ("gpu-7", "agent.gpu-7")
+    assert (beat.incarnation, beat.started) == (me.incarnation, me.started)
+    assert beat.running_jobs == [41]
+
+
+def test_it_sends_the_first_beat_before_it_returns(me, tmp_path):
+    app = worker.make_app(f"sqla+sqlite:///{tmp_path / 'broker.sqlite3'}")
+
+    stop = worker.start_heartbeat(app)
+    stop.set()
+
+    with app.connection_for_read() as connection:
+        queue = connection.SimpleQueue(me.controlplane_queue)
+        message = queue.get(block=False)  # there already, not on its way
+        queue.close()
+    assert message.headers["task"] == worker.RECORD_HEARTBEAT
+    (sent,), _, _ = message.decode()
+    assert sent["incarnation"] == me.incarnation
