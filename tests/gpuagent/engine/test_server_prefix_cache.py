@@ -134,4 +134,5 @@ def test_it_accepts_and_records_the_session_affinity_header(served, caplog):
         )
 
     assert metric(base_url, "engine_session_affinity_requests_total") == before + 2
-    assert "session 'sess-42'" in caplog.text and "session 'sess-43'" in caplog.text
+    # logged as JSON beside user and metadata, so no value can forge a line
+    assert 'session "sess-42"' in caplog.text and 'session "sess-43"' in caplog.text
