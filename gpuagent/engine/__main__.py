@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=512)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the cached KV of earlier requests' full prompt blocks (vLLM's "
+        "automatic prefix caching; on by default, --no-enable-prefix-caching: off)",
+    )
+    serve.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu"
     )
     serve.add_argument(
@@ -195,6 +202,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

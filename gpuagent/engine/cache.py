@@ -10,12 +10,51 @@ A cache with a full-precision window (`kernels.kv_quant`) also gives each live
 sequence one window row; its newest `window` tokens are copied to ring slot
 `row * window + p % window` as well. Rows come from a free list like blocks, and a
 sequence takes one with its first block.
+
+Prefix caching (vLLM's automatic prefix caching, v1 `KVCacheManager`/`BlockPool`):
+every full block is named by a hash chain, SHA-256 of its parent block's hash and
+its token ids, rooted in a hash of everything else its bytes depend on (the model's
+weights, the KV dtype, block size and window, each layer's rotation and static fp8
+scales: `KVCacheManager.prefix_cache_root`), so equal hashes mean equal bytes and
+caches that differ in any of those never share one. Once a block's K/V are computed
+it enters the cache (`BlockManager.cache_computed_blocks`; a block whose tokens
+another block holds already stays private). A new sequence starts its table with the
+longest run of cached blocks of its tokens (`cached_prefix`), shared by reference
+count, and computes only the rest; at least its last token is always computed, for
+the logits of the next one, so a prompt that is all cached blocks recomputes its
+last block. A freed block keeps its hash on the free list: the list is the LRU order
+(a sequence's last blocks are freed first, so its tail goes before the prefix others
+may share), a hit takes a free cached block back off it, and a block's hash entry is
+dropped only when the pool hands it out again. Eviction thus never frees a block
+anyone holds. A cached prefix's positions are never written again (their slots are
+-1): several sequences may read the block.
+
+With a full-precision window, a cached block's quantized bytes are what any request
+would write for those tokens (K/V at a position depend only on the tokens up to
+it), but the window is not in the block: each query reads its newest `window`
+positions in bf16 (`kernels.paged_attention`), and a bf16 copy of an older position
+exists only in the row of the sequence that computed it. A sequence that starts
+after a cached prefix of C tokens would need the bf16 K/V of positions
+C - window + 1 .. C - 1 in every layer. Recomputing positions from S on, with an
+empty window row, gives exact layer-0 K/V from S on (they depend on the token
+alone), exact layer-1 K/V from S + window - 1 on (each query there has its whole
+window among the recomputed positions), and exact layer-l K/V from
+S + l (window - 1) on. So the rule: a hit of C tokens on a cache with a window
+recomputes from S = C - layers * (window - 1) (`window_refill_tokens`; at least 0),
+writing those positions into the window row only, never into the shared blocks;
+from C on every layer's window holds exactly what a request without the cache would
+have there, and greedy outputs are the same with the cache on or off (the K/V are
+bit for bit the same where the chunks are; tests/gpuagent/engine/
+test_prefix_cache.py). The blocks are still shared, and the tokens reported cached
+(`Sequence.num_cached_tokens`) are the S not computed.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,23 +67,32 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """A fixed set of KV blocks handed out from a free list, with reference counts.
+    """A fixed set of KV blocks handed out from a free list, with reference counts,
+    and the prefix cache's map from block hash to the block holding those tokens.
 
     Blocks are returned to the back of the free list and taken from the front, so a
-    freed block is reused as late as possible (stale data is overwritten anyway; this
-    just makes use-after-free bugs show up as wrong tokens sooner in tests).
+    freed block is reused as late as possible: the free list is also the prefix
+    cache's LRU order. A freed block keeps its hash (its K/V stay valid), so a later
+    request can take it back off the free list (`touch`); its hash entry is dropped
+    only when the block is handed out again (evicted). Eviction therefore never
+    touches a block anyone holds.
     """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # An ordered dict as a queue that also removes from the middle in O(1) (a
+        # cached free block taken back); values unused.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.num_evicted_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks on the free list."""
+        """Blocks on the free list (cached ones included: they can be evicted)."""
         return len(self._free)
 
     @property
@@ -52,16 +100,27 @@ class BlockPool:
         """Blocks held by at least one sequence."""
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a hash entry, held or free."""
+        return len(self._cached)
+
     def allocate(self, count: int = 1) -> list[int]:
-        """Take `count` blocks off the free list; all or nothing."""
+        """Take `count` blocks off the front of the free list, evicting the hash
+        entries of cached ones; all or nothing."""
         if count > len(self._free):
             raise NoFreeBlocksError(
                 f"asked for {count} KV blocks, {len(self._free)} free "
                 f"of {self.num_blocks}"
             )
-        blocks = [self._free.popleft() for _ in range(count)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
         for block_id in blocks:
             self._ref_counts[block_id] = 1
+            block_hash = self._block_hashes[block_id]
+            if block_hash is not None:
+                self._block_hashes[block_id] = None
+                del self._cached[block_hash]
+                self.num_evicted_blocks += 1
         return blocks
 
     def share(self, block_id: int) -> None:
@@ -70,18 +129,50 @@ class BlockPool:
             raise ValueError(f"block {block_id} is not allocated")
         self._ref_counts[block_id] += 1
 
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to each cached block, taking free ones off the free
+        list (a prefix-cache hit)."""
+        for block_id in block_ids:
+            if self._block_hashes[block_id] is None:
+                raise ValueError(f"block {block_id} is not cached")
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
     def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference to each block; a block with none left is free again."""
+        """Drop one reference to each block; a block with none left goes to the back
+        of the free list (keeping its hash, if cached), in the order given."""
         for block_id in block_ids:
             if self._ref_counts[block_id] <= 0:
                 raise ValueError(f"block {block_id} freed twice")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                self._free[block_id] = None
 
     def ref_count(self, block_id: int) -> int:
         """How many sequences hold `block_id`."""
         return self._ref_counts[block_id]
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Record that held `block_id` holds the tokens `block_hash` names; False
+        (nothing changed) when another block holds them already or this one is
+        cached."""
+        if self._ref_counts[block_id] <= 0:
+            raise ValueError(f"block {block_id} is not allocated")
+        if block_hash in self._cached or self._block_hashes[block_id] is not None:
+            return False
+        self._cached[block_hash] = block_id
+        self._block_hashes[block_id] = block_hash
+        return True
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block that holds the tokens `block_hash` names, or None."""
+        return self._cached.get(block_hash)
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        """The hash of the tokens `block_id` holds, if it is cached."""
+        return self._block_hashes[block_id]
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -106,7 +197,7 @@ def slot_mapping(
 
 class BlockManager:
     """Block tables (and window rows) of live sequences over one `BlockPool`
-    (no tensors)."""
+    (no tensors), and the prefix cache over its full blocks when enabled."""
 
     def __init__(
         self, num_blocks: int, block_size: int, window: int = 0, num_windows: int = 0
@@ -125,6 +216,15 @@ class BlockManager:
         self.num_windows = num_windows
         self._free_windows: deque[int] = deque(range(num_windows))
         self.window_rows: dict[str, int] = {}
+        # Prefix caching (off until `enable_prefix_caching`).
+        self.prefix_caching = False
+        self.root_hash = b""
+        self.window_refill_tokens = 0
+        # Per sequence: leading blocks of its table that are cached (taken from the
+        # cache or cached since), and the positions its cached prefix covers, which
+        # are never written again (their blocks may be shared).
+        self._num_cached_blocks: dict[str, int] = {}
+        self._shared_tokens: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -158,19 +258,36 @@ class BlockManager:
     def _needs_window_row(self, seq_id: str) -> bool:
         return self.num_windows > 0 and seq_id not in self.window_rows
 
-    def can_hold(self, seq_id: str, num_tokens: int) -> bool:
-        """Whether the free lists cover growing `seq_id` to `num_tokens` tokens."""
+    def can_hold(
+        self, seq_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Whether the free lists cover growing `seq_id` to `num_tokens` tokens
+        (a new sequence: after taking `cached_blocks`, its cached prefix)."""
         if self._needs_window_row(seq_id) and not self._free_windows:
             return False
-        return self.extra_blocks_for(seq_id, num_tokens) <= self.pool.num_free_blocks
+        extra = self.extra_blocks_for(seq_id, num_tokens)
+        extra = max(0, extra - len(cached_blocks))
+        # cached blocks nobody holds sit on the free list: taking them shrinks it
+        taken = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
+        return extra <= self.pool.num_free_blocks - taken
 
-    def ensure_capacity(self, seq_id: str, num_tokens: int) -> bool:
+    def ensure_capacity(
+        self, seq_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
         """Grow `seq_id`'s table to hold `num_tokens` (and give it a window row);
-        False (nothing taken) if the pool can't."""
-        if not self.can_hold(seq_id, num_tokens):
+        False (nothing taken) if the pool can't. A sequence that holds no block yet
+        may start its table with `cached_blocks` (`cached_prefix`), shared."""
+        if cached_blocks and seq_id in self.block_tables:
+            raise ValueError(f"{seq_id!r} holds blocks already")
+        if not self.can_hold(seq_id, num_tokens, cached_blocks):
             return False
         if self._needs_window_row(seq_id):
             self.window_rows[seq_id] = self._free_windows.popleft()
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            self.block_tables[seq_id] = list(cached_blocks)
+            self._num_cached_blocks[seq_id] = len(cached_blocks)
+            self._shared_tokens[seq_id] = len(cached_blocks) * self.block_size
         extra = self.extra_blocks_for(seq_id, num_tokens)
         table = self.block_tables.setdefault(seq_id, [])
         if extra:
@@ -179,9 +296,12 @@ class BlockManager:
 
     def free(self, seq_id: str) -> int:
         """Return every block (and the window row) of `seq_id`; returns how many
-        blocks."""
+        blocks. The last blocks go first onto the free list, so the prefix cache
+        evicts a sequence's tail before the prefix that others may share."""
         table = self.block_tables.pop(seq_id, [])
-        self.pool.free(table)
+        self.pool.free(table[::-1])
+        self._num_cached_blocks.pop(seq_id, None)
+        self._shared_tokens.pop(seq_id, None)
         row = self.window_rows.pop(seq_id, None)
         if row is not None:
             self._free_windows.append(row)
@@ -202,8 +322,111 @@ class BlockManager:
         ]
 
     def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
-        """Cache slots of positions `start..end-1` of `seq_id`."""
-        return slot_mapping(self.block_table(seq_id), start, end, self.block_size)
+        """Cache slots of positions `start..end-1` of `seq_id`; -1 (not written)
+        for positions of its cached prefix, recomputed only to refill a window."""
+        slots = slot_mapping(self.block_table(seq_id), start, end, self.block_size)
+        shared = self._shared_tokens.get(seq_id, 0) - start
+        if shared > 0:
+            slots[:shared] = [-1] * min(shared, len(slots))
+        return slots
+
+    # -- prefix cache ----------------------------------------------------------------
+
+    def enable_prefix_caching(
+        self, root_hash: bytes, window_refill_tokens: int
+    ) -> None:
+        """Cache full blocks under hashes chained from `root_hash` (what the block
+        bytes depend on besides their tokens: `KVCacheManager.prefix_cache_root`);
+        a hit on a cache with a window recomputes the `window_refill_tokens`
+        positions before its first uncached one (module docstring)."""
+        if window_refill_tokens < 0:
+            raise ValueError("window_refill_tokens must be >= 0")
+        self.prefix_caching = True
+        self.root_hash = root_hash
+        self.window_refill_tokens = window_refill_tokens
+
+    def extend_block_hashes(
+        self,
+        block_hashes: list[bytes],
+        token_ids: Callable[[int, int], Sequence[int]],
+        num_tokens: int,
+    ) -> list[bytes]:
+        """Append to `block_hashes` (a sequence's, in block order) the hash of each
+        further full block of its first `num_tokens` tokens; `token_ids(start,
+        end)` gives the tokens at positions start..end-1. Returns the list."""
+        size = self.block_size
+        for index in range(len(block_hashes), num_tokens // size):
+            parent = block_hashes[-1] if block_hashes else self.root_hash
+            block_tokens = token_ids(index * size, (index + 1) * size)
+            block_hashes.append(hash_block_tokens(parent, block_tokens))
+        return block_hashes
+
+    def cached_prefix(
+        self, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> list[int]:
+        """The cached blocks of the longest cached prefix of a sequence of
+        `num_tokens` tokens with these block hashes, leaving at least its last token
+        to compute (its logits sample the next one), as vLLM does."""
+        if not self.prefix_caching:
+            return []
+        blocks: list[int] = []
+        for block_hash in block_hashes[: (num_tokens - 1) // self.block_size]:
+            block_id = self.pool.cached_block(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def prefix_compute_start(self, num_cached_blocks: int) -> int:
+        """First position a sequence computes after a cached prefix of
+        `num_cached_blocks` blocks: the prefix's end, or, with a window, the
+        `window_refill_tokens` before it (module docstring)."""
+        return max(0, num_cached_blocks * self.block_size - self.window_refill_tokens)
+
+    def cache_computed_blocks(
+        self, seq_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
+    ) -> None:
+        """Enter the full blocks of `seq_id` whose `num_computed_tokens` K/V are in
+        the cache now into the prefix cache (a block whose tokens another block
+        holds already stays private)."""
+        if not self.prefix_caching:
+            return
+        table = self.block_tables[seq_id]
+        first = self._num_cached_blocks.get(seq_id, 0)
+        last = min(num_computed_tokens // self.block_size, len(block_hashes))
+        for index in range(first, last):
+            self.pool.cache_block(table[index], block_hashes[index])
+        self._num_cached_blocks[seq_id] = max(first, last)
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 of a block's parent hash (the chain over everything before it) and
+    its token ids: equal hashes mean equal tokens at equal positions after an equal
+    prefix, under the same root (`KVCacheManager.prefix_cache_root`)."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+def model_digest(model: torch.nn.Module) -> bytes:
+    """SHA-256 of a model's config and weights (every tensor of its state dict by
+    name, a tied one once): part of the prefix cache's root, since the same tokens
+    give other K/V under other weights. Computed once per model object (the engine
+    never changes weights after start: they are prepacked)."""
+    cached = getattr(model, "_prefix_cache_model_digest", None)
+    if cached is not None:
+        return cached
+    digest = hashlib.sha256(repr(getattr(model, "config", None)).encode())
+    seen: set[tuple[int, int]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.numel())
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        if key in seen:
+            continue
+        seen.add(key)
+        flat = tensor.detach().reshape(-1).cpu().contiguous()
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    value = digest.digest()
+    model._prefix_cache_model_digest = value
+    return value
 
 
 def _kv_shape(config: Any) -> tuple[int, int, int]:
@@ -330,3 +553,27 @@ class KVCacheManager:
     def nbytes(self) -> int:
         """Bytes of every cache tensor, scales and windows included."""
         return sum(cache.nbytes for cache in self.kv_caches)
+
+    def prefix_cache_root(self, model_digest: bytes) -> bytes:
+        """The root of every block-hash chain: SHA-256 over what a block's bytes
+        depend on besides its tokens and their prefix: the model (`model_digest`),
+        the KV dtype, block size and window, and per layer the rotation and static
+        (fp8) scales. Caches that differ in any of these never share a hash."""
+        digest = hashlib.sha256(b"releasegate prefix cache v1\0")
+        digest.update(model_digest)
+        digest.update(f"{self.kv_dtype}:{self.block_size}:{self.window}".encode())
+        for cache in self.kv_caches:
+            digest.update(f":{cache.rotated}:{cache.key.device.type}".encode())
+            if cache.static_scales:
+                for scale in (cache.key_scale, cache.value_scale):
+                    scale = scale.detach().cpu().contiguous()
+                    digest.update(memoryview(scale.view(torch.uint8).numpy()))
+        return digest.digest()
+
+    def enable_prefix_caching(self, model_digest: bytes) -> None:
+        """Turn on the prefix cache of this model's blocks; call after any static
+        scales are set (they are part of the root). A hit on a cache with a window
+        recomputes layers * (window - 1) positions before its first uncached one
+        (module docstring)."""
+        refill = len(self.kv_caches) * (self.window - 1) if self.window else 0
+        self.blocks.enable_prefix_caching(self.prefix_cache_root(model_digest), refill)

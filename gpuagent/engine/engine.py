@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gpuagent.engine.cache import BlockManager, KVCacheManager
+from gpuagent.engine.cache import BlockManager, KVCacheManager, model_digest
 from gpuagent.engine.kv_calibration import calibrate_kv_caches
 from gpuagent.engine.model import AttentionMetadata
 from gpuagent.engine.sampling import (
@@ -119,6 +119,9 @@ class RequestOutput:
     # With `prompt_logprobs` asked: on the request's first output, one entry per
     # prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Prompt tokens taken from the prefix cache instead of computed (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -228,6 +231,21 @@ class EngineMetrics:
         self.preemptions = Counter(
             "engine_preemptions", "Sequences preempted for KV blocks", registry=r
         )
+        # Ours and vLLM's names (prometheus_client adds _total to both), so that a
+        # dashboard or load tester made for vLLM reads the hit rate here too.
+        self.prefix_cache_queries = [
+            Counter(name, "Prompt tokens looked up in the prefix cache", registry=r)
+            for name in ("engine_prefix_cache_queries", "vllm:prefix_cache_queries")
+        ]
+        self.prefix_cache_hits = [
+            Counter(name, "Prompt tokens found in the prefix cache", registry=r)
+            for name in ("engine_prefix_cache_hits", "vllm:prefix_cache_hits")
+        ]
+        Gauge(
+            "engine_prefix_cache_blocks",
+            "KV blocks in the prefix cache (held or free)",
+            registry=r,
+        ).set_function(lambda: blocks.pool.num_cached_blocks)
         self.generation_tokens = Counter(
             "engine_generation_tokens", "Tokens generated", registry=r
         )
@@ -279,8 +297,14 @@ class LLMEngine:
         max_model_len: int | None = None,
         prepack_weights: bool = True,
         kv_window: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """Size the KV pool by `num_blocks` or else `kv_memory_bytes` (256 MiB).
+
+        With `enable_prefix_caching` (vLLM's automatic prefix caching), a request
+        starts from the cached K/V of every full block of its prompt that an
+        earlier one computed (`gpuagent.engine.cache`); greedy outputs are the same
+        either way.
 
         `kv_window` newest tokens of each sequence are also kept in bf16 beside a
         quantized cache (default: `DEFAULT_KV_WINDOW`); one window row per
@@ -307,6 +331,8 @@ class LLMEngine:
         )
         # fp8: per-head scales from the built-in calibration text
         calibrate_kv_caches(model, tokenizer, self.kv.kv_caches)
+        if enable_prefix_caching:  # after calibration: the scales are in the root
+            self.kv.enable_prefix_caching(model_digest(model))
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.scheduler = Scheduler(
             self.kv.blocks,
@@ -316,7 +342,7 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(self.config, tokenizer)
         self.metrics = EngineMetrics(self)
-        self._reported_preemptions = 0
+        self._reported = {"preemptions": 0, "queries": 0, "hits": 0}
         self._lock = threading.Lock()
 
     @classmethod
@@ -414,12 +440,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
             # after admission, before anything finishes: the step's most
             self.metrics.running_per_step.observe(len(self.scheduler.running))
-            new_preemptions = (
-                self.scheduler.num_preemptions - self._reported_preemptions
-            )
-            if new_preemptions:
-                self.metrics.preemptions.inc(new_preemptions)
-                self._reported_preemptions = self.scheduler.num_preemptions
+            self._report_counts()
             if out.is_empty:
                 return []
             # A prompt scored with max_tokens=0 ends after its prefill, unsampled.
@@ -467,6 +488,19 @@ class LLMEngine:
                 self._process_token(c.seq, t)
                 for c, t in zip(sampling_chunks, tokens, strict=True)
             ]
+
+    def _report_counts(self) -> None:
+        """Add what the scheduler counted since the last step to the counters."""
+        sched, metrics = self.scheduler, self.metrics
+        for key, total, counters in (
+            ("preemptions", sched.num_preemptions, [metrics.preemptions]),
+            ("queries", sched.prefix_cache_queries, metrics.prefix_cache_queries),
+            ("hits", sched.prefix_cache_hits, metrics.prefix_cache_hits),
+        ):
+            if total > self._reported[key]:
+                for counter in counters:
+                    counter.inc(total - self._reported[key])
+                self._reported[key] = total
 
     def _forward(
         self, chunks: Sequence[ScheduledChunk], all_logits: bool = False
@@ -525,6 +559,7 @@ class LLMEngine:
             finished=True,
             finish_reason="length",
             prompt_logprobs=list(seq.prompt_logprobs),
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _process_token(self, seq: Seq, token: SampledToken) -> RequestOutput:
@@ -596,6 +631,7 @@ class LLMEngine:
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # -- convenience -----------------------------------------------------------------

@@ -48,12 +48,16 @@ class Choice:
     params: SamplingParams
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage object."""
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are the prompt tokens the prefix
+    cache served (prompt_tokens_details.cached_tokens)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -254,17 +258,21 @@ async def collect_finals(
 
 
 class StreamUsage:
-    """Tokens so far of a streamed response's choices."""
+    """Tokens so far of a streamed response's choices (cached prompt tokens once
+    per prompt, as its prompt tokens: each prompt has `n` choices in a row)."""
 
-    def __init__(self, prompt_tokens: int, num_choices: int) -> None:
-        self.prompt_tokens = prompt_tokens
+    def __init__(self, prompt_tokens: int, num_choices: int, n: int) -> None:
+        self.prompt_tokens, self.n = prompt_tokens, n
         self.tokens = [0] * num_choices
+        self.cached = [0] * num_choices
 
     def update(self, index: int, out: RequestOutput) -> None:
         self.tokens[index] = out.num_output_tokens
+        self.cached[index] = out.num_cached_tokens
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, sum(self.tokens))
+    def usage(self) -> dict[str, Any]:
+        cached = sum(self.cached[:: self.n])
+        return usage(self.prompt_tokens, sum(self.tokens), cached)
 
 
 def chunk_writer(
@@ -387,13 +395,15 @@ def answer_body(
     """A non-streamed answer: its `answers` (one per choice), the usage, and what
     it echoes of the request (`metadata`, the tier served)."""
     prompt_tokens = sum(out.num_prompt_tokens for out in finals[:: body.n])
+    cached_tokens = sum(out.num_cached_tokens for out in finals[:: body.n])
+    completion_tokens = sum(o.num_output_tokens for o in finals)
     return {
         "id": request_id,
         "object": object_name,
         "created": int(time.time()),
         "model": fmt.model_name,
         "choices": answers,
-        "usage": usage(prompt_tokens, sum(o.num_output_tokens for o in finals)),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         **body.answer_fields,
     }
 
@@ -412,7 +422,7 @@ async def stream_completion(
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/completions request; with `echo`, each choice's
     first chunk starts with its prompt (and the prompt's logprobs)."""
-    stream_usage = StreamUsage(prompt_tokens(choices, body.n), len(streams))
+    stream_usage = StreamUsage(prompt_tokens(choices, body.n), len(streams), body.n)
     chunk = chunk_writer(fmt, request_id, "text_completion", body, stream_usage)
     with_logprobs, echo = body.logprobs is not None, body.echo
     offsets = [fmt.text_offsets() for _ in streams]
@@ -464,7 +474,7 @@ async def stream_chat(
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed /v1/chat/completions request: a role chunk per
     choice, then its content."""
-    stream_usage = StreamUsage(prompt_tokens(choices, body.n), len(streams))
+    stream_usage = StreamUsage(prompt_tokens(choices, body.n), len(streams), body.n)
     chunk = chunk_writer(fmt, request_id, "chat.completion.chunk", body, stream_usage)
     with_logprobs = body.logprobs
     for choice in choices:

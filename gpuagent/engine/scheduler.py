@@ -64,6 +64,11 @@ class Sequence:
     token_logprobs: list[Any] = field(default_factory=list)
     # Engine's prompt TokenLogprob per prompt token (None first) when asked for.
     prompt_logprobs: list[Any] = field(default_factory=list)
+    # Prefix cache: hashes of the full blocks of all_token_ids, in block order
+    # (extended as blocks fill), and the prompt tokens the first admission took from
+    # the cache instead of computing them.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -155,6 +160,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: newest last
         self.sequences: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        # Prefix cache, over new requests (not readmissions after a preemption), as
+        # vLLM counts: prompt tokens looked up, and those found (not computed).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- queue changes ---------------------------------------------------------------
 
@@ -253,26 +262,55 @@ class Scheduler:
             and not out.preempted
         ):
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.ensure_capacity(
-                seq.request_id, seq.num_computed_tokens + num_new
-            ):
+            cached = self._cached_prefix(seq)
+            start = self.blocks.prefix_compute_start(len(cached))
+            num_new = min(seq.num_tokens - start, budget)
+            if not self.blocks.ensure_capacity(seq.request_id, start + num_new, cached):
                 break
             self.waiting.popleft()
+            self._take_cached_prefix(seq, start)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         return out
 
+    def _block_hashes(self, seq: Sequence) -> list[bytes]:
+        return self.blocks.extend_block_hashes(
+            seq.block_hashes, seq.token_ids, seq.num_tokens
+        )
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks a waiting sequence (nothing computed) can start from; none
+        for one that asks for prompt logprobs, which need every prompt position
+        computed (vLLM skips the lookup for them too)."""
+        if not self.blocks.prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        return self.blocks.cached_prefix(self._block_hashes(seq), seq.num_tokens)
+
+    def _take_cached_prefix(self, seq: Sequence, start: int) -> None:
+        """An admitted sequence starts at `start`: the tokens before it are cached."""
+        seq.num_computed_tokens = start
+        if seq.num_preemptions or not self.blocks.prefix_caching:
+            return
+        if seq.params.prompt_logprobs is None:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += start
+        seq.num_cached_tokens = start
+
     def commit(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record that the step ran: chunks are in the cache; append the tokens
-        sampled for chunks that reached their sequence's end."""
+        """Record that the step ran: chunks are in the cache (their full blocks
+        enter the prefix cache); append the tokens sampled for chunks that reached
+        their sequence's end."""
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = chunk.end
+            if self.blocks.prefix_caching:
+                self.blocks.cache_computed_blocks(
+                    seq.request_id, self._block_hashes(seq), chunk.end
+                )
             token = sampled.get(seq.request_id)
             if token is not None:
                 seq.output_token_ids.append(token)

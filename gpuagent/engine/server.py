@@ -38,6 +38,13 @@ answers are written by `gpuagent.engine.responses`. Beyond the basics:
   a `stop_token_ids` id), which the text leaves out, has no entry either. Completion
   logprobs list every generated token, a stop token too, as vLLM's do: echo scoring
   (lm-evaluation-harness) counts on prompt + max_tokens entries.
+- `usage.prompt_tokens_details.cached_tokens` (OpenAI's field) counts the prompt
+  tokens the prefix cache served (once per prompt, as `prompt_tokens`), streamed
+  usage too. A request may name its session in the `x-session-affinity` header:
+  where an environment runs several replicas a router sends a session to the same
+  one, whose prefix cache holds its history; this server is one replica, so the
+  header is recorded (logged with the request id, counted in
+  `engine_session_affinity_requests_total`) and never refused.
 - /metrics has, beside the engine's gauges and counters, the histogram
   `engine_iteration_num_requests_running`: the running batch observed once per
   engine step, one bucket per count up to max_num_seqs. Two readings bracket a span
@@ -63,6 +70,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
+    Counter,
     Gauge,
     generate_latest,
 )
@@ -108,6 +116,7 @@ log = logging.getLogger(__name__)
 # Answer length when a request gives no max_tokens (bounded, unlike vLLM's "the rest
 # of the context": a forgotten max_tokens must not hold a whole context's KV).
 DEFAULT_MAX_TOKENS = 1024
+SESSION_AFFINITY_HEADER = "x-session-affinity"
 
 
 class OpenAIServer:
@@ -131,6 +140,7 @@ class OpenAIServer:
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
         self.format = ResponseFormat(self.llm, self.model_name)
+        self.session_affinity_requests: Counter  # set by server_metrics
         self.metrics = server_metrics(self)
         self.templates = ChatTemplateRenderer()
         tokenizer = self.llm.tokenizer
@@ -351,17 +361,26 @@ def model_not_found(model: str, served: str) -> APIError:
 
 
 def log_request(
-    request_id: str, body: _SamplingFields, choices: Sequence[Choice]
+    server: OpenAIServer,
+    request: Request,
+    request_id: str,
+    body: _SamplingFields,
+    choices: Sequence[Choice],
 ) -> None:
-    """The request log's line: what was asked, and the caller's `user` and
-    `metadata` (as JSON, so no value can forge a line)."""
+    """The request log's line: what was asked, the caller's `user` and `metadata`
+    and the session it names in x-session-affinity (as JSON, so no value can forge
+    a line); a named session is counted too (module docstring)."""
+    session = request.headers.get(SESSION_AFFINITY_HEADER)
+    if session is not None:
+        server.session_affinity_requests.inc()
     log.info(
-        "%s: %d sequence(s), %d prompt tokens, user %s, metadata %s",
+        "%s: %d sequence(s), %d prompt tokens, user %s, metadata %s, session %s",
         request_id,
         len(choices),
         prompt_tokens(choices, body.n),
         json.dumps(body.user),
         json.dumps(body.metadata, sort_keys=True),
+        json.dumps(session if session is None else session[:200]),
     )
 
 
@@ -387,6 +406,11 @@ def server_metrics(server: OpenAIServer) -> CollectorRegistry:
     Gauge(
         "engine_torch_threads", "Intra-op CPU threads of the engine", registry=registry
     ).set_function(torch.get_num_threads)
+    server.session_affinity_requests = Counter(
+        "engine_session_affinity_requests",
+        f"Requests that named their session in {SESSION_AFFINITY_HEADER}",
+        registry=registry,
+    )
     return registry
 
 
@@ -459,7 +483,7 @@ async def completions(request: Request) -> Response:
     choices = server.completion_choices(body)
     streams = server.submit_all(choices, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    log_request(request_id, body, choices)
+    log_request(server, request, request_id, body, choices)
     fmt = server.format
     if body.stream:
         return sse_response(
@@ -477,7 +501,7 @@ async def chat_completions(request: Request) -> Response:
     choices = await server.chat_choices(body)
     streams = server.submit_all(choices, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    log_request(request_id, body, choices)
+    log_request(server, request, request_id, body, choices)
     if body.stream:
         return sse_response(
             stream_chat(server.format, request_id, body, streams, choices), streams

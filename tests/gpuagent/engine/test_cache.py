@@ -249,3 +249,138 @@ def test_it_refuses_a_window_on_an_unquantized_cache():
         KVCacheManager(small_config(), "bf16", 4, window=8, num_windows=2)
     with pytest.raises(ValueError, match="both be 0 or both be positive"):
         BlockManager(4, 4, window=8, num_windows=0)
+
+
+# -- prefix cache ----------------------------------------------------------------------
+
+ROOT = b"root"
+
+
+def caching_blocks(num_blocks: int, block_size: int = 4, refill: int = 0):
+    blocks = BlockManager(num_blocks, block_size)
+    blocks.enable_prefix_caching(ROOT, refill)
+    return blocks
+
+
+def hashes_of(blocks: BlockManager, tokens: list[int]) -> list[bytes]:
+    return blocks.extend_block_hashes([], lambda a, b: tokens[a:b], len(tokens))
+
+
+def admit(blocks: BlockManager, seq_id: str, tokens: list[int]) -> list[int]:
+    """Admit `tokens` as a new sequence from its cached prefix, "compute" the rest
+    and cache its full blocks, as the scheduler does; returns the prefix's blocks."""
+    hashes = hashes_of(blocks, tokens)
+    cached = blocks.cached_prefix(hashes, len(tokens))
+    assert blocks.ensure_capacity(seq_id, len(tokens), cached)
+    blocks.cache_computed_blocks(seq_id, hashes, len(tokens))
+    return cached
+
+
+def test_it_reuses_the_cached_blocks_of_a_shared_prefix_by_reference():
+    blocks = caching_blocks(8)
+    first = admit(blocks, "a", list(range(10)))  # blocks 0-3, 4-7 full; 8-9 not
+
+    cached = admit(blocks, "b", list(range(8)) + [50, 51, 52])
+
+    assert first == []
+    assert cached == blocks.block_table("a")[:2] == blocks.block_table("b")[:2]
+    assert [blocks.pool.ref_count(b) for b in cached] == [2, 2]
+    assert blocks.num_used_blocks == 3 + 1  # a's three, b's own third
+
+
+def test_it_leaves_the_last_token_of_a_fully_cached_prompt_to_compute():
+    blocks = caching_blocks(8)
+    admit(blocks, "a", list(range(8)))
+
+    cached = admit(blocks, "b", list(range(8)))
+
+    # both blocks are cached; the second is recomputed so that there are logits
+    assert len(cached) == 1
+    assert blocks.block_table("b")[1] != blocks.block_table("a")[1]
+
+
+def test_it_changes_every_later_block_hash_when_an_earlier_token_changes():
+    blocks = caching_blocks(12)
+    tokens = list(range(16))
+    changed = tokens.copy()
+    changed[5] = 99  # in the second block
+
+    before, after = hashes_of(blocks, tokens), hashes_of(blocks, changed)
+
+    assert before[0] == after[0]
+    assert all(b != a for b, a in zip(before[1:], after[1:], strict=True))
+    admit(blocks, "a", tokens + [0])
+    assert len(admit(blocks, "b", changed + [0])) == 1
+
+
+def test_it_keeps_a_freed_block_cached_until_the_pool_needs_it():
+    blocks = caching_blocks(4)
+    admit(blocks, "a", list(range(9)))  # three blocks, two full
+    blocks.free("a")
+    assert blocks.num_free_blocks == 4 and blocks.pool.num_cached_blocks == 2
+
+    cached = admit(blocks, "b", list(range(8)) + [7])
+
+    assert len(cached) == 2 and blocks.num_free_blocks == 1
+    blocks.free("b")
+    blocks.pool.allocate(4)  # the pool needs every block: both hashes go
+    assert blocks.pool.num_cached_blocks == 0
+    assert blocks.pool.num_evicted_blocks == 2
+
+
+def test_it_evicts_the_least_recently_freed_cached_block_first():
+    blocks = caching_blocks(4)
+    for seq_id, first in (("old", 0), ("new", 100)):
+        admit(blocks, seq_id, list(range(first, first + 5)))  # one full block each
+    blocks.free("old")
+    blocks.free("new")
+
+    blocks.pool.allocate(3)  # free list: old's tail, old's cached, new's tail
+
+    new_tokens = list(range(100, 105))
+    assert blocks.cached_prefix(hashes_of(blocks, new_tokens), 5) != []
+    assert blocks.cached_prefix(hashes_of(blocks, list(range(5))), 5) == []
+
+
+def test_it_frees_a_sequences_tail_before_its_prefix():
+    blocks = caching_blocks(4)
+    tokens = list(range(13))  # three full blocks, one partial
+    admit(blocks, "a", tokens)
+    blocks.free("a")
+
+    blocks.pool.allocate(2)  # the partial block, then the last full one
+
+    assert len(blocks.cached_prefix(hashes_of(blocks, tokens), len(tokens))) == 2
+
+
+def test_it_never_evicts_a_block_in_use():
+    blocks = caching_blocks(5)
+    admit(blocks, "held", list(range(9)))  # three blocks, the first two cached
+    admit(blocks, "gone", list(range(50, 55)))  # one cached block, freed
+    blocks.free("gone")
+    held = blocks.block_table("held")
+
+    taken = blocks.pool.allocate(blocks.num_free_blocks)
+
+    assert set(taken).isdisjoint(held)
+    with pytest.raises(NoFreeBlocksError):
+        blocks.pool.allocate(1)
+    tokens = list(range(8)) + [1]
+    assert blocks.cached_prefix(hashes_of(blocks, tokens), len(tokens)) == held[:2]
+    assert blocks.cached_prefix(hashes_of(blocks, list(range(50, 55))), 5) == []
+
+
+def test_it_never_writes_into_a_cached_prefix():
+    blocks = caching_blocks(8, refill=3)
+    admit(blocks, "a", list(range(9)))
+    tokens = list(range(8)) + [40, 41]
+    cached = blocks.cached_prefix(hashes_of(blocks, tokens), len(tokens))
+    start = blocks.prefix_compute_start(len(cached))
+    assert blocks.ensure_capacity("b", len(tokens), cached)
+
+    slots = blocks.slot_mapping("b", start, len(tokens))
+
+    assert start == 8 - 3
+    assert slots[:3] == [-1, -1, -1]
+    own = blocks.block_table("b")[2]
+    assert slots[3:] == [own * 4, own * 4 + 1]

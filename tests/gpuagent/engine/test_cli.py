@@ -306,3 +306,15 @@ def test_it_refuses_to_serve_a_folder_whose_tokenizer_or_template_fails_its_prob
     assert "refused to serve" in template_refused
     assert "chat template failed its probe" in template_refused
     assert "MiB of memory" in template_refused
+
+
+def test_it_turns_prefix_caching_off_only_when_asked():
+    from gpuagent.engine.__main__ import build_engine
+
+    argv = ["serve", str(DEMO_MODEL), "--device", "cpu", "--kv-memory-gb", "0.005"]
+
+    default = build_engine(build_parser().parse_args(argv))
+    off = build_engine(build_parser().parse_args([*argv, "--no-enable-prefix-caching"]))
+
+    assert default.kv.blocks.prefix_caching
+    assert not off.kv.blocks.prefix_caching

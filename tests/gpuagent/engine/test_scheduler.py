@@ -223,3 +223,91 @@ def test_it_refuses_a_duplicate_request_id():
 
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add(make_seq("a", 3))
+
+
+# -- prefix cache ----------------------------------------------------------------------
+
+
+def caching_scheduler(num_blocks: int, refill: int = 0, **kwargs) -> Scheduler:
+    blocks = BlockManager(num_blocks, 4)
+    blocks.enable_prefix_caching(b"root", refill)
+    return Scheduler(blocks, **kwargs)
+
+
+def with_prompt(request_id: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
+    return Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def test_it_starts_a_request_after_its_cached_prefix():
+    scheduler = caching_scheduler(32, max_num_batched_tokens=64)
+    shared = list(range(30, 40))
+    scheduler.add(with_prompt("a", shared))
+    run_to_completion(scheduler)
+    b = with_prompt("b", shared[:9] + [1, 2, 3])
+    scheduler.add(b)
+
+    out = run_step(scheduler)
+
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(8, 4)]
+    assert b.num_cached_tokens == 8
+    assert scheduler.prefix_cache_queries == 10 + 12
+    assert scheduler.prefix_cache_hits == 8
+
+
+def test_it_refills_a_window_from_before_the_cached_prefix():
+    scheduler = caching_scheduler(32, refill=6, max_num_batched_tokens=64)
+    shared = list(range(30, 43))
+    scheduler.add(with_prompt("a", shared))
+    run_to_completion(scheduler)
+    b = with_prompt("b", shared + [1])
+
+    scheduler.add(b)
+    out = run_step(scheduler)
+
+    # 12 tokens cached in 3 blocks; the 6 before their end are computed again
+    assert [(c.start, c.end) for c in out.chunks] == [(6, 14)]
+    assert b.num_cached_tokens == 6
+    assert scheduler.blocks.slot_mapping("b", 6, 14)[:6] == [-1] * 6
+
+
+def test_it_skips_the_cache_for_a_request_that_asks_for_prompt_logprobs():
+    scheduler = caching_scheduler(32, max_num_batched_tokens=64)
+    shared = list(range(30, 40))
+    scheduler.add(with_prompt("a", shared))
+    run_to_completion(scheduler)
+    b = Sequence("b", shared, SamplingParams(max_tokens=1, prompt_logprobs=0))
+
+    scheduler.add(b)
+    out = run_step(scheduler)
+
+    assert out.chunks[0].start == 0 and b.num_cached_tokens == 0
+
+
+def test_it_preempts_a_sequence_that_shares_blocks_and_hits_the_cache_again():
+    shared = [(i * 7) % 250 for i in range(16)]
+
+    def serve(scheduler):
+        seqs = [with_prompt(f"s{i}", shared + [i] * (i + 1), 10) for i in range(4)]
+        scheduler.add(seqs[0])
+        run_step(scheduler)  # the shared prefix is cached after this step
+        for seq in seqs[1:]:
+            scheduler.add(seq)
+        resumed_at = []  # where each readmission after a preemption starts
+        while scheduler.has_unfinished():
+            before = {s.request_id: s.num_preemptions for s in scheduler.waiting}
+            for chunk in run_step(scheduler).chunks:
+                if before.get(chunk.seq.request_id):
+                    resumed_at.append(chunk.start)
+        return [s.output_token_ids for s in seqs], resumed_at
+
+    roomy, _ = serve(Scheduler(BlockManager(64, 4), max_num_batched_tokens=32))
+    tight_scheduler = caching_scheduler(12, max_num_batched_tokens=32)
+
+    tight, resumed_at = serve(tight_scheduler)
+
+    assert tight_scheduler.num_preemptions > 0
+    assert tight == roomy
+    # every readmission started from the shared prefix at least (the others held
+    # it while the preempted sequence waited), and the pool is whole again
+    assert resumed_at and all(start >= len(shared) for start in resumed_at)
+    assert tight_scheduler.blocks.num_used_blocks == 0

@@ -379,6 +379,8 @@ def test_echo_scores_the_prompt_as_the_model_does(served_fp32):
         "prompt_tokens": len(ids),
         "completion_tokens": 0,
         "total_tokens": len(ids),
+        # prompt logprobs need every position computed: nothing from the cache
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert logprobs["tokens"] == ["<|bos|>", *prompt]
     assert logprobs["token_logprobs"][0] is None
