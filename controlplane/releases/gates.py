@@ -11,12 +11,21 @@ Default policy (GatePolicy()): every quality slice of gpuagent.protocol.QUALITY_
 and every workload of LOAD_PROFILES must be reported; per slice mean KLD <= 0.03,
 same-top-1 >= 0.92, perplexity ratio <= 1.05, flip rate <= 0.25 and the long-context
 fact retrieved (the "good 4-bit" grade: lossless KLD <= 0.002 / top-1 >= 0.975 would
-fail every int4 recipe); per workload TTFT p99 <= 2000 ms and TPOT p99 <= 100 ms;
-capacity and cost limits off until a team sets them; integrity must pass, always.
+fail every int4 recipe); per workload TTFT p99 <= 2000 ms and TPOT p99 <= 100 ms (the
+workload's SLO), and against the release live in the environment max concurrency at
+the SLO and goodput each down by at most 10%; sessions, cost and prefix-cache limits
+off until a team sets them; integrity must pass, always.
+
+Comparisons with live need a live release: where none is (the first release of an
+environment) one "live" outcome says so as `skipped`, which neither passes nor holds
+the release, and the absolute gates decide. A live release without a load test is
+missing evidence: inconclusive. Money is priced here from the environment's cost
+model (controlplane.costs), never from the report's own USD fields.
 """
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from math import floor
 from typing import Annotated
 
@@ -30,6 +39,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from controlplane.costs.capacity import Slo, knee, max_goodput, unit_costs
+from controlplane.costs.money import Pricing, decimal_of
 from gpuagent.protocol import (
     LOAD_PROFILES,
     QUALITY_SLICES,
@@ -40,7 +51,7 @@ from gpuagent.protocol import (
     WorkloadReport,
 )
 
-PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+PASS, FAIL, INCONCLUSIVE, SKIPPED = "pass", "fail", "inconclusive", "skipped"
 
 
 class _Policy(BaseModel):
@@ -73,8 +84,52 @@ class WorkloadThresholds(_Policy):
     max_ttft_p99_ms: float | None = Field(2000, gt=0)
     max_tpot_p99_ms: float | None = Field(100, gt=0)
     max_cost_per_1m_output_tokens: float | None = Field(
-        None, gt=0, description="USD at the highest load meeting the SLO"
+        None,
+        gt=0,
+        description="in the currency of the environment's cost model, at the SLO "
+        "operating point",
     )
+    max_concurrency_drop_pct: float | None = Field(
+        10,
+        ge=0,
+        le=100,
+        description="max concurrency at the SLO may be at most this % below live's",
+    )
+    max_goodput_drop_pct: float | None = Field(
+        10,
+        ge=0,
+        le=100,
+        description="the best goodput (requests/s meeting the SLO) may be at most "
+        "this % below live's",
+    )
+    max_cost_increase_pct: float | None = Field(
+        None,
+        ge=0,
+        description="cost per 1M output tokens may be at most this % above live's",
+    )
+    min_prefix_cache_hit_rate: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="session workloads: prefix-cache hits / queries at the SLO "
+        "operating point, as the server reported it",
+    )
+
+    @property
+    def slo(self) -> Slo:
+        """The workload's SLO: the latency thresholds (an unset one: unbounded)."""
+        return Slo(self.max_ttft_p99_ms, self.max_tpot_p99_ms)
+
+    @property
+    def compares_with_live(self) -> bool:
+        return any(
+            limit is not None
+            for limit in (
+                self.max_concurrency_drop_pct,
+                self.max_goodput_drop_pct,
+                self.max_cost_increase_pct,
+            )
+        )
 
 
 # A workload's name as a report gives it: one of LOAD_PROFILES or a team's own;
@@ -94,12 +149,14 @@ def _names(values: list[str], what: str, known: tuple[str, ...] = ()) -> list[st
     return values
 
 
-def _field_error(field: str, message: str, value) -> ValidationError:
-    """A check across fields, named by the field it is about (a model validator's
-    own ValueError would name the whole model)."""
+def field_error(field: str, message: str, value) -> ValidationError:
+    """A check across fields, named by the field it is about, dotted for one
+    inside another ("a.b"): a model validator's own ValueError would name the
+    whole model."""
     error = PydanticCustomError("value_error", message)
+    loc = tuple(field.split("."))
     return ValidationError.from_exception_data(
-        "policy", [InitErrorDetails(type=error, loc=(field,), input=value)]
+        "policy", [InitErrorDetails(type=error, loc=loc, input=value)]
     )
 
 
@@ -180,11 +237,14 @@ class LoadPolicy(_Policy):
     def _distinct_workloads(cls, workloads: list[str]) -> list[str]:
         return _names(workloads, "workload")
 
+    def thresholds_of(self, workload: str) -> WorkloadThresholds:
+        return self.per_workload.get(workload, self.thresholds)
+
     @model_validator(mode="after")
     def _inherit_thresholds(self) -> "LoadPolicy":
         if not self.workloads and self.capacity is None:
             # Nothing required and nothing to measure: a gate that passes anything.
-            raise _field_error(
+            raise field_error(
                 "workloads",
                 "no workload and no capacity: this load gate checks nothing "
                 "(name a workload, set capacity, or set load to null)",
@@ -204,14 +264,35 @@ class GatePolicy(_Policy):
     load: LoadPolicy | None = Field(default_factory=LoadPolicy)
     auto_rollback_on_failed_verification: bool = False
 
+    def slo_of(self, name: str, workload: WorkloadReport | None) -> Slo:
+        """Workload `name`'s SLO: the load policy's latency thresholds for it; with
+        `load: null` the SLO the load test itself ran to (the report's), so pages
+        still find an operating point."""
+        if self.load is not None:
+            return self.load.thresholds_of(name).slo
+        if workload is None:
+            return Slo()
+        return Slo(workload.slo_ttft_p99_ms, workload.slo_tpot_p99_ms)
+
+
+@dataclass(frozen=True)
+class LiveBaseline:
+    """The release live in the candidate's environment: its name and its load
+    test (None: it has none)."""
+
+    release: str
+    load: LoadTestReport | None
+    # Why `load` is None when the live release recorded one that doesn't validate.
+    problem: str = ""
+
 
 @dataclass(frozen=True)
 class GateOutcome:
-    gate: str  # "integrity", "quality:<slice>", "load:<workload>", "capacity"
+    gate: str  # "integrity", "quality:<slice>", "load:<workload>", "capacity", "live"
     metric: str
     observed: float | None
     threshold: float | None
-    outcome: str  # PASS | FAIL | INCONCLUSIVE
+    outcome: str  # PASS | FAIL | INCONCLUSIVE | SKIPPED
     reason: str
 
     def to_dict(self) -> dict:
@@ -226,8 +307,9 @@ class GateDecision:
 
 
 def evaluate_gates(results: Iterable) -> GateDecision:
-    """Any fail fails; otherwise any inconclusive pauses; otherwise pass. No
-    results at all is inconclusive: nothing was shown, so nothing passed."""
+    """Any fail fails; otherwise any inconclusive pauses; otherwise pass (a
+    skipped check, one that does not apply, counts neither way). No results, or
+    only skipped ones, is inconclusive: nothing was shown, so nothing passed."""
     results = list(results)
     failed = [r for r in results if r.outcome == FAIL]
     if failed:
@@ -237,11 +319,13 @@ def evaluate_gates(results: Iterable) -> GateDecision:
     if inconclusive:
         names = ", ".join(f"{r.gate} ({r.metric})" for r in inconclusive)
         return GateDecision(False, INCONCLUSIVE, f"inconclusive gates: {names}")
-    if not results:
-        return GateDecision(
-            False, INCONCLUSIVE, "no gate results recorded: no evidence is no pass"
-        )
-    return GateDecision(True, PASS, f"{len(results)} gate(s) passed")
+    passed = [r for r in results if r.outcome == PASS]
+    if not passed:
+        why = "every check was skipped" if results else "no gate results recorded"
+        return GateDecision(False, INCONCLUSIVE, f"{why}: no evidence is no pass")
+    skipped = [r for r in results if r.outcome == SKIPPED]
+    why = f", {len(skipped)} skipped" if skipped else ""
+    return GateDecision(True, PASS, f"{len(passed)} gate(s) passed{why}")
 
 
 def evaluate_policy(
@@ -249,13 +333,18 @@ def evaluate_policy(
     quality: QualityReport | None,
     load: LoadTestReport | None,
     integrity_ok: bool | None,
+    *,
+    live: LiveBaseline | None = None,
+    pricing: Pricing | None = None,
 ) -> list[GateOutcome]:
-    """Every check of `policy` against the evidence, integrity first."""
+    """Every check of `policy` against the evidence, integrity first. `live`: the
+    release live in the environment (None: nothing is); `pricing`: the
+    environment's cost model (None, or a device-hour at 0: cost is no evidence)."""
     outcomes = [_integrity(integrity_ok)]
     if policy.quality is not None:
         outcomes += _quality(policy.quality, quality)
     if policy.load is not None:
-        outcomes += _load(policy.load, load)
+        outcomes += _load(policy.load, load, live, pricing)
     return outcomes
 
 
@@ -440,21 +529,73 @@ def _compare(
 # -- load -----------------------------------------------------------------------------
 
 
-def _load(policy: LoadPolicy, report: LoadTestReport | None) -> list[GateOutcome]:
+def _load(
+    policy: LoadPolicy,
+    report: LoadTestReport | None,
+    live: LiveBaseline | None,
+    pricing: Pricing | None,
+) -> list[GateOutcome]:
     if report is None:
         return _no_report("load", "the load-test job produced no report")
     by_profile, outcomes = _indexed(
         [(w.profile, w) for w in report.workloads], "workload", "load", policy.workloads
     )
+    pricing = pricing or Pricing("USD", Decimal(0))
+    baseline, outcomes_of_baseline = _baseline(policy, by_profile, live)
+    outcomes += outcomes_of_baseline
     for profile, workload in by_profile.items():
-        thresholds = policy.per_workload.get(profile, policy.thresholds)
-        outcomes += _workload(workload, thresholds)
+        thresholds = policy.thresholds_of(profile)
+        outcomes += _workload(workload, thresholds, pricing, report.gpu_count)
+        if baseline is not None and thresholds.compares_with_live:
+            outcomes += _versus_live(
+                workload, thresholds, pricing, report, baseline, live.release
+            )
     if policy.capacity is not None:
         outcomes.append(_capacity(policy.capacity, report))
     return outcomes
 
 
-def _workload(workload: WorkloadReport, t: WorkloadThresholds) -> list[GateOutcome]:
+def _baseline(
+    policy: LoadPolicy, by_profile: dict, live: LiveBaseline | None
+) -> tuple[LoadTestReport | None, list[GateOutcome]]:
+    """(live's load test to compare with, or None; the one "live" outcome that
+    says why there is none, where a check would compare)."""
+    if not any(policy.thresholds_of(p).compares_with_live for p in by_profile):
+        return None, []
+    if live is None:
+        return None, [
+            GateOutcome(
+                "live",
+                "baseline",
+                None,
+                None,
+                SKIPPED,
+                "nothing is live in this environment (its first release): no "
+                "baseline, so capacity and cost are not compared with live; the "
+                "other gates decide",
+            )
+        ]
+    if live.load is None:
+        return None, [
+            GateOutcome(
+                "live",
+                "baseline",
+                None,
+                None,
+                INCONCLUSIVE,
+                f"no evidence: live {live.release} has no load test to compare "
+                f"with{': ' + live.problem if live.problem else ''}",
+            )
+        ]
+    return live.load, []
+
+
+def _workload(
+    workload: WorkloadReport,
+    t: WorkloadThresholds,
+    pricing: Pricing,
+    measured_devices: int,
+) -> list[GateOutcome]:
     gate = f"load:{workload.profile}"
     valid = [run for run in workload.runs if run.valid]
     if not valid:
@@ -467,6 +608,7 @@ def _workload(workload: WorkloadReport, t: WorkloadThresholds) -> list[GateOutco
             ("ttft_p99_ms", t.max_ttft_p99_ms),
             ("tpot_p99_ms", t.max_tpot_p99_ms),
             ("cost_per_1m_output_tokens", t.max_cost_per_1m_output_tokens),
+            ("prefix_cache_hit_rate", t.min_prefix_cache_hit_rate),
         )
         return [
             GateOutcome(gate, metric, None, limit, INCONCLUSIVE, why)
@@ -506,25 +648,213 @@ def _workload(workload: WorkloadReport, t: WorkloadThresholds) -> list[GateOutco
                     f"{outcome.reason} (no load level met the SLO; best run)",
                 )
             )
+    costs = unit_costs(workload, t.slo, pricing, measured_devices)
     limit = t.max_cost_per_1m_output_tokens
     if limit is not None:
-        cost = workload.cost_per_1m_output_tokens
-        if cost is None:
-            outcomes.append(
-                GateOutcome(
-                    gate,
-                    "cost_per_1m_output_tokens",
-                    None,
-                    limit,
-                    FAIL,
-                    "no load level met the SLO, so it has no cost at the SLO",
-                )
-            )
-        else:
-            outcomes.append(
-                _compare(gate, "cost_per_1m_output_tokens", cost, limit, "max")
-            )
+        outcomes.append(_cost(gate, costs, limit, pricing, "cost_per_1m_output_tokens"))
+    if t.min_prefix_cache_hit_rate is not None:
+        outcomes.append(_hit_rate(gate, costs, t.min_prefix_cache_hit_rate))
     return outcomes
+
+
+def _cost(gate, costs, limit: float, pricing: Pricing, metric: str) -> GateOutcome:
+    """Cost per 1M output tokens at the SLO operating point against `limit`."""
+    if costs is None:
+        return GateOutcome(
+            gate,
+            metric,
+            None,
+            limit,
+            FAIL,
+            "no load level met the SLO, so it has no cost at the SLO",
+        )
+    if costs.cost_per_1m_output_tokens is None:
+        return GateOutcome(gate, metric, None, limit, INCONCLUSIVE, _unpriced(pricing))
+    observed = float(costs.cost_per_1m_output_tokens)
+    outcome = _compare(gate, metric, observed, limit, "max")
+    return GateOutcome(
+        gate,
+        metric,
+        observed,
+        limit,
+        outcome.outcome,
+        f"{outcome.reason} {pricing.currency} per 1M output tokens",
+    )
+
+
+def _unpriced(pricing: Pricing) -> str:
+    return (
+        f"no evidence: a device-hour costs 0 {pricing.currency} in this "
+        "environment's cost model, so there is no cost to judge"
+    )
+
+
+def _hit_rate(gate, costs, minimum: float) -> GateOutcome:
+    metric = "prefix_cache_hit_rate"
+    if costs is None:
+        return GateOutcome(
+            gate,
+            metric,
+            None,
+            minimum,
+            INCONCLUSIVE,
+            "no evidence: no load level met the SLO, and the hit rate is read at "
+            "the SLO operating point",
+        )
+    observed = costs.run.prefix_cache_hit_rate
+    if observed is None:
+        return GateOutcome(
+            gate,
+            metric,
+            None,
+            minimum,
+            INCONCLUSIVE,
+            "no evidence: the server reported no prefix-cache hit rate",
+        )
+    return _compare(gate, metric, observed, minimum, "min")
+
+
+def _drop(
+    gate: str, metric: str, mine: float | None, theirs: float | None, pct: float, what
+) -> GateOutcome:
+    """`mine` may be at most `pct`% below live's `theirs`."""
+    if mine is None or theirs is None:
+        whose = "this release" if mine is None else "live"
+        return GateOutcome(
+            gate,
+            metric,
+            mine,
+            None,
+            INCONCLUSIVE,
+            f"no evidence: {whose} did not measure {what}",
+        )
+    floor_value = theirs * (1 - pct / 100)
+    if theirs <= 0:
+        return GateOutcome(
+            gate, metric, mine, floor_value, PASS, f"live has no {what} to drop from"
+        )
+    change = (mine - theirs) / theirs * 100
+    ok = mine >= floor_value
+    return GateOutcome(
+        gate,
+        metric,
+        mine,
+        floor_value,
+        PASS if ok else FAIL,
+        f"{what} {mine:.4g} vs live {theirs:.4g}: {change:+.1f}% "
+        f"({'within' if ok else 'beyond'} the -{pct:g}% allowed)",
+    )
+
+
+def _knee(workload: WorkloadReport, slo: Slo) -> int | None:
+    """Max concurrency at the SLO; 0 when closed-loop runs met it at no level,
+    None without a closed-loop run whose client kept its schedule (not measured)."""
+    if not any(run.concurrency is not None and run.valid for run in workload.runs):
+        return None
+    return knee(workload, slo) or 0
+
+
+def _versus_live(
+    workload: WorkloadReport,
+    t: WorkloadThresholds,
+    pricing: Pricing,
+    report: LoadTestReport,
+    live_report: LoadTestReport,
+    live_release: str,
+) -> list[GateOutcome]:
+    gate = f"load:{workload.profile}"
+    theirs = next(
+        (w for w in live_report.workloads if w.profile == workload.profile), None
+    )
+    if theirs is None:
+        return [
+            GateOutcome(
+                gate,
+                "versus_live",
+                None,
+                None,
+                INCONCLUSIVE,
+                f"no evidence: live {live_release} did not measure "
+                f"{workload.profile!r}",
+            )
+        ]
+    outcomes = []
+    if t.max_concurrency_drop_pct is not None:
+        outcomes.append(
+            _drop(
+                gate,
+                "max_concurrency_at_slo",
+                _knee(workload, t.slo),
+                _knee(theirs, t.slo),
+                t.max_concurrency_drop_pct,
+                "max concurrency at the SLO",
+            )
+        )
+    if t.max_goodput_drop_pct is not None:
+        outcomes.append(
+            _drop(
+                gate,
+                "goodput",
+                max_goodput(workload),
+                max_goodput(theirs),
+                t.max_goodput_drop_pct,
+                "goodput (requests/s meeting the SLO)",
+            )
+        )
+    if t.max_cost_increase_pct is not None:
+        outcomes.append(
+            _cost_versus_live(workload, theirs, t, pricing, report, live_report)
+        )
+    return outcomes
+
+
+def _cost_versus_live(
+    workload: WorkloadReport,
+    theirs: WorkloadReport,
+    t: WorkloadThresholds,
+    pricing: Pricing,
+    report: LoadTestReport,
+    live_report: LoadTestReport,
+) -> GateOutcome:
+    gate, metric = f"load:{workload.profile}", "cost_per_1m_output_tokens_vs_live"
+    pct = t.max_cost_increase_pct
+    mine = unit_costs(workload, t.slo, pricing, report.gpu_count)
+    live_costs = unit_costs(theirs, t.slo, pricing, live_report.gpu_count)
+    if not pricing.priced:
+        return GateOutcome(gate, metric, None, None, INCONCLUSIVE, _unpriced(pricing))
+    if live_costs is None or live_costs.cost_per_1m_output_tokens is None:
+        return GateOutcome(
+            gate,
+            metric,
+            None,
+            None,
+            INCONCLUSIVE,
+            "no evidence: no load level of live met the SLO, so live has no cost "
+            "at the SLO to compare with",
+        )
+    ceiling = live_costs.cost_per_1m_output_tokens * (1 + decimal_of(pct) / 100)
+    if mine is None or mine.cost_per_1m_output_tokens is None:
+        return GateOutcome(
+            gate,
+            metric,
+            None,
+            float(ceiling),
+            FAIL,
+            "no load level met the SLO, so it has no cost at the SLO",
+        )
+    observed = mine.cost_per_1m_output_tokens
+    ok = observed <= ceiling
+    change = (observed / live_costs.cost_per_1m_output_tokens - 1) * 100
+    return GateOutcome(
+        gate,
+        metric,
+        float(observed),
+        float(ceiling),
+        PASS if ok else FAIL,
+        f"{observed} vs live {live_costs.cost_per_1m_output_tokens} "
+        f"{pricing.currency} per 1M output tokens: {change:+.1f}% "
+        f"({'within' if ok else 'beyond'} the +{pct:g}% allowed)",
+    )
 
 
 def _capacity(policy: CapacityThreshold, report: LoadTestReport) -> GateOutcome:

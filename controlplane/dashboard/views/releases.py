@@ -5,6 +5,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
+from controlplane.costs.report import format_targets, parse_targets
 from controlplane.dashboard import access, charts, timeline
 from controlplane.dashboard.forms import filter_releases
 from controlplane.dashboard.release_page import release_evidence
@@ -43,6 +44,18 @@ def _running_pipelines(user) -> list[dict]:
         if len(rows) == RUNNING_PIPELINES_SHOWN:
             break
     return rows
+
+
+def typed_targets(request) -> tuple[dict[str, float] | None, str]:
+    """(target traffic typed on the page, or None for the environment's; why it
+    could not be read, or "")."""
+    text = request.GET.get("targets")
+    if text is None:
+        return None, ""
+    try:
+        return parse_targets(text), ""
+    except ValueError as exc:
+        return None, f"targets: {exc}"
 
 
 @login_required
@@ -96,7 +109,8 @@ def _audit_trail(release: Release):
 def release_detail(request, release_id: int):
     release = access.release_or_404(request.user, release_id)
     status = _status_context(release)
-    page = release_evidence(release)
+    targets, targets_error = typed_targets(request)
+    page = release_evidence(release, targets=targets)
     timeline_figure = charts.timeline_figure(status["stages"])
     if timeline_figure:
         page.charts["timeline"] = timeline_figure
@@ -110,8 +124,15 @@ def release_detail(request, release_id: int):
         "history": _audit_trail(release),
         "decision_refusal": access.decision_refusal(release, request.user),
         "reopen_refusal": access.reopen_refusal(release, request.user),
+        "targets_text": request.GET.get("targets", format_targets(page.costs.targets)),
+        "targets_error": targets_error,
     }
-    return render(request, "dashboard/release_detail.html", ctx)
+    return render(
+        request,
+        "dashboard/release_detail.html",
+        ctx,
+        status=400 if targets_error else 200,
+    )
 
 
 @login_required
