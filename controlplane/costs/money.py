@@ -51,15 +51,13 @@ def rate_places(currency: str) -> int:
 
 
 def format_money(value: Decimal | None, currency: str) -> str:
-    """In the currency's minor units, plus the digits past them the value has:
-    1234.5 USD is "1,234.50 USD", 4500.0000 KRW "4,500 KRW", 0.000123 USD
-    "0.000123 USD"; "—" for None."""
+    """In the currency's minor units where that is exact, else with the digits
+    the value has: 1234.5 USD is "1,234.50 USD", 4500.0000 KRW "4,500 KRW", a
+    rate of 0.003210 USD "0.003210 USD"; "—" for None."""
     if value is None:
         return "—"
     rounded = amount(value, currency)
-    if rounded != value:
-        rounded = value.normalize()
-    return f"{rounded:,f} {currency}"
+    return f"{rounded if rounded == value else value:,f} {currency}"
 
 
 @dataclass(frozen=True)

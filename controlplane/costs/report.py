@@ -308,21 +308,25 @@ class ReleaseCosts:
         return self.env.live_load if self.env.live_release else None
 
 
+# `load` not given: release_costs reads it (a None given is "no load test").
+UNREAD = object()
+
+
 def release_costs(
     release: Release,
     *,
     targets: dict[str, float] | None = None,
     env: EnvironmentCosts | None = None,
-    load: LoadTestReport | None = None,
-    load_read: bool = False,
+    load=UNREAD,
 ) -> ReleaseCosts:
     """Everything money about `release`. `targets` (requests/s per workload)
-    replace the environment's; `env`, `load` (with `load_read`) save queries when
-    the caller read them already."""
+    replace the environment's; `env` and `load` (its LoadTestReport, or None)
+    save queries where the caller read them already."""
     problems: list[str] = []
     if env is None:
         env = environment_costs(release.target_environment, exclude=release)
-    if not load_read:
+    if load is UNREAD:
+        load = None
         try:
             load = evidence.load_report(release)
         except evidence.EvidenceUnreadable as exc:

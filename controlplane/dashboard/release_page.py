@@ -77,9 +77,7 @@ def release_evidence(
     page.quality = _read(problems, evidence.quality_report, release)
     page.load = _read(problems, evidence.load_report, release)
     page.integrity = evidence.integrity(release)
-    page.costs = costs = release_costs(
-        release, targets=targets, load=page.load, load_read=True
-    )
+    page.costs = costs = release_costs(release, targets=targets, load=page.load)
     problems += costs.env.problems
     page.live_release = costs.live_release
     parent = release.parent

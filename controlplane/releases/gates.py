@@ -23,8 +23,6 @@ missing evidence: inconclusive. Money is priced here from the environment's cost
 model (controlplane.costs), never from the report's own USD fields.
 """
 
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from decimal import Decimal
 from math import floor
 from typing import Annotated
@@ -39,19 +37,42 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from controlplane.costs.capacity import Slo, knee, max_goodput, unit_costs
-from controlplane.costs.money import Pricing, decimal_of
+from controlplane.costs.capacity import Slo, unit_costs
+from controlplane.costs.money import Pricing
+from controlplane.releases import capacity_gates
+from controlplane.releases.capacity_gates import LiveBaseline
+from controlplane.releases.gate_outcomes import (
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    SKIPPED,
+    GateDecision,
+    GateOutcome,
+    compare,
+    evaluate_gates,
+)
 from gpuagent.protocol import (
     LOAD_PROFILES,
     QUALITY_SLICES,
-    Interval,
     LoadTestReport,
     QualityReport,
     SliceQuality,
     WorkloadReport,
 )
 
-PASS, FAIL, INCONCLUSIVE, SKIPPED = "pass", "fail", "inconclusive", "skipped"
+# Re-exported: callers take the whole vocabulary of gates from here.
+__all__ = [
+    "FAIL",
+    "INCONCLUSIVE",
+    "PASS",
+    "SKIPPED",
+    "GateDecision",
+    "GateOutcome",
+    "GatePolicy",
+    "LiveBaseline",
+    "evaluate_gates",
+    "evaluate_policy",
+]
 
 
 class _Policy(BaseModel):
@@ -275,59 +296,6 @@ class GatePolicy(_Policy):
         return Slo(workload.slo_ttft_p99_ms, workload.slo_tpot_p99_ms)
 
 
-@dataclass(frozen=True)
-class LiveBaseline:
-    """The release live in the candidate's environment: its name and its load
-    test (None: it has none)."""
-
-    release: str
-    load: LoadTestReport | None
-    # Why `load` is None when the live release recorded one that doesn't validate.
-    problem: str = ""
-
-
-@dataclass(frozen=True)
-class GateOutcome:
-    gate: str  # "integrity", "quality:<slice>", "load:<workload>", "capacity", "live"
-    metric: str
-    observed: float | None
-    threshold: float | None
-    outcome: str  # PASS | FAIL | INCONCLUSIVE | SKIPPED
-    reason: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class GateDecision:
-    ok: bool
-    outcome: str  # PASS | FAIL | INCONCLUSIVE
-    reason: str
-
-
-def evaluate_gates(results: Iterable) -> GateDecision:
-    """Any fail fails; otherwise any inconclusive pauses; otherwise pass (a
-    skipped check, one that does not apply, counts neither way). No results, or
-    only skipped ones, is inconclusive: nothing was shown, so nothing passed."""
-    results = list(results)
-    failed = [r for r in results if r.outcome == FAIL]
-    if failed:
-        names = ", ".join(f"{r.gate} ({r.metric})" for r in failed)
-        return GateDecision(False, FAIL, f"failed gates: {names}")
-    inconclusive = [r for r in results if r.outcome == INCONCLUSIVE]
-    if inconclusive:
-        names = ", ".join(f"{r.gate} ({r.metric})" for r in inconclusive)
-        return GateDecision(False, INCONCLUSIVE, f"inconclusive gates: {names}")
-    passed = [r for r in results if r.outcome == PASS]
-    if not passed:
-        why = "every check was skipped" if results else "no gate results recorded"
-        return GateDecision(False, INCONCLUSIVE, f"{why}: no evidence is no pass")
-    skipped = [r for r in results if r.outcome == SKIPPED]
-    why = f", {len(skipped)} skipped" if skipped else ""
-    return GateDecision(True, PASS, f"{len(passed)} gate(s) passed{why}")
-
-
 def evaluate_policy(
     policy: GatePolicy,
     quality: QualityReport | None,
@@ -419,7 +387,7 @@ def _slice(
     no_tokens = "no evidence: no tokens were evaluated" if not entry.num_tokens else ""
     if t.max_mean_kld is not None:
         outcomes.append(
-            _compare(
+            compare(
                 gate,
                 "mean_kld",
                 entry.mean_kld,
@@ -431,7 +399,7 @@ def _slice(
         )
     if t.min_same_top1 is not None:
         outcomes.append(
-            _compare(
+            compare(
                 gate,
                 "same_top1",
                 entry.same_top1,
@@ -443,14 +411,14 @@ def _slice(
         )
     if t.max_ppl_ratio is not None:
         outcomes.append(
-            _compare(
+            compare(
                 gate, "ppl_ratio", entry.ppl_ratio, t.max_ppl_ratio, "max", no_tokens
             )
         )
     if t.max_flip_rate is not None:
         if entry.num_continuations:
             rate = entry.flips / entry.num_continuations
-            outcomes.append(_compare(gate, "flip_rate", rate, t.max_flip_rate, "max"))
+            outcomes.append(compare(gate, "flip_rate", rate, t.max_flip_rate, "max"))
         else:
             outcomes.append(
                 GateOutcome(
@@ -491,41 +459,6 @@ def _slice(
     return outcomes
 
 
-def _compare(
-    gate: str,
-    metric: str,
-    observed: float | None,
-    threshold: float,
-    bound: str,  # "max": observed <= threshold passes; "min": >=
-    missing: str = "",
-    ci95: Interval | None = None,
-) -> GateOutcome:
-    if missing or observed is None:
-        reason = missing or "no evidence: not measured"
-        return GateOutcome(gate, metric, observed, threshold, INCONCLUSIVE, reason)
-    if ci95 is not None and ci95.low <= threshold <= ci95.high:
-        return GateOutcome(
-            gate,
-            metric,
-            observed,
-            threshold,
-            INCONCLUSIVE,
-            f"the 95% interval [{ci95.low:.4g}, {ci95.high:.4g}] holds the threshold "
-            f"{threshold:.4g}: too few tokens to tell",
-        )
-    ok = observed <= threshold if bound == "max" else observed >= threshold
-    sign = "<=" if bound == "max" else ">="
-    verdict = "" if ok else "not "
-    return GateOutcome(
-        gate,
-        metric,
-        observed,
-        threshold,
-        PASS if ok else FAIL,
-        f"{metric} {observed:.4g} is {verdict}{sign} {threshold:.4g}",
-    )
-
-
 # -- load -----------------------------------------------------------------------------
 
 
@@ -541,53 +474,19 @@ def _load(
         [(w.profile, w) for w in report.workloads], "workload", "load", policy.workloads
     )
     pricing = pricing or Pricing("USD", Decimal(0))
-    baseline, outcomes_of_baseline = _baseline(policy, by_profile, live)
+    comparing = any(policy.thresholds_of(p).compares_with_live for p in by_profile)
+    live_report, outcomes_of_baseline = capacity_gates.baseline(live, comparing)
     outcomes += outcomes_of_baseline
     for profile, workload in by_profile.items():
         thresholds = policy.thresholds_of(profile)
         outcomes += _workload(workload, thresholds, pricing, report.gpu_count)
-        if baseline is not None and thresholds.compares_with_live:
-            outcomes += _versus_live(
-                workload, thresholds, pricing, report, baseline, live.release
+        if live_report is not None and thresholds.compares_with_live:
+            outcomes += capacity_gates.versus_live(
+                workload, thresholds, pricing, report, live_report, live.release
             )
     if policy.capacity is not None:
         outcomes.append(_capacity(policy.capacity, report))
     return outcomes
-
-
-def _baseline(
-    policy: LoadPolicy, by_profile: dict, live: LiveBaseline | None
-) -> tuple[LoadTestReport | None, list[GateOutcome]]:
-    """(live's load test to compare with, or None; the one "live" outcome that
-    says why there is none, where a check would compare)."""
-    if not any(policy.thresholds_of(p).compares_with_live for p in by_profile):
-        return None, []
-    if live is None:
-        return None, [
-            GateOutcome(
-                "live",
-                "baseline",
-                None,
-                None,
-                SKIPPED,
-                "nothing is live in this environment (its first release): no "
-                "baseline, so capacity and cost are not compared with live; the "
-                "other gates decide",
-            )
-        ]
-    if live.load is None:
-        return None, [
-            GateOutcome(
-                "live",
-                "baseline",
-                None,
-                None,
-                INCONCLUSIVE,
-                f"no evidence: live {live.release} has no load test to compare "
-                f"with{': ' + live.problem if live.problem else ''}",
-            )
-        ]
-    return live.load, []
 
 
 def _workload(
@@ -633,11 +532,11 @@ def _workload(
         if limit is None:
             continue
         if headline is not None:
-            outcomes.append(_compare(gate, metric, headline, limit, "max"))
+            outcomes.append(compare(gate, metric, headline, limit, "max"))
         else:
             # No load met the workload's SLO: judge the lightest load's number.
             best = min(per_run)
-            outcome = _compare(gate, metric, best, limit, "max")
+            outcome = compare(gate, metric, best, limit, "max")
             outcomes.append(
                 GateOutcome(
                     gate,
@@ -651,210 +550,12 @@ def _workload(
     costs = unit_costs(workload, t.slo, pricing, measured_devices)
     limit = t.max_cost_per_1m_output_tokens
     if limit is not None:
-        outcomes.append(_cost(gate, costs, limit, pricing, "cost_per_1m_output_tokens"))
+        metric = "cost_per_1m_output_tokens"
+        outcomes.append(capacity_gates.cost(gate, costs, limit, pricing, metric))
     if t.min_prefix_cache_hit_rate is not None:
-        outcomes.append(_hit_rate(gate, costs, t.min_prefix_cache_hit_rate))
+        minimum = t.min_prefix_cache_hit_rate
+        outcomes.append(capacity_gates.hit_rate(gate, costs, minimum))
     return outcomes
-
-
-def _cost(gate, costs, limit: float, pricing: Pricing, metric: str) -> GateOutcome:
-    """Cost per 1M output tokens at the SLO operating point against `limit`."""
-    if costs is None:
-        return GateOutcome(
-            gate,
-            metric,
-            None,
-            limit,
-            FAIL,
-            "no load level met the SLO, so it has no cost at the SLO",
-        )
-    if costs.cost_per_1m_output_tokens is None:
-        return GateOutcome(gate, metric, None, limit, INCONCLUSIVE, _unpriced(pricing))
-    observed = float(costs.cost_per_1m_output_tokens)
-    outcome = _compare(gate, metric, observed, limit, "max")
-    return GateOutcome(
-        gate,
-        metric,
-        observed,
-        limit,
-        outcome.outcome,
-        f"{outcome.reason} {pricing.currency} per 1M output tokens",
-    )
-
-
-def _unpriced(pricing: Pricing) -> str:
-    return (
-        f"no evidence: a device-hour costs 0 {pricing.currency} in this "
-        "environment's cost model, so there is no cost to judge"
-    )
-
-
-def _hit_rate(gate, costs, minimum: float) -> GateOutcome:
-    metric = "prefix_cache_hit_rate"
-    if costs is None:
-        return GateOutcome(
-            gate,
-            metric,
-            None,
-            minimum,
-            INCONCLUSIVE,
-            "no evidence: no load level met the SLO, and the hit rate is read at "
-            "the SLO operating point",
-        )
-    observed = costs.run.prefix_cache_hit_rate
-    if observed is None:
-        return GateOutcome(
-            gate,
-            metric,
-            None,
-            minimum,
-            INCONCLUSIVE,
-            "no evidence: the server reported no prefix-cache hit rate",
-        )
-    return _compare(gate, metric, observed, minimum, "min")
-
-
-def _drop(
-    gate: str, metric: str, mine: float | None, theirs: float | None, pct: float, what
-) -> GateOutcome:
-    """`mine` may be at most `pct`% below live's `theirs`."""
-    if mine is None or theirs is None:
-        whose = "this release" if mine is None else "live"
-        return GateOutcome(
-            gate,
-            metric,
-            mine,
-            None,
-            INCONCLUSIVE,
-            f"no evidence: {whose} did not measure {what}",
-        )
-    floor_value = theirs * (1 - pct / 100)
-    if theirs <= 0:
-        return GateOutcome(
-            gate, metric, mine, floor_value, PASS, f"live has no {what} to drop from"
-        )
-    change = (mine - theirs) / theirs * 100
-    ok = mine >= floor_value
-    return GateOutcome(
-        gate,
-        metric,
-        mine,
-        floor_value,
-        PASS if ok else FAIL,
-        f"{what} {mine:.4g} vs live {theirs:.4g}: {change:+.1f}% "
-        f"({'within' if ok else 'beyond'} the -{pct:g}% allowed)",
-    )
-
-
-def _knee(workload: WorkloadReport, slo: Slo) -> int | None:
-    """Max concurrency at the SLO; 0 when closed-loop runs met it at no level,
-    None without a closed-loop run whose client kept its schedule (not measured)."""
-    if not any(run.concurrency is not None and run.valid for run in workload.runs):
-        return None
-    return knee(workload, slo) or 0
-
-
-def _versus_live(
-    workload: WorkloadReport,
-    t: WorkloadThresholds,
-    pricing: Pricing,
-    report: LoadTestReport,
-    live_report: LoadTestReport,
-    live_release: str,
-) -> list[GateOutcome]:
-    gate = f"load:{workload.profile}"
-    theirs = next(
-        (w for w in live_report.workloads if w.profile == workload.profile), None
-    )
-    if theirs is None:
-        return [
-            GateOutcome(
-                gate,
-                "versus_live",
-                None,
-                None,
-                INCONCLUSIVE,
-                f"no evidence: live {live_release} did not measure "
-                f"{workload.profile!r}",
-            )
-        ]
-    outcomes = []
-    if t.max_concurrency_drop_pct is not None:
-        outcomes.append(
-            _drop(
-                gate,
-                "max_concurrency_at_slo",
-                _knee(workload, t.slo),
-                _knee(theirs, t.slo),
-                t.max_concurrency_drop_pct,
-                "max concurrency at the SLO",
-            )
-        )
-    if t.max_goodput_drop_pct is not None:
-        outcomes.append(
-            _drop(
-                gate,
-                "goodput",
-                max_goodput(workload),
-                max_goodput(theirs),
-                t.max_goodput_drop_pct,
-                "goodput (requests/s meeting the SLO)",
-            )
-        )
-    if t.max_cost_increase_pct is not None:
-        outcomes.append(
-            _cost_versus_live(workload, theirs, t, pricing, report, live_report)
-        )
-    return outcomes
-
-
-def _cost_versus_live(
-    workload: WorkloadReport,
-    theirs: WorkloadReport,
-    t: WorkloadThresholds,
-    pricing: Pricing,
-    report: LoadTestReport,
-    live_report: LoadTestReport,
-) -> GateOutcome:
-    gate, metric = f"load:{workload.profile}", "cost_per_1m_output_tokens_vs_live"
-    pct = t.max_cost_increase_pct
-    mine = unit_costs(workload, t.slo, pricing, report.gpu_count)
-    live_costs = unit_costs(theirs, t.slo, pricing, live_report.gpu_count)
-    if not pricing.priced:
-        return GateOutcome(gate, metric, None, None, INCONCLUSIVE, _unpriced(pricing))
-    if live_costs is None or live_costs.cost_per_1m_output_tokens is None:
-        return GateOutcome(
-            gate,
-            metric,
-            None,
-            None,
-            INCONCLUSIVE,
-            "no evidence: no load level of live met the SLO, so live has no cost "
-            "at the SLO to compare with",
-        )
-    ceiling = live_costs.cost_per_1m_output_tokens * (1 + decimal_of(pct) / 100)
-    if mine is None or mine.cost_per_1m_output_tokens is None:
-        return GateOutcome(
-            gate,
-            metric,
-            None,
-            float(ceiling),
-            FAIL,
-            "no load level met the SLO, so it has no cost at the SLO",
-        )
-    observed = mine.cost_per_1m_output_tokens
-    ok = observed <= ceiling
-    change = (observed / live_costs.cost_per_1m_output_tokens - 1) * 100
-    return GateOutcome(
-        gate,
-        metric,
-        float(observed),
-        float(ceiling),
-        PASS if ok else FAIL,
-        f"{observed} vs live {live_costs.cost_per_1m_output_tokens} "
-        f"{pricing.currency} per 1M output tokens: {change:+.1f}% "
-        f"({'within' if ok else 'beyond'} the +{pct:g}% allowed)",
-    )
 
 
 def _capacity(policy: CapacityThreshold, report: LoadTestReport) -> GateOutcome:
@@ -880,7 +581,7 @@ def _capacity(policy: CapacityThreshold, report: LoadTestReport) -> GateOutcome:
             INCONCLUSIVE,
             "no evidence: the report has no KV bytes per token",
         )
-    outcome = _compare("capacity", metric, sessions, policy.min_sessions, "min")
+    outcome = compare("capacity", metric, sessions, policy.min_sessions, "min")
     return GateOutcome(
         "capacity",
         metric,

@@ -20,8 +20,7 @@ from controlplane.costs.report import (
     release_costs,
 )
 from controlplane.dashboard import charts
-from controlplane.dashboard.forms import filter_releases
-from controlplane.dashboard.views.releases import typed_targets
+from controlplane.dashboard.forms import filter_releases, typed_targets
 from controlplane.releases import evidence
 from controlplane.releases.models import Job
 
@@ -132,11 +131,7 @@ def release_costs_of(releases, targets=None) -> tuple[list[ReleaseCosts], list[s
             problems += env.problems
         if env.live_release is not None and env.live_release.pk == release.pk:
             env = replace(env, live_release=None, live_load=None)
-        found.append(
-            release_costs(
-                release, targets=targets, env=env, load=report, load_read=True
-            )
-        )
+        found.append(release_costs(release, targets=targets, env=env, load=report))
     return found, problems
 
 

@@ -5,9 +5,9 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
-from controlplane.costs.report import format_targets, parse_targets
+from controlplane.costs.report import format_targets
 from controlplane.dashboard import access, charts, timeline
-from controlplane.dashboard.forms import filter_releases
+from controlplane.dashboard.forms import filter_releases, typed_targets
 from controlplane.dashboard.release_page import release_evidence
 from controlplane.releases import evidence, timings
 from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Job, Release
@@ -44,18 +44,6 @@ def _running_pipelines(user) -> list[dict]:
         if len(rows) == RUNNING_PIPELINES_SHOWN:
             break
     return rows
-
-
-def typed_targets(request) -> tuple[dict[str, float] | None, str]:
-    """(target traffic typed on the page, or None for the environment's; why it
-    could not be read, or "")."""
-    text = request.GET.get("targets")
-    if text is None:
-        return None, ""
-    try:
-        return parse_targets(text), ""
-    except ValueError as exc:
-        return None, f"targets: {exc}"
 
 
 @login_required
