@@ -78,8 +78,8 @@ def put_cost_model(
     response={200: CostModelOut, **WRITE_ERRORS},
     summary="Change keys of the environment's cost model (admin role)",
     description="Only the keys the body names change; `target_requests_per_s` "
-    "merges workload by workload; null clears an optional key. Audited. README: "
-    "Cost and capacity.",
+    "merges workload by workload (null removes one); null clears an optional key. "
+    "Audited. README: Cost and capacity.",
 )
 def patch_cost_model(
     request: HttpRequest, environment_id: ObjectId, payload: CostModelChangeIn

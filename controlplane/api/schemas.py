@@ -429,8 +429,8 @@ class CostModelIn(CostModel):
 
 class CostModelChangeIn(RequestBody):
     """The keys to change; the rest keep their current values. `target_requests_
-    per_s` merges key by key (a workload set to null is an error, not a removal:
-    replace the map with PUT); null clears an optional price."""
+    per_s` merges key by key (a workload set to null loses its target); null
+    clears an optional key."""
 
     currency: Any = None
     device_hourly_price: Any = None

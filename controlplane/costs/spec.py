@@ -90,9 +90,10 @@ class CostModel(BaseModel):
         description="devices one serving replica holds (null: as many as the "
         "load test ran on)",
     )
-    target_requests_per_s: dict[WorkloadName, float] = Field(
+    target_requests_per_s: dict[WorkloadName, float | None] = Field(
         default_factory=dict,
-        description="traffic to plan capacity for: requests/s per workload",
+        description="traffic to plan capacity for: requests/s per workload (null "
+        "removes a workload's target, as a PATCH merges this map key by key)",
     )
     note: str = Field(
         "",
@@ -125,6 +126,11 @@ class CostModel(BaseModel):
                 "one without the other can't be priced",
                 None,
             )
+        self.target_requests_per_s = {
+            name: requests_per_s
+            for name, requests_per_s in self.target_requests_per_s.items()
+            if requests_per_s is not None
+        }
         for name, requests_per_s in self.target_requests_per_s.items():
             if not 0 < requests_per_s <= 1e9:
                 raise field_error(

@@ -25,7 +25,7 @@ BOTH_SIDES = ("context", "goodput", "reuse", "cost", *WORKLOAD_CURVES)
 
 
 def test_it_draws_every_chart_for_candidate_and_live_and_the_capacity_plan(
-    page, log_in, owner, teammate, environment, awaiting_approval
+    page, log_in, owner, teammate, environment, awaiting_approval, screenshot
 ):
     set_price(environment, owner, target_requests_per_s={"chat": 40.0, "rag": 4.0})
     do_update_gate_policy(
@@ -77,6 +77,7 @@ def test_it_draws_every_chart_for_candidate_and_live_and_the_capacity_plan(
     expect(table.locator("thead")).to_contain_text(f"Live {live.version}")
     expect(page.locator(".price-warning")).to_have_count(0)
     expect(page.locator("#device-hour-cost")).to_have_text("2.50 USD")
+    screenshot(page, "release-capacity")
 
     page.get_by_label("Target traffic, requests/s per workload").fill("code:3")
     page.get_by_role("button", name="Plan").click()
