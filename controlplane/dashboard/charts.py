@@ -277,9 +277,7 @@ def cost_figure(
     present = [
         (label, rows, currency)
         for label, rows, currency in columns
-        if any(
-            row.costs and row.costs.cost_per_1m_output_tokens for row in rows.values()
-        )
+        if any(_priced(row) for row in rows.values())
     ]
     if not present:
         return None
@@ -455,12 +453,9 @@ def _series(colour: int, side: int, name: str, label: str, x, y, hover: str) -> 
 def context_figure(sides: Sides) -> dict | None:
     """TTFT p99 vs prompt length (each workload's context sweep), candidate and
     live on the same axes, with each workload's TTFT SLO dotted."""
-
+    # prompt_tokens 0: the client got no usage, so the length is unknown.
     found = _runs_by_workload(
-        # prompt_tokens 0: the client got no usage, so the length is unknown.
-        sides,
-        lambda row: row.workload.context_sweep,
-        lambda r: r.prompt_tokens or None,
+        sides, lambda row: row.workload.context_sweep, lambda r: r.prompt_tokens or None
     )
     if not found:
         return None
@@ -499,7 +494,6 @@ def context_figure(sides: Sides) -> dict | None:
 def goodput_figure(sides: Sides) -> dict | None:
     """Goodput (requests/s meeting the SLO) vs the open-loop arrival rate; the
     diagonal is every request meeting it."""
-
     found = _runs_by_workload(
         sides, lambda row: row.workload.runs, lambda r: r.request_rate
     )
@@ -545,7 +539,6 @@ def reuse_figure(sides: Sides, pricing: Pricing) -> dict | None:
     """Each run's cost per request against the prefix-cache hit rate the server
     reported (the reuse it saw); requests per device-hour when the environment
     has no price. Runs missing the SLO are crosses."""
-
     found = _runs_by_workload(
         sides,
         lambda row: row.workload.runs,
