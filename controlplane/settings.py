@@ -89,6 +89,7 @@ INSTALLED_APPS = [
     "controlplane.audit",
     "controlplane.dispatch",
     "controlplane.webhooks",
+    "controlplane.costs",
     "controlplane.dashboard",
 ]
 

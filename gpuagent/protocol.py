@@ -496,6 +496,13 @@ class LoadRun(_Message):
     )
     client_cpu_s: float = Field(0.0, ge=0, description="CPU the client itself used")
     client_cpu_us_per_token: float = Field(0.0, ge=0)
+    prefix_cache_hit_rate: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="prefix-cache hits / queries over the run, as the server's "
+        "/metrics counted them (None: the server reported none; no evidence)",
+    )
 
 
 class WorkloadReport(_Message):
@@ -517,6 +524,9 @@ class WorkloadReport(_Message):
     max_sessions_at_context: int = Field(
         ge=0, description="sessions of context_tokens the KV budget holds"
     )
+    # The agent's own pricing at LoadTestReport.gpu_hourly_usd. The control plane
+    # ignores these (and gpus_for_target_rate): it prices the physical numbers
+    # above with the environment's cost model (controlplane/costs), in Decimal.
     cost_per_1m_output_tokens: float | None = None
     cost_per_request: float | None = None
     requests_per_gpu_hour: float | None = None
@@ -537,7 +547,9 @@ class LoadTestReport(_Message):
     server-side memory numbers read from its /metrics."""
 
     endpoint: str
-    gpu_hourly_usd: float = Field(ge=0)
+    gpu_hourly_usd: float = Field(
+        ge=0, description="the agent's price; the control plane ignores it"
+    )
     gpu_count: int = Field(ge=1)
     weights_bytes: int = Field(ge=0)
     kv_budget_bytes: int = Field(ge=0)

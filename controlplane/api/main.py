@@ -8,6 +8,7 @@ from ninja import NinjaAPI
 
 from controlplane.api import (
     audit,
+    costs,
     deployments,
     environments,
     gate_policy,
@@ -72,6 +73,7 @@ for module in (
     releases,
     environments,
     gate_policy,
+    costs,
     serving_backend,
     webhooks,
     deployments,

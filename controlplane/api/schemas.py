@@ -8,6 +8,7 @@ also what the OpenAPI document shows.
 
 import re
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from ninja import Field, Schema
@@ -20,6 +21,8 @@ from pydantic import (
 )
 
 from controlplane.accounts.models import API_SCOPES, ROLES
+from controlplane.costs.report import parse_targets
+from controlplane.costs.spec import CostModel, Currency, Price
 from controlplane.fleet.models import DEPLOYMENT_STATES
 from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
@@ -414,6 +417,140 @@ class GatePolicyOut(Schema):
     environment: str
     policy: GatePolicy
     is_default: bool = Field(description="no policy set: the defaults apply")
+
+
+# -- cost and capacity ----------------------------------------------------------------
+
+
+class CostModelIn(CostModel):
+    """A whole cost model, stated: `currency` and `device_hourly_price` are
+    required; any other key left out takes its default (README: Cost and
+    capacity)."""
+
+    currency: Currency
+    device_hourly_price: Price
+
+
+class CostModelChangeIn(RequestBody):
+    """The keys to change; the rest keep their current values. `target_requests_
+    per_s` merges key by key (a workload set to null loses its target); null
+    clears an optional key."""
+
+    currency: Any = None
+    device_hourly_price: Any = None
+    power_draw_w: Any = None
+    electricity_price_per_kwh: Any = None
+    devices_per_replica: Any = None
+    target_requests_per_s: dict[str, Any] | None = None
+    note: Any = None
+
+    @model_validator(mode="after")
+    def _names_a_change(self) -> "CostModelChangeIn":
+        if not self.model_fields_set:
+            raise ValueError(
+                "name at least one key to change: " + ", ".join(type(self).model_fields)
+            )
+        return self
+
+
+class CostModelOut(Schema):
+    environment: str
+    cost_model: CostModel
+    is_default: bool = Field(description="none set: a device-hour at 0 USD")
+    device_hour_cost: Decimal = Field(
+        description="price + electricity of one device for an hour, in `currency`"
+    )
+    priced: bool = Field(description="false: a device-hour costs 0, no cost is shown")
+    warnings: list[str]
+
+
+class WorkloadCostOut(Schema):
+    workload: str
+    slo_ttft_p99_ms: float | None = Field(description="from the gate policy")
+    slo_tpot_p99_ms: float | None
+    max_concurrency_at_slo: int | None = Field(description="the knee")
+    max_goodput: float | None = Field(description="requests/s meeting the SLO")
+    requests_per_s_at_slo: float | None = Field(
+        description="the operating point: the run meeting the SLO with the most "
+        "requests/s (one replica)"
+    )
+    output_tokens_per_s_at_slo: float | None
+    ttft_p99_ms_at_slo: float | None
+    tpot_p99_ms_at_slo: float | None
+    prefix_cache_hit_rate_at_slo: float | None
+    requests_per_device_hour: float | None
+    cost_per_request: Decimal | None = Field(description="null: no price, or no SLO")
+    cost_per_1m_input_tokens: Decimal | None
+    cost_per_1m_output_tokens: Decimal | None
+
+
+class PlanSideOut(Schema):
+    requests_per_s_per_replica: float | None
+    replicas: int | None
+    devices: int | None
+    monthly_cost: Decimal | None
+    missing: str = Field(description="why there is no number ('' when there is)")
+
+
+class PlanRowOut(Schema):
+    workload: str
+    target_requests_per_s: float
+    candidate: PlanSideOut
+    live: PlanSideOut | None = Field(description="null: nothing is live")
+    device_difference: int | None = Field(description="candidate - live")
+    monthly_cost_difference: Decimal | None = Field(description="candidate - live")
+
+
+class AgentTimeOut(Schema):
+    what: Literal["integrity", "quality", "load"]
+    seconds: float
+    devices: int
+    cost: Decimal | None
+
+
+class VerificationCostOut(Schema):
+    currency: str
+    seconds: float
+    cost: Decimal | None
+    parts: list[AgentTimeOut]
+
+
+class CapacityPlanOut(Schema):
+    release_id: int
+    release: str
+    environment: str
+    live_release_id: int | None
+    live_release: str | None
+    currency: str
+    device_hour_cost: Decimal
+    cost_model_note: str
+    hours_per_month: int
+    warnings: list[str] = Field(description="a price of 0 or none set")
+    notes: list[str]
+    problems: list[str] = Field(description="recorded reports that don't validate")
+    targets: dict[str, float] = Field(description="requests/s per workload")
+    targets_source: Literal["environment", "request"]
+    workloads: list[WorkloadCostOut] = Field(description="this release")
+    live_workloads: list[WorkloadCostOut]
+    plan: list[PlanRowOut]
+    total: PlanRowOut | None = Field(description="all workloads on one shared pool")
+    verification: VerificationCostOut
+
+
+class CapacityPlanQuery(ClientInput):
+    targets: str | None = Field(
+        None,
+        max_length=2000,
+        description="requests/s per workload, e.g. chat:20,rag:5 (default: the "
+        "environment's cost model)",
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_targets(value)
+        return value
 
 
 class WebhookIn(RequestBody):

@@ -75,12 +75,9 @@ def compare_with_live(
             other = live_workloads.get(workload.profile)
             if other is None:
                 continue
+            # Money and capacity against live: the page's capacity plan, priced
+            # by the environment's cost model (the reports' USD fields are not).
             rows += [
-                (
-                    f"{workload.profile}: USD per 1M output tokens",
-                    workload.cost_per_1m_output_tokens,
-                    other.cost_per_1m_output_tokens,
-                ),
                 (
                     f"{workload.profile}: sessions at {workload.context_tokens} tokens",
                     workload.max_sessions_at_context,

@@ -6,6 +6,7 @@ from django import forms
 
 from controlplane.accounts.actions import TOKEN_NAME_MAX_LENGTH
 from controlplane.accounts.models import API_SCOPES, ROLE_SCOPES, Membership
+from controlplane.costs.report import parse_targets
 from controlplane.dashboard import access
 from controlplane.releases.models import RELEASE_STATES
 
@@ -15,8 +16,8 @@ SCOPE_LABELS = {
     "register": "register: create model families, register releases",
     "promote": "promote: promote, reopen, roll back",
     "approve": "approve: approve or reject releases (approver or admin role)",
-    "admin": "admin: gate policies, webhooks, members, environments, tokens "
-    "(admin role)",
+    "admin": "admin: gate policies, cost models, webhooks, members, environments, "
+    "tokens (admin role)",
 }
 
 
@@ -165,3 +166,15 @@ class ApiTokenForm(forms.Form):
                 f"{', '.join(allowed)}",
             )
         return data
+
+
+def typed_targets(request) -> tuple[dict[str, float] | None, str]:
+    """(the target traffic typed on a page, `?targets=chat:20,rag:5`, or None for
+    each environment's own; why it could not be read, or "")."""
+    text = request.GET.get("targets")
+    if text is None:
+        return None, ""
+    try:
+        return parse_targets(text), ""
+    except ValueError as exc:
+        return None, f"targets: {exc}"

@@ -1,9 +1,11 @@
 """Everything the release detail page shows about one release's evidence, gathered in
 one place: its reports and those of its parent and of the release live in its target
-environment, the charts drawn from them, and what differs from live."""
+environment, the charts drawn from them, what differs from live, and its money and
+capacity (controlplane.costs.report) against live."""
 
 from dataclasses import dataclass, field
 
+from controlplane.costs.report import ReleaseCosts, economics, release_costs
 from controlplane.dashboard import charts
 from controlplane.dashboard.comparison import LiveComparison, compare_with_live
 from controlplane.releases import evidence
@@ -12,14 +14,17 @@ from gpuagent.protocol import LoadTestReport, QualityReport
 
 PERFORMANCE_CHARTS = (
     "memory",
-    "throughput",
     "ttft",
     "tpot",
+    "context",
+    "goodput",
+    "reuse",
     "kv_bytes",
     "kv_sessions",
     "cost",
 )
 QUALITY_CHARTS = ("quality_kld", "quality_top1")
+WORKLOAD_CHART_PREFIX = "load-"
 
 
 @dataclass
@@ -29,6 +34,7 @@ class ReleaseEvidence:
     live_release: Release | None = None
     comparison: LiveComparison | None = None
     integrity: evidence.Integrity | None = None
+    costs: ReleaseCosts | None = None
     charts: dict[str, dict] = field(default_factory=dict)
     # Reports that were recorded but don't validate: shown, never taken as evidence.
     problems: list[str] = field(default_factory=list)
@@ -38,14 +44,17 @@ class ReleaseEvidence:
         return [(n, self.charts[n]) for n in PERFORMANCE_CHARTS if n in self.charts]
 
     @property
-    def quality_charts(self) -> list[tuple[str, dict]]:
-        return [(n, self.charts[n]) for n in QUALITY_CHARTS if n in self.charts]
+    def workload_charts(self) -> list[tuple[str, dict]]:
+        """Each workload's curves over concurrency, candidate and live."""
+        return [
+            (name, figure)
+            for name, figure in self.charts.items()
+            if name.startswith(WORKLOAD_CHART_PREFIX)
+        ]
 
     @property
-    def headline_workloads(self) -> list[tuple]:
-        if self.load is None:
-            return []
-        return [(w, charts.headline_run(w)) for w in self.load.workloads]
+    def quality_charts(self) -> list[tuple[str, dict]]:
+        return [(n, self.charts[n]) for n in QUALITY_CHARTS if n in self.charts]
 
 
 def _read(problems: list[str], reader, release: Release | None):
@@ -58,25 +67,22 @@ def _read(problems: list[str], reader, release: Release | None):
         return None
 
 
-def live_release_for(release: Release) -> Release | None:
-    """The release live (or failed verification) in `release`'s target environment,
-    unless that is `release` itself."""
-    deployment = release.target_environment.live_deployment
-    if deployment is None or deployment.release_id == release.pk:
-        return None
-    return deployment.release
-
-
-def release_evidence(release: Release) -> ReleaseEvidence:
+def release_evidence(
+    release: Release, *, targets: dict[str, float] | None = None
+) -> ReleaseEvidence:
+    """`targets`: requests/s per workload typed on the page (None: the
+    environment's)."""
     problems: list[str] = []
     page = ReleaseEvidence(problems=problems)
     page.quality = _read(problems, evidence.quality_report, release)
     page.load = _read(problems, evidence.load_report, release)
     page.integrity = evidence.integrity(release)
-    page.live_release = live_release_for(release)
+    page.costs = costs = release_costs(release, targets=targets, load=page.load)
+    problems += costs.env.problems
+    page.live_release = costs.live_release
     parent = release.parent
     parent_load = _read(problems, evidence.load_report, parent)
-    live_load = _read(problems, evidence.load_report, page.live_release)
+    live_load = costs.env.live_load if page.live_release else None
     if page.live_release is not None:
         page.comparison = compare_with_live(
             release,
@@ -86,21 +92,36 @@ def release_evidence(release: Release) -> ReleaseEvidence:
             candidate_quality=page.quality,
             live_quality=_read(problems, evidence.quality_report, page.live_release),
         )
-    columns = [(f"candidate {release.version}", page.load)]
+    candidate_label = f"candidate {release.version}"
+    columns = [(candidate_label, page.load)]
+    money = [(candidate_label, costs.workloads, costs.currency)]
+    sides = [(candidate_label, costs.workloads)]
     if parent is not None:
         columns.append((f"parent {parent.version}", parent_load))
+        parent_rows = economics(parent_load, costs.env.policy, costs.env.pricing)
+        money.append((f"parent {parent.version}", parent_rows, costs.currency))
     if page.live_release is not None:
-        columns.append((f"live {page.live_release.version}", live_load))
+        live_label = f"live {page.live_release.version}"
+        columns.append((live_label, live_load))
+        money.append((live_label, costs.live_workloads, costs.currency))
+        sides.append((live_label, costs.live_workloads))
     figures = {
         "memory": charts.memory_figure(columns),
-        "throughput": charts.throughput_figure(page.load),
-        "ttft": charts.latency_figure(page.load, "ttft_ms"),
-        "tpot": charts.latency_figure(page.load, "tpot_ms"),
+        "ttft": charts.latency_figure(costs.workloads, "ttft_ms"),
+        "tpot": charts.latency_figure(costs.workloads, "tpot_ms"),
+        "context": charts.context_figure(sides),
+        "goodput": charts.goodput_figure(sides),
+        "reuse": charts.reuse_figure(sides, costs.env.pricing),
         "kv_bytes": charts.kv_bytes_figure(columns),
         "kv_sessions": charts.kv_sessions_figure(columns),
         "quality_kld": charts.quality_kld_figure(page.quality),
         "quality_top1": charts.quality_top1_figure(page.quality),
-        "cost": charts.cost_figure(columns),
+        "cost": charts.cost_figure(money),
     }
+    workloads = list(dict.fromkeys([*costs.workloads, *costs.live_workloads]))
+    for position, name in enumerate(workloads):
+        figures[f"{WORKLOAD_CHART_PREFIX}{position}"] = charts.load_curves_figure(
+            name, sides
+        )
     page.charts = {name: figure for name, figure in figures.items() if figure}
     return page

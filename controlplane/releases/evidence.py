@@ -18,6 +18,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ValidationError
 
+from controlplane.releases.gates import LiveBaseline
 from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Job, Release
 from gpuagent.protocol import (
     LOAD_TEST_JOB_KIND,
@@ -96,6 +97,28 @@ def load_reports(releases) -> dict[int, LoadTestReport]:
         if _measured(job):
             reports[job.release_id] = _validated(job, LoadTestReport)
     return reports
+
+
+def live_release_for(release: Release) -> Release | None:
+    """The release live (or failed verification) in `release`'s target environment,
+    unless that is `release` itself."""
+    deployment = release.target_environment.live_deployment
+    if deployment is None or deployment.release_id == release.pk:
+        return None
+    return deployment.release
+
+
+def live_baseline(release: Release) -> LiveBaseline | None:
+    """What the gates compare `release` with: the live release of its target
+    environment and its load test (None: nothing else is live there). A live
+    report that doesn't validate is no baseline, and the baseline says why."""
+    live = live_release_for(release)
+    if live is None:
+        return None
+    try:
+        return LiveBaseline(str(live), load_report(live))
+    except EvidenceUnreadable as exc:
+        return LiveBaseline(str(live), None, problem=exc.message)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,19 @@ Default policy (GatePolicy()): every quality slice of gpuagent.protocol.QUALITY_
 and every workload of LOAD_PROFILES must be reported; per slice mean KLD <= 0.03,
 same-top-1 >= 0.92, perplexity ratio <= 1.05, flip rate <= 0.25 and the long-context
 fact retrieved (the "good 4-bit" grade: lossless KLD <= 0.002 / top-1 >= 0.975 would
-fail every int4 recipe); per workload TTFT p99 <= 2000 ms and TPOT p99 <= 100 ms;
-capacity and cost limits off until a team sets them; integrity must pass, always.
+fail every int4 recipe); per workload TTFT p99 <= 2000 ms and TPOT p99 <= 100 ms (the
+workload's SLO), and against the release live in the environment max concurrency at
+the SLO and goodput each down by at most 10%; sessions, cost and prefix-cache limits
+off until a team sets them; integrity must pass, always.
+
+Comparisons with live need a live release: where none is (the first release of an
+environment) one "live" outcome says so as `skipped`, which neither passes nor holds
+the release, and the absolute gates decide. A live release without a load test is
+missing evidence: inconclusive. Money is priced here from the environment's cost
+model (controlplane.costs), never from the report's own USD fields.
 """
 
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from decimal import Decimal
 from math import floor
 from typing import Annotated
 
@@ -30,17 +37,42 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from controlplane.costs.capacity import Slo, unit_costs
+from controlplane.costs.money import Pricing
+from controlplane.releases import capacity_gates
+from controlplane.releases.capacity_gates import LiveBaseline
+from controlplane.releases.gate_outcomes import (
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    SKIPPED,
+    GateDecision,
+    GateOutcome,
+    compare,
+    evaluate_gates,
+)
 from gpuagent.protocol import (
     LOAD_PROFILES,
     QUALITY_SLICES,
-    Interval,
     LoadTestReport,
     QualityReport,
     SliceQuality,
     WorkloadReport,
 )
 
-PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+# Re-exported: callers take the whole vocabulary of gates from here.
+__all__ = [
+    "FAIL",
+    "INCONCLUSIVE",
+    "PASS",
+    "SKIPPED",
+    "GateDecision",
+    "GateOutcome",
+    "GatePolicy",
+    "LiveBaseline",
+    "evaluate_gates",
+    "evaluate_policy",
+]
 
 
 class _Policy(BaseModel):
@@ -73,8 +105,52 @@ class WorkloadThresholds(_Policy):
     max_ttft_p99_ms: float | None = Field(2000, gt=0)
     max_tpot_p99_ms: float | None = Field(100, gt=0)
     max_cost_per_1m_output_tokens: float | None = Field(
-        None, gt=0, description="USD at the highest load meeting the SLO"
+        None,
+        gt=0,
+        description="in the currency of the environment's cost model, at the SLO "
+        "operating point",
     )
+    max_concurrency_drop_pct: float | None = Field(
+        10,
+        ge=0,
+        le=100,
+        description="max concurrency at the SLO may be at most this % below live's",
+    )
+    max_goodput_drop_pct: float | None = Field(
+        10,
+        ge=0,
+        le=100,
+        description="the best goodput (requests/s meeting the SLO) may be at most "
+        "this % below live's",
+    )
+    max_cost_increase_pct: float | None = Field(
+        None,
+        ge=0,
+        description="cost per 1M output tokens may be at most this % above live's",
+    )
+    min_prefix_cache_hit_rate: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="session workloads: prefix-cache hits / queries at the SLO "
+        "operating point, as the server reported it",
+    )
+
+    @property
+    def slo(self) -> Slo:
+        """The workload's SLO: the latency thresholds (an unset one: unbounded)."""
+        return Slo(self.max_ttft_p99_ms, self.max_tpot_p99_ms)
+
+    @property
+    def compares_with_live(self) -> bool:
+        return any(
+            limit is not None
+            for limit in (
+                self.max_concurrency_drop_pct,
+                self.max_goodput_drop_pct,
+                self.max_cost_increase_pct,
+            )
+        )
 
 
 # A workload's name as a report gives it: one of LOAD_PROFILES or a team's own;
@@ -94,12 +170,14 @@ def _names(values: list[str], what: str, known: tuple[str, ...] = ()) -> list[st
     return values
 
 
-def _field_error(field: str, message: str, value) -> ValidationError:
-    """A check across fields, named by the field it is about (a model validator's
-    own ValueError would name the whole model)."""
+def field_error(field: str, message: str, value) -> ValidationError:
+    """A check across fields, named by the field it is about, dotted for one
+    inside another ("a.b"): a model validator's own ValueError would name the
+    whole model."""
     error = PydanticCustomError("value_error", message)
+    loc = tuple(field.split("."))
     return ValidationError.from_exception_data(
-        "policy", [InitErrorDetails(type=error, loc=(field,), input=value)]
+        "policy", [InitErrorDetails(type=error, loc=loc, input=value)]
     )
 
 
@@ -180,11 +258,14 @@ class LoadPolicy(_Policy):
     def _distinct_workloads(cls, workloads: list[str]) -> list[str]:
         return _names(workloads, "workload")
 
+    def thresholds_of(self, workload: str) -> WorkloadThresholds:
+        return self.per_workload.get(workload, self.thresholds)
+
     @model_validator(mode="after")
     def _inherit_thresholds(self) -> "LoadPolicy":
         if not self.workloads and self.capacity is None:
             # Nothing required and nothing to measure: a gate that passes anything.
-            raise _field_error(
+            raise field_error(
                 "workloads",
                 "no workload and no capacity: this load gate checks nothing "
                 "(name a workload, set capacity, or set load to null)",
@@ -204,44 +285,15 @@ class GatePolicy(_Policy):
     load: LoadPolicy | None = Field(default_factory=LoadPolicy)
     auto_rollback_on_failed_verification: bool = False
 
-
-@dataclass(frozen=True)
-class GateOutcome:
-    gate: str  # "integrity", "quality:<slice>", "load:<workload>", "capacity"
-    metric: str
-    observed: float | None
-    threshold: float | None
-    outcome: str  # PASS | FAIL | INCONCLUSIVE
-    reason: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class GateDecision:
-    ok: bool
-    outcome: str  # PASS | FAIL | INCONCLUSIVE
-    reason: str
-
-
-def evaluate_gates(results: Iterable) -> GateDecision:
-    """Any fail fails; otherwise any inconclusive pauses; otherwise pass. No
-    results at all is inconclusive: nothing was shown, so nothing passed."""
-    results = list(results)
-    failed = [r for r in results if r.outcome == FAIL]
-    if failed:
-        names = ", ".join(f"{r.gate} ({r.metric})" for r in failed)
-        return GateDecision(False, FAIL, f"failed gates: {names}")
-    inconclusive = [r for r in results if r.outcome == INCONCLUSIVE]
-    if inconclusive:
-        names = ", ".join(f"{r.gate} ({r.metric})" for r in inconclusive)
-        return GateDecision(False, INCONCLUSIVE, f"inconclusive gates: {names}")
-    if not results:
-        return GateDecision(
-            False, INCONCLUSIVE, "no gate results recorded: no evidence is no pass"
-        )
-    return GateDecision(True, PASS, f"{len(results)} gate(s) passed")
+    def slo_of(self, name: str, workload: WorkloadReport | None) -> Slo:
+        """Workload `name`'s SLO: the load policy's latency thresholds for it; with
+        `load: null` the SLO the load test itself ran to (the report's), so pages
+        still find an operating point."""
+        if self.load is not None:
+            return self.load.thresholds_of(name).slo
+        if workload is None:
+            return Slo()
+        return Slo(workload.slo_ttft_p99_ms, workload.slo_tpot_p99_ms)
 
 
 def evaluate_policy(
@@ -249,13 +301,18 @@ def evaluate_policy(
     quality: QualityReport | None,
     load: LoadTestReport | None,
     integrity_ok: bool | None,
+    *,
+    live: LiveBaseline | None = None,
+    pricing: Pricing | None = None,
 ) -> list[GateOutcome]:
-    """Every check of `policy` against the evidence, integrity first."""
+    """Every check of `policy` against the evidence, integrity first. `live`: the
+    release live in the environment (None: nothing is); `pricing`: the
+    environment's cost model (None, or a device-hour at 0: cost is no evidence)."""
     outcomes = [_integrity(integrity_ok)]
     if policy.quality is not None:
         outcomes += _quality(policy.quality, quality)
     if policy.load is not None:
-        outcomes += _load(policy.load, load)
+        outcomes += _load(policy.load, load, live, pricing)
     return outcomes
 
 
@@ -330,7 +387,7 @@ def _slice(
     no_tokens = "no evidence: no tokens were evaluated" if not entry.num_tokens else ""
     if t.max_mean_kld is not None:
         outcomes.append(
-            _compare(
+            compare(
                 gate,
                 "mean_kld",
                 entry.mean_kld,
@@ -342,7 +399,7 @@ def _slice(
         )
     if t.min_same_top1 is not None:
         outcomes.append(
-            _compare(
+            compare(
                 gate,
                 "same_top1",
                 entry.same_top1,
@@ -354,14 +411,14 @@ def _slice(
         )
     if t.max_ppl_ratio is not None:
         outcomes.append(
-            _compare(
+            compare(
                 gate, "ppl_ratio", entry.ppl_ratio, t.max_ppl_ratio, "max", no_tokens
             )
         )
     if t.max_flip_rate is not None:
         if entry.num_continuations:
             rate = entry.flips / entry.num_continuations
-            outcomes.append(_compare(gate, "flip_rate", rate, t.max_flip_rate, "max"))
+            outcomes.append(compare(gate, "flip_rate", rate, t.max_flip_rate, "max"))
         else:
             outcomes.append(
                 GateOutcome(
@@ -402,59 +459,42 @@ def _slice(
     return outcomes
 
 
-def _compare(
-    gate: str,
-    metric: str,
-    observed: float | None,
-    threshold: float,
-    bound: str,  # "max": observed <= threshold passes; "min": >=
-    missing: str = "",
-    ci95: Interval | None = None,
-) -> GateOutcome:
-    if missing or observed is None:
-        reason = missing or "no evidence: not measured"
-        return GateOutcome(gate, metric, observed, threshold, INCONCLUSIVE, reason)
-    if ci95 is not None and ci95.low <= threshold <= ci95.high:
-        return GateOutcome(
-            gate,
-            metric,
-            observed,
-            threshold,
-            INCONCLUSIVE,
-            f"the 95% interval [{ci95.low:.4g}, {ci95.high:.4g}] holds the threshold "
-            f"{threshold:.4g}: too few tokens to tell",
-        )
-    ok = observed <= threshold if bound == "max" else observed >= threshold
-    sign = "<=" if bound == "max" else ">="
-    verdict = "" if ok else "not "
-    return GateOutcome(
-        gate,
-        metric,
-        observed,
-        threshold,
-        PASS if ok else FAIL,
-        f"{metric} {observed:.4g} is {verdict}{sign} {threshold:.4g}",
-    )
-
-
 # -- load -----------------------------------------------------------------------------
 
 
-def _load(policy: LoadPolicy, report: LoadTestReport | None) -> list[GateOutcome]:
+def _load(
+    policy: LoadPolicy,
+    report: LoadTestReport | None,
+    live: LiveBaseline | None,
+    pricing: Pricing | None,
+) -> list[GateOutcome]:
     if report is None:
         return _no_report("load", "the load-test job produced no report")
     by_profile, outcomes = _indexed(
         [(w.profile, w) for w in report.workloads], "workload", "load", policy.workloads
     )
+    pricing = pricing or Pricing("USD", Decimal(0))
+    comparing = any(policy.thresholds_of(p).compares_with_live for p in by_profile)
+    live_report, outcomes_of_baseline = capacity_gates.baseline(live, comparing)
+    outcomes += outcomes_of_baseline
     for profile, workload in by_profile.items():
-        thresholds = policy.per_workload.get(profile, policy.thresholds)
-        outcomes += _workload(workload, thresholds)
+        thresholds = policy.thresholds_of(profile)
+        outcomes += _workload(workload, thresholds, pricing, report.gpu_count)
+        if live_report is not None and thresholds.compares_with_live:
+            outcomes += capacity_gates.versus_live(
+                workload, thresholds, pricing, report, live_report, live.release
+            )
     if policy.capacity is not None:
         outcomes.append(_capacity(policy.capacity, report))
     return outcomes
 
 
-def _workload(workload: WorkloadReport, t: WorkloadThresholds) -> list[GateOutcome]:
+def _workload(
+    workload: WorkloadReport,
+    t: WorkloadThresholds,
+    pricing: Pricing,
+    measured_devices: int,
+) -> list[GateOutcome]:
     gate = f"load:{workload.profile}"
     valid = [run for run in workload.runs if run.valid]
     if not valid:
@@ -467,6 +507,7 @@ def _workload(workload: WorkloadReport, t: WorkloadThresholds) -> list[GateOutco
             ("ttft_p99_ms", t.max_ttft_p99_ms),
             ("tpot_p99_ms", t.max_tpot_p99_ms),
             ("cost_per_1m_output_tokens", t.max_cost_per_1m_output_tokens),
+            ("prefix_cache_hit_rate", t.min_prefix_cache_hit_rate),
         )
         return [
             GateOutcome(gate, metric, None, limit, INCONCLUSIVE, why)
@@ -491,11 +532,11 @@ def _workload(workload: WorkloadReport, t: WorkloadThresholds) -> list[GateOutco
         if limit is None:
             continue
         if headline is not None:
-            outcomes.append(_compare(gate, metric, headline, limit, "max"))
+            outcomes.append(compare(gate, metric, headline, limit, "max"))
         else:
             # No load met the workload's SLO: judge the lightest load's number.
             best = min(per_run)
-            outcome = _compare(gate, metric, best, limit, "max")
+            outcome = compare(gate, metric, best, limit, "max")
             outcomes.append(
                 GateOutcome(
                     gate,
@@ -506,24 +547,14 @@ def _workload(workload: WorkloadReport, t: WorkloadThresholds) -> list[GateOutco
                     f"{outcome.reason} (no load level met the SLO; best run)",
                 )
             )
+    costs = unit_costs(workload, t.slo, pricing, measured_devices)
     limit = t.max_cost_per_1m_output_tokens
     if limit is not None:
-        cost = workload.cost_per_1m_output_tokens
-        if cost is None:
-            outcomes.append(
-                GateOutcome(
-                    gate,
-                    "cost_per_1m_output_tokens",
-                    None,
-                    limit,
-                    FAIL,
-                    "no load level met the SLO, so it has no cost at the SLO",
-                )
-            )
-        else:
-            outcomes.append(
-                _compare(gate, "cost_per_1m_output_tokens", cost, limit, "max")
-            )
+        metric = "cost_per_1m_output_tokens"
+        outcomes.append(capacity_gates.cost(gate, costs, limit, pricing, metric))
+    if t.min_prefix_cache_hit_rate is not None:
+        minimum = t.min_prefix_cache_hit_rate
+        outcomes.append(capacity_gates.hit_rate(gate, costs, minimum))
     return outcomes
 
 
@@ -550,7 +581,7 @@ def _capacity(policy: CapacityThreshold, report: LoadTestReport) -> GateOutcome:
             INCONCLUSIVE,
             "no evidence: the report has no KV bytes per token",
         )
-    outcome = _compare("capacity", metric, sessions, policy.min_sessions, "min")
+    outcome = compare("capacity", metric, sessions, policy.min_sessions, "min")
     return GateOutcome(
         "capacity",
         metric,

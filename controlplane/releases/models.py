@@ -30,7 +30,9 @@ INTEGRITY_JOB_KINDS = ("inspect", "verify_source", "sign", "verify")
 # Jobs that check a live copy after its deploy (beat, every interval): no stage of
 # the pipeline, so pages and the API show their count and the latest, not each one.
 AFTER_DEPLOY_JOB_KINDS = ("reverify",)
-GATE_OUTCOMES = ("pass", "fail", "inconclusive")
+# "skipped": a check that does not apply, with why (a comparison with live where
+# nothing is live); it neither passes a release nor holds it.
+GATE_OUTCOMES = ("pass", "fail", "inconclusive", "skipped")
 DECISIONS = ("approve", "reject")
 
 

@@ -2,7 +2,7 @@ import pytest
 from django.apps import apps
 from django.contrib import admin
 
-APPS = ("accounts", "fleet", "releases", "audit")
+APPS = ("accounts", "fleet", "releases", "audit", "costs")
 
 
 @pytest.mark.parametrize(

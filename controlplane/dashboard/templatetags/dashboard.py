@@ -3,6 +3,8 @@ from functools import wraps
 
 from django import template
 
+from controlplane.costs.money import format_money
+
 register = template.Library()
 NOTHING = "—"
 
@@ -61,3 +63,25 @@ def binary_size(value) -> str:
         if size < 1024 or unit == "GiB":
             return f"{size:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+@register.filter
+@_dash_for_none
+def money(value, currency: str) -> str:
+    """A Decimal amount with its currency and thousands separators:
+    Decimal("4500") with "KRW" -> "4,500 KRW"; None -> "—", never a silent 0."""
+    return format_money(value, currency)
+
+
+@register.filter
+@_dash_for_none
+def signed_money(value, currency: str) -> str:
+    """A difference: "+1,460.00 USD", "-730.00 USD", "0.00 USD"."""
+    return ("+" if value > 0 else "") + format_money(value, currency)
+
+
+@register.filter
+@_dash_for_none
+def signed(value) -> str:
+    """A whole difference: +3, -2, 0."""
+    return f"{int(value):+d}" if value else "0"

@@ -8,7 +8,6 @@ from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
 from controlplane.dashboard import access
-from controlplane.dashboard.release_page import live_release_for
 from controlplane.dashboard.views.outcome import answer, confirmed
 from controlplane.errors import ValidationFailed
 from controlplane.releases.actions.approvals import (
@@ -16,6 +15,7 @@ from controlplane.releases.actions.approvals import (
     do_approve_release,
     do_reject_release,
 )
+from controlplane.releases.evidence import live_release_for
 
 
 def _confirm(request, release, decision: str, **fields):

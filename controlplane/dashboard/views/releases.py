@@ -5,8 +5,9 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
+from controlplane.costs.report import format_targets
 from controlplane.dashboard import access, charts, timeline
-from controlplane.dashboard.forms import filter_releases
+from controlplane.dashboard.forms import filter_releases, typed_targets
 from controlplane.dashboard.release_page import release_evidence
 from controlplane.releases import evidence, timings
 from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Job, Release
@@ -96,7 +97,8 @@ def _audit_trail(release: Release):
 def release_detail(request, release_id: int):
     release = access.release_or_404(request.user, release_id)
     status = _status_context(release)
-    page = release_evidence(release)
+    targets, targets_error = typed_targets(request)
+    page = release_evidence(release, targets=targets)
     timeline_figure = charts.timeline_figure(status["stages"])
     if timeline_figure:
         page.charts["timeline"] = timeline_figure
@@ -110,8 +112,15 @@ def release_detail(request, release_id: int):
         "history": _audit_trail(release),
         "decision_refusal": access.decision_refusal(release, request.user),
         "reopen_refusal": access.reopen_refusal(release, request.user),
+        "targets_text": request.GET.get("targets", format_targets(page.costs.targets)),
+        "targets_error": targets_error,
     }
-    return render(request, "dashboard/release_detail.html", ctx)
+    return render(
+        request,
+        "dashboard/release_detail.html",
+        ctx,
+        status=400 if targets_error else 200,
+    )
 
 
 @login_required

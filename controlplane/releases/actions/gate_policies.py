@@ -6,10 +6,11 @@ turns a threshold (or `quality`, `load`, `capacity`) off. Every write is audited
 with both whole policies and the dotted keys that changed.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 from django.db import transaction
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from controlplane.accounts.actions import check_actor_in_team
 from controlplane.audit.actions import Actor, do_record_event
@@ -91,21 +92,48 @@ def do_update_gate_policy(
 
 
 def _save(environment: Environment, new_policy, *, actor: Actor):
+    return save_environment_spec(
+        environment,
+        current=gate_policy_for,
+        new_spec=new_policy,
+        row_model=EnvironmentGatePolicy,
+        field="policy",
+        verb="environment.gate_policy_set",
+        key="policy",
+        actor=actor,
+    )
+
+
+def save_environment_spec(
+    environment: Environment,
+    *,
+    current: Callable[[Environment], BaseModel],
+    new_spec: Callable[[BaseModel], BaseModel],
+    row_model,
+    field: str,
+    verb: str,
+    key: str,
+    actor: Actor,
+):
+    """Write one environment's JSON spec (its gate policy, its cost model) as
+    `new_spec(current spec)` into `row_model`'s `field`, under the environment's
+    row lock so two changes at once both count, with one `verb` audit event
+    holding both whole specs under `key` and the dotted keys that changed."""
     with transaction.atomic():
         Environment.objects.select_for_update().get(pk=environment.pk)
-        current = gate_policy_for(environment)
-        spec = new_policy(current)
-        before = current.model_dump(mode="json")
+        spec_before = current(environment)
+        spec = new_spec(spec_before)
+        before = spec_before.model_dump(mode="json")
         after = spec.model_dump(mode="json")
-        row, _ = EnvironmentGatePolicy.objects.update_or_create(
-            environment=environment, defaults={"policy": after}
+        row, _ = row_model.objects.update_or_create(
+            environment=environment, defaults={field: after}
         )
         do_record_event(
             actor,
-            "environment.gate_policy_set",
+            verb,
             environment,
-            before={"policy": before},
-            after={"policy": after, "changed": changed_keys(before, after)},
+            before={key: before},
+            after={key: after, "changed": changed_keys(before, after)},
             team=environment.team,
         )
     return row

@@ -3,7 +3,9 @@
 from django.db import transaction
 
 from controlplane.audit.actions import Actor, do_record_event
+from controlplane.costs.actions import cost_model_for
 from controlplane.errors import ValidationFailed
+from controlplane.releases import evidence
 from controlplane.releases.actions.gate_policies import gate_policy_for
 from controlplane.releases.gates import (
     GateDecision,
@@ -67,9 +69,19 @@ def do_evaluate_release_gates(
     environment (gates.evaluate_policy) and record one GateResult per outcome,
     replacing the release's earlier results (the audit event keeps what they said).
     Returns the decision over them; moving the release is the caller's (the
-    pipeline's gate stage). Missing evidence (None) is inconclusive, never a pass."""
-    policy = gate_policy_for(release.target_environment)
-    outcomes = evaluate_policy(policy, quality, load, integrity_ok)
+    pipeline's gate stage). Missing evidence (None) is inconclusive, never a pass.
+    Capacity and cost are compared with the release live in the environment
+    (evidence.live_baseline) and priced with the environment's cost model."""
+    environment = release.target_environment
+    policy = gate_policy_for(environment)
+    outcomes = evaluate_policy(
+        policy,
+        quality,
+        load,
+        integrity_ok,
+        live=evidence.live_baseline(release),
+        pricing=cost_model_for(environment).pricing,
+    )
     decision = evaluate_gates(outcomes)
     with transaction.atomic():
         release.gate_results.all().delete()

@@ -39,6 +39,10 @@ def test_it_shows_the_default_until_one_is_set(api, owner_token, environment):
     assert data["is_default"] is True
     assert data["policy"] == GatePolicy().model_dump(mode="json")
     assert data["policy"]["quality"]["thresholds"]["max_mean_kld"] == 0.03
+    load = data["policy"]["load"]["thresholds"]
+    assert (load["max_concurrency_drop_pct"], load["max_goodput_drop_pct"]) == (10, 10)
+    assert load["max_cost_increase_pct"] is None
+    assert load["min_prefix_cache_hit_rate"] is None
 
 
 def test_an_admin_sets_thresholds_and_the_gate_uses_them(api, admin_token, environment):
@@ -173,6 +177,18 @@ def test_a_patch_starts_from_the_default_and_names_a_bad_key(
             "quality.thresholds.max_mean_kld",
         ),
         ({"load": {"workloads": [], "capacity": None}}, "load.workloads"),
+        (
+            {"load": {"thresholds": {"max_concurrency_drop_pct": 150}}},
+            "load.thresholds.max_concurrency_drop_pct",
+        ),
+        (
+            {"load": {"thresholds": {"min_prefix_cache_hit_rate": 1.5}}},
+            "load.thresholds.min_prefix_cache_hit_rate",
+        ),
+        (
+            {"load": {"thresholds": {"max_cost_increase_pct": "10"}}},
+            "load.thresholds.max_cost_increase_pct",
+        ),
         ({"load": {"workloads": ["chat", "chat"]}}, "load.workloads"),
         (
             {"load": {"capacity": {"min_sessions": 16.0, "context_tokens": 8192}}},

@@ -10,7 +10,7 @@ from tests.controlplane.browser.conftest import CHARTS_TIMEOUT_MS, LIVE_TIMEOUT_
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 APPROVE = "Approve…"
-CHARTS = ("memory", "throughput", "ttft", "tpot", "kv_sessions", "quality_kld", "cost")
+CHARTS = ("memory", "load-0", "ttft", "tpot", "kv_sessions", "quality_kld")
 
 
 def test_it_approves_the_full_digest_after_confirming_and_shows_it_go_live(

@@ -5,7 +5,11 @@ manifest through do_record_manifest, every move through do_transition_release.
 
 The numbers are those of an 8B Llama-class model (32 layers, 8 KV heads of 128) on
 one 80 GB GPU: bytes per token and sessions follow from the recipe by the formula in
-REFERENCE.md; latency and throughput are made up but shaped like a real sweep.
+REFERENCE.md; latency and throughput are made up but shaped like a real sweep: a
+closed-loop concurrency sweep, an open-loop arrival-rate sweep, a context-length sweep
+(rag) and prefix-cache hit rates (chat, multi-turn) as the server would report them.
+The reports' own USD fields are filled as the agent fills them; the control plane
+ignores them and prices with the environment's cost model (`set_price`).
 """
 
 import hashlib
@@ -48,6 +52,11 @@ WORKLOADS = {
     "code": (2048, 512, 1500.0, 70.0),
 }
 CONCURRENCY = (1, 8, 32, 64)
+# Open-loop arrival rates as a share of the workload's closed-loop rate at 32.
+ARRIVAL_SHARES = (0.25, 0.5, 1.0, 1.5)
+CONTEXT_SWEEP = (1024, 4096, 16384)
+# Multi-turn chat reuses its history: the hit rate falls as load evicts blocks.
+HIT_RATES = {"chat": (0.82, 0.8, 0.74, 0.6)}
 QUALITY_SLICES = {"english": 1.0, "code": 1.3, "korean": 1.8, "long_context": 2.4}
 
 
@@ -61,32 +70,64 @@ def _percentiles(p50: float) -> Percentiles:
     return Percentiles(p50=p50, p90=p50 * 1.5, p95=p50 * 1.8, p99=p50 * 2.4)
 
 
+def _run(profile, concurrency, *, speed, sessions, prompt=None, rate=None, hit=None):
+    """One load level: closed loop at `concurrency`, or open loop at `rate` req/s
+    (then `concurrency` is the in-flight load it amounts to)."""
+    default_prompt, output, slo_ttft, slo_tpot = WORKLOADS[profile]
+    prompt = prompt or default_prompt
+    tpot = 12.0 * (1 + concurrency / 24) / speed
+    ttft = (40.0 + prompt / 40) * (1 + concurrency / 16) / speed
+    e2e = ttft + tpot * (output - 1)
+    requests_per_s = concurrency / (e2e / 1000)
+    meets_slo = ttft * 2.4 <= slo_ttft and tpot * 2.4 <= slo_tpot
+    served = requests_per_s if rate is None else min(rate, requests_per_s)
+    return LoadRun(
+        concurrency=None if rate is not None else concurrency,
+        request_rate=rate,
+        arrival="closed" if rate is None else "poisson",
+        num_requests=concurrency * 8,
+        num_errors=0,
+        duration_s=concurrency * 8 / requests_per_s,
+        ttft_ms=_percentiles(ttft),
+        tpot_ms=_percentiles(tpot),
+        itl_ms=_percentiles(tpot * 0.95),
+        e2e_ms=_percentiles(e2e),
+        request_throughput=served,
+        output_tokens_per_s=served * output,
+        goodput=served if meets_slo else served * 0.4,
+        meets_slo=meets_slo,
+        valid=True,
+        peak_concurrent_sequences=min(concurrency, sessions),
+        prompt_tokens=prompt,
+        output_tokens=int(concurrency * 8 * output),
+        prefix_cache_hit_rate=hit,
+    )
+
+
 def _workload(profile: str, *, speed: float, sessions: int, hourly: float):
     prompt, output, slo_ttft, slo_tpot = WORKLOADS[profile]
-    runs = []
-    for concurrency in CONCURRENCY:
-        tpot = 12.0 * (1 + concurrency / 24) / speed
-        ttft = (40.0 + prompt / 40) * (1 + concurrency / 16) / speed
-        e2e = ttft + tpot * (output - 1)
-        requests_per_s = concurrency / (e2e / 1000)
-        runs.append(
-            LoadRun(
-                concurrency=concurrency,
-                num_requests=concurrency * 8,
-                num_errors=0,
-                duration_s=concurrency * 8 / requests_per_s,
-                ttft_ms=_percentiles(ttft),
-                tpot_ms=_percentiles(tpot),
-                itl_ms=_percentiles(tpot * 0.95),
-                e2e_ms=_percentiles(e2e),
-                request_throughput=requests_per_s,
-                output_tokens_per_s=requests_per_s * output,
-                goodput=requests_per_s,
-                meets_slo=ttft * 2.4 <= slo_ttft and tpot * 2.4 <= slo_tpot,
-                valid=True,
-                peak_concurrent_sequences=min(concurrency, sessions),
-            )
+    hits = HIT_RATES.get(profile, (None,) * len(CONCURRENCY))
+    runs = [
+        _run(profile, c, speed=speed, sessions=sessions, hit=hit)
+        for c, hit in zip(CONCURRENCY, hits, strict=True)
+    ]
+    closed_at_32 = runs[2].request_throughput
+    open_loop = [
+        _run(
+            profile,
+            int(32 * share),
+            speed=speed,
+            sessions=sessions,
+            rate=round(closed_at_32 * share, 3),
         )
+        for share in ARRIVAL_SHARES
+    ]
+    sweep = []
+    if profile == "rag":
+        sweep = [
+            _run(profile, 8, speed=speed, sessions=sessions, prompt=length)
+            for length in CONTEXT_SWEEP
+        ]
     at_slo = [r for r in runs if r.meets_slo]
     best = at_slo[-1] if at_slo else None
     return WorkloadReport(
@@ -96,7 +137,8 @@ def _workload(profile: str, *, speed: float, sessions: int, hourly: float):
         context_tokens=prompt + output,
         slo_ttft_p99_ms=slo_ttft,
         slo_tpot_p99_ms=slo_tpot,
-        runs=runs,
+        runs=runs + open_loop,
+        context_sweep=sweep,
         ttft_p99_ms=best.ttft_ms.p99 if best else None,
         tpot_p99_ms=best.tpot_ms.p99 if best else None,
         max_concurrency_at_slo=best.concurrency if best else None,
@@ -258,3 +300,11 @@ def take_live(release, approver, *, agent=None, endpoint=ENDPOINT):
     do_complete_deployment(deployment, actor=WORKER, endpoint=endpoint)
     release.refresh_from_db()
     return release
+
+
+def set_price(environment, actor, price="2.50", **cost_model):
+    """Give `environment` a cost model through the action (audited like any)."""
+    from controlplane.costs.actions import do_set_cost_model
+
+    spec = {"currency": "USD", "device_hourly_price": price, **cost_model}
+    return do_set_cost_model(environment, spec, actor=actor)

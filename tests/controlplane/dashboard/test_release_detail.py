@@ -1,16 +1,22 @@
 import json
 import re
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 
+from controlplane.releases.actions.gate_policies import do_update_gate_policy
 from controlplane.releases.actions.gate_results import do_evaluate_release_gates
 from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job
 from gpuagent.protocol import FileDigest
-from tests.controlplane.dashboard.builders import load_test_report, quality_report
+from tests.controlplane.dashboard.builders import (
+    load_test_report,
+    quality_report,
+    set_price,
+)
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -22,7 +28,14 @@ def _chart(response, name: str) -> dict:
     return json.loads(body[start : body.index("</script>", start)])
 
 
-def test_it_shows_the_evidence_of_a_candidate(client, teammate, awaiting):
+PERFORMANCE = ("memory", "ttft", "tpot", "context", "goodput", "reuse", "kv_bytes")
+WORKLOAD_CURVES = ("load-0", "load-1", "load-2")
+
+
+def test_it_shows_the_evidence_of_a_candidate(
+    client, owner, teammate, awaiting, environment
+):
+    set_price(environment, owner)
     release = awaiting("1.0.0")
     load = load_test_report(release.recipe)
     client.force_login(teammate)
@@ -32,7 +45,7 @@ def test_it_shows_the_evidence_of_a_candidate(client, teammate, awaiting):
     body = response.content.decode()
     assert response.status_code == 200
     assert response.context["evidence"].load == load
-    for name in ("memory", "throughput", "ttft", "tpot", "kv_bytes", "kv_sessions"):
+    for name in (*PERFORMANCE, "kv_sessions", *WORKLOAD_CURVES):
         assert _chart(response, name)["data"], name
     for name in ("quality_kld", "quality_top1", "cost", "timeline"):
         assert _chart(response, name)["data"], name
@@ -154,7 +167,7 @@ def test_it_shows_what_differs_from_live(client, teammate, make_live, awaiting):
     comparison = response.context["evidence"].comparison
     assert comparison.live == live and comparison.same_digest is False
     differing = {d.what for d in comparison.differences}
-    assert {"version", "manifest digest", "chat: USD per 1M output tokens"} <= differing
+    assert {"version", "manifest digest", "chat: TTFT p99 at SLO (ms)"} <= differing
     assert "weights" not in differing  # same recipe
     assert comparison.files_changed == sorted(a.path for a in live.artifacts.all())
     assert f"live {live.version}" in _chart(response, "memory")["data"][0]["x"]
@@ -348,3 +361,95 @@ def test_it_shows_each_stage_duration_and_the_checks_share(client, teammate, rel
     assert "Pipeline time so far: 110.0 s of machine time" in text
     assert "Integrity checks added 20.0 s (18.2%)" in text
     assert "quality and load tests 40.0 s (36.4%)" in text
+
+
+def test_it_draws_candidate_and_live_on_the_same_axes_with_the_policys_slo(
+    client, owner, teammate, make_live, awaiting, environment
+):
+    set_price(environment, owner)
+    do_update_gate_policy(
+        environment,
+        {"load": {"per_workload": {"chat": {"max_tpot_p99_ms": 45}}}},
+        actor=owner,
+    )
+    live = make_live("0.9.0", speed=0.8)
+    candidate = awaiting("1.0.0", speed=1.3)
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{candidate.pk}/")
+
+    assert _chart(response, "memory")["data"][0]["x"][-1] == f"live {live.version}"
+    for name in ("context", "goodput", "reuse", "cost", *WORKLOAD_CURVES):
+        names = " ".join(t["name"] for t in _chart(response, name)["data"])
+        assert f"candidate {candidate.version}" in names, name
+        assert f"live {live.version}" in names, name
+    chat = _chart(response, "load-0")
+    assert chat["layout"]["title"]["text"].startswith("chat:")
+    slo = {
+        t["yaxis"]: t["y"][0] for t in chat["data"] if t["name"] == "SLO (gate policy)"
+    }
+    assert slo == {"y2": 2000, "y3": 45}
+    tpot = _chart(response, "tpot")["data"][-1]
+    assert tpot["y"][tpot["x"].index("chat")] == 45
+
+
+def test_it_plans_capacity_against_live_for_the_environments_traffic(
+    client, owner, teammate, make_live, awaiting, environment
+):
+    set_price(environment, owner, target_requests_per_s={"chat": 40.0, "rag": 4.0})
+    live = make_live("0.9.0", speed=0.8)
+    candidate = awaiting("1.0.0", speed=1.3)
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{candidate.pk}/")
+    typed = client.get(f"/releases/{candidate.pk}/?targets=code:2")
+    bad = client.get(f"/releases/{candidate.pk}/?targets=code:fast")
+
+    costs = response.context["evidence"].costs
+    assert [row.workload for row in costs.plan.rows] == ["chat", "rag"]
+    chat = costs.plan.rows[0]
+    assert chat.live is not None and chat.candidate.devices < chat.live.devices
+    body = response.content.decode()
+    assert 'id="capacity"' in body
+    assert f"Live {live.version}" in body
+    assert f"{chat.device_difference:+d}" in body
+    assert "all (one shared pool)" in body
+    assert [r.workload for r in typed.context["evidence"].costs.plan.rows] == ["code"]
+    assert b"The target traffic typed above" in typed.content
+    assert bad.status_code == 400
+    assert "'fast' is not a number" in bad.context["targets_error"]
+    assert b'id="targets-error"' in bad.content
+
+
+def test_it_warns_when_the_environment_has_no_price(client, teammate, awaiting):
+    release = awaiting("1.0.0")
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    body = response.content.decode()
+    assert "No device price is set for acme/staging" in body
+    assert 'id="no-targets"' in body
+    assert "0.000000" not in body
+    assert "cost" not in response.context["evidence"].charts
+
+
+def test_it_prices_the_agent_time_of_the_verification(
+    client, owner, teammate, awaiting, environment
+):
+    set_price(environment, owner, "7200")  # 2 USD per device-second
+    release = awaiting("1.0.0")
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    parts = {
+        part.what: part
+        for part in response.context["evidence"].costs.verification.parts
+    }
+    load_test = release.jobs.get(kind="load_test")
+    assert parts["load"].seconds == load_test.duration_s
+    assert parts["load"].cost == (2 * Decimal(repr(load_test.duration_s))).quantize(
+        Decimal("0.000001")
+    )
+    assert 'id="verification"' in response.content.decode()

@@ -1,11 +1,15 @@
 """evaluate_policy over evidence shaped as gpuagent.protocol fixes it."""
 
+from decimal import Decimal
+
 import pytest
 from pydantic import ValidationError
 
+from controlplane.costs.money import Pricing
 from controlplane.releases.gates import (
     CapacityThreshold,
     GatePolicy,
+    LiveBaseline,
     LoadPolicy,
     QualityPolicy,
     SliceThresholds,
@@ -60,9 +64,24 @@ def pct(p99: float) -> Percentiles:
     return Percentiles(p50=p99 / 2, p90=p99 * 0.8, p95=p99 * 0.9, p99=p99)
 
 
-def run(ttft_p99=400.0, tpot_p99=40.0, valid=True) -> LoadRun:
+# 2 USD per device-hour; the reports run on one device.
+PRICED = Pricing("USD", Decimal("2.00"))
+UNPRICED = Pricing("USD", Decimal(0))
+
+
+def run(
+    ttft_p99=400.0,
+    tpot_p99=40.0,
+    valid=True,
+    *,
+    concurrency=8,
+    requests_per_s=3.0,
+    output_tokens_per_s=600.0,
+    goodput=3.0,
+    hit_rate=None,
+) -> LoadRun:
     return LoadRun(
-        concurrency=8,
+        concurrency=concurrency,
         num_requests=100,
         num_errors=0,
         duration_s=30,
@@ -70,11 +89,12 @@ def run(ttft_p99=400.0, tpot_p99=40.0, valid=True) -> LoadRun:
         tpot_ms=pct(tpot_p99),
         itl_ms=pct(tpot_p99),
         e2e_ms=pct(5000),
-        request_throughput=3,
-        output_tokens_per_s=600,
-        goodput=3,
+        request_throughput=requests_per_s,
+        output_tokens_per_s=output_tokens_per_s,
+        goodput=goodput,
         meets_slo=True,
         valid=valid,
+        prefix_cache_hit_rate=hit_rate,
     )
 
 
@@ -116,7 +136,11 @@ def by_key(outcomes) -> dict[tuple[str, str], object]:
 
 
 def test_it_passes_complete_good_evidence_under_the_default_policy():
-    outcomes = evaluate_policy(GatePolicy(), quality_report(), load_report(), True)
+    live = LiveBaseline("llama@0.9", load_report())
+
+    outcomes = evaluate_policy(
+        GatePolicy(), quality_report(), load_report(), True, live=live
+    )
 
     assert all(o.outcome == "pass" for o in outcomes), [
         o for o in outcomes if o.outcome != "pass"
@@ -124,6 +148,8 @@ def test_it_passes_complete_good_evidence_under_the_default_policy():
     keys = by_key(outcomes)
     assert ("quality:korean", "mean_kld") in keys
     assert ("load:rag-ko", "ttft_p99_ms") in keys
+    assert ("load:rag-ko", "max_concurrency_at_slo") in keys
+    assert ("load:rag-ko", "goodput") in keys
     assert evaluate_gates(outcomes).outcome == "pass"
 
 
@@ -264,8 +290,9 @@ def test_it_gates_latency_per_workload():
 def test_a_client_that_fell_behind_is_no_evidence():
     policy = GatePolicy(quality=None, load=LoadPolicy(workloads=["chat"]))
     load = load_report(workload("chat", runs=[run(valid=False)]))
+    live = LiveBaseline("llama@0.9", load_report(workload("chat")))
 
-    outcomes = evaluate_policy(policy, None, load, True)[1:]
+    outcomes = evaluate_policy(policy, None, load, True, live=live)[1:]
 
     assert {o.outcome for o in outcomes} == {"inconclusive"}
     assert "fell behind" in outcomes[0].reason
@@ -281,14 +308,17 @@ def test_no_load_meeting_the_slo_is_judged_at_the_best_run_and_has_no_cost():
             ),
         ),
     )
+    # TPOT p99 150 ms: over the default 100, so no run meets the policy's SLO.
     chat = workload(
         "chat",
-        runs=[run(ttft_p99=4000), run(ttft_p99=9000)],
+        runs=[run(ttft_p99=4000, tpot_p99=150), run(ttft_p99=9000, tpot_p99=150)],
         ttft_p99_ms=None,
         cost_per_1m_output_tokens=None,
     )
 
-    outcomes = by_key(evaluate_policy(policy, None, load_report(chat), True))
+    outcomes = by_key(
+        evaluate_policy(policy, None, load_report(chat), True, pricing=PRICED)
+    )
 
     ttft = outcomes[("load:chat", "ttft_p99_ms")]
     assert (ttft.outcome, ttft.observed) == ("pass", 4000)
@@ -296,25 +326,37 @@ def test_no_load_meeting_the_slo_is_judged_at_the_best_run_and_has_no_cost():
     assert outcomes[("load:chat", "cost_per_1m_output_tokens")].outcome == "fail"
 
 
-def test_it_gates_cost_per_million_tokens():
-    policy = GatePolicy(
+def _cost_policy(**thresholds) -> GatePolicy:
+    return GatePolicy(
         quality=None,
         load=LoadPolicy(
-            workloads=["chat"],
-            thresholds=WorkloadThresholds(max_cost_per_1m_output_tokens=1.0),
+            workloads=["chat"], thresholds=WorkloadThresholds(**thresholds)
         ),
     )
 
+
+@pytest.mark.parametrize(
+    ("limit", "pricing", "outcome", "observed"),
+    [(0.93, PRICED, "pass", 0.925926), (0.92, PRICED, "fail", 0.925926)]
+    + [(0.93, UNPRICED, "inconclusive", None)],
+)
+def test_it_gates_cost_per_million_tokens_priced_by_the_environment(
+    limit, pricing, outcome, observed
+):
+    """2 USD per device-hour on one device at 600 output tokens/s: 600 x 3600 =
+    2,160,000 tokens an hour, so 1M cost 2 / 2.16 = 0.9259259... USD, 0.925926 at
+    six decimals. The report's own cost_per_1m_output_tokens (1.5) is ignored; a
+    device-hour at 0 is no evidence."""
+    policy = _cost_policy(max_cost_per_1m_output_tokens=limit)
+
     outcomes = by_key(
-        evaluate_policy(policy, None, load_report(workload("chat")), True)
+        evaluate_policy(
+            policy, None, load_report(workload("chat")), True, pricing=pricing
+        )
     )
     cost = outcomes[("load:chat", "cost_per_1m_output_tokens")]
 
-    assert (cost.metric, cost.outcome, cost.observed) == (
-        "cost_per_1m_output_tokens",
-        "fail",
-        1.5,
-    )
+    assert (cost.outcome, cost.observed) == (outcome, observed)
 
 
 def test_it_gates_sessions_at_a_context_length():
@@ -348,3 +390,209 @@ def test_the_policy_refuses_unknown_keys_and_bad_thresholds():
         GatePolicy.model_validate({"quality": {"thresholds": {"max_kld": 0.1}}})
     with pytest.raises(ValidationError, match="min_same_top1"):
         GatePolicy.model_validate({"quality": {"thresholds": {"min_same_top1": 2}}})
+
+
+# -- against the release live in the environment ---------------------------------------
+
+
+def sweep(knee, *, goodput=3.0, output_tokens_per_s=600.0, hit_rate=None):
+    """A closed-loop sweep at 4, 8, 16, 32 whose runs up to `knee` meet the
+    default SLO (TPOT p99 40 ms) and the others miss it (400 ms)."""
+    return [
+        run(
+            tpot_p99=40.0 if level <= knee else 400.0,
+            concurrency=level,
+            requests_per_s=level / 4,
+            output_tokens_per_s=output_tokens_per_s * level / 8,
+            goodput=goodput if level <= knee else 0.0,
+            hit_rate=hit_rate,
+        )
+        for level in (4, 8, 16, 32)
+    ]
+
+
+def chat_with(**options) -> LoadTestReport:
+    return load_report(workload("chat", runs=sweep(**options)))
+
+
+def test_the_first_release_of_an_environment_says_it_has_no_baseline():
+    policy = GatePolicy(quality=None, load=LoadPolicy(workloads=["chat"]))
+
+    outcomes = evaluate_policy(policy, None, chat_with(knee=16), True)
+
+    [baseline] = [o for o in outcomes if o.gate == "live"]
+    assert (baseline.metric, baseline.outcome) == ("baseline", "skipped")
+    assert "nothing is live" in baseline.reason
+    assert not any(o.metric == "max_concurrency_at_slo" for o in outcomes)
+    decision = evaluate_gates(outcomes)
+    assert (decision.outcome, decision.ok) == ("pass", True)
+    assert "1 skipped" in decision.reason
+
+
+def test_only_skipped_checks_are_no_pass():
+    skipped = evaluate_policy(
+        GatePolicy(quality=None, load=LoadPolicy(workloads=["chat"])),
+        None,
+        chat_with(knee=16),
+        True,
+    )[-3:]
+
+    assert {o.outcome for o in skipped} >= {"skipped"}
+    only_skipped = [o for o in skipped if o.outcome == "skipped"]
+    assert evaluate_gates(only_skipped).outcome == "inconclusive"
+
+
+def test_a_live_release_without_a_load_test_is_no_baseline():
+    policy = GatePolicy(quality=None, load=LoadPolicy(workloads=["chat"]))
+    live = LiveBaseline("llama@0.9", None, problem="load_test job 7 unreadable")
+
+    outcomes = evaluate_policy(policy, None, chat_with(knee=16), True, live=live)
+
+    [baseline] = [o for o in outcomes if o.gate == "live"]
+    assert baseline.outcome == "inconclusive"
+    assert "llama@0.9 has no load test" in baseline.reason
+    assert "load_test job 7 unreadable" in baseline.reason
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "outcome", "threshold"),
+    [
+        (16, 16, "pass", 14.4),  # 16 x (1 - 10%)
+        (8, 16, "fail", 14.4),  # -50%
+        (16, 4, "pass", 3.6),
+    ],
+)
+def test_max_concurrency_at_the_slo_may_not_drop_more_than_the_policy_allows(
+    mine, theirs, outcome, threshold
+):
+    policy = GatePolicy(quality=None, load=LoadPolicy(workloads=["chat"]))
+    live = LiveBaseline("llama@0.9", chat_with(knee=theirs))
+
+    outcomes = by_key(
+        evaluate_policy(policy, None, chat_with(knee=mine), True, live=live)
+    )
+
+    knee = outcomes[("load:chat", "max_concurrency_at_slo")]
+    assert (knee.outcome, knee.observed) == (outcome, mine)
+    assert knee.threshold == pytest.approx(threshold)
+
+
+def test_the_knee_follows_the_policys_slo_not_the_load_tests():
+    """Runs up to 16 have TPOT p99 40 ms, beyond 400: under a 500 ms TPOT
+    threshold every level meets the SLO, so the knee is 32 on both sides."""
+    policy = _cost_policy(max_tpot_p99_ms=500)
+    live = LiveBaseline("llama@0.9", chat_with(knee=32))
+
+    outcomes = by_key(
+        evaluate_policy(policy, None, chat_with(knee=16), True, live=live)
+    )
+
+    knee = outcomes[("load:chat", "max_concurrency_at_slo")]
+    assert (knee.outcome, knee.observed) == ("pass", 32)
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "outcome"),
+    [(3.0, 3.2, "pass"), (2.0, 3.2, "fail")],  # -6.25% / -37.5% vs 10%
+)
+def test_goodput_may_not_drop_more_than_the_policy_allows(mine, theirs, outcome):
+    policy = GatePolicy(quality=None, load=LoadPolicy(workloads=["chat"]))
+    live = LiveBaseline("llama@0.9", chat_with(knee=16, goodput=theirs))
+
+    outcomes = by_key(
+        evaluate_policy(policy, None, chat_with(knee=16, goodput=mine), True, live=live)
+    )
+
+    goodput = outcomes[("load:chat", "goodput")]
+    assert (goodput.outcome, goodput.observed) == (outcome, mine)
+    assert goodput.threshold == pytest.approx(theirs * 0.9)
+
+
+def test_capacity_without_evidence_on_either_side_is_inconclusive():
+    policy = GatePolicy(quality=None, load=LoadPolicy(workloads=["chat"]))
+    behind = load_report(workload("chat", runs=[run(valid=False)]))
+    other = load_report(workload("code"))
+
+    fell_behind = by_key(
+        evaluate_policy(
+            policy,
+            None,
+            behind,
+            True,
+            live=LiveBaseline("llama@0.9", chat_with(knee=16)),
+        )
+    )
+    not_measured_live = by_key(
+        evaluate_policy(
+            policy,
+            None,
+            chat_with(knee=16),
+            True,
+            live=LiveBaseline("llama@0.9", other),
+        )
+    )
+
+    assert fell_behind[("load:chat", "max_concurrency_at_slo")].outcome == (
+        "inconclusive"
+    )
+    assert fell_behind[("load:chat", "goodput")].outcome == "inconclusive"
+    versus = not_measured_live[("load:chat", "versus_live")]
+    assert versus.outcome == "inconclusive"
+    assert "llama@0.9 did not measure 'chat'" in versus.reason
+
+
+@pytest.mark.parametrize(
+    ("mine", "pricing", "outcome"),
+    [(600.0, PRICED, "pass"), (400.0, PRICED, "fail"), (600.0, UNPRICED, None)],
+)
+def test_cost_per_million_tokens_may_rise_at_most_the_policys_share_over_live(
+    mine, pricing, outcome
+):
+    """Both operating points are at concurrency 16 (2x the output rate given at 8).
+    Live makes 1,200 output tokens/s: 2 USD / (1,200 x 3,600) x 1e6 = 0.462963 USD
+    per 1M; +20% allows 0.5555556. The candidate at 1,200 costs the same (pass);
+    at 800 tokens/s it costs 2 / 2.88 = 0.694444 (+50%: fail)."""
+    policy = _cost_policy(max_cost_increase_pct=20)
+    live = LiveBaseline("llama@0.9", chat_with(knee=16))
+
+    outcomes = by_key(
+        evaluate_policy(
+            policy,
+            None,
+            chat_with(knee=16, output_tokens_per_s=mine),
+            True,
+            live=live,
+            pricing=pricing,
+        )
+    )
+
+    cost = outcomes[("load:chat", "cost_per_1m_output_tokens_vs_live")]
+    if outcome is None:
+        assert cost.outcome == "inconclusive"
+        assert "costs 0 USD" in cost.reason
+        return
+    assert cost.outcome == outcome
+    assert cost.threshold == pytest.approx(0.462963 * 1.2)
+    assert cost.observed == (0.462963 if outcome == "pass" else 0.694444)
+
+
+@pytest.mark.parametrize(
+    ("hit_rate", "outcome"),
+    [(0.8, "pass"), (0.4, "fail"), (None, "inconclusive")],
+)
+def test_session_workloads_need_the_policys_prefix_cache_hit_rate(hit_rate, outcome):
+    policy = GatePolicy(
+        quality=None,
+        load=LoadPolicy(
+            workloads=["chat"],
+            per_workload={"chat": WorkloadThresholds(min_prefix_cache_hit_rate=0.6)},
+        ),
+    )
+    report = chat_with(knee=16, hit_rate=hit_rate)
+
+    outcomes = by_key(evaluate_policy(policy, None, report, True))
+
+    hits = outcomes[("load:chat", "prefix_cache_hit_rate")]
+    assert (hits.outcome, hits.observed, hits.threshold) == (outcome, hit_rate, 0.6)
+    if hit_rate is None:
+        assert "reported no prefix-cache hit rate" in hits.reason
