@@ -209,6 +209,17 @@ def _workloads(report: LoadTestReport | None) -> dict[str, WorkloadReport]:
     return {w.profile: w for w in report.workloads} if report else {}
 
 
+def _in_measured_order(
+    targets: dict[str, float], *reports: LoadTestReport | None
+) -> list[str]:
+    """The targets' workload names in the order the load tests measured them
+    (the load plan's order), the unmeasured ones after by name. The stored map
+    keeps no order of its own: PostgreSQL's jsonb sorts keys by length."""
+    measured = [w.profile for r in reports if r for w in r.workloads]
+    rank = {name: i for i, name in reversed(list(enumerate(measured)))}
+    return sorted(targets, key=lambda name: (rank.get(name, len(rank)), name))
+
+
 def capacity_plan(
     targets: dict[str, float],
     candidate: LoadTestReport | None,
@@ -225,7 +236,8 @@ def capacity_plan(
     plan = CapacityPlan(currency=pricing.currency)
     shares: dict[str, list[Decimal | None]] = {"candidate": [], "live": []}
     candidate_workloads, live_workloads = _workloads(candidate), _workloads(live)
-    for name, target in targets.items():
+    for name in _in_measured_order(targets, candidate, live):
+        target = targets[name]
         mine = candidate_workloads.get(name)
         theirs = live_workloads.get(name)
         slo = slo_of(name, mine or theirs)

@@ -173,7 +173,7 @@ def test_it_says_why_a_side_has_no_number():
         {"chat": 1.0}, CANDIDATE, None, lambda n, w: SLO, PRICING, has_live=False
     )
 
-    code, chat = plan.rows
+    chat, code = plan.rows  # measured first, in the load test's order
     assert code.candidate.missing == "the candidate did not measure this workload"
     assert chat.candidate.missing == "no load level of the candidate met the SLO"
     assert chat.live.missing == "live has no load test"
@@ -194,3 +194,19 @@ def test_it_plans_devices_but_no_money_without_a_price():
     [chat] = plan.rows
     assert chat.candidate.devices == 3  # the load test's 1 device per replica
     assert chat.candidate.monthly_cost is None
+
+
+def test_it_lists_workloads_in_the_load_tests_order_whatever_the_maps_order():
+    """The stored targets map has no order of its own (PostgreSQL's jsonb sorts
+    keys by length, 'rag' before 'chat'): rows follow the load test's workloads,
+    then the unmeasured ones by name."""
+    plan = capacity_plan(
+        {"zeta": 1.0, "rag": 1.0, "alpha": 1.0, "chat": 1.0},
+        CANDIDATE,
+        LIVE,
+        lambda name, workload: SLO,
+        PRICING,
+        has_live=True,
+    )
+
+    assert [row.workload for row in plan.rows] == ["chat", "rag", "alpha", "zeta"]
