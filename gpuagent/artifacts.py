@@ -79,8 +79,13 @@ class ArtifactStore:
         os.replace(tmp, path)
 
 
-def candidate_key(source_manifest_digest: str, recipe: Recipe) -> str:
+def candidate_key(
+    source_manifest_digest: str, recipe: Recipe, kv_scale_strategy: str = "tensor"
+) -> str:
     """The name of the candidate made from a source under a recipe (every option
-    that shapes the output is in it: weights, method, grouping, KV scales)."""
+    that shapes the output is in it: weights, method, grouping, KV scales and, for
+    an fp8 KV cache, the scales' layout)."""
     text = f"{source_manifest_digest}|recipe={recipe.model_dump_json()}"
+    if recipe.kv_cache_dtype == "fp8":
+        text += f"|kv_scales={kv_scale_strategy}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -14,6 +14,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4")
+# Layouts of the fp8 KV scales a compressed checkpoint carries (compressed-tensors
+# kv_cache_scheme strategies; gpuagent.compress.kv_scales): one per layer, which
+# every vLLM attention backend reads, or one per kv head (FlashAttention 3/4 only).
+KV_SCALE_STRATEGIES = ("tensor", "attn_head")
 # Weight formats a recipe may ask for; int4 carries its quantization group size.
 # w8a16 / w4a16-gN / fp8 are the compressed-tensors schemes (`gpuagent.compress`);
 # int8 and int4-gN are the older names of w8a16 and w4a16-gN.
@@ -122,6 +126,11 @@ class CompressResult(_Message):
     total_bytes_after: int = Field(ge=0)
     expected_gpu_weight_bytes: int = Field(ge=0)
     kv_scales: bool = Field(description="k_scale/v_scale written")
+    kv_scale_strategy: Literal["tensor", "attn_head"] | None = Field(
+        None,
+        description="layout of the KV scales written (None: none written): tensor "
+        "(one per layer) or attn_head (one per kv head)",
+    )
     group_sizes: dict[str, int] = Field(
         default={}, description="int4: group size per projection kind"
     )
@@ -263,7 +272,15 @@ class BackendSpec(_Message):
     `kv_memory_gb`, `max_num_seqs`, `threads` and `device` are its settings.
     `external`: any OpenAI-compatible engine started from `command_template` (an argv
     template, split like a shell line but never run through one) or from a named
-    `preset` (e.g. "vllm"); exactly one of the two."""
+    `preset` (e.g. "vllm"); exactly one of the two. `max_model_len` and
+    `gpu_memory_utilization` are its settings (None: the defaults of
+    gpuagent.serving.deploy, a context capped at 8192 tokens and 0.9 of the GPU).
+
+    Both: `health_timeout_s`, how long a deploy waits for `/health` (None: 120 s for
+    the engine, 1800 s for an external engine, whose cold start loads, compiles and
+    captures graphs); `kv_scale_strategy`, the fp8 KV-scale layout compression
+    writes for releases aimed at this environment (attn_head only where the
+    engine's attention backend reads per-head scales)."""
 
     kind: Literal["engine", "external"] = "engine"
     preset: str = ""
@@ -279,6 +296,13 @@ class BackendSpec(_Message):
     max_num_seqs: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1)
     device: str | None = None
+    # An external engine's settings (None: gpuagent.serving.deploy's defaults); the
+    # project's engine does not read them, so there they must stay None.
+    max_model_len: int | None = Field(None, ge=16, le=10_000_000)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    # Both kinds.
+    health_timeout_s: float | None = Field(None, ge=1, le=4 * 3600)
+    kv_scale_strategy: Literal["tensor", "attn_head"] = "tensor"
 
 
 class DeploySpec(_Message):

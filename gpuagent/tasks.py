@@ -63,10 +63,14 @@ LOAD_REQUESTS = 4
 LOAD_CONCURRENCY = 2
 LOAD_MAX_SECONDS = 60.0
 LOAD_PROMPT_TOKENS = 160  # room for the longest profile instruction + template
-# How long an agent's server may take to answer /health, and the engine's KV budget
-# when the environment's backend sets none. (A server answers to the release's model
-# name and `model@version`: gpuagent.serving.deploy.served_model_names.)
+# How long an agent's server may take to answer /health when the environment's
+# backend sets no health_timeout_s: the project's engine loads in seconds; an
+# external engine's cold start (worker spawn, tens of GB of weights, compile, CUDA
+# graph capture) can take many minutes. And the engine's KV budget when the
+# environment's backend sets none. (A server answers to the release's model name and
+# `model@version`: gpuagent.serving.deploy.served_model_names.)
 HEALTH_TIMEOUT_S = 120.0
+EXTERNAL_HEALTH_TIMEOUT_S = 1800.0
 ENGINE_KV_MEMORY_GB = 0.05
 
 
@@ -191,7 +195,9 @@ def compress(req: JobRequest, me: Agent) -> CompressJobResult:
     folder = source_folder(req.source_uri)
     manifest, files = hashed(folder)
     report_progress(req, 0.05)
-    key = candidate_key(manifest.digest, req.recipe)
+    # fp8 KV scales in the layout the target environment's engine reads.
+    kv_strategy = req.backend.kv_scale_strategy
+    key = candidate_key(manifest.digest, req.recipe, kv_strategy)
     # The report lives beside the candidate, so a later job with the same source and
     # recipe (another release, a reopened one) gets it with the candidate.
     report_path = me.store.root / "candidates" / f"{key}.compress.json"
@@ -201,7 +207,13 @@ def compress(req: JobRequest, me: Agent) -> CompressJobResult:
             report_progress(req, 0.05 + 0.9 * done / max(total, 1))
 
         try:
-            made = compress_model(folder, req.recipe, tmp, progress=progress)
+            made = compress_model(
+                folder,
+                req.recipe,
+                tmp,
+                progress=progress,
+                kv_scale_strategy=kv_strategy,
+            )
         except (CompressError, RecipeError) as exc:
             raise JobFailed(f"compress: {exc}") from exc
         # Written before the candidate is renamed into place, so a candidate never
@@ -374,6 +386,13 @@ def load_test(req: JobRequest, me: Agent):
             serving.undeploy(server.deployment_id, registry=me.registry)
 
 
+def health_timeout_s(backend: BackendSpec) -> float:
+    """The environment's health_timeout_s, else the default of its backend's kind."""
+    if backend.health_timeout_s is not None:
+        return backend.health_timeout_s
+    return HEALTH_TIMEOUT_S if backend.kind == "engine" else EXTERNAL_HEALTH_TIMEOUT_S
+
+
 def deploy_spec(req: JobRequest, me: Agent, backend: BackendSpec) -> DeploySpec:
     """The DeploySpec of `req`: its approved digest, recipe and release binding, on
     `backend` (the environment's; the project's engine gets this agent's threads
@@ -391,7 +410,7 @@ def deploy_spec(req: JobRequest, me: Agent, backend: BackendSpec) -> DeploySpec:
         recipe=req.recipe,
         backend=backend,
         served_model_name=req.model,
-        health_timeout_s=HEALTH_TIMEOUT_S,
+        health_timeout_s=health_timeout_s(backend),
         release_model=req.model,
         release_version=req.version,
         release_recipe=recipe_text(req),

@@ -375,6 +375,33 @@ class ServingBackendIn(RequestBody):
     preset: str = Field("", max_length=50)
     command_template: str = Field("", max_length=2000)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        le=10_000_000,
+        description="external: the context the engine plans for (null: 8192, "
+        "capped at the model's max_position_embeddings)",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="external: fraction of the GPU's memory the engine may claim "
+        "(null: 0.9)",
+    )
+    health_timeout_s: float | None = Field(
+        None,
+        ge=1,
+        le=4 * 3600,
+        description="how long a deploy waits for /health (null: 120 s for the "
+        "engine, 1800 s for an external engine)",
+    )
+    kv_scale_strategy: Literal["tensor", "attn_head"] = Field(
+        "tensor",
+        description="fp8 KV scales of releases for this environment: per tensor "
+        "(every vLLM attention backend) or attn_head (per kv head: only vLLM's "
+        "FlashAttention 3/4, i.e. Hopper and newer)",
+    )
 
 
 class ServingBackendOut(Schema):

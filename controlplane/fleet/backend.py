@@ -2,17 +2,33 @@
 
 The setting is the part of `gpuagent.protocol.BackendSpec` an operator chooses per
 environment: `kind` (engine | external), `preset` (e.g. "vllm") or
-`command_template`, and `tensor_parallel_size`. Everything else of a BackendSpec
+`command_template`, `tensor_parallel_size`, an external engine's `max_model_len`
+and `gpu_memory_utilization` (null: the agent's defaults), `health_timeout_s` (null:
+120 s for the engine, 1800 s for an external engine) and `kv_scale_strategy` (the
+fp8 KV-scale layout releases for this environment are compressed with: tensor, or
+attn_head where the engine reads per-head scales). Everything else of a BackendSpec
 (host, the engine's thread and memory knobs) is the agent's. Validated here, where
 it is set (admin and API), so a deploy never starts with a setting the backend
-would not read; unknown keys are refused by name."""
+would not read; unknown keys are refused by name. Stored in the environment's JSON
+field: older settings without the newer keys read as their defaults."""
 
 from pydantic import ValidationError
 
 from controlplane.errors import ValidationFailed, validation_failed
 from gpuagent.protocol import BackendSpec
 
-BACKEND_KEYS = ("kind", "preset", "command_template", "tensor_parallel_size")
+BACKEND_KEYS = (
+    "kind",
+    "preset",
+    "command_template",
+    "tensor_parallel_size",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "health_timeout_s",
+    "kv_scale_strategy",
+)
+# Settings only an external engine reads (passed as its flags).
+EXTERNAL_KEYS = ("max_model_len", "gpu_memory_utilization")
 
 
 def clean_backend(data: object) -> dict:
@@ -45,12 +61,29 @@ def clean_backend(data: object) -> dict:
                 "device; use kind external (e.g. the vllm preset)",
                 field="backend.tensor_parallel_size",
             )
+        for key in EXTERNAL_KEYS:
+            if getattr(spec, key) is not None:
+                raise ValidationFailed(
+                    f"backend.{key}: a setting of an external engine; the engine "
+                    "backend does not read it",
+                    field=f"backend.{key}",
+                )
     elif bool(spec.preset) == bool(spec.command_template):
         raise ValidationFailed(
             "backend: an external backend needs exactly one of preset or "
             "command_template",
             field="backend.command_template" if spec.preset else "backend.preset",
         )
+    elif spec.command_template:
+        for key in EXTERNAL_KEYS:
+            if getattr(spec, key) is not None and f"{{{key}}}" not in (
+                spec.command_template
+            ):
+                raise ValidationFailed(
+                    f"backend.{key}: set, but the command template has no "
+                    f"{{{key}}} to pass it on",
+                    field=f"backend.{key}",
+                )
     return spec.model_dump(include=set(BACKEND_KEYS))
 
 

@@ -93,6 +93,21 @@ def quantization_config(
     }
 
 
+def kv_cache_only_config(kv_cache_scheme: dict[str, Any]) -> dict[str, Any]:
+    """config.json's `quantization_config` of dense weights with fp8 KV scales, as
+    llm-compressor writes a KV-cache-only recipe: no config groups, format dense,
+    the `kv_cache_scheme` that tells vLLM (and transformers) what the
+    `self_attn.k_scale` / `v_scale` tensors are."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "quantization_status": "compressed",
+        "config_groups": {},
+        "ignore": [],
+        "kv_cache_scheme": kv_cache_scheme,
+    }
+
+
 def _key(item: tuple[int | None, list[str]]) -> int:
     return item[0] or 0
 

@@ -26,12 +26,18 @@ from gpuagent.compress.awq import scale_layer
 from gpuagent.compress.calibration import calibration_sequences, run_layer
 from gpuagent.compress.checkpoint import (
     DENSE_DTYPE,
+    kv_cache_only_config,
     projection_target,
     quantization_config,
     quantized_tensors,
 )
 from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq
-from gpuagent.compress.kv_scales import kv_cache_scheme, kv_scale_tensors
+from gpuagent.compress.kv_scales import (
+    DEFAULT_KV_SCALE_STRATEGY,
+    check_strategy,
+    kv_cache_scheme,
+    kv_scale_tensors,
+)
 from gpuagent.compress.quantize import QuantizedWeight, quantize_rtn
 from gpuagent.compress.recipes import (
     RecipeError,
@@ -69,15 +75,21 @@ def compress(
     progress: Progress | None = None,
     *,
     calibration_size: tuple[int, int] | None = None,
+    kv_scale_strategy: str = DEFAULT_KV_SCALE_STRATEGY,
 ) -> CompressResult:
     """Compress `source_dir` under `recipe` into `out_dir` (which must not exist).
 
     `calibration_size` (sequences, tokens each) overrides the GPTQ / KV calibration
-    defaults. Raises RecipeError for recipes that can't be applied, CompressError
-    for a refused source or an existing output."""
+    defaults; `kv_scale_strategy` is the layout of fp8 KV scales ("tensor" or
+    "attn_head", gpuagent.compress.kv_scales). Raises RecipeError for recipes that
+    can't be applied, CompressError for a refused source or an existing output."""
     started = time.monotonic()
     recipe = parse_recipe(recipe)
     scheme = weight_scheme(recipe)
+    try:
+        check_strategy(kv_scale_strategy)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     if out_dir.exists():
         raise CompressError(f"{out_dir} already exists; refusing to overwrite it")
@@ -103,20 +115,26 @@ def compress(
     quantized = _quantize_model(model, scheme, sequences, progress) if scheme else {}
     kv_tensors = {}
     if recipe.kv_cache_dtype == "fp8":
-        kv_tensors = kv_scale_tensors(model, sequences)
+        kv_tensors = kv_scale_tensors(model, sequences, kv_scale_strategy)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         hf_config = json.loads(files[CONFIG_FILE])
         tensors = _output_tensors(model, quantized, recipe) | kv_tensors
+        kv_scheme = kv_cache_scheme(kv_scale_strategy) if kv_tensors else None
         if scheme:
             hf_config["quantization_config"] = _quant_config(
-                scheme, quantized, model, bool(kv_tensors)
+                scheme, quantized, kv_scheme
             )
-        hf_config["torch_dtype"] = (
-            "float16" if recipe.weights == "fp16" else ("bfloat16")
-        )
+        elif kv_scheme:  # dense weights, fp8 KV: the scales' scheme alone
+            hf_config["quantization_config"] = kv_cache_only_config(kv_scheme)
+        else:  # a source's own (e.g. an fp8 checkpoint's) no longer applies
+            hf_config.pop("quantization_config", None)
+        # transformers 5 and vLLM read `dtype` first, older readers `torch_dtype`:
+        # both, so a source's stale `dtype` never wins over the weights written.
+        dense = "float16" if recipe.weights == "fp16" else "bfloat16"
+        hf_config["dtype"] = hf_config["torch_dtype"] = dense
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         for name, data in files.items():
@@ -143,6 +161,7 @@ def compress(
         total_bytes_after=after,
         expected_gpu_weight_bytes=gpu,
         kv_scales=bool(kv_tensors),
+        kv_scale_strategy=kv_scale_strategy if kv_tensors else None,
         group_sizes={
             p: q.group_size
             for p, q in _by_projection(quantized).items()
@@ -253,12 +272,10 @@ def _by_projection(quantized: dict[str, QuantizedWeight]) -> dict[str, Quantized
     return out
 
 
-def _quant_config(scheme, quantized, model, kv: bool) -> dict[str, Any]:
+def _quant_config(scheme, quantized, kv_scheme: dict | None) -> dict[str, Any]:
     group_targets: dict[int | None, list[str]] = {}
     for kind, qw in _by_projection(quantized).items():
         target = "re:^lm_head$" if kind == "lm_head" else projection_target(kind)
         group_targets.setdefault(qw.group_size, []).append(target)
     ignore = [] if scheme.quantize_lm_head else ["lm_head"]
-    return quantization_config(
-        scheme, group_targets, ignore, kv_cache_scheme() if kv else None
-    )
+    return quantization_config(scheme, group_targets, ignore, kv_scheme)

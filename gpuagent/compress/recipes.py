@@ -10,10 +10,14 @@ whether activation-aware input-channel scales are folded in first
 Anything else in a recipe is refused by name.
 
 Group size for layers whose input width is not a multiple of the recipe's group
-(SmolLM2's hidden size 576 is not a multiple of 128): the largest power of two that
-divides the width and is at most the recipe's group (576 -> 64). Powers of two
-because the Triton int4 kernel tiles K by the group; the size each projection got is
-recorded in the config groups (one group per size) and in `CompressResult`.
+(SmolLM2's hidden size 576 is not a multiple of 128): the largest of 128, 64, 32 that
+divides the width and is at most the recipe's group (576 -> 64). Only those sizes:
+the Triton int4 kernel tiles K by the group, and vLLM's int4 kernels (Marlin,
+Machete) take groups of 32, 64 and 128 (or per channel), not 16. A width none of
+them divides is refused, naming the layer width and the per-channel w8a16 format
+as the way out, never written in a group vLLM would not load. The size each
+projection got is recorded in the config groups (one group per size) and in
+`CompressResult`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ _FORMATS = {
     "fp8": ("float", 8),
 }
 DENSE_FORMATS = ("bf16", "fp16")
-MIN_GROUP_SIZE = 16  # smallest group the Triton int4 kernel takes
+# Smallest int4 group written: vLLM's int4 kernels take 32, 64, 128 (or channel).
+MIN_GROUP_SIZE = 32
 
 
 class RecipeError(ValueError):
@@ -75,8 +80,9 @@ class WeightScheme:
             group //= 2
         if group < MIN_GROUP_SIZE:
             raise RecipeError(
-                f"in_features={in_features} has no power-of-two group size between "
-                f"{MIN_GROUP_SIZE} and {self.group_size}"
+                f"in_features={in_features} is not a multiple of any int4 group size "
+                f"vLLM's kernels take ({MIN_GROUP_SIZE} to {self.group_size}, powers "
+                f"of two); use w8a16 (per channel) for this model"
             )
         return group
 

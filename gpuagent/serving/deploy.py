@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gpuagent.integrity import Policy
 from gpuagent.protocol import (
+    BackendSpec,
     DeploymentInfo,
     DeployResult,
     DeploySpec,
@@ -34,18 +35,32 @@ from gpuagent.serving.errors import (
     TemplateError,
 )
 from gpuagent.serving.registry import DeploymentRecord, Registry
-from gpuagent.serving.templates import parse_template, preset_template, render_command
+from gpuagent.serving.templates import (
+    parse_template,
+    placeholders,
+    preset_template,
+    quantization_args,
+    render_command,
+)
 from gpuagent.serving.verify import (
+    FolderFormat,
     Trust,
     check_not_quarantined,
+    check_weight_format,
     describe_mismatch,
     reverify,
     trust_policy,
     verify_for_deploy,
 )
 
-# Fields of BackendSpec only the project's engine reads.
+# Fields of BackendSpec only the project's engine reads, and only an external one.
 ENGINE_ONLY_FIELDS = ("kv_memory_gb", "max_num_seqs", "threads", "device")
+EXTERNAL_ONLY_FIELDS = ("max_model_len", "gpu_memory_utilization")
+# An external engine's defaults: the context it plans its KV cache for (capped at
+# the model's max_position_embeddings: a full 128k+ context would not fit beside
+# big weights, and vLLM refuses to start when it can't), and its share of the GPU.
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 # Ports tried when the one found free is taken before the server binds it.
@@ -110,6 +125,9 @@ def deploy(
         manifest, approved = verify_for_deploy(
             model_dir, spec, trust, quarantined=quarantined
         )
+        folder = check_weight_format(model_dir, spec.recipe.weights)
+        if backend == "external":
+            check_kv_scale_strategy(folder, spec.backend)
         host = spec.backend.host
         log_path = registry.log_path(deployment_id)
         # A port found free can be taken before the child binds it (another agent
@@ -133,6 +151,7 @@ def deploy(
                         "served_model_names": names,
                         "tensor_parallel_size": str(spec.backend.tensor_parallel_size),
                         "manifest_digest": spec.manifest_digest,
+                        **external_settings(spec.backend, folder),
                     },
                 )
                 named = ("{served_model_name}", "{served_model_names}")
@@ -230,6 +249,42 @@ def deploy(
         deployment_id=deployment_id,
         backend=backend,
     )
+
+
+def external_settings(backend: BackendSpec, folder: FolderFormat) -> dict:
+    """The values of an external template's format and memory placeholders for a
+    verified folder: `{quantization_args}` from its quantization_config,
+    `{max_model_len}` (the backend's, else DEFAULT_MAX_MODEL_LEN capped at the
+    model's max_position_embeddings), `{gpu_memory_utilization}`."""
+    max_len = backend.max_model_len
+    if max_len is None:
+        max_len = min(
+            DEFAULT_MAX_MODEL_LEN,
+            folder.max_position_embeddings or DEFAULT_MAX_MODEL_LEN,
+        )
+    memory = backend.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    return {
+        "quantization_args": quantization_args(folder.quantized),
+        "max_model_len": str(max_len),
+        "gpu_memory_utilization": f"{memory:g}",
+    }
+
+
+def check_kv_scale_strategy(folder: FolderFormat, backend: BackendSpec) -> None:
+    """Per-head fp8 KV scales go only to an external engine whose environment says
+    its attention backend reads them (vLLM: FlashAttention 3/4); DeployRefusedError
+    otherwise, before anything starts. Per-tensor scales every backend reads."""
+    if (
+        folder.kv_scale_strategy == "attn_head"
+        and backend.kv_scale_strategy != "attn_head"
+    ):
+        raise DeployRefusedError(
+            "the release carries per-head fp8 KV scales (kv_cache_scheme strategy "
+            "attn_head) but this environment's backend takes per-tensor scales "
+            "(kv_scale_strategy tensor); recompress for it, or set "
+            "kv_scale_strategy attn_head where the engine reads per-head scales",
+            code="kv-scale-layout",
+        )
 
 
 def served_model_names(spec: DeploySpec, model_dir: Path) -> list[str]:
@@ -433,6 +488,12 @@ def _backend_template(spec: DeploySpec) -> tuple[str, str]:
                 "the engine backend serves on one device (tensor_parallel_size 1); "
                 "use an external backend such as the vllm preset"
             )
+        unread = [f for f in EXTERNAL_ONLY_FIELDS if getattr(backend, f) is not None]
+        if unread:
+            raise TemplateError(
+                f"{', '.join(unread)} are settings of an external engine; the "
+                "engine backend takes kv_memory_gb and max_num_seqs"
+            )
         return "", ""
     ignored = [f for f in ENGINE_ONLY_FIELDS if getattr(backend, f) is not None]
     if ignored:
@@ -446,7 +507,18 @@ def _backend_template(spec: DeploySpec) -> tuple[str, str]:
         )
     if backend.preset:
         return preset_template(backend.preset, kv)
-    parse_template(backend.command_template)
+    used = placeholders(backend.command_template)
+    unread = [
+        f
+        for f in EXTERNAL_ONLY_FIELDS
+        if getattr(backend, f) is not None and f not in used
+    ]
+    if unread:
+        raise TemplateError(
+            f"{', '.join(unread)} set, but the command template has no "
+            + ", ".join("{" + f + "}" for f in unread)
+            + " to pass it on"
+        )
     return backend.command_template, kv
 
 

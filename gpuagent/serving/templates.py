@@ -4,7 +4,9 @@ A template is one command line with `{placeholder}` fields, split into an argv l
 with `shlex` (quotes group words) and never run through a shell: a value with spaces
 or `;` stays one argument. Placeholders are substituted per argument; `{{`/`}}` are
 literal braces. A list placeholder (`{served_model_names}`: the release's model name,
-then `model@version`) stands alone as an argument and becomes one argument per name.
+then `model@version`; `{quantization_args}`: the flags of the folder's weight
+format, none for unquantized weights) stands alone as an argument and becomes one
+argument per word, none for an empty list.
 An unknown placeholder, a list placeholder inside a word, a format spec or conversion
 (`{port:>5}`, `{model_dir!r}`), attribute or index access, or an empty template is
 refused with a `TemplateError` that names it.
@@ -28,16 +30,25 @@ PLACEHOLDERS = (
     "served_model_names",  # every name it answers to, the first that one
     "tensor_parallel_size",
     "manifest_digest",
+    "quantization_args",  # the folder's format flags (quantization_args below)
+    "max_model_len",  # the context the engine plans for (BackendSpec.max_model_len)
+    "gpu_memory_utilization",  # fraction of the GPU the engine may claim
 )
 # Placeholders whose value is several words: one argument each.
-LIST_PLACEHOLDERS = ("served_model_names",)
+LIST_PLACEHOLDERS = ("served_model_names", "quantization_args")
 
 # Named presets: the template and how our KV-cache dtype names map to the engine's
 # flag values (a dtype missing from the map is refused, never passed through).
+# vllm: `--quantization compressed-tensors` only for a folder with a
+# quantization_config (vLLM refuses the flag without one: a bf16/fp16 release has
+# none), a bounded `--max-model-len` and `--gpu-memory-utilization`; the weights'
+# dtype is the checkpoint's (config.json `dtype`/`torch_dtype`), and fp8 KV scales
+# are read from the checkpoint (`kv_cache_scheme`).
 PRESETS: dict[str, tuple[str, dict[str, str]]] = {
     "vllm": (
-        "vllm serve {model_dir} --quantization compressed-tensors "
-        "--kv-cache-dtype {kv_cache_dtype} --tensor-parallel-size "
+        "vllm serve {model_dir} {quantization_args} "
+        "--kv-cache-dtype {kv_cache_dtype} --max-model-len {max_model_len} "
+        "--gpu-memory-utilization {gpu_memory_utilization} --tensor-parallel-size "
         "{tensor_parallel_size} --host {host} --port {port} "
         "--served-model-name {served_model_names}",
         # vLLM's "auto" is the checkpoint's dtype (bf16 for compressed-tensors
@@ -45,6 +56,13 @@ PRESETS: dict[str, tuple[str, dict[str, str]]] = {
         {"fp8": "fp8", "bf16": "auto"},
     ),
 }
+
+
+def quantization_args(quantized: bool) -> list[str]:
+    """`{quantization_args}`: how an OpenAI-compatible engine is told the weights'
+    format. A folder with a quantization_config (int8, int4, fp8 weights, or dense
+    weights with fp8 KV scales) is compressed-tensors; one without gets no flag."""
+    return ["--quantization", "compressed-tensors"] if quantized else []
 
 
 def parse_template(template: str) -> list[str]:
@@ -84,6 +102,11 @@ def parse_template(template: str) -> list[str]:
             f"the program {tokens[0]!r} must be a literal command or {{python}}"
         )
     return tokens
+
+
+def placeholders(template: str) -> set[str]:
+    """The placeholders `template` uses (checked as parse_template checks them)."""
+    return {name for token in parse_template(template) for name in _fields(token)}
 
 
 def render_command(

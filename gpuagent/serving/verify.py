@@ -200,31 +200,62 @@ def reverify(
         )
 
 
-def check_weight_format(model_dir: Path, weights: str) -> None:
-    """The folder holds the recipe's weight format: unquantized (no
-    `quantization_config`) for bf16/fp16, a compressed-tensors checkpoint for int8
-    and int4-g*. Read after verification, so these are the approved bytes."""
+@dataclass(frozen=True)
+class FolderFormat:
+    """What an engine's flags depend on in a verified folder's config.json."""
+
+    quantized: bool  # has a quantization_config (compressed-tensors)
+    kv_scale_strategy: str | None  # its kv_cache_scheme's strategy; None: no scales
+    max_position_embeddings: int | None
+
+
+def check_weight_format(model_dir: Path, weights: str) -> FolderFormat:
+    """The folder holds the recipe's weight format: unquantized weights for
+    bf16/fp16 (no `quantization_config`, or one with no config groups that only
+    declares fp8 KV scales), a compressed-tensors checkpoint for int8 and int4-g*.
+    Read after verification, so these are the approved bytes; returns what the
+    engine's flags depend on."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise DeployRefusedError(
             f"cannot read config.json: {e}", code="bad-config"
         ) from None
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if weights in ("bf16", "fp16"):
-        if quant is not None:
-            raise DeployRefusedError(
-                f"recipe weights={weights} but config.json has a quantization_config "
-                f"({method!r})",
-                code="recipe-mismatch",
-            )
-    elif method != "compressed-tensors":
+    if not isinstance(config, dict):
+        raise DeployRefusedError("config.json is not a JSON object", code="bad-config")
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
         raise DeployRefusedError(
-            f"recipe weights={weights} needs a compressed-tensors checkpoint; "
+            "config.json's quantization_config is not a JSON object", code="bad-config"
+        )
+    method = quant.get("quant_method") if quant else None
+    if quant is not None and method != "compressed-tensors":
+        raise DeployRefusedError(
+            f"recipe weights={weights} needs a compressed-tensors checkpoint or none; "
             f"config.json has quant_method {method!r}",
             code="recipe-mismatch",
         )
+    if weights in ("bf16", "fp16"):
+        if quant is not None and quant.get("config_groups"):
+            raise DeployRefusedError(
+                f"recipe weights={weights} but config.json's quantization_config "
+                f"quantizes weights ({method!r})",
+                code="recipe-mismatch",
+            )
+    elif quant is None:
+        raise DeployRefusedError(
+            f"recipe weights={weights} needs a compressed-tensors checkpoint; "
+            "config.json has no quantization_config",
+            code="recipe-mismatch",
+        )
+    kv_scheme = (quant or {}).get("kv_cache_scheme")
+    strategy = kv_scheme.get("strategy") if isinstance(kv_scheme, dict) else None
+    positions = config.get("max_position_embeddings")
+    return FolderFormat(
+        quantized=quant is not None,
+        kv_scale_strategy=strategy,
+        max_position_embeddings=positions if isinstance(positions, int) else None,
+    )
 
 
 def _compare(

@@ -29,6 +29,10 @@ def test_the_engine_is_the_default(api, owner_token, environment):
         "preset": "",
         "command_template": "",
         "tensor_parallel_size": 1,
+        "max_model_len": None,
+        "gpu_memory_utilization": None,
+        "health_timeout_s": None,
+        "kv_scale_strategy": "tensor",
     }
 
 

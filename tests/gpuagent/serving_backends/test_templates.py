@@ -4,7 +4,7 @@ placeholder known, presets that refuse what their engine cannot do."""
 import pytest
 
 from gpuagent.serving import PLACEHOLDERS, TemplateError, parse_template, render_command
-from gpuagent.serving.templates import preset_template
+from gpuagent.serving.templates import preset_template, quantization_args
 
 VALUES = {name: f"<{name}>" for name in PLACEHOLDERS}
 
@@ -76,8 +76,29 @@ def test_it_maps_the_kv_dtype_through_the_vllm_preset():
     assert argv[:3] == ["vllm", "serve", "<model_dir>"]
     i = argv.index("--kv-cache-dtype")
     assert argv[i + 1] == "fp8"
-    assert argv[argv.index("--quantization") + 1] == "compressed-tensors"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "<tensor_parallel_size>"
+    assert argv[argv.index("--max-model-len") + 1] == "<max_model_len>"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == (
+        "<gpu_memory_utilization>"
+    )
+
+
+@pytest.mark.parametrize(
+    ("quantized", "flags"),
+    [(False, []), (True, ["--quantization", "compressed-tensors"])],
+)
+def test_the_vllm_preset_passes_a_quantization_flag_only_for_a_quantized_folder(
+    quantized, flags
+):
+    template, kv = preset_template("vllm", "bf16")
+    argv = render_command(
+        template, {**VALUES, "quantization_args": quantization_args(quantized)}
+    )
+
+    # an empty list placeholder leaves no argument behind (not even "")
+    assert argv[:3] == ["vllm", "serve", "<model_dir>"]
+    assert argv[3:5] == (flags or ["--kv-cache-dtype", "<kv_cache_dtype>"])
+    assert ("--quantization" in argv) is quantized and "" not in argv
 
 
 def test_it_refuses_a_kv_dtype_or_preset_the_engine_does_not_have():
