@@ -28,7 +28,8 @@ class Environment(models.Model):
     created = models.DateTimeField(default=timezone.now)
     # How deploy jobs serve a release here (controlplane.fleet.backend): {} is
     # the project's engine; else kind, preset or command_template,
-    # tensor_parallel_size, as validated by clean_backend.
+    # tensor_parallel_size, max_model_len, gpu_memory_utilization, health_timeout_s,
+    # kv_scale_strategy, as validated by clean_backend (keys left out: defaults).
     serving_backend = models.JSONField(default=dict, blank=True)
 
     class Meta:

@@ -13,7 +13,7 @@ import gpuagent.engine
 from gpuagent import tasks
 from gpuagent.artifacts import ArtifactStore
 from gpuagent.integrity.keys import ensure_key_pair
-from gpuagent.protocol import CompressJobResult, JobRequest, Recipe
+from gpuagent.protocol import BackendSpec, CompressJobResult, JobRequest, Recipe
 from gpuagent.serving import loaded_deployments
 
 DEMO = Path(gpuagent.engine.__file__).parent / "demo_model"
@@ -262,3 +262,50 @@ def test_it_refuses_a_digest_the_control_plane_quarantined_it_never_saw(setup):
     assert not refused.ok and refused.payload["error_code"] == "quarantined"
     assert "quarantined" in refused.error
     assert loaded_deployments(checker.registry) == []  # nothing was started
+
+
+@pytest.mark.parametrize(
+    ("backend", "seconds"),
+    [
+        (BackendSpec(), tasks.HEALTH_TIMEOUT_S),  # our engine starts in seconds
+        # an external engine's cold start: spawn, weights, compile, graph capture
+        (BackendSpec(kind="external", preset="vllm"), 1800.0),
+        (BackendSpec(kind="external", preset="vllm", health_timeout_s=5400), 5400.0),
+        (BackendSpec(health_timeout_s=30), 30.0),
+    ],
+)
+def test_the_health_wait_is_the_environments_or_its_kinds_default(
+    setup, backend, seconds
+):
+    source, signer, _ = setup
+
+    req = request("deploy", source, manifest_digest="sha256:" + "0" * 64)
+
+    spec = tasks.deploy_spec(req, signer, backend)
+
+    assert spec.health_timeout_s == seconds
+
+
+def test_an_fp8_kv_candidate_is_compressed_in_the_target_environments_layout(setup):
+    source, signer, _ = setup
+    fp8_kv = Recipe(weights="bf16", kv_cache_dtype="fp8")
+    made = {}
+    for strategy in ("tensor", "attn_head"):
+        req = request("compress", source).model_copy(
+            update={
+                "recipe": fp8_kv,
+                "backend": BackendSpec(kv_scale_strategy=strategy),
+            }
+        )
+        made[strategy] = CompressJobResult.model_validate(
+            tasks.execute(req, signer, started=None).payload
+        )
+
+    # two candidates (a per-head one is never reused for a per-tensor target)
+    assert made["tensor"].candidate != made["attn_head"].candidate
+    for strategy, result in made.items():
+        config = json.loads(
+            (signer.store.path_of(result.candidate) / "config.json").read_text()
+        )
+        kv = config["quantization_config"]["kv_cache_scheme"]
+        assert kv["strategy"] == result.report.kv_scale_strategy == strategy

@@ -2,6 +2,7 @@ import pytest
 
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.admin import EnvironmentForm
+from controlplane.fleet.backend import backend_spec
 from tests.controlplane.api.helpers import error_of, field_names, put_json
 
 VLLM = {"kind": "external", "preset": "vllm", "tensor_parallel_size": 2}
@@ -67,6 +68,40 @@ def test_unknown_keys_are_refused_by_name(api, admin_token, environment):
         ),
         ({"kind": "external"}, "validation_failed", "backend.preset"),
         ({"kind": "k8s"}, "validation_error", "kind"),
+        # an external engine's flags: the engine backend would not read them
+        (
+            {"kind": "engine", "max_model_len": 4096},
+            "validation_failed",
+            "backend.max_model_len",
+        ),
+        (
+            {"kind": "engine", "gpu_memory_utilization": 0.5},
+            "validation_failed",
+            "backend.gpu_memory_utilization",
+        ),
+        # nor would a template that has no place for them
+        (
+            {
+                "kind": "external",
+                "command_template": "srv {model_dir} --port {port}",
+                "max_model_len": 4096,
+            },
+            "validation_failed",
+            "backend.max_model_len",
+        ),
+        (
+            {**VLLM, "gpu_memory_utilization": 1.5},
+            "validation_error",
+            "gpu_memory_utilization",
+        ),
+        ({**VLLM, "max_model_len": 0}, "validation_error", "max_model_len"),
+        ({**VLLM, "health_timeout_s": 0}, "validation_error", "health_timeout_s"),
+        ({**VLLM, "health_timeout_s": 86400}, "validation_error", "health_timeout_s"),
+        (
+            {**VLLM, "kv_scale_strategy": "head"},
+            "validation_error",
+            "kv_scale_strategy",
+        ),
     ],
 )
 def test_settings_the_backend_would_not_read_are_refused(
@@ -76,6 +111,43 @@ def test_settings_the_backend_would_not_read_are_refused(
 
     error = error_of(response, 422, code)
     assert field in field_names(error), error
+
+
+def test_an_external_engines_context_memory_health_and_kv_layout_are_stored(
+    api, admin_token, environment
+):
+    body = {
+        **VLLM,
+        "max_model_len": 32768,
+        "gpu_memory_utilization": 0.45,
+        "health_timeout_s": 3600,
+        "kv_scale_strategy": "attn_head",
+    }
+
+    response = put(api, environment, body, admin_token)
+
+    assert response.status_code == 200, response.content
+    assert response.json()["backend"] == {**body, "command_template": ""}
+    environment.refresh_from_db()
+    assert backend_spec(environment.serving_backend).health_timeout_s == 3600
+
+
+def test_a_setting_stored_before_the_newer_keys_reads_as_their_defaults(
+    api, owner_token, environment
+):
+    environment.serving_backend = {
+        "kind": "external",
+        "preset": "vllm",
+        "command_template": "",
+        "tensor_parallel_size": 2,
+    }
+    environment.save()
+
+    response = api.get(url(environment.pk), token=owner_token)
+
+    backend = response.json()["backend"]
+    assert backend["max_model_len"] is None and backend["health_timeout_s"] is None
+    assert backend["kv_scale_strategy"] == "tensor"
 
 
 def test_it_needs_the_admin_scope(api, owner_token, environment):
