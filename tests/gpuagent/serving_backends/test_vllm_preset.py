@@ -14,6 +14,8 @@ from gpuagent.compress import compress
 from gpuagent.integrity import file_digests, hash_model
 from gpuagent.protocol import BackendSpec, Recipe
 from gpuagent.serving import deploy
+from gpuagent.serving.errors import DeployRefusedError
+from gpuagent.serving.verify import check_weight_format
 from tests.gpuagent.compress.conftest import TEST_CALIBRATION
 from tests.gpuagent.serving_backends.conftest import (
     DEMO_MODEL,
@@ -180,21 +182,52 @@ def test_a_template_that_drops_a_setting_is_refused_before_anything_starts(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["bf16", "bf16-fp8kv", "w4a16-g128"])
 def test_vllms_own_parser_takes_the_rendered_preset(folders, registry, fake_vllm, name):
-    # The argv above, parsed by vLLM itself where it is installed (it is not in
-    # this project's environment: the flag checks above run everywhere).
+    # The argv above, parsed by vLLM itself as `vllm serve` parses it, where vLLM
+    # is installed (it is not in this project's environment: the flag checks
+    # above run everywhere).
     pytest.importorskip("vllm")
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
-
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # older vLLM
-        from vllm.utils import FlexibleArgumentParser
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv = deployed_argv(folders, name, registry, fake_vllm)
     parser = FlexibleArgumentParser()
-    parser.add_argument("model_tag")
-    args = make_arg_parser(parser).parse_args(argv[1:])
+    serve = ServeSubcommand()
+    serve.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(argv)
+    serve.validate(args)
 
     assert args.model_tag == str(folders[name].folder.absolute())
     assert args.max_model_len == DEMO_MAX_POSITIONS
+    assert args.gpu_memory_utilization == 0.9
     assert args.quantization == ("compressed-tensors" if name != "bf16" else None)
+
+
+@pytest.mark.parametrize(
+    ("weights", "quant", "refused"),
+    [
+        ("bf16", None, ""),
+        # dense weights with fp8 KV scales: a config with only kv_cache_scheme
+        ("bf16", {"quant_method": "compressed-tensors", "config_groups": {}}, ""),
+        (
+            "bf16",
+            {"quant_method": "compressed-tensors", "config_groups": {"g": {}}},
+            "quantizes weights",
+        ),
+        ("w8a16", None, "has no quantization_config"),
+        ("w8a16", {"quant_method": "gptq"}, "quant_method 'gptq'"),
+    ],
+)
+def test_the_folders_format_must_be_the_recipes(tmp_path, weights, quant, refused):
+    config = {"max_position_embeddings": 4096}
+    if quant is not None:
+        config["quantization_config"] = quant
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    if refused:
+        with pytest.raises(DeployRefusedError, match=refused) as info:
+            check_weight_format(tmp_path, weights)
+        assert info.value.code == "recipe-mismatch"
+    else:
+        found = check_weight_format(tmp_path, weights)
+        assert found.quantized is (quant is not None)
+        assert found.max_position_embeddings == 4096
