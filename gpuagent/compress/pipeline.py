@@ -129,8 +129,6 @@ def compress(
             )
         elif kv_scheme:  # dense weights, fp8 KV: the scales' scheme alone
             hf_config["quantization_config"] = kv_cache_only_config(kv_scheme)
-        else:  # a source's own (e.g. an fp8 checkpoint's) no longer applies
-            hf_config.pop("quantization_config", None)
         # transformers 5 and vLLM read `dtype` first, older readers `torch_dtype`:
         # both, so a source's stale `dtype` never wins over the weights written.
         dense = "float16" if recipe.weights == "fp16" else "bfloat16"
