@@ -236,6 +236,9 @@ class GateResultOut(Schema):
     threshold: float | None
     outcome: GateOutcome
     reason: str
+    policy_version: int = Field(
+        description="the environment's gate-policy version it was held against"
+    )
     created: datetime
 
 
