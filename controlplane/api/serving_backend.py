@@ -41,9 +41,10 @@ def get_serving_backend(request: HttpRequest, environment_id: ObjectId) -> dict:
     response={200: ServingBackendOut, **WRITE_ERRORS},
     summary="Set the environment's serving backend (admin role)",
     description="`kind` engine (the project's engine; no preset or template, one "
-    "device) or external (exactly one of `preset`, e.g. vllm, or "
-    "`command_template`, an argv template with {model_dir}, {port}, ... "
-    "placeholders). Sent with every later deploy job of the environment.",
+    "device) or external (a `preset` by name: the agent's vllm or one a platform "
+    "operator named). `command_template` is for platform operators only: a team "
+    "admin setting one gets 403. Sent with every later deploy job of the "
+    "environment.",
 )
 def put_serving_backend(
     request: HttpRequest, environment_id: ObjectId, payload: ServingBackendIn

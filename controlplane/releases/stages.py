@@ -7,7 +7,7 @@ moves a release; that is the pipeline's (controlplane.releases.pipeline)."""
 
 from django.db.models import Q
 
-from controlplane.fleet.backend import backend_spec
+from controlplane.fleet.backend import job_backend
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases import evidence
 from controlplane.releases.actions.jobs import do_finish_job
@@ -90,7 +90,7 @@ def request_for(job: Job) -> JobRequest:
         signature=release.signature,
         deployment_id=deployment.pk if deployment else None,
         serving_id=deployment.serving_id if deployment else "",
-        backend=backend_spec(
+        backend=job_backend(
             deployment.environment.serving_backend
             if deployment
             else release.target_environment.serving_backend
