@@ -370,7 +370,8 @@ class EnvironmentOut(Schema):
 
 class ServingBackendIn(RequestBody):
     """How the environment's deploy jobs serve: the project's engine, or an
-    external OpenAI-compatible engine from a preset (e.g. vllm) or a command
+    external OpenAI-compatible engine from a preset (vllm, or one a platform
+    operator named: GET /serving-presets) or, for operators only, a command
     template (README: Serving). `kind` is required (the setting is stated whole);
     unknown keys are refused by name."""
 
@@ -383,6 +384,18 @@ class ServingBackendIn(RequestBody):
 class ServingBackendOut(Schema):
     environment: str
     backend: ServingBackendIn
+
+
+class ServingPresetOut(Schema):
+    name: str
+    command_template: str = Field(
+        description="the operator's template; empty for the agent's own presets"
+    )
+    description: str
+
+
+class ServingPresetsOut(Schema):
+    presets: list[ServingPresetOut]
 
 
 class GatePolicyIn(GatePolicy):

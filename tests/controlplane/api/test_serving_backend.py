@@ -129,3 +129,13 @@ def test_a_team_admin_chooses_an_operators_preset(
     assert response.status_code == 200, response.content
     assert response.json()["backend"]["preset"] == "own-engine"
     assert response.json()["backend"]["command_template"] == ""
+
+
+def test_a_team_lists_the_presets_it_may_choose(api, owner_token, operator):
+    do_set_serving_preset("own-engine", "{python} -m x {port}", actor=operator)
+
+    response = api.get("/api/v1/serving-presets", token=owner_token)
+
+    assert response.status_code == 200, response.content
+    names = [p["name"] for p in response.json()["presets"]]
+    assert names == ["vllm", "own-engine"]
