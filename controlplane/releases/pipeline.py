@@ -38,6 +38,7 @@ from controlplane.releases.actions.deployments import (
     do_complete_deployment,
     do_fail_deployment,
     do_quarantine_release,
+    do_record_stray_server,
     do_refuse_deployment,
     do_start_deployment,
 )
@@ -230,7 +231,10 @@ def deploy(release_id: int) -> str:
 
 def _deployment_done(job: Job) -> None:
     deployment = stages.deployment_of(job)
-    if deployment is None or deployment.state != "deploying":
+    if deployment is None:
+        return
+    if deployment.state != "deploying":
+        _stop_stray_server(deployment, job)
         return
     if job.state == "succeeded":
         # Checked under the lock of every release holding the digest: a digest
@@ -270,6 +274,18 @@ def _refuse_deployment(deployment: Deployment, job: Job, why: str) -> None:
         dispatch(deployment.release, "undeploy", deployment=deployment)
     if deployment.rollback_tried is not None:
         do_continue_rollback(deployment, why=why)
+
+
+def _stop_stray_server(deployment: Deployment, job: Job) -> None:
+    """A deploy that answers after its deployment failed meanwhile (e.g. a copy
+    of its release failed re-verification): the server it started is stopped."""
+    serving_id = str(job.result.get("deployment_id", ""))
+    if job.state != "succeeded" or not serving_id:
+        return
+    deployment = do_record_stray_server(
+        deployment, agent=job.agent, serving_id=serving_id
+    )
+    dispatch(deployment.release, "undeploy", deployment=deployment)
 
 
 def failed_verification(job: Job) -> bool:
@@ -340,13 +356,20 @@ def _reverified(job: Job) -> None:
     for. Still live: the deployment fails verification (and the environment's
     policy may roll back). Superseded or rolled back meanwhile: the release is
     quarantined whatever its state, so it is never a rollback target; live again
-    elsewhere: that deployment fails verification."""
+    elsewhere: that deployment fails verification; deploying again: that deploy
+    fails (`_fail_deploying_copy`)."""
     deployment = stages.deployment_of(job)
     if deployment is None or job.state == "succeeded":
         return
     if deployment.state != "live":
-        live = deployment.release.deployments.filter(state="live").first()
-        if live is None:
+        current = (
+            deployment.release.deployments.filter(
+                state__in=("live", "deploying"), ended__isnull=True
+            )
+            .order_by("-started", "-id")
+            .first()
+        )
+        if current is None:
             do_quarantine_release(
                 deployment.release,
                 actor=WORKER,
@@ -354,7 +377,10 @@ def _reverified(job: Job) -> None:
                 f"re-verification after it stopped being live: {job.error}",
             )
             return
-        deployment = live
+        deployment = current
+    if deployment.state == "deploying":
+        _fail_deploying_copy(deployment, job.error)
+        return
     do_fail_deployment(deployment, actor=WORKER, reason=job.error, verification=True)
     environment = deployment.environment
     if gate_policy_for(environment).auto_rollback_on_failed_verification:
@@ -363,6 +389,21 @@ def _reverified(job: Job) -> None:
             reason=f"{deployment.release} failed re-verification in "
             f"{environment.name}: {job.error}",
         )
+
+
+def _fail_deploying_copy(deployment: Deployment, error: str) -> None:
+    """A copy of a release deploying again (a rollback to it, a roll forward)
+    failed re-verification: that deploy fails verification and ends, the release
+    is quarantined, and a rollback goes on to its next candidate. Should the
+    deploy still answer, its server is stopped (`_stop_stray_server`)."""
+    why = f"a copy failed re-verification while it was deploying again: {error}"
+    deployment = do_fail_deployment(
+        deployment, actor=WORKER, reason=why, verification=True, ended=True
+    )
+    if deployment.rollback_tried is not None:
+        do_continue_rollback(deployment, why=why)
+    else:
+        do_quarantine_release(deployment.release, actor=WORKER, reason=why)
 
 
 # -- results and the watch ------------------------------------------------------------

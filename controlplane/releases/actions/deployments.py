@@ -85,10 +85,17 @@ def do_complete_deployment(
 
 
 def do_fail_deployment(
-    deployment: Deployment, *, actor: Actor, reason: str, verification: bool = False
+    deployment: Deployment,
+    *,
+    actor: Actor,
+    reason: str,
+    verification: bool = False,
+    ended: bool = False,
 ) -> Deployment:
     """Mark a deploying or live deployment failed (or failed_verification when the
-    bytes did not match) and move its release along."""
+    bytes did not match) and move its release along. A failed one ends; one that
+    failed verification ends only with `ended` (a deploy that never served),
+    else it is what the environment serves until an operator rolls back."""
     new_state = "failed_verification" if verification else "failed"
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
@@ -97,7 +104,7 @@ def do_fail_deployment(
             raise Conflict(f"deployment {deployment.pk} is {before}")
         deployment.state = new_state
         deployment.reason = reason
-        if new_state == "failed":
+        if new_state == "failed" or ended:
             deployment.ended = timezone.now()
         deployment.save(update_fields=["state", "ended", "reason"])
         do_transition_release(deployment.release, new_state, actor=actor, reason=reason)
@@ -130,6 +137,20 @@ def do_refuse_deployment(
         deployment.serving_id = serving_id or deployment.serving_id
         deployment.save(update_fields=["agent", "serving_id"])
         return do_fail_deployment(deployment, actor=actor, reason=reason)
+
+
+def do_record_stray_server(
+    deployment: Deployment, *, agent: Agent | None, serving_id: str
+) -> Deployment:
+    """A deploy answered, with the server it started, after `deployment` stopped
+    deploying (failed meanwhile): keep which server that is, so an undeploy job
+    can stop it. The deployment's state is not changed."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        deployment.agent = agent or deployment.agent
+        deployment.serving_id = serving_id
+        deployment.save(update_fields=["agent", "serving_id"])
+    return deployment
 
 
 def do_quarantine_release(release: Release, *, actor: Actor, reason: str) -> bool:

@@ -132,6 +132,32 @@ def test_a_failed_reverification_of_a_copy_rolled_back_meanwhile_quarantines_it(
     assert state(first) == "deploying"  # the rollback goes on
 
 
+def test_a_failed_reverification_of_a_copy_being_rolled_back_to_moves_on(
+    two_live, make_release, owner, environment, teammate, local_agent
+):
+    first, second = two_live
+    old_copy = Deployment.objects.get(release=second, state="live")
+    run_reverification(old_copy.pk)
+    go_live(make_release(state="approved", manifest_digest="sha256:" + "3" * 64), owner)
+    do_rollback_environment(environment, teammate)  # back to second
+    assert run_deployment(second.pk) == "deploying"
+
+    fail_reverification(local_agent)
+
+    assert state(second) == "quarantined"
+    assert state(first) == "deploying"  # the rollback's next candidate
+    refused = Deployment.objects.filter(release=second).exclude(pk=old_copy.pk).get()
+    assert (refused.state, refused.ended is not None) == ("failed_verification", True)
+    assert environment.live_deployment is None  # nothing refused counts as served
+    # The refused deploy still answers: its server is stopped, never made live.
+    local_agent.answer(
+        "deploy", DeployResult(ok=True, endpoint="http://a:1", deployment_id="srv-2")
+    )
+    assert state(second) == "quarantined"
+    (_, undeploy), *_ = local_agent.pending("undeploy")
+    assert (undeploy.deployment_id, undeploy.serving_id) == (refused.pk, "srv-2")
+
+
 def test_a_reverify_job_names_the_deployment_it_was_sent_for(two_live, local_agent):
     _, second = two_live
     deployment = Deployment.objects.get(release=second, state="live")
