@@ -432,6 +432,10 @@ class GatePolicyChangeIn(RequestBody):
 class GatePolicyOut(Schema):
     environment: str
     policy: GatePolicy
+    version: int = Field(
+        description="bumped by every change; gate results record the version they "
+        "were held against, and an approval re-evaluates under a newer one"
+    )
     is_default: bool = Field(description="no policy set: the defaults apply")
 
 
