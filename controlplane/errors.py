@@ -78,6 +78,13 @@ class DigestMismatch(Conflict):
     slug = "manifest_digest_mismatch"
 
 
+class GatesNoLongerPass(Conflict):
+    """An approval found the release's evidence failing the gate policy in force
+    (it changed since the gate ran)."""
+
+    slug = "gates_no_longer_pass"
+
+
 class JobLeaseHeld(Conflict):
     """A job of this kind is running and its worker still holds the lease: another
     task must not start the same work. Tasks catch it and step aside."""

@@ -8,6 +8,8 @@ module imports torch or Django, so both sides can import it.
 from __future__ import annotations
 
 import re
+import shlex
+import string
 from datetime import datetime
 from typing import Literal
 
@@ -263,6 +265,84 @@ class EvaluateResult(_Message):
 
 
 SERVING_BACKENDS = ("engine", "external")
+
+
+# Command templates (BackendSpec.command_template, a ServingPreset's template): the
+# grammar both sides check; gpuagent.serving.templates renders them on the agent.
+TEMPLATE_PLACEHOLDERS = (
+    "python",  # the agent's interpreter (sys.executable)
+    "model_dir",
+    "host",
+    "port",
+    "kv_cache_dtype",
+    "served_model_name",  # the name answers carry
+    "served_model_names",  # every name it answers to, the first that one
+    "tensor_parallel_size",
+    "manifest_digest",
+    "quantization_args",  # the folder's format flags (serving.templates)
+    "max_model_len",  # the context the engine plans for (BackendSpec.max_model_len)
+    "gpu_memory_utilization",  # fraction of the GPU the engine may claim
+)
+# Placeholders whose value is several words: one argument each.
+TEMPLATE_LIST_PLACEHOLDERS = ("served_model_names", "quantization_args")
+
+
+def command_template_words(template: str) -> list[str]:
+    """Split a command template into its argv words (shlex: quotes group words;
+    never run through a shell) and check every placeholder. ValueError names the
+    problem: empty, unbalanced quotes or braces, unknown or malformed
+    placeholders (all of them named), a list placeholder inside a word, or a
+    program that is not a literal word or `{python}`."""
+    if not template or not template.strip():
+        raise ValueError("empty command template")
+    try:
+        words = shlex.split(template)
+    except ValueError as e:
+        raise ValueError(f"command template cannot be split: {e}") from None
+    unknown: list[str] = []
+    for word in words:
+        for name in template_fields(word):
+            if name not in TEMPLATE_PLACEHOLDERS and name not in unknown:
+                unknown.append(name)
+    if unknown:
+        raise ValueError(
+            "unknown placeholder(s) in command template: "
+            + ", ".join("{" + n + "}" for n in unknown)
+            + "; known: "
+            + ", ".join("{" + n + "}" for n in TEMPLATE_PLACEHOLDERS)
+        )
+    for word in words:
+        for name in template_fields(word):
+            if name in TEMPLATE_LIST_PLACEHOLDERS and word != "{" + name + "}":
+                raise ValueError(
+                    f"{{{name}}} must stand alone as an argument (it becomes one "
+                    f"argument per name), not inside {word!r}"
+                )
+    if template_fields(words[0]) and words[0] != "{python}":
+        raise ValueError(
+            f"the program {words[0]!r} must be a literal command or {{python}}"
+        )
+    return words
+
+
+def template_fields(word: str) -> list[str]:
+    """Placeholder names in one word of a template; malformed ones (positional,
+    format spec, conversion) raise ValueError."""
+    try:
+        parsed = list(string.Formatter().parse(word))
+    except ValueError as e:
+        raise ValueError(f"bad placeholder in {word!r}: {e}") from None
+    names = []
+    for _literal, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if name == "" or spec or conversion:
+            raise ValueError(
+                f"bad placeholder in {word!r}: only plain {{name}} fields are "
+                "allowed (no positional, format spec or conversion)"
+            )
+        names.append(name)
+    return names
 
 
 class BackendSpec(_Message):

@@ -18,8 +18,9 @@ Configuration (set by `python -m gpuagent run`, or the environment of the embedd
 worker): GPUAGENT_NAME, GPUAGENT_ARTIFACTS, GPUAGENT_SIGNING_KEY (a PEM private
 key: only the agent that signs holds it), GPUAGENT_TRUSTED_KEYS (PEM public keys,
 comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS,
-GPUAGENT_ALLOWED_PROGRAMS (programs an external backend's template may start,
-comma-separated, as the template writes them; unset: any)."""
+GPUAGENT_ALLOWED_PROGRAMS (the whole argument shapes an external backend may
+start, comma-separated: a preset's name, e.g. vllm, or a command template its
+template must equal word for word; unset: any)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class Agent:
     controlplane_queue: str
     pool_queue: str
     threads: int
-    # Programs an external backend's template may start (None: any).
+    # Whole argument shapes an external backend may start (None: any; see
+    # gpuagent.serving.templates.check_allowed_shape).
     allowed_programs: frozenset[str] | None = None
     running_jobs: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)

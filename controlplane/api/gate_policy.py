@@ -15,7 +15,7 @@ from controlplane.fleet.models import Environment
 from controlplane.releases.actions.gate_policies import (
     do_set_gate_policy,
     do_update_gate_policy,
-    gate_policy_for,
+    gate_policy_in_force,
 )
 from controlplane.releases.models import EnvironmentGatePolicy
 
@@ -23,9 +23,11 @@ router = Router(tags=["environments"])
 
 
 def gate_policy_dict(environment: Environment) -> dict:
+    policy, version = gate_policy_in_force(environment)
     return {
         "environment": environment.name,
-        "policy": gate_policy_for(environment).model_dump(mode="json"),
+        "policy": policy.model_dump(mode="json"),
+        "version": version,
         "is_default": not EnvironmentGatePolicy.objects.filter(
             environment=environment
         ).exists(),

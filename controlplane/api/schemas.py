@@ -236,6 +236,9 @@ class GateResultOut(Schema):
     threshold: float | None
     outcome: GateOutcome
     reason: str
+    policy_version: int = Field(
+        description="the environment's gate-policy version it was held against"
+    )
     created: datetime
 
 
@@ -367,7 +370,8 @@ class EnvironmentOut(Schema):
 
 class ServingBackendIn(RequestBody):
     """How the environment's deploy jobs serve: the project's engine, or an
-    external OpenAI-compatible engine from a preset (e.g. vllm) or a command
+    external OpenAI-compatible engine from a preset (vllm, or one a platform
+    operator named: GET /serving-presets) or, for operators only, a command
     template (README: Serving). `kind` is required (the setting is stated whole);
     unknown keys are refused by name."""
 
@@ -409,6 +413,18 @@ class ServingBackendOut(Schema):
     backend: ServingBackendIn
 
 
+class ServingPresetOut(Schema):
+    name: str
+    command_template: str = Field(
+        description="the operator's template; empty for the agent's own presets"
+    )
+    description: str
+
+
+class ServingPresetsOut(Schema):
+    presets: list[ServingPresetOut]
+
+
 class GatePolicyIn(GatePolicy):
     """A whole policy, stated: `quality` and `load` are required (null: not gated
     on it); inside them a key left out takes its default, and null turns a
@@ -443,6 +459,10 @@ class GatePolicyChangeIn(RequestBody):
 class GatePolicyOut(Schema):
     environment: str
     policy: GatePolicy
+    version: int = Field(
+        description="bumped by every change; gate results record the version they "
+        "were held against, and an approval re-evaluates under a newer one"
+    )
     is_default: bool = Field(description="no policy set: the defaults apply")
 
 

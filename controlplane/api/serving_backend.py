@@ -8,11 +8,12 @@ from controlplane.api.schemas import (
     ObjectId,
     ServingBackendIn,
     ServingBackendOut,
+    ServingPresetsOut,
 )
 from controlplane.api.scoping import get_environment, principal_of
 from controlplane.fleet.actions import do_set_serving_backend
-from controlplane.fleet.backend import backend_spec
-from controlplane.fleet.models import Environment
+from controlplane.fleet.backend import AGENT_PRESETS, backend_spec
+from controlplane.fleet.models import Environment, ServingPreset
 
 router = Router(tags=["environments"])
 
@@ -41,9 +42,10 @@ def get_serving_backend(request: HttpRequest, environment_id: ObjectId) -> dict:
     response={200: ServingBackendOut, **WRITE_ERRORS},
     summary="Set the environment's serving backend (admin role)",
     description="`kind` engine (the project's engine; no preset or template, one "
-    "device) or external (exactly one of `preset`, e.g. vllm, or "
-    "`command_template`, an argv template with {model_dir}, {port}, ... "
-    "placeholders). Sent with every later deploy job of the environment.",
+    "device) or external (a `preset` by name: the agent's vllm or one a platform "
+    "operator named). `command_template` is for platform operators only: a team "
+    "admin setting one gets 403. Sent with every later deploy job of the "
+    "environment.",
 )
 def put_serving_backend(
     request: HttpRequest, environment_id: ObjectId, payload: ServingBackendIn
@@ -54,3 +56,20 @@ def put_serving_backend(
         environment, payload.model_dump(), actor=principal.token
     )
     return backend_dict(environment)
+
+
+@router.get(
+    "/serving-presets",
+    auth=read_auth(),
+    response={200: ServingPresetsOut, **READ_ERRORS},
+    summary="The serving presets an environment's backend may choose by name",
+    description="The agent's own (vllm) and those platform operators named in the "
+    "admin; only operators write command templates.",
+)
+def list_serving_presets(request: HttpRequest) -> dict:
+    own = [
+        {"name": name, "command_template": "", "description": "the agent's own preset"}
+        for name in AGENT_PRESETS
+    ]
+    named = [p.to_dict() for p in ServingPreset.objects.order_by("name")]
+    return {"presets": own + named}

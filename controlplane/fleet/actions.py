@@ -1,14 +1,20 @@
+import re
 from datetime import datetime, timedelta
 
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from controlplane.accounts.actions import check_actor_in_team
 from controlplane.accounts.models import Team
 from controlplane.audit.actions import Actor, do_record_event
-from controlplane.errors import Conflict, ValidationFailed
-from controlplane.fleet.backend import clean_backend
-from controlplane.fleet.models import AGENT_STATES, Agent, Environment
+from controlplane.errors import Conflict, Forbidden, ValidationFailed
+from controlplane.fleet.backend import (
+    AGENT_PRESETS,
+    check_command_template,
+    clean_backend,
+)
+from controlplane.fleet.models import AGENT_STATES, Agent, Environment, ServingPreset
 from gpuagent.protocol import Heartbeat
 
 
@@ -153,11 +159,10 @@ def do_set_serving_backend(
     environment: Environment, backend: dict, *, actor: Actor
 ) -> Environment:
     """Set how the environment's deploy jobs serve (admin role; a token needs the
-    admin scope). ValidationFailed names the bad or unknown key."""
-    from controlplane.accounts.actions import check_actor_in_team
-
+    admin scope). ValidationFailed names the bad or unknown key; a command
+    template is Forbidden but to a platform operator (teams choose presets)."""
     check_actor_in_team(actor, environment.team, scope="admin", roles=("admin",))
-    cleaned = clean_backend(backend)
+    cleaned = clean_backend(backend, operator=is_platform_operator(actor))
     with transaction.atomic():
         environment = Environment.objects.select_for_update().get(pk=environment.pk)
         before = environment.serving_backend
@@ -191,3 +196,48 @@ def do_create_environment(team: Team, name: str, *, actor: Actor) -> Environment
             f"environment {name!r} already exists in team {team.slug}", field="name"
         ) from exc
     return environment
+
+
+def is_platform_operator(actor: Actor) -> bool:
+    """A person acting in their own name as Django staff (or superuser). A token
+    is bound to one team and never counts, whoever holds it."""
+    return (
+        isinstance(actor, AbstractBaseUser)
+        and actor.is_active
+        and (actor.is_staff or actor.is_superuser)
+    )
+
+
+def do_set_serving_preset(
+    name: str, command_template: str, *, actor: Actor, description: str = ""
+) -> ServingPreset:
+    """Create or change the named preset (platform operators only: Forbidden
+    otherwise). ValidationFailed for a name that is not a slug or is one of the
+    agent's own presets, or a template the agent could not run. Environments that
+    chose it deploy with the new template from their next deploy job."""
+    if not is_platform_operator(actor):
+        raise Forbidden(
+            "serving presets are set only by platform operators (staff)",
+            field="command_template",
+        )
+    if not re.fullmatch(r"[-a-zA-Z0-9_]{1,50}", name or ""):
+        raise ValidationFailed(
+            "name: a preset's name is a slug of 1 to 50 letters, digits, - or _",
+            field="name",
+        )
+    if name in AGENT_PRESETS:
+        raise ValidationFailed(
+            f"name: {name!r} is one of the agent's own presets", field="name"
+        )
+    check_command_template(command_template, "command_template")
+    with transaction.atomic():
+        preset = ServingPreset.objects.select_for_update().filter(name=name).first()
+        before = preset.to_dict() if preset else {}
+        preset = preset or ServingPreset(name=name)
+        preset.command_template = command_template
+        preset.description = description
+        preset.save()
+        do_record_event(
+            actor, "serving_preset.set", preset, before=before, after=preset.to_dict()
+        )
+    return preset

@@ -58,6 +58,34 @@ class Environment(models.Model):
         }
 
 
+class ServingPreset(models.Model):
+    """A command template a platform operator (Django staff) names, for teams to
+    choose as an environment's external backend ({"kind": "external", "preset":
+    name}): a team admin picks a preset, never a command line. Written only by
+    fleet.actions.do_set_serving_preset (the admin site)."""
+
+    name = models.SlugField(max_length=50, unique=True)
+    # An argv template (gpuagent.protocol.command_template_words' grammar) that
+    # deploy jobs carry as BackendSpec.command_template.
+    command_template = models.TextField()
+    description = models.TextField(blank=True)
+    created = models.DateTimeField(default=timezone.now)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "command_template": self.command_template,
+            "description": self.description,
+        }
+
+
 class Agent(models.Model):
     STATE_CHOICES = [(s, s) for s in AGENT_STATES]
 

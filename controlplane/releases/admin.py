@@ -83,4 +83,11 @@ class EnvironmentGatePolicyForm(forms.ModelForm):
 @admin.register(EnvironmentGatePolicy)
 class EnvironmentGatePolicyAdmin(admin.ModelAdmin):
     form = EnvironmentGatePolicyForm
-    list_display = ("environment", "updated")
+    list_display = ("environment", "version", "updated")
+
+    def save_model(self, request, obj, form, change):
+        # A changed policy is a new version: approvals re-check gate results
+        # held against an older one.
+        if form.changed_data:
+            obj.version += 1
+        super().save_model(request, obj, form, change)

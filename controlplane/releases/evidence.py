@@ -32,6 +32,9 @@ from gpuagent.protocol import (
 VERIFYING_JOB_KINDS = ("verify", "reverify", "deploy")
 SIGNING_JOB_KINDS = ("sign", "verify")
 UNTRUSTED_RELEASE_STATES = ("failed_verification", "quarantined")
+# The jobs whose outcomes the integrity gate reads.
+INTEGRITY_JOB_KINDS = ("verify_source", "sign", "verify")
+OPEN_JOB_STATES = ("queued", "running")
 
 
 class EvidenceUnreadable(Exception):
@@ -97,6 +100,22 @@ def load_reports(releases) -> dict[int, LoadTestReport]:
         if _measured(job):
             reports[job.release_id] = _validated(job, LoadTestReport)
     return reports
+
+
+def integrity_ok(release: Release) -> bool | None:
+    """The newest source inspection, signing and verification all succeeded (and a
+    manifest and signature are recorded): True; one failed: False; one never
+    ran: None."""
+    outcomes = []
+    for kind in INTEGRITY_JOB_KINDS:
+        job = release.jobs.filter(kind=kind).exclude(state__in=OPEN_JOB_STATES)
+        latest = job.order_by("-finished", "-id").first()
+        outcomes.append(None if latest is None else latest.state == "succeeded")
+    if False in outcomes:
+        return False
+    if None in outcomes or not (release.manifest_digest and release.signature):
+        return None
+    return True
 
 
 def live_release_for(release: Release) -> Release | None:

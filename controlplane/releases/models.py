@@ -224,6 +224,11 @@ class Job(models.Model):
     lease_expires = models.DateTimeField(null=True, blank=True)
     result = models.JSONField(default=dict, blank=True)
     error = models.TextField(blank=True)
+    # The deployment a deploy or reverify job acts on, fixed when it is sent: its
+    # answer is about that copy, whatever the environment serves by then.
+    deployment = models.ForeignKey(
+        "fleet.Deployment", models.SET_NULL, null=True, blank=True, related_name="jobs"
+    )
 
     class Meta:
         ordering = ["created", "id"]
@@ -270,6 +275,9 @@ class GateResult(models.Model):
     threshold = models.FloatField(null=True, blank=True)
     outcome = models.CharField(max_length=20, choices=OUTCOME_CHOICES)
     reason = models.TextField(blank=True)
+    # EnvironmentGatePolicy.version of the policy it was held against (0: the
+    # default policy of an environment that never set one).
+    policy_version = models.PositiveIntegerField(default=0)
     created = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -286,6 +294,7 @@ class GateResult(models.Model):
             "threshold": self.threshold,
             "outcome": self.outcome,
             "reason": self.reason,
+            "policy_version": self.policy_version,
             "created": _iso(self.created),
         }
 
@@ -336,6 +345,9 @@ class EnvironmentGatePolicy(models.Model):
         "fleet.Environment", models.CASCADE, related_name="gate_policy"
     )
     policy = models.JSONField(default=dict)
+    # Bumped by every write (actions.gate_policies): gate results record the
+    # version they were held against, so an approval can tell the policy changed.
+    version = models.PositiveIntegerField(default=0)
     updated = models.DateTimeField(auto_now=True)
 
     class Meta:

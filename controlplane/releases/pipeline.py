@@ -37,6 +37,9 @@ from controlplane.releases import evidence, stages
 from controlplane.releases.actions.deployments import (
     do_complete_deployment,
     do_fail_deployment,
+    do_quarantine_release,
+    do_record_stray_server,
+    do_refuse_deployment,
     do_start_deployment,
 )
 from controlplane.releases.actions.gate_policies import gate_policy_for
@@ -67,7 +70,6 @@ PROMOTION: dict[str, tuple[tuple[tuple[str, ...], ...], str]] = {
     "evaluating": ((("evaluate", "load_test"),), "gated"),
 }
 FAILURE_STATE = {"verify_source": "failed_verification"}
-INTEGRITY_KINDS = ("verify_source", "sign", "verify")
 AGENT_KINDS = tuple(k for groups, _ in PROMOTION.values() for g in groups for k in g)
 AGENT_KINDS += ("deploy", "reverify", "undeploy")
 OPEN_STATES = ("queued", "running")
@@ -112,8 +114,10 @@ def _send(job: Job, exclude: Agent | None = None) -> None:
     )
 
 
-def dispatch(release: Release, kind: str) -> Job:
-    job = do_dispatch_job(release, kind)
+def dispatch(
+    release: Release, kind: str, *, deployment: Deployment | None = None
+) -> Job:
+    job = do_dispatch_job(release, kind, deployment=deployment)
     _send(job)
     return job
 
@@ -171,22 +175,6 @@ def _advance_stage(release: Release) -> bool:
     return True
 
 
-def integrity_ok(release: Release) -> bool | None:
-    """The newest source inspection, signing and verification all succeeded (and a
-    manifest and signature are recorded): True; one failed: False; one never
-    ran: None."""
-    outcomes = []
-    for kind in INTEGRITY_KINDS:
-        job = release.jobs.filter(kind=kind).exclude(state__in=OPEN_STATES)
-        latest = job.order_by("-finished", "-id").first()
-        outcomes.append(None if latest is None else latest.state == "succeeded")
-    if False in outcomes:
-        return False
-    if None in outcomes or not (release.manifest_digest and release.signature):
-        return None
-    return True
-
-
 def run_gate(release: Release) -> bool:
     """Hold the recorded evidence against the environment's policy; pass moves to
     awaiting_approval, fail to failed, inconclusive pauses in gated."""
@@ -198,7 +186,7 @@ def run_gate(release: Release) -> bool:
         do_transition_release(release, "failed", actor=WORKER, reason=exc.message)
         return False
     decision = do_evaluate_release_gates(
-        release, quality=quality, load=load, integrity_ok=integrity_ok(release)
+        release, quality=quality, load=load, integrity_ok=evidence.integrity_ok(release)
     )
     result = {"outcome": decision.outcome, "reason": decision.reason}
     if decision.outcome == "inconclusive":
@@ -237,7 +225,7 @@ def deploy(release_id: int) -> str:
             )
         sent = release.jobs.filter(kind="deploy", created__gte=deployment.started)
         if not sent.exists():
-            dispatch(release, "deploy")
+            dispatch(release, "deploy", deployment=deployment)
         return release.state
 
 
@@ -245,7 +233,17 @@ def _deployment_done(job: Job) -> None:
     deployment = stages.deployment_of(job)
     if deployment is None:
         return
+    if deployment.state != "deploying":
+        _stop_stray_server(deployment, job)
+        return
     if job.state == "succeeded":
+        # Checked under the lock of every release holding the digest: a digest
+        # quarantined after the deploy job was sent (its request carried the
+        # quarantine list of then) never goes live.
+        untrusted = stages.untrusted_now(deployment.release)
+        if untrusted:
+            _refuse_deployment(deployment, job, untrusted)
+            return
         do_complete_deployment(
             deployment,
             actor=WORKER,
@@ -263,6 +261,31 @@ def _deployment_done(job: Job) -> None:
         )
         if deployment.rollback_tried is not None:
             do_continue_rollback(deployment, why=why_refused(job))
+
+
+def _refuse_deployment(deployment: Deployment, job: Job, why: str) -> None:
+    """The agent served `deployment` but the control plane won't make it live
+    (`why`): fail it, stop its server, and let a rollback try its next one."""
+    serving_id = str(job.result.get("deployment_id", ""))
+    deployment = do_refuse_deployment(
+        deployment, actor=WORKER, reason=why, agent=job.agent, serving_id=serving_id
+    )
+    if deployment.serving_id:
+        dispatch(deployment.release, "undeploy", deployment=deployment)
+    if deployment.rollback_tried is not None:
+        do_continue_rollback(deployment, why=why)
+
+
+def _stop_stray_server(deployment: Deployment, job: Job) -> None:
+    """A deploy that answers after its deployment failed meanwhile (e.g. a copy
+    of its release failed re-verification): the server it started is stopped."""
+    serving_id = str(job.result.get("deployment_id", ""))
+    if job.state != "succeeded" or not serving_id:
+        return
+    deployment = do_record_stray_server(
+        deployment, agent=job.agent, serving_id=serving_id
+    )
+    dispatch(deployment.release, "undeploy", deployment=deployment)
 
 
 def failed_verification(job: Job) -> bool:
@@ -324,20 +347,41 @@ def reverify(deployment_id: int) -> str:
         release = deployment.release
         if release.jobs.filter(kind="reverify", state__in=OPEN_STATES).exists():
             return "busy"
-        dispatch(release, "reverify")
+        dispatch(release, "reverify", deployment=deployment)
         return deployment.state
 
 
 def _reverified(job: Job) -> None:
+    """A failed re-verification is about the copy of the deployment it was sent
+    for. Still live: the deployment fails verification (and the environment's
+    policy may roll back). Superseded or rolled back meanwhile: the release is
+    quarantined whatever its state, so it is never a rollback target; live again
+    elsewhere: that deployment fails verification; deploying again: that deploy
+    fails (`_fail_deploying_copy`)."""
     deployment = stages.deployment_of(job)
     if deployment is None or job.state == "succeeded":
         return
-    try:
-        do_fail_deployment(
-            deployment, actor=WORKER, reason=job.error, verification=True
+    if deployment.state != "live":
+        current = (
+            deployment.release.deployments.filter(
+                state__in=("live", "deploying"), ended__isnull=True
+            )
+            .order_by("-started", "-id")
+            .first()
         )
-    except IllegalTransition:
-        return  # no longer live (superseded, rolled back) meanwhile
+        if current is None:
+            do_quarantine_release(
+                deployment.release,
+                actor=WORKER,
+                reason=f"its copy in {deployment.environment.name} failed "
+                f"re-verification after it stopped being live: {job.error}",
+            )
+            return
+        deployment = current
+    if deployment.state == "deploying":
+        _fail_deploying_copy(deployment, job.error)
+        return
+    do_fail_deployment(deployment, actor=WORKER, reason=job.error, verification=True)
     environment = deployment.environment
     if gate_policy_for(environment).auto_rollback_on_failed_verification:
         do_auto_rollback_environment(
@@ -345,6 +389,21 @@ def _reverified(job: Job) -> None:
             reason=f"{deployment.release} failed re-verification in "
             f"{environment.name}: {job.error}",
         )
+
+
+def _fail_deploying_copy(deployment: Deployment, error: str) -> None:
+    """A copy of a release deploying again (a rollback to it, a roll forward)
+    failed re-verification: that deploy fails verification and ends, the release
+    is quarantined, and a rollback goes on to its next candidate. Should the
+    deploy still answer, its server is stopped (`_stop_stray_server`)."""
+    why = f"a copy failed re-verification while it was deploying again: {error}"
+    deployment = do_fail_deployment(
+        deployment, actor=WORKER, reason=why, verification=True, ended=True
+    )
+    if deployment.rollback_tried is not None:
+        do_continue_rollback(deployment, why=why)
+    else:
+        do_quarantine_release(deployment.release, actor=WORKER, reason=why)
 
 
 # -- results and the watch ------------------------------------------------------------

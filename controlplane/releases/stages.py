@@ -5,7 +5,9 @@ writes a JobResult through actions: the job's row, and the state a kind's result
 sets (sign: the manifest and signature the approval will bind to). Nothing here
 moves a release; that is the pipeline's (controlplane.releases.pipeline)."""
 
-from controlplane.fleet.backend import backend_spec
+from django.db.models import Q
+
+from controlplane.fleet.backend import job_backend
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases import evidence
 from controlplane.releases.actions.jobs import do_finish_job
@@ -21,7 +23,11 @@ def approved_digest(release: Release) -> str:
 
 
 def deployment_of(job: Job) -> Deployment | None:
-    """The deployment a deploy, undeploy or reverify job acts on."""
+    """The deployment a deploy, undeploy or reverify job acts on: the one it was
+    sent for; for a job sent without one, the release's newest (deploying for a
+    deploy, live for a reverify)."""
+    if job.deployment_id is not None:
+        return job.deployment
     states = {"deploy": ("deploying",), "reverify": ("live",)}.get(job.kind)
     deployments = job.release.deployments.order_by("-started", "-id")
     if states:
@@ -38,6 +44,24 @@ def quarantined_digests() -> list[str]:
         .values_list("manifest_digest", flat=True)
     )
     return sorted(set(digests))
+
+
+def untrusted_now(release: Release) -> str:
+    """Why the digest `release` was approved for is untrusted now ("" while it is
+    not): a release holding it failed verification or was quarantined. Locks
+    every release holding that digest (and `release`), so no quarantine of one of
+    them commits between this check and the caller's commit."""
+    digest = approved_digest(release)
+    same = Q(pk=release.pk) | (Q(manifest_digest=digest) if digest else Q(pk=None))
+    holders = Release.objects.select_for_update().filter(same).order_by("pk")
+    untrusted = [r for r in holders if r.state in evidence.UNTRUSTED_RELEASE_STATES]
+    if not untrusted:
+        return ""
+    holder = untrusted[0]
+    return (
+        f"digest {digest} became untrusted after the deploy was sent "
+        f"({holder} is {holder.state})"
+    )
 
 
 def request_for(job: Job) -> JobRequest:
@@ -66,7 +90,7 @@ def request_for(job: Job) -> JobRequest:
         signature=release.signature,
         deployment_id=deployment.pk if deployment else None,
         serving_id=deployment.serving_id if deployment else "",
-        backend=backend_spec(
+        backend=job_backend(
             deployment.environment.serving_backend
             if deployment
             else release.target_environment.serving_backend

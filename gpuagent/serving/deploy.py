@@ -36,7 +36,7 @@ from gpuagent.serving.errors import (
 )
 from gpuagent.serving.registry import DeploymentRecord, Registry
 from gpuagent.serving.templates import (
-    parse_template,
+    check_allowed_shape,
     placeholders,
     preset_template,
     quantization_args,
@@ -96,8 +96,10 @@ def deploy(
     without secrets (`server_env`). Idempotent: when this agent already runs the
     same digest from the same folder under the same backend and name, and that
     copy still verifies and answers `/health`, its result is returned again.
-    `allowed_programs` (the agent's own setting): the programs an external template
-    may start, as its first word is written ("vllm", "{python}"); None: any."""
+    `allowed_programs` (the agent's own setting): the whole argument shapes an
+    external backend may start, each a preset's name ("vllm") or a command template
+    its template must equal word for word (`templates.check_allowed_shape`); None:
+    any."""
     model_dir = Path(model_dir).absolute()
     trust = trust or Trust()
     deployment_id = (
@@ -109,12 +111,7 @@ def deploy(
     try:
         template, kv_value = _backend_template(spec)  # refused before any hashing
         if template and allowed_programs is not None:
-            program = parse_template(template)[0]
-            if program not in allowed_programs:
-                raise TemplateError(
-                    f"program {program!r} is not allowed on this agent (allowed: "
-                    f"{', '.join(sorted(allowed_programs)) or 'none'})"
-                )
+            check_allowed_shape(template, allowed_programs)
         quarantined = registry.quarantined()
         check_not_quarantined(spec.manifest_digest, spec, quarantined)
         same = _running_copy(model_dir, spec, name, registry)

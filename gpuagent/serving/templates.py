@@ -15,27 +15,18 @@ refused with a `TemplateError` that names it.
 from __future__ import annotations
 
 import shlex
-import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
+from gpuagent.protocol import (
+    TEMPLATE_LIST_PLACEHOLDERS,
+    TEMPLATE_PLACEHOLDERS,
+    command_template_words,
+    template_fields,
+)
 from gpuagent.serving.errors import TemplateError
 
-PLACEHOLDERS = (
-    "python",  # this agent's interpreter (sys.executable)
-    "model_dir",
-    "host",
-    "port",
-    "kv_cache_dtype",
-    "served_model_name",  # the name answers carry
-    "served_model_names",  # every name it answers to, the first that one
-    "tensor_parallel_size",
-    "manifest_digest",
-    "quantization_args",  # the folder's format flags (quantization_args below)
-    "max_model_len",  # the context the engine plans for (BackendSpec.max_model_len)
-    "gpu_memory_utilization",  # fraction of the GPU the engine may claim
-)
-# Placeholders whose value is several words: one argument each.
-LIST_PLACEHOLDERS = ("served_model_names", "quantization_args")
+PLACEHOLDERS = TEMPLATE_PLACEHOLDERS
+LIST_PLACEHOLDERS = TEMPLATE_LIST_PLACEHOLDERS
 
 # Named presets: the template and how our KV-cache dtype names map to the engine's
 # flag values (a dtype missing from the map is refused, never passed through).
@@ -70,38 +61,32 @@ def parse_template(template: str) -> list[str]:
 
     Raises TemplateError: empty, unbalanced quotes or braces, unknown or malformed
     placeholders (all of them named), or a program that is not a literal word or
-    `{python}`."""
-    if not template or not template.strip():
-        raise TemplateError("empty command template")
+    `{python}` (the grammar is gpuagent.protocol's, checked on both sides)."""
     try:
-        tokens = shlex.split(template)
+        return command_template_words(template)
     except ValueError as e:
-        raise TemplateError(f"command template cannot be split: {e}") from None
-    unknown: list[str] = []
-    for token in tokens:
-        for name in _fields(token):
-            if name not in PLACEHOLDERS and name not in unknown:
-                unknown.append(name)
-    if unknown:
-        raise TemplateError(
-            "unknown placeholder(s) in command template: "
-            + ", ".join("{" + n + "}" for n in unknown)
-            + "; known: "
-            + ", ".join("{" + n + "}" for n in PLACEHOLDERS)
-        )
-    for token in tokens:
-        for name in _fields(token):
-            if name in LIST_PLACEHOLDERS and token != "{" + name + "}":
-                raise TemplateError(
-                    f"{{{name}}} must stand alone as an argument (it becomes one "
-                    f"argument per name), not inside {token!r}"
-                )
-    program_fields = _fields(tokens[0])
-    if program_fields and tokens[0] != "{python}":
-        raise TemplateError(
-            f"the program {tokens[0]!r} must be a literal command or {{python}}"
-        )
-    return tokens
+        raise TemplateError(str(e)) from None
+
+
+def check_allowed_shape(template: str, allowed_programs: Collection[str]) -> None:
+    """Raise TemplateError unless `template` is one of `allowed_programs` (an
+    agent's own setting) word for word. Each entry is a whole argument shape: a
+    preset's name (its template) or a command template of its own; words are
+    compared as written, placeholders included. A program is never allowed with
+    free arguments: `{python}` alone allows the bare interpreter and nothing
+    more, so `{python} -c '...'` is refused."""
+    words = parse_template(template)
+    for entry in allowed_programs:
+        shape = PRESETS[entry][0] if entry in PRESETS else entry
+        try:
+            if parse_template(shape) == words:
+                return
+        except TemplateError:
+            continue  # a malformed entry allows nothing
+    raise TemplateError(
+        f"the command {shlex.join(words)!r} is not an argument shape this agent "
+        f"allows (allowed: {'; '.join(sorted(allowed_programs)) or 'none'})"
+    )
 
 
 def placeholders(template: str) -> set[str]:
@@ -152,19 +137,7 @@ def preset_template(name: str, kv_cache_dtype: str) -> tuple[str, str]:
 
 
 def _fields(token: str) -> list[str]:
-    """Placeholder names in one token; malformed ones raise TemplateError."""
     try:
-        parsed = list(string.Formatter().parse(token))
+        return template_fields(token)
     except ValueError as e:
-        raise TemplateError(f"bad placeholder in {token!r}: {e}") from None
-    names = []
-    for _literal, name, spec, conversion in parsed:
-        if name is None:
-            continue
-        if name == "" or spec or conversion:
-            raise TemplateError(
-                f"bad placeholder in {token!r}: only plain {{name}} fields are "
-                "allowed (no positional, format spec or conversion)"
-            )
-        names.append(name)
-    return names
+        raise TemplateError(str(e)) from None

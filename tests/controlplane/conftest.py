@@ -92,6 +92,15 @@ def member(team) -> User:
 
 
 @pytest.fixture
+def operator(db) -> User:
+    """A platform operator: Django staff, in no team."""
+    user = _user("olga")
+    user.is_staff = True
+    user.save(update_fields=["is_staff"])
+    return user
+
+
+@pytest.fixture
 def outsider(other_team) -> User:
     user = _user("mallory")
     Membership.objects.create(team=other_team, user=user, role="admin")

@@ -9,10 +9,12 @@ from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import (
     DigestMismatch,
     Forbidden,
+    GatesNoLongerPass,
     IllegalTransition,
     SeparationOfDuties,
     ValidationFailed,
 )
+from controlplane.releases.actions.gate_results import do_recheck_release_gates
 from controlplane.releases.actions.promotion import RUN_DEPLOYMENT
 from controlplane.releases.actions.transitions import (
     do_transition_release,
@@ -97,7 +99,11 @@ def do_approve_release(
 ) -> Approval:
     """Approve; the approval records the manifest digest it is bound to. When the
     caller says which digest it reviewed (`manifest_digest`), it must be the current
-    one, else DigestMismatch. Queues the deployment on commit."""
+    one, else DigestMismatch. The recorded evidence is held against the gate policy
+    in force (do_recheck_release_gates: evaluated again when the policy changed
+    since the gate ran); when it no longer passes, GatesNoLongerPass with the
+    reason, the new results and a release.approval_refused event recorded, and the
+    release stays awaiting approval. Queues the deployment on commit."""
     return _decide(
         release,
         user,
@@ -149,6 +155,37 @@ def _decide(
         check_decide_release(
             release, user, token, decision=decision, manifest_digest=manifest_digest
         )
+        refused = _gates_refusal(release, actor) if decision == "approve" else ""
+        if not refused:
+            approval = _record_decision(release, user, token, decision, comment)
+    if refused:
+        # Raised after the commit: the re-evaluation and the refusal stay recorded.
+        raise GatesNoLongerPass(refused)
+    return approval
+
+
+def _gates_refusal(release: Release, actor) -> str:
+    """Why the gate policy in force refuses approving `release` ("" when it
+    doesn't); a refusal is recorded as release.approval_refused."""
+    gates = do_recheck_release_gates(release, actor=actor)
+    if gates is None or gates.ok:
+        return ""
+    refused = f"{release} cannot be approved: its gates no longer pass: {gates.reason}"
+    do_record_event(
+        actor,
+        "release.approval_refused",
+        release,
+        after={"reason": refused, "outcome": gates.outcome},
+        team=release.team,
+    )
+    return refused
+
+
+def _record_decision(
+    release: Release, user, token: ApiToken | None, decision: str, comment: str
+) -> Approval:
+    actor = token or user
+    with transaction.atomic():
         reason = comment if decision == "reject" else ""
         do_transition_release(release, DECIDED[decision], actor=actor, reason=reason)
         approval = Approval.objects.create(

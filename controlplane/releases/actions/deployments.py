@@ -6,7 +6,10 @@ from django.utils import timezone
 from controlplane.audit.actions import Actor, do_record_event
 from controlplane.errors import Conflict
 from controlplane.fleet.models import Agent, Deployment, Environment
-from controlplane.releases.actions.transitions import do_transition_release
+from controlplane.releases.actions.transitions import (
+    do_transition_release,
+    legal_targets,
+)
 from controlplane.releases.models import Release
 
 
@@ -82,10 +85,17 @@ def do_complete_deployment(
 
 
 def do_fail_deployment(
-    deployment: Deployment, *, actor: Actor, reason: str, verification: bool = False
+    deployment: Deployment,
+    *,
+    actor: Actor,
+    reason: str,
+    verification: bool = False,
+    ended: bool = False,
 ) -> Deployment:
     """Mark a deploying or live deployment failed (or failed_verification when the
-    bytes did not match) and move its release along."""
+    bytes did not match) and move its release along. A failed one ends; one that
+    failed verification ends only with `ended` (a deploy that never served),
+    else it is what the environment serves until an operator rolls back."""
     new_state = "failed_verification" if verification else "failed"
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
@@ -94,7 +104,7 @@ def do_fail_deployment(
             raise Conflict(f"deployment {deployment.pk} is {before}")
         deployment.state = new_state
         deployment.reason = reason
-        if new_state == "failed":
+        if new_state == "failed" or ended:
             deployment.ended = timezone.now()
         deployment.save(update_fields=["state", "ended", "reason"])
         do_transition_release(deployment.release, new_state, actor=actor, reason=reason)
@@ -107,3 +117,60 @@ def do_fail_deployment(
             team=deployment.environment.team,
         )
     return deployment
+
+
+def do_refuse_deployment(
+    deployment: Deployment,
+    *,
+    actor: Actor,
+    reason: str,
+    agent: Agent | None = None,
+    serving_id: str = "",
+) -> Deployment:
+    """deploying -> failed although its agent started the server: the control
+    plane refuses what it would have made live (its digest became untrusted
+    meanwhile). Keeps the server's agent and id, so an undeploy job can stop it;
+    the release fails with `reason`."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        deployment.agent = agent or deployment.agent
+        deployment.serving_id = serving_id or deployment.serving_id
+        deployment.save(update_fields=["agent", "serving_id"])
+        return do_fail_deployment(deployment, actor=actor, reason=reason)
+
+
+def do_record_stray_server(
+    deployment: Deployment, *, agent: Agent | None, serving_id: str
+) -> Deployment:
+    """A deploy answered, with the server it started, after `deployment` stopped
+    deploying (failed meanwhile): keep which server that is, so an undeploy job
+    can stop it. The deployment's state is not changed."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        deployment.agent = agent or deployment.agent
+        deployment.serving_id = serving_id
+        deployment.save(update_fields=["agent", "serving_id"])
+    return deployment
+
+
+def do_quarantine_release(release: Release, *, actor: Actor, reason: str) -> bool:
+    """Quarantine `release` (its digest untrusted; never a rollback target) from
+    whatever state it is in now where the state machine allows it (superseded,
+    rolled back, failed verification); True when it is quarantined. Otherwise
+    (e.g. deploying again: that deploy's verify-on-load re-hashes the copy) False,
+    with `reason` kept in a release.quarantine_refused event."""
+    with transaction.atomic():
+        locked = Release.objects.select_for_update().get(pk=release.pk)
+        if locked.state == "quarantined":
+            return True
+        if "quarantined" in legal_targets(locked.state):
+            do_transition_release(locked, "quarantined", actor=actor, reason=reason)
+            return True
+        do_record_event(
+            actor,
+            "release.quarantine_refused",
+            locked,
+            after={"state": locked.state, "reason": reason},
+            team=locked.team,
+        )
+    return False

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.db import transaction
+from django.db.models import F
 from pydantic import BaseModel, ValidationError
 
 from controlplane.accounts.actions import check_actor_in_team
@@ -22,8 +23,14 @@ from controlplane.releases.models import EnvironmentGatePolicy
 
 def gate_policy_for(environment: Environment) -> GatePolicy:
     """The environment's gate policy; the default GatePolicy() when none is set."""
+    return gate_policy_in_force(environment)[0]
+
+
+def gate_policy_in_force(environment: Environment) -> tuple[GatePolicy, int]:
+    """(the environment's gate policy, its version), read from one row: version 0
+    is the default GatePolicy() of an environment that never set one."""
     row = EnvironmentGatePolicy.objects.filter(environment=environment).first()
-    return row.spec if row is not None else GatePolicy()
+    return (row.spec, row.version) if row is not None else (GatePolicy(), 0)
 
 
 def check_gate_policy(policy: Any, *, prefix: str = "policy") -> GatePolicy:
@@ -92,16 +99,22 @@ def do_update_gate_policy(
 
 
 def _save(environment: Environment, new_policy, *, actor: Actor):
-    return save_environment_spec(
-        environment,
-        current=gate_policy_for,
-        new_spec=new_policy,
-        row_model=EnvironmentGatePolicy,
-        field="policy",
-        verb="environment.gate_policy_set",
-        key="policy",
-        actor=actor,
-    )
+    """Write the policy and bump its version, in one transaction (the
+    environment's row lock, taken by save_environment_spec, is held to the end)."""
+    with transaction.atomic():
+        row = save_environment_spec(
+            environment,
+            current=gate_policy_for,
+            new_spec=new_policy,
+            row_model=EnvironmentGatePolicy,
+            field="policy",
+            verb="environment.gate_policy_set",
+            key="policy",
+            actor=actor,
+        )
+        EnvironmentGatePolicy.objects.filter(pk=row.pk).update(version=F("version") + 1)
+        row.refresh_from_db(fields=["version"])
+    return row
 
 
 def save_environment_spec(

@@ -5,8 +5,10 @@ from django.db import transaction
 from controlplane.audit.actions import Actor, do_record_event
 from controlplane.costs.actions import cost_model_for
 from controlplane.errors import ValidationFailed
+from controlplane.fleet.models import Environment
 from controlplane.releases import evidence
-from controlplane.releases.actions.gate_policies import gate_policy_for
+from controlplane.releases.actions.gate_policies import gate_policy_in_force
+from controlplane.releases.gate_outcomes import FAIL
 from controlplane.releases.gates import (
     GateDecision,
     evaluate_gates,
@@ -37,9 +39,11 @@ def do_record_gate_result(
         raise ValidationFailed(
             f"outcome must be one of {', '.join(GATE_OUTCOMES)}", field="outcome"
         )
+    _, version = gate_policy_in_force(release.target_environment)
     with transaction.atomic():
         result = GateResult.objects.create(
             release=release,
+            policy_version=version,
             gate=gate,
             metric=metric,
             observed=observed,
@@ -64,6 +68,7 @@ def do_evaluate_release_gates(
     load: LoadTestReport | None,
     integrity_ok: bool | None,
     actor: Actor = "system:worker",
+    why: str = "",
 ) -> GateDecision:
     """Hold the evidence against the gate policy of the release's target
     environment (gates.evaluate_policy) and record one GateResult per outcome,
@@ -71,9 +76,11 @@ def do_evaluate_release_gates(
     Returns the decision over them; moving the release is the caller's (the
     pipeline's gate stage). Missing evidence (None) is inconclusive, never a pass.
     Capacity and cost are compared with the release live in the environment
-    (evidence.live_baseline) and priced with the environment's cost model."""
+    (evidence.live_baseline) and priced with the environment's cost model. Each
+    result records the policy's version; `why` (e.g. a re-evaluation's cause) goes
+    into the audit event."""
     environment = release.target_environment
-    policy = gate_policy_for(environment)
+    policy, version = gate_policy_in_force(environment)
     outcomes = evaluate_policy(
         policy,
         quality,
@@ -86,7 +93,8 @@ def do_evaluate_release_gates(
     with transaction.atomic():
         release.gate_results.all().delete()
         GateResult.objects.bulk_create(
-            GateResult(release=release, **outcome.to_dict()) for outcome in outcomes
+            GateResult(release=release, policy_version=version, **outcome.to_dict())
+            for outcome in outcomes
         )
         counts = {o: sum(r.outcome == o for r in outcomes) for o in GATE_OUTCOMES}
         do_record_event(
@@ -98,7 +106,45 @@ def do_evaluate_release_gates(
                 "reason": decision.reason,
                 "counts": counts,
                 "policy": policy.model_dump(mode="json"),
+                "policy_version": version,
+                **({"why": why} if why else {}),
             },
             team=release.team,
         )
     return decision
+
+
+def do_recheck_release_gates(release: Release, *, actor: Actor) -> GateDecision | None:
+    """The release's gate decision under the policy in force now, for an approval:
+    the recorded results' decision when they were all held against the current
+    policy version; else the recorded evidence evaluated again (and recorded, as
+    do_evaluate_release_gates does), naming both versions. None when the release
+    has no gate results to hold (nothing ran the gate)."""
+    recorded = list(release.gate_results.all())
+    if not recorded:
+        return None
+    # Policy writes hold the environment's row lock: none commits before the
+    # caller's decision does.
+    Environment.objects.select_for_update().get(pk=release.target_environment_id)
+    _, version = gate_policy_in_force(release.target_environment)
+    versions = sorted({r.policy_version for r in recorded})
+    if versions == [version]:
+        return evaluate_gates(recorded)
+    changed = (
+        f"the gate policy of {release.target_environment} changed since the gate "
+        f"ran (version {', '.join(map(str, versions))} -> {version})"
+    )
+    try:
+        quality = evidence.quality_report(release)
+        load = evidence.load_report(release)
+    except evidence.EvidenceUnreadable as exc:
+        return GateDecision(False, FAIL, f"{changed}; {exc.message}")
+    decision = do_evaluate_release_gates(
+        release,
+        quality=quality,
+        load=load,
+        integrity_ok=evidence.integrity_ok(release),
+        actor=actor,
+        why=changed,
+    )
+    return GateDecision(decision.ok, decision.outcome, f"{changed}: {decision.reason}")

@@ -11,7 +11,7 @@ from controlplane.errors import (
     JobLeaseHeld,
     ValidationFailed,
 )
-from controlplane.fleet.models import Agent
+from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases.models import (
     JOB_STATES,
     Job,
@@ -57,8 +57,11 @@ def do_start_job(release: Release, kind: str, *, agent: Agent | None = None) -> 
     return job
 
 
-def do_dispatch_job(release: Release, kind: str) -> Job:
-    """A new job for an agent, queued (attempt 1); the caller sends its request."""
+def do_dispatch_job(
+    release: Release, kind: str, *, deployment: Deployment | None = None
+) -> Job:
+    """A new job for an agent, queued (attempt 1), about `deployment` where it acts
+    on one (deploy, reverify); the caller sends its request."""
     if kind not in JOB_KINDS:
         raise ValidationFailed(f"unknown job kind {kind!r}", field="kind")
     # Until when an agent must have taken it (pipeline.watch_jobs retries it then).
@@ -66,7 +69,12 @@ def do_dispatch_job(release: Release, kind: str) -> Job:
         seconds=settings.RELEASEGATE_JOB_QUEUE_TIMEOUT_S
     )
     return Job.objects.create(
-        release=release, kind=kind, state="queued", attempts=1, lease_expires=deadline
+        release=release,
+        kind=kind,
+        state="queued",
+        attempts=1,
+        lease_expires=deadline,
+        deployment=deployment,
     )
 
 

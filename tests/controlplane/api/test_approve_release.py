@@ -3,6 +3,11 @@ import time
 import pytest
 
 from controlplane.dispatch.models import OutboxMessage
+from controlplane.releases.actions.gate_policies import (
+    do_set_gate_policy,
+    do_update_gate_policy,
+)
+from controlplane.releases.actions.gate_results import do_evaluate_release_gates
 from controlplane.releases.models import Approval, Release
 from tests.controlplane.api.helpers import DIGEST, STALE_DIGEST, error_of, field_names
 from tests.controlplane.api.test_reject_release import signed_again_once_read
@@ -179,4 +184,23 @@ def test_it_refuses_a_digest_that_changes_before_the_approval_commits(
 
     error_of(response, 409, "manifest_digest_mismatch")
     assert Release.objects.get(pk=waiting.pk).state == "awaiting_approval"
+    assert queued("run_deployment") == []
+
+
+def test_it_refuses_when_the_gate_policy_changed_and_the_evidence_no_longer_passes(
+    api, approver_token, waiting, environment, owner, queued
+):
+    do_set_gate_policy(environment, {"quality": None, "load": None}, actor=owner)
+    assert do_evaluate_release_gates(
+        waiting, quality=None, load=None, integrity_ok=True
+    ).ok
+    do_update_gate_policy(environment, {"quality": {}}, actor=owner)  # on again
+
+    response = approve(api, waiting, approver_token)
+
+    error = error_of(response, 409, "gates_no_longer_pass")
+    assert "changed since the gate ran (version 1 -> 2)" in error["message"]
+    assert "quality" in error["message"]
+    assert Release.objects.get(pk=waiting.pk).state == "awaiting_approval"
+    assert not Approval.objects.exists()
     assert queued("run_deployment") == []

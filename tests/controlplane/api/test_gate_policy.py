@@ -275,3 +275,12 @@ def test_it_sets_automatic_rollback_and_refuses_a_misspelling(
         put(api, environment, not_a_bool, admin_token), 422, "validation_error"
     )
     assert field_names(error) == {"auto_rollback_on_failed_verification"}
+
+
+def test_every_change_answers_a_new_version(api, admin_token, environment):
+    assert api.get(url(environment.pk), token=admin_token).json()["version"] == 0
+
+    first = patch(api, environment, {"quality": None}, admin_token)
+    second = patch(api, environment, {"load": None}, admin_token)
+
+    assert (first.json()["version"], second.json()["version"]) == (1, 2)

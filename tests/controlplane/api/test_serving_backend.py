@@ -1,6 +1,7 @@
 import pytest
 
 from controlplane.audit.models import AuditEvent
+from controlplane.fleet.actions import do_set_serving_preset
 from controlplane.fleet.admin import EnvironmentForm
 from controlplane.fleet.backend import backend_spec
 from tests.controlplane.api.helpers import error_of, field_names, put_json
@@ -78,16 +79,6 @@ def test_unknown_keys_are_refused_by_name(api, admin_token, environment):
             {"kind": "engine", "gpu_memory_utilization": 0.5},
             "validation_failed",
             "backend.gpu_memory_utilization",
-        ),
-        # nor would a template that has no place for them
-        (
-            {
-                "kind": "external",
-                "command_template": "srv {model_dir} --port {port}",
-                "max_model_len": 4096,
-            },
-            "validation_failed",
-            "backend.max_model_len",
         ),
         (
             {**VLLM, "gpu_memory_utilization": 1.5},
@@ -168,3 +159,49 @@ def test_the_admin_form_validates_through_the_same_rules(environment):
     assert not bad.is_valid() and "x" in str(bad.errors["serving_backend"])
     assert good.is_valid(), good.errors
     assert good.cleaned_data["serving_backend"]["preset"] == "vllm"
+
+
+def test_a_team_admin_cannot_set_a_command_template(api, admin_token, environment):
+    body = {"kind": "external", "command_template": "{python} -c 'print(1)'"}
+
+    response = put(api, environment, body, admin_token)
+
+    error = error_of(response, 403, "forbidden")
+    assert "backend.command_template" in error["message"]
+    assert "choose a preset by name" in error["message"]
+    environment.refresh_from_db()
+    assert environment.serving_backend == {}
+
+
+def test_a_staff_users_token_cannot_either(api, make_token, owner, environment):
+    owner.is_staff = owner.is_superuser = True
+    owner.save(update_fields=["is_staff", "is_superuser"])
+    body = {"kind": "external", "command_template": "vllm serve {model_dir}"}
+
+    response = put(api, environment, body, make_token(owner, "admin"))
+
+    error_of(response, 403, "forbidden")
+
+
+def test_a_team_admin_chooses_an_operators_preset(
+    api, admin_token, operator, environment
+):
+    do_set_serving_preset("own-engine", "{python} -m x {port}", actor=operator)
+
+    response = put(
+        api, environment, {"kind": "external", "preset": "own-engine"}, admin_token
+    )
+
+    assert response.status_code == 200, response.content
+    assert response.json()["backend"]["preset"] == "own-engine"
+    assert response.json()["backend"]["command_template"] == ""
+
+
+def test_a_team_lists_the_presets_it_may_choose(api, owner_token, operator):
+    do_set_serving_preset("own-engine", "{python} -m x {port}", actor=operator)
+
+    response = api.get("/api/v1/serving-presets", token=owner_token)
+
+    assert response.status_code == 200, response.content
+    names = [p["name"] for p in response.json()["presets"]]
+    assert names == ["vllm", "own-engine"]

@@ -1,12 +1,13 @@
 """An environment's serving backend goes with its deploy jobs: set to `external`
-with a command template that starts the project's own engine, the release is
-deployed through that template (verified first), and answers a completion."""
+with an operator's preset whose template starts the project's own engine, the
+release is deployed through that template (verified first), and answers a
+completion."""
 
 import shutil
 from pathlib import Path
 
 import gpuagent.engine
-from controlplane.fleet.actions import do_set_serving_backend
+from controlplane.fleet.actions import do_set_serving_backend, do_set_serving_preset
 from controlplane.fleet.models import Deployment
 from controlplane.releases.actions.approvals import do_approve_release
 from controlplane.releases.models import Job, Release
@@ -25,15 +26,16 @@ ENGINE_TEMPLATE = (
 
 
 def test_an_external_backend_deploys_through_its_template(
-    make_release, make_source, local_agent, teammate, owner
+    make_release, make_source, local_agent, teammate, owner, operator
 ):
     source = make_source("demo")
     source.rmdir()
     shutil.copytree(DEMO, source)
     release = make_release(source_uri=source.as_uri(), recipe=BF16)
+    do_set_serving_preset("own-engine", ENGINE_TEMPLATE, actor=operator)
     do_set_serving_backend(
         release.target_environment,
-        {"kind": "external", "command_template": ENGINE_TEMPLATE},
+        {"kind": "external", "preset": "own-engine"},
         actor=owner,
     )
     promote_to_approval(release, local_agent)

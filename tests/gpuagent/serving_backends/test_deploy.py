@@ -317,9 +317,23 @@ def test_it_starts_only_the_programs_this_agent_allows(approved, registry):
     result = deploy(approved.folder, spec, registry=registry, allowed_programs={"vllm"})
 
     assert not result.ok and result.error_code == "bad-template"
-    assert "program '{python}' is not allowed on this agent (allowed: vllm)" in (
+    assert "is not an argument shape this agent allows (allowed: vllm)" in (
         result.error
     )
+    assert not (registry.state_dir / "logs").exists()
+
+
+def test_an_allowed_interpreter_never_runs_other_arguments(approved, registry):
+    # {python} is allowed (bare), and the stand-in's own template word for word;
+    # the same program with other arguments is refused before anything starts.
+    allowed = {"{python}", stand_in_backend().command_template}
+    evil = BackendSpec(kind="external", command_template="{python} -c 'print(1)'")
+    spec = spec_for(approved, evil, served_model_name=new_marker())
+
+    result = deploy(approved.folder, spec, registry=registry, allowed_programs=allowed)
+
+    assert not result.ok and result.error_code == "bad-template"
+    assert "'{python}' -c 'print(1)'" in result.error
     assert not (registry.state_dir / "logs").exists()
 
 

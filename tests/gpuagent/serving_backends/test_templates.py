@@ -4,7 +4,12 @@ placeholder known, presets that refuse what their engine cannot do."""
 import pytest
 
 from gpuagent.serving import PLACEHOLDERS, TemplateError, parse_template, render_command
-from gpuagent.serving.templates import preset_template, quantization_args
+from gpuagent.serving.templates import (
+    PRESETS,
+    check_allowed_shape,
+    preset_template,
+    quantization_args,
+)
 
 VALUES = {name: f"<{name}>" for name in PLACEHOLDERS}
 
@@ -128,3 +133,31 @@ def test_it_refuses_a_list_placeholder_inside_a_word():
         render_command("srv --names={served_model_names}", VALUES)
 
     assert "{served_model_names} must stand alone" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{python} -c 'import os; os.system(\"id\")'",
+        "{python} -m gpuagent.engine serve {model_dir} --port {port} -c x",
+        "vllm serve {model_dir} --port {port}",  # vllm, not the preset's shape
+    ],
+)
+def test_an_allowed_shape_admits_no_other_arguments(template):
+    allowed = ["vllm", "{python}", "{python} -m gpuagent.engine serve {model_dir}"]
+
+    with pytest.raises(TemplateError, match="not an argument shape this agent"):
+        check_allowed_shape(template, allowed)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        PRESETS["vllm"][0],  # the preset's name allows its whole template
+        "{python}  -m  gpuagent.engine serve '{model_dir}'",  # same words
+    ],
+)
+def test_an_allowed_shape_admits_its_own_words(template):
+    allowed = ["vllm", "{python} -m gpuagent.engine serve {model_dir}"]
+
+    check_allowed_shape(template, allowed)
