@@ -64,6 +64,8 @@ def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Ag
             loaded_deployments=[d.model_dump(mode="json") for d in beat.deployments],
             capabilities={"can_sign": beat.can_sign, "pool_queue": beat.pool_queue},
         )
+        if agent.enrollment:  # who it is comes from its enrollment, never a beat
+            fields.update(queue=agent.queue, capabilities=agent.enrolled_capabilities())
     Agent.objects.filter(pk=agent.pk).update(**fields)
     for name, value in fields.items():
         setattr(agent, name, value)
@@ -139,6 +141,8 @@ def do_set_agent_state(agent: Agent, state: str, *, actor: Actor) -> Agent:
         raise ValidationFailed(
             f"state must be one of {', '.join(AGENT_STATES)}", field="state"
         )
+    if agent.enrollment == "revoked" and state != "offline":
+        raise Conflict(f"agent {agent.name} is revoked", field="state")
     with transaction.atomic():
         before = {"state": agent.state}
         Agent.objects.filter(pk=agent.pk).update(state=state)
