@@ -7,6 +7,7 @@ capabilities, or rejects it; revoking an enrolled agent refuses its messages fro
 then on. `do_accept_message` is the replay check of every sealed message, and
 `do_record_message_refused` audits each refusal."""
 
+import logging
 import re
 from datetime import timedelta
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from controlplane.fleet.models import Agent, EnrollmentRequest, SeenMessage
 from gpuagent.integrity import identity
 from gpuagent.protocol import Heartbeat
 
+log = logging.getLogger(__name__)
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 ENROLL_FIELDS = ("name", "pool_queue", "can_sign", "allowed_programs")
 
@@ -187,6 +189,49 @@ def do_enroll_agent(request: EnrollmentRequest, *, actor: Actor, **fields) -> Ag
             actor, "agent.enrolled", agent, before=before, after=agent.to_dict()
         )
     return agent
+
+
+def do_enroll_local_agent(
+    name: str,
+    public_key: bytes,
+    *,
+    signing_public_key: str = "",
+    pool_queue: str = "",
+    actor: Actor = "system:dev",
+) -> Agent:
+    """Dev and demo only: enroll this machine's own agent without an operator
+    (logged and audited as `actor`): the quick start's one agent, whose key the
+    caller made on this machine. Production enrolls through an operator."""
+    fingerprint = identity.fingerprint(public_key)
+    agent = enrolled_agent(fingerprint)
+    if agent is not None and agent.is_enrolled:
+        return agent
+    log.warning(
+        "dev: enrolling the local agent %s (key %s) without an operator",
+        name,
+        fingerprint,
+    )
+    with transaction.atomic():
+        request, _ = EnrollmentRequest.objects.update_or_create(
+            fingerprint=fingerprint,
+            defaults={
+                "public_key": public_key.hex(),
+                "requested_name": name,
+                "requested_pool": pool_queue,
+                "signing_public_key": signing_public_key,
+                "state": "pending",
+            },
+        )
+        existing = Agent.objects.filter(name=name, enrollment="enrolled").first()
+        if existing is not None:  # its key changed (the var dir was reset)
+            do_revoke_agent(existing, actor=actor)
+        return do_enroll_agent(
+            request,
+            actor=actor,
+            name=name,
+            pool_queue=pool_queue or settings.RELEASEGATE_AGENT_POOL_QUEUE,
+            can_sign=bool(signing_public_key),
+        )
 
 
 def do_reject_enrollment(request: EnrollmentRequest, *, actor: Actor):

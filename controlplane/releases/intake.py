@@ -267,8 +267,11 @@ def _pending(beat: Heartbeat, body: dict, sealed: Seal) -> str:
             sealed.signer,
         )
     _check(sealed, bytes.fromhex(beat.public_key), body, type="heartbeat")
-    if do_request_enrollment(beat) is None:
+    request = do_request_enrollment(beat)
+    if request is None:
         raise Refused("too many enrollments pending", None, sealed.signer)
+    if request.state != "pending":
+        raise Refused(f"this key's enrollment was {request.state}", None, sealed.signer)
     return "pending"
 
 

@@ -292,7 +292,7 @@ def unreachable_broker_url() -> str:
     return f"redis://127.0.0.1:{port}/12"  # closed again: connections are refused
 
 
-def sealed_beat(agent, **fields) -> tuple[dict, dict]:
+def sealed_beat(agent, /, **fields) -> tuple[dict, dict]:
     """(heartbeat, seal) of the gpuagent.worker.Agent `agent`, as its worker sends
     them (record_heartbeat's arguments); `fields` replace what the beat says."""
     from gpuagent.integrity import identity
