@@ -98,15 +98,16 @@ def accept_result(result: dict, attempt: int, seal: dict | None) -> str:
             Refused(f"malformed result: {exc}"), type="result", job_id=job_id
         )
     try:
-        agent = sender(
-            seal,
-            result,
-            type="result",
-            job_id=job_id,
-            attempt=attempt,
-            kind=parsed.kind,
-        )
+        # One transaction: the nonce is kept only with what the message records.
         with transaction.atomic():
+            agent = sender(
+                seal,
+                result,
+                type="result",
+                job_id=job_id,
+                attempt=attempt,
+                kind=parsed.kind,
+            )
             job = (
                 Job.objects.select_for_update()
                 .select_related("release", "agent")
@@ -196,31 +197,33 @@ def accept_progress(job_id, attempt, agent_name, progress, seal) -> bool:
             and isinstance(progress, int | float)
         ):
             raise Refused("malformed progress report")
-        agent = sender(seal, body, type="progress", job_id=job_id, attempt=attempt)
-        sealed = Seal.model_validate(seal)
-        job = Job.objects.select_related("agent").filter(pk=job_id).first()
-        if job is None:
-            return False
-        if sealed.release_id != job.release_id or sealed.kind != job.kind:
-            raise Refused(
-                f"sealed for release {sealed.release_id} ({sealed.kind}); job "
-                f"{job.pk} is release {job.release_id}'s {job.kind}",
-                agent,
-                sealed.signer,
-            )
-        open_now = job.state in OPEN_STATES and job.attempts == attempt
-        if open_now and job.agent_id not in (None, agent.pk):
-            raise Refused(
-                f"job {job.pk} runs on agent {job.agent.name}, not {agent.name}",
-                agent,
-                sealed.signer,
-            )
+        # One transaction: the nonce is kept only with what the message records.
+        with transaction.atomic():
+            agent = sender(seal, body, type="progress", job_id=job_id, attempt=attempt)
+            sealed = Seal.model_validate(seal)
+            job = Job.objects.select_related("agent").filter(pk=job_id).first()
+            if job is None:
+                return False
+            if sealed.release_id != job.release_id or sealed.kind != job.kind:
+                raise Refused(
+                    f"sealed for release {sealed.release_id} ({sealed.kind}); job "
+                    f"{job.pk} is release {job.release_id}'s {job.kind}",
+                    agent,
+                    sealed.signer,
+                )
+            open_now = job.state in OPEN_STATES and job.attempts == attempt
+            if open_now and job.agent_id not in (None, agent.pk):
+                raise Refused(
+                    f"job {job.pk} runs on agent {job.agent.name}, not {agent.name}",
+                    agent,
+                    sealed.signer,
+                )
+            return pipeline.record_progress(job_id, attempt, agent, float(progress))
     except Refused as exc:
         _refuse(
             exc, type="progress", job_id=job_id if isinstance(job_id, int) else None
         )
         return False
-    return pipeline.record_progress(job_id, attempt, agent, float(progress))
 
 
 # -- heartbeats ------------------------------------------------------------------
@@ -237,23 +240,26 @@ def accept_heartbeat(beat: dict, seal: dict | None) -> str:
         except ValueError as exc:
             raise Refused(f"malformed heartbeat: {exc}") from exc
         sealed = _parse_seal(seal)
-        agent = enrolled_agent(sealed.signer)
-        if agent is None:
-            return _pending(parsed, beat, sealed)
-        if agent.enrollment == "revoked":
-            raise Refused(f"agent {agent.name} is revoked", agent, sealed.signer)
-        _check(sealed, bytes.fromhex(agent.public_key), beat, agent, type="heartbeat")
+        # One transaction: the nonce is kept only with what the beat records.
+        with transaction.atomic():
+            agent = enrolled_agent(sealed.signer)
+            if agent is None:
+                return _pending(parsed, beat, sealed)
+            if agent.enrollment == "revoked":
+                raise Refused(f"agent {agent.name} is revoked", agent, sealed.signer)
+            key = bytes.fromhex(agent.public_key)
+            _check(sealed, key, beat, agent, type="heartbeat")
+            enrolled = parsed.model_copy(
+                update={
+                    "agent": agent.name,
+                    "queue": agent.queue,
+                    "pool_queue": agent.pool_queue,
+                    "can_sign": agent.can_sign,
+                }
+            )
+            return pipeline.record_heartbeat(enrolled).state
     except Refused as exc:
         return _refuse(exc, type="heartbeat")
-    enrolled = parsed.model_copy(
-        update={
-            "agent": agent.name,
-            "queue": agent.queue,
-            "pool_queue": agent.pool_queue,
-            "can_sign": agent.can_sign,
-        }
-    )
-    return pipeline.record_heartbeat(enrolled).state
 
 
 def _pending(beat: Heartbeat, body: dict, sealed: Seal) -> str:
