@@ -280,6 +280,11 @@ def _start_agent(sender=None, **_) -> None:
     `python -m gpuagent run`, or the embedded control-plane worker) recovers the
     servers it ran and sends heartbeats."""
     if os.environ.get("GPUAGENT_NAME"):
+        me = agent()
+        # What an operator compares before enrolling this agent.
+        log.info("agent %s: identity key fingerprint %s", me.name, me.fingerprint)
+        if not me.controlplane_keys:
+            log.error("no control-plane key given: every job request is refused")
         # Servers started before a restart that still run are kept (and
         # reported); records of dead ones are dropped.
         found = serving.recover_deployments(agent().registry)
