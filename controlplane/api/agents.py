@@ -9,7 +9,7 @@ from django.shortcuts import get_object_or_404
 from ninja import Router, Schema
 from pydantic import Field
 
-from controlplane.api.auth import token_auth
+from controlplane.api.auth import read_auth, token_auth
 from controlplane.api.schemas import (
     READ_ERRORS,
     WRITE_ERRORS,
@@ -66,12 +66,14 @@ class EnrolledAgentOut(Schema):
 
 @router.get(
     "/agents/enrollments",
-    auth=token_auth("admin"),
+    auth=read_auth(),
     response={200: list[EnrollmentOut], **READ_ERRORS},
-    summary="Agent keys waiting for enrollment (staff)",
+    summary="Agent keys waiting for enrollment (staff; others see none)",
 )
 def list_enrollments(request: HttpRequest) -> list[dict]:
-    check_operator(principal_of(request).token)
+    user = principal_of(request).user
+    if not (user.is_staff or user.is_superuser):
+        return []  # the fleet's enrollment is the operators' business
     pending = EnrollmentRequest.objects.filter(state="pending").select_related("agent")
     return [r.to_dict() for r in pending]
 

@@ -59,6 +59,14 @@ def test_it_lists_pending_keys_with_their_fingerprint(
     assert not Agent.objects.exists()  # a beat alone makes no agent
 
 
+def test_it_lists_no_keys_to_a_team_admin_who_is_not_staff(
+    api, make_token, owner, newcomer
+):
+    response = api.get("/api/v1/agents/enrollments", token=make_token(owner, "read"))
+
+    assert response.json() == []
+
+
 def test_it_enrolls_a_key_under_the_operators_name_pool_and_capabilities(
     api, admin_token, staff_owner, newcomer
 ):
