@@ -85,3 +85,30 @@ def test_it_creates_its_identity_key_on_first_start_readable_by_it_alone(me):
         {"GPUAGENT_NAME": "gpu-7", "GPUAGENT_IDENTITY_KEY": str(key_path)}
     )
     assert again.fingerprint == fingerprint  # the same identity after a restart
+
+
+def test_it_trusts_the_control_plane_keys_it_is_given_as_pem_files_or_hex(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    current, next_key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    pem = tmp_path / "controlplane.pub.pem"
+    pem.write_bytes(
+        current.public_key().public_bytes(
+            serialization.Encoding.PEM,
+            serialization.PublicFormat.SubjectPublicKeyInfo,
+        )
+    )
+    env = {
+        "GPUAGENT_NAME": "gpu-7",
+        "GPUAGENT_STATE_DIR": str(tmp_path / "state"),
+        "GPUAGENT_CONTROLPLANE_KEY": f"{pem},{identity.public_raw(next_key).hex()}",
+    }
+
+    me = worker.agent_from_environment(env)
+
+    assert me.controlplane_keys == (
+        identity.public_raw(current),
+        identity.public_raw(next_key),
+    )
+    assert me.identity_key_path == tmp_path / "state" / "identity.key"
