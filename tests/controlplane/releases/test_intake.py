@@ -361,3 +361,35 @@ def test_revoking_an_agent_refuses_it_at_once_and_resends_its_jobs(
     )
     assert Agent.objects.get(name="local").state == "offline"
     assert refusals() == ["agent local is revoked"] * 2
+
+
+def test_unknown_keys_beyond_the_limit_file_no_request(db, settings, tmp_path):
+    settings.RELEASEGATE_MAX_PENDING_ENROLLMENTS = 1
+
+    first = record_heartbeat(*sealed_beat(forger(tmp_path, "a")))
+    second = record_heartbeat(*sealed_beat(forger(tmp_path, "b")))
+
+    assert (first, second) == ("pending", "refused")
+    assert EnrollmentRequest.objects.count() == 1
+    assert refusals() == ["too many enrollments pending"]
+
+
+def test_a_beat_sealed_by_another_key_than_it_presents_files_no_request(db, tmp_path):
+    mallory, victim = forger(tmp_path, "mallory"), forger(tmp_path, "victim")
+    beat, _ = sealed_beat(victim)
+    sealed = identity.seal(mallory.identity, beat, type="heartbeat")
+
+    assert record_heartbeat(beat, sealed.model_dump(mode="json")) == "refused"
+
+    assert not EnrollmentRequest.objects.exists()
+    (reason,) = refusals()
+    assert reason.startswith("sealed by a key no agent is enrolled with")
+
+
+def test_a_malformed_seal_is_refused(bf16_release, local_agent):
+    beat, seal = local_agent.beat(local_agent.agent.incarnation)
+
+    assert record_heartbeat(beat, {**seal, "nonce": "not hex"}) == "refused"
+
+    (reason,) = refusals()
+    assert reason.startswith("malformed seal")
