@@ -206,6 +206,11 @@ def do_enroll_local_agent(
     agent = enrolled_agent(fingerprint)
     if agent is not None and agent.is_enrolled:
         return agent
+    if agent is not None:  # revoked: a revocation is for good
+        raise Conflict(
+            f"the local agent's key was revoked (as {agent.name}): remove its "
+            "identity key to make a new one"
+        )
     log.warning(
         "dev: enrolling the local agent %s (key %s) without an operator",
         name,
