@@ -75,7 +75,9 @@ def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Ag
 
 def do_record_heartbeat(beat: Heartbeat) -> Agent:
     """A heartbeat from the agent named in it: registered on its first beat (and
-    after being marked offline it is online again). A beat from another
+    after being marked offline it is online again). Agents' own beats come here
+    only through the intake (controlplane.releases.intake): sealed by an enrolled
+    agent, under its enrolled name, queue and capabilities. A beat from another
     incarnation than the recorded one (the agent restarted under its name) records
     the new incarnation and its start, audited `agent.restarted`; a late beat of an
     incarnation that started before the recorded one (a dead process's, delivered
