@@ -70,7 +70,7 @@ def test_a_seal_holds_for_its_body_and_bindings():
         ({"body": {"job_id": 1, "ok": False}}, "another message body"),
         ({"expected": {"attempt": 2}}, "the seal binds attempt=1, the message 2"),
         ({"expected": {"kind": "verify"}}, "the seal binds kind='sign'"),
-        ({"now": time.time() + 301}, "stale"),
+        ({"later_s": 301}, "stale"),
         ({"key": Ed25519PrivateKey.generate()}, "not by the expected key"),
         ({"seal": {"attempt": 2}}, "the signature does not verify"),
     ],
@@ -87,7 +87,7 @@ def test_a_seal_is_refused_naming_why(change, reason):
             seal,
             identity.public_raw(change.get("key", key)),
             change.get("body", body),
-            now=change.get("now"),
+            now=time.time() + change.get("later_s", 0),
             **change.get("expected", {}),
         )
 
