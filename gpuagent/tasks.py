@@ -169,7 +169,8 @@ def run_job(request: dict, seal: dict | None = None) -> dict:
     try:
         req = accept_job(request, seal, me)
     except JobRefused as exc:
-        log.error("refused a job request (job %s): %s", request.get("job_id"), exc)
+        job_id = request.get("job_id") if isinstance(request, dict) else None
+        log.error("refused a job request (job %s): %s", job_id, exc)
         return {"refused": str(exc)}
     with me.lock:
         me.running_jobs.add(req.job_id)
