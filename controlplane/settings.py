@@ -269,6 +269,23 @@ CELERY_BEAT_SCHEDULE["watch-agent-jobs"] = {
     "schedule": RELEASEGATE_AGENT_CHECK_S,
 }
 
+# Agent identity (controlplane.fleet.enrollment, gpuagent.identity): the control
+# plane seals job requests with its Ed25519 key at RELEASEGATE_CONTROLPLANE_KEY
+# (created there on first use: set the path in production, never commit the key;
+# agents are given its public half). Agent messages are believed only when sealed
+# by an enrolled agent within RELEASEGATE_MESSAGE_MAX_SKEW_S of now; at most
+# RELEASEGATE_MAX_PENDING_ENROLLMENTS unknown keys wait for an operator at once.
+# RELEASEGATE_ALLOW_VERIFY_ON_SIGNER lets the signer's own identity verify (the
+# one-agent demo only: it defeats the second look).
+RELEASEGATE_CONTROLPLANE_KEY = Path(
+    os.getenv("RELEASEGATE_CONTROLPLANE_KEY", DATA_DIR / "keys" / "controlplane.key")
+)
+RELEASEGATE_MESSAGE_MAX_SKEW_S = envfloat("RELEASEGATE_MESSAGE_MAX_SKEW_S", "300")
+RELEASEGATE_MAX_PENDING_ENROLLMENTS = envint(
+    "RELEASEGATE_MAX_PENDING_ENROLLMENTS", "100"
+)
+RELEASEGATE_ALLOW_VERIFY_ON_SIGNER = envbool("RELEASEGATE_ALLOW_VERIFY_ON_SIGNER")
+
 # How long a control-plane job (the gate) holds its row while it runs: while held, a
 # repeated task for the same stage steps aside.
 RELEASEGATE_JOB_LEASE_S = envint("RELEASEGATE_JOB_LEASE_S", "900")

@@ -25,12 +25,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="ECDSA public key signatures may be made with, PEM (repeatable)",
     )
     run.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    run.add_argument(
+        "--state-dir",
+        type=Path,
+        help="this agent's own state (its identity key); var/agent-state/NAME",
+    )
+    run.add_argument(
+        "--identity-key",
+        type=Path,
+        help="Ed25519 identity key, PEM (created with mode 0600 if absent); "
+        "default STATE_DIR/identity.key",
+    )
+    run.add_argument(
+        "--controlplane-key",
+        type=Path,
+        action="append",
+        default=[],
+        help="the control plane's public key, PEM (repeatable): job requests it "
+        "did not seal are refused",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    for path in (args.signing_key, *args.trusted_key):
+    for path in (args.signing_key, *args.trusted_key, *args.controlplane_key):
         if path is not None and not path.is_file():
             raise SystemExit(f"{path} is not a file")
     os.environ.update(
@@ -43,7 +62,14 @@ def main(argv: list[str] | None = None) -> None:
         else "",
         GPUAGENT_TRUSTED_KEYS=",".join(str(p.resolve()) for p in args.trusted_key),
         GPUAGENT_THREADS=str(args.threads),
+        GPUAGENT_CONTROLPLANE_KEY=",".join(
+            str(p.resolve()) for p in args.controlplane_key
+        ),
     )
+    if args.state_dir:
+        os.environ["GPUAGENT_STATE_DIR"] = str(args.state_dir.resolve())
+    if args.identity_key:
+        os.environ["GPUAGENT_IDENTITY_KEY"] = str(args.identity_key.resolve())
     from gpuagent.worker import make_app
 
     app = make_app(args.broker)  # its worker_ready starts the heartbeat (worker.py)

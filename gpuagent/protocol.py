@@ -202,6 +202,37 @@ class Heartbeat(_Message):
         default=[], description="the servers this agent runs now"
     )
     can_sign: bool = False
+    public_key: str = Field(
+        default="",
+        pattern=r"^([0-9a-f]{64})?$",
+        description="this agent's Ed25519 identity public key (raw, hex): what a "
+        "pending enrollment shows; the beat's seal must verify against it",
+    )
+    signing_public_key: str = Field(
+        default="",
+        max_length=4096,
+        description="PEM public key of the release-signing key this agent holds: "
+        "shown in its pending enrollment; trusted only once an operator enrolls it",
+    )
+
+
+class Seal(_Message):
+    """Who sent a message and what it binds (gpuagent.integrity.identity): the message
+    `type`, the job, attempt, job kind and release it belongs to (None/"" for a
+    heartbeat), the sender's key fingerprint, the sha256 of the body's canonical
+    encoding, when (unix seconds) and a random nonce; `signature` (base64
+    Ed25519) is over the canonical encoding of all the other fields."""
+
+    type: Literal["job", "result", "progress", "heartbeat"]
+    job_id: int | None = None
+    attempt: int | None = None
+    kind: str = ""
+    release_id: int | None = None
+    signer: str = Field(pattern=r"^[0-9a-f]{64}$")
+    body_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    timestamp: float
+    nonce: str = Field(pattern=r"^[0-9a-f]{32}$")
+    signature: str = Field(max_length=200)
 
 
 class CompressJobResult(_Message):

@@ -5,6 +5,10 @@ its pool's queue; the task runs the kind's handler, which returns the kind's res
 model, and sends the `JobResult` back to the control plane's queue by task name
 (`controlplane.releases.record_job_result`), with progress reports on the way
 (`controlplane.releases.record_job_progress`). Agents never touch the database.
+A request must carry a seal (gpuagent.integrity.identity) made by the control
+plane's key and be fresh (GPUAGENT_JOB_MAX_AGE_S): anything else is refused,
+logged, and not answered. Results and progress reports leave sealed with this
+agent's key.
 
 Handlers call the real packages: gpuagent.integrity (inspect, hash, sign, verify),
 gpuagent.evaluate (in-process quality regression of candidate vs parent),
@@ -35,6 +39,7 @@ from pydantic import BaseModel
 
 from gpuagent import serving
 from gpuagent.artifacts import candidate_key
+from gpuagent.integrity import identity
 from gpuagent.integrity.keys import public_key_pem
 from gpuagent.protocol import (
     BackendSpec,
@@ -46,6 +51,7 @@ from gpuagent.protocol import (
     InspectResult,
     JobRequest,
     JobResult,
+    Seal,
     UndeployResult,
     VerifyResult,
 )
@@ -86,12 +92,90 @@ class JobFailed(Exception):
 # -- the task ------------------------------------------------------------------------
 
 
+class JobRefused(Exception):
+    """A job request this agent does not run: unsigned, forged, stale or
+    malformed."""
+
+
+def accept_job(request: dict, seal: dict | None, me: Agent) -> JobRequest:
+    """The JobRequest of `request` if the control plane sealed it, recently, for
+    this very job; JobRefused naming why otherwise."""
+    if not me.controlplane_keys:
+        raise JobRefused("this agent trusts no control-plane key")
+    if seal is None:
+        raise JobRefused("unsigned job request")
+    try:
+        sealed = Seal.model_validate(seal)
+        req = JobRequest.model_validate(request)
+    except ValueError as exc:
+        raise JobRefused(f"malformed job request: {exc}") from exc
+    keys = [k for k in me.controlplane_keys if identity.fingerprint(k) == sealed.signer]
+    if not keys:
+        raise JobRefused(f"job request sealed by an unknown key {sealed.signer[:16]}")
+    try:
+        identity.check_seal(
+            sealed,
+            keys[0],
+            request,
+            max_skew_s=me.job_max_age_s,
+            type="job",
+            job_id=req.job_id,
+            attempt=req.attempt,
+            kind=req.kind,
+            release_id=req.release_id,
+        )
+    except identity.SealRefused as exc:
+        raise JobRefused(f"job request refused: {exc}") from exc
+    return req
+
+
+def sealed_result(result: JobResult, req: JobRequest, me: Agent) -> tuple:
+    """The arguments of the control plane's record_job_result for `result`."""
+    body = result.model_dump(mode="json")
+    sealed = identity.seal(
+        me.identity,
+        body,
+        type="result",
+        job_id=req.job_id,
+        attempt=req.attempt,
+        kind=req.kind,
+        release_id=req.release_id,
+    )
+    return body, req.attempt, sealed.model_dump(mode="json")
+
+
+def sealed_progress(req: JobRequest, fraction: float, me: Agent) -> tuple:
+    """The arguments of the control plane's record_job_progress."""
+    body = {
+        "job_id": req.job_id,
+        "attempt": req.attempt,
+        "agent": me.name,
+        "progress": fraction,
+    }
+    sealed = identity.seal(
+        me.identity,
+        body,
+        type="progress",
+        job_id=req.job_id,
+        attempt=req.attempt,
+        kind=req.kind,
+        release_id=req.release_id,
+    )
+    return req.job_id, req.attempt, me.name, fraction, sealed.model_dump(mode="json")
+
+
 @shared_task(name="gpuagent.run_job", acks_late=True)
-def run_job(request: dict) -> dict:
-    """Run one job and send its JobResult to the control plane; returns it."""
+def run_job(request: dict, seal: dict | None = None) -> dict:
+    """Run one job and send its JobResult to the control plane; returns it. A
+    request the control plane did not seal is refused (logged, not answered)."""
     me = agent()
     started = datetime.now(UTC)
-    req = JobRequest.model_validate(request)
+    try:
+        req = accept_job(request, seal, me)
+    except JobRefused as exc:
+        job_id = request.get("job_id") if isinstance(request, dict) else None
+        log.error("refused a job request (job %s): %s", job_id, exc)
+        return {"refused": str(exc)}
     with me.lock:
         me.running_jobs.add(req.job_id)
     try:
@@ -100,7 +184,7 @@ def run_job(request: dict) -> dict:
     finally:
         with me.lock:
             me.running_jobs.discard(req.job_id)
-    send_to_controlplane(RECORD_RESULT, result.model_dump(mode="json"), req.attempt)
+    send_to_controlplane(RECORD_RESULT, *sealed_result(result, req, me))
     return result.model_dump(mode="json")
 
 
@@ -134,9 +218,7 @@ def execute(req: JobRequest, me: Agent, started: datetime) -> JobResult:
 def report_progress(req: JobRequest, fraction: float) -> None:
     """Tell the control plane how far the job is (also: which agent runs it)."""
     try:
-        send_to_controlplane(
-            RECORD_PROGRESS, req.job_id, req.attempt, agent().name, fraction
-        )
+        send_to_controlplane(RECORD_PROGRESS, *sealed_progress(req, fraction, agent()))
     except Exception:  # progress is advisory: a lost report never fails the job
         log.warning("progress report of job %s not sent", req.job_id, exc_info=True)
 

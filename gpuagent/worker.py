@@ -20,7 +20,17 @@ key: only the agent that signs holds it), GPUAGENT_TRUSTED_KEYS (PEM public keys
 comma-separated), GPUAGENT_CONTROLPLANE_QUEUE, GPUAGENT_POOL, GPUAGENT_THREADS,
 GPUAGENT_ALLOWED_PROGRAMS (the whole argument shapes an external backend may
 start, comma-separated: a preset's name, e.g. vllm, or a command template its
-template must equal word for word; unset: any)."""
+template must equal word for word; unset: any), GPUAGENT_IDENTITY_KEY
+(this agent's Ed25519 identity key, created on first start with mode 0600;
+default `<GPUAGENT_STATE_DIR>/identity.key`, the state folder defaulting to
+`var/agent-state/<name>`), GPUAGENT_CONTROLPLANE_KEY (the control plane's public
+key, PEM or hex, comma-separated for a rotation: job requests it did not sign are
+refused), GPUAGENT_JOB_MAX_AGE_S (how old a signed job request may be: it may
+wait in its queue; default 1200).
+
+Every message this agent sends (heartbeat, progress, result) carries a seal
+(gpuagent.integrity.identity) made with its identity key: the control plane
+believes only messages sealed by an agent an operator enrolled."""
 
 from __future__ import annotations
 
@@ -35,9 +45,11 @@ from pathlib import Path
 
 from celery import Celery, current_app
 from celery.signals import worker_ready
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gpuagent import serving
 from gpuagent.artifacts import ArtifactStore
+from gpuagent.integrity import identity
 from gpuagent.integrity.keys import public_key_pem
 from gpuagent.protocol import Heartbeat
 from gpuagent.serving import Registry
@@ -67,7 +79,27 @@ class Agent:
     # Random per process start: a restart under the same name is a new incarnation.
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
     started: datetime = field(default_factory=lambda: datetime.now(UTC))
+    # This agent's Ed25519 identity key (None: `<store>/identity/<name>.key`),
+    # and the control plane's public keys (raw) its job requests must be sealed by.
+    identity_key_path: Path | None = None
+    controlplane_keys: tuple[bytes, ...] = ()
+    job_max_age_s: float = 1200.0
     _registry: Registry | None = None
+    _identity: Ed25519PrivateKey | None = None
+
+    @property
+    def identity(self) -> Ed25519PrivateKey:
+        """This agent's identity key, created on first use (mode 0600)."""
+        if self._identity is None:
+            path = self.identity_key_path or (
+                self.store.root / "identity" / f"{self.name}.key"
+            )
+            self._identity = identity.load_or_create_key(path)
+        return self._identity
+
+    @property
+    def fingerprint(self) -> str:
+        return identity.fingerprint(identity.public_raw(self.identity))
 
     @property
     def queue(self) -> str:
@@ -113,8 +145,15 @@ def agent_from_environment(env) -> Agent:
     trusted = tuple(
         Path(p) for p in env.get("GPUAGENT_TRUSTED_KEYS", "").split(",") if p
     )
+    name = env.get("GPUAGENT_NAME", "local")
+    state = Path(env.get("GPUAGENT_STATE_DIR") or Path("var/agent-state") / name)
+    controlplane_keys = tuple(
+        identity.public_key_from_text(Path(p).read_text() if not _is_hex_key(p) else p)
+        for p in env.get("GPUAGENT_CONTROLPLANE_KEY", "").split(",")
+        if p
+    )
     return Agent(
-        name=env.get("GPUAGENT_NAME", "local"),
+        name=name,
         store=ArtifactStore(env.get("GPUAGENT_ARTIFACTS", "var/artifacts")),
         signing_key=Path(key) if key else None,
         trusted_keys=trusted,
@@ -126,7 +165,16 @@ def agent_from_environment(env) -> Agent:
             if "GPUAGENT_ALLOWED_PROGRAMS" in env
             else None
         ),
+        identity_key_path=Path(
+            env.get("GPUAGENT_IDENTITY_KEY") or state / "identity.key"
+        ),
+        controlplane_keys=controlplane_keys,
+        job_max_age_s=float(env.get("GPUAGENT_JOB_MAX_AGE_S", "1200")),
     )
+
+
+def _is_hex_key(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 def make_app(broker_url: str) -> Celery:
@@ -191,6 +239,18 @@ def heartbeat() -> Heartbeat:
         running_jobs=running,
         deployments=serving.loaded_deployments(me.registry),
         can_sign=me.signing_key is not None,
+        public_key=identity.public_raw(me.identity).hex(),
+        signing_public_key=(
+            public_key_pem(me.signing_key).decode() if me.signing_key else ""
+        ),
+    )
+
+
+def sealed_heartbeat() -> tuple[dict, dict]:
+    """(heartbeat, seal): the arguments of the control plane's record_heartbeat."""
+    body = heartbeat().model_dump(mode="json")
+    return body, identity.seal(agent().identity, body, type="heartbeat").model_dump(
+        mode="json"
     )
 
 
@@ -203,9 +263,7 @@ def start_heartbeat(app: Celery | None = None) -> threading.Event:
 
     def send() -> None:
         try:
-            send_to_controlplane(
-                RECORD_HEARTBEAT, heartbeat().model_dump(mode="json"), app=app
-            )
+            send_to_controlplane(RECORD_HEARTBEAT, *sealed_heartbeat(), app=app)
         except Exception:  # the broker is away: the next beat tries again
             log.warning("heartbeat not sent", exc_info=True)
 
@@ -224,6 +282,11 @@ def _start_agent(sender=None, **_) -> None:
     `python -m gpuagent run`, or the embedded control-plane worker) recovers the
     servers it ran and sends heartbeats."""
     if os.environ.get("GPUAGENT_NAME"):
+        me = agent()
+        # What an operator compares before enrolling this agent.
+        log.info("agent %s: identity key fingerprint %s", me.name, me.fingerprint)
+        if not me.controlplane_keys:
+            log.error("no control-plane key given: every job request is refused")
         # Servers started before a restart that still run are kept (and
         # reported); records of dead ones are dropped.
         found = serving.recover_deployments(agent().registry)

@@ -7,6 +7,7 @@ Swagger UI at /api/v1/docs (assets served locally: "ninja" is an installed app).
 from ninja import NinjaAPI
 
 from controlplane.api import (
+    agents,
     audit,
     costs,
     deployments,
@@ -80,5 +81,6 @@ for module in (
     audit,
     teams,
     tokens,
+    agents,
 ):
     api.add_router("", module.router)

@@ -70,6 +70,8 @@ def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Ag
             loaded_deployments=[d.model_dump(mode="json") for d in beat.deployments],
             capabilities={"can_sign": beat.can_sign, "pool_queue": beat.pool_queue},
         )
+        if agent.enrollment:  # who it is comes from its enrollment, never a beat
+            fields.update(queue=agent.queue, capabilities=agent.enrolled_capabilities())
     Agent.objects.filter(pk=agent.pk).update(**fields)
     for name, value in fields.items():
         setattr(agent, name, value)
@@ -79,7 +81,9 @@ def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Ag
 
 def do_record_heartbeat(beat: Heartbeat) -> Agent:
     """A heartbeat from the agent named in it: registered on its first beat (and
-    after being marked offline it is online again). A beat from another
+    after being marked offline it is online again). Agents' own beats come here
+    only through the intake (controlplane.releases.intake): sealed by an enrolled
+    agent, under its enrolled name, queue and capabilities. A beat from another
     incarnation than the recorded one (the agent restarted under its name) records
     the new incarnation and its start, audited `agent.restarted`; a late beat of an
     incarnation that started before the recorded one (a dead process's, delivered
@@ -145,6 +149,8 @@ def do_set_agent_state(agent: Agent, state: str, *, actor: Actor) -> Agent:
         raise ValidationFailed(
             f"state must be one of {', '.join(AGENT_STATES)}", field="state"
         )
+    if agent.enrollment == "revoked" and state != "offline":
+        raise Conflict(f"agent {agent.name} is revoked", field="state")
     with transaction.atomic():
         before = {"state": agent.state}
         Agent.objects.filter(pk=agent.pk).update(state=state)

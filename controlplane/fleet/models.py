@@ -2,6 +2,11 @@ from django.db import models
 from django.utils import timezone
 
 AGENT_STATES = ("online", "offline", "draining")
+# "" is an agent from before enrollment (registered by name; the intake never
+# believes its messages); enrolled agents' messages are checked against their key;
+# a revoked one's are refused.
+ENROLLMENT_STATES = ("", "enrolled", "revoked")
+ENROLLMENT_REQUEST_STATES = ("pending", "approved", "rejected")
 DEPLOYMENT_STATES = (
     "deploying",
     "live",
@@ -108,12 +113,32 @@ class Agent(models.Model):
     # incarnation under the same name means the agent restarted.
     incarnation = models.CharField(max_length=64, blank=True)
     started = models.DateTimeField(null=True, blank=True)
+    # Identity, from the enrollment an operator approved (never from a message):
+    # the agent's Ed25519 public key (raw, hex) and its sha256 (hex), the pool it
+    # takes jobs from, whether it may sign, the programs an external backend may
+    # start on it (None: the agent's own list), and the release-signing public key
+    # (PEM) its sign results must verify against.
+    enrollment = models.CharField(max_length=10, blank=True, default="")
+    public_key = models.CharField(max_length=64, blank=True)
+    fingerprint = models.CharField(max_length=64, blank=True, db_index=True)
+    pool_queue = models.CharField(max_length=100, blank=True)
+    can_sign = models.BooleanField(default=False)
+    allowed_programs = models.JSONField(null=True, blank=True)
+    signing_public_key = models.TextField(blank=True)
+    enrolled_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def is_enrolled(self) -> bool:
+        return self.enrollment == "enrolled"
+
+    def enrolled_capabilities(self) -> dict:
+        return {"can_sign": self.can_sign, "pool_queue": self.pool_queue}
 
     def to_dict(self) -> dict:
         return {
@@ -131,7 +156,77 @@ class Agent(models.Model):
             "state": self.state,
             "incarnation": self.incarnation,
             "started": _iso(self.started),
+            "enrollment": self.enrollment,
+            "fingerprint": self.fingerprint,
+            "pool_queue": self.pool_queue,
+            "can_sign": self.can_sign,
+            "allowed_programs": self.allowed_programs,
+            "enrolled_at": _iso(self.enrolled_at),
         }
+
+
+class EnrollmentRequest(models.Model):
+    """An agent key seen in a sealed heartbeat that no enrolled agent holds: it
+    asks to be enrolled, nothing more (an operator approves or rejects it). What
+    it says of itself (name, pool, can sign) is a suggestion shown to the
+    operator."""
+
+    STATE_CHOICES = [(s, s) for s in ENROLLMENT_REQUEST_STATES]
+
+    fingerprint = models.CharField(max_length=64, unique=True)
+    public_key = models.CharField(max_length=64)
+    requested_name = models.CharField(max_length=100)
+    requested_pool = models.CharField(max_length=100, blank=True)
+    signing_public_key = models.TextField(blank=True)
+    device = models.CharField(max_length=10, blank=True)
+    gpu_model = models.CharField(max_length=100, blank=True)
+    state = models.CharField(max_length=10, choices=STATE_CHOICES, default="pending")
+    first_seen = models.DateTimeField(default=timezone.now)
+    last_seen = models.DateTimeField(default=timezone.now)
+    agent = models.ForeignKey(
+        Agent, models.SET_NULL, null=True, blank=True, related_name="enrollments"
+    )
+
+    class Meta:
+        ordering = ["-first_seen", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.requested_name} ({self.fingerprint[:16]}, {self.state})"
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "fingerprint": self.fingerprint,
+            "public_key": self.public_key,
+            "requested_name": self.requested_name,
+            "requested_pool": self.requested_pool,
+            "can_sign": bool(self.signing_public_key),
+            "device": self.device,
+            "gpu_model": self.gpu_model,
+            "state": self.state,
+            "first_seen": _iso(self.first_seen),
+            "last_seen": _iso(self.last_seen),
+            "agent": self.agent.name if self.agent else None,
+        }
+
+
+class SeenMessage(models.Model):
+    """A sealed message accepted from a signer: the same nonce again is a replay.
+    Rows older than the allowed skew are pruned (a message that old is stale)."""
+
+    signer = models.CharField(max_length=64)
+    nonce = models.CharField(max_length=32)
+    seen = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["signer", "nonce"], name="unique_seen_message"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.signer[:16]}/{self.nonce}"
 
 
 class DeploymentQuerySet(models.QuerySet):

@@ -1,16 +1,14 @@
 from celery import shared_task
 
-from controlplane.releases import pipeline
-from gpuagent.protocol import Heartbeat
+from controlplane.releases import intake
 
 
 @shared_task(name="controlplane.fleet.record_heartbeat")
-def record_heartbeat(beat: dict) -> str:
-    """An agent's heartbeat (gpuagent.worker): who it is, which start of it, its
-    memory, what it runs; a restarted agent's jobs are sent again at once. A
-    malformed beat is dropped (returns why) rather than retried."""
-    try:
-        parsed = Heartbeat.model_validate(beat)
-    except ValueError as exc:
-        return f"invalid heartbeat: {exc}"
-    return pipeline.record_heartbeat(parsed).state
+def record_heartbeat(beat: dict, seal: dict | None = None) -> str:
+    """An agent's sealed heartbeat (gpuagent.worker): who it is comes from its
+    enrollment; which start of it, its memory, what it runs from the beat; a
+    restarted agent's jobs are sent again at once. An unsigned, forged, replayed
+    or stale beat is refused (audited); one of a key no agent is enrolled with
+    files a pending enrollment. Returns the agent's state, "pending" or
+    "refused"."""
+    return intake.accept_heartbeat(beat, seal)

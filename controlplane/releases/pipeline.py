@@ -28,10 +28,10 @@ from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import IllegalTransition
 from controlplane.fleet.actions import (
     do_record_heartbeat,
-    do_register_agent,
     do_set_agent_state,
     silent_agents,
 )
+from controlplane.fleet.keys import seal_job_request
 from controlplane.fleet.models import Agent, Deployment
 from controlplane.releases import evidence, stages
 from controlplane.releases.actions.deployments import (
@@ -109,9 +109,10 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
 
 def _send(job: Job, exclude: Agent | None = None) -> None:
     request = stages.request_for(job)
-    do_enqueue_task(
-        RUN_JOB, request.model_dump(mode="json"), queue=queue_for(job, exclude)
-    )
+    body = request.model_dump(mode="json")
+    # Sealed with the control plane's key: agents refuse any other request.
+    sealed = seal_job_request(request, body)
+    do_enqueue_task(RUN_JOB, body, sealed, queue=queue_for(job, exclude))
 
 
 def dispatch(
@@ -409,10 +410,11 @@ def _fail_deploying_copy(deployment: Deployment, error: str) -> None:
 # -- results and the watch ------------------------------------------------------------
 
 
-def record_result(result: JobResult, attempt: int) -> str:
+def record_result(result: JobResult, attempt: int, agent: Agent) -> str:
     """Record an agent's answer and move the release on. A result for a finished
     job, or from an attempt no longer in force (a retried job's old agent), changes
-    nothing: returns "ignored"."""
+    nothing: returns "ignored". `agent` is the enrolled agent whose seal the
+    intake checked (controlplane.releases.intake), never a name the result says."""
     with transaction.atomic():
         job = (
             Job.objects.select_for_update()
@@ -428,7 +430,7 @@ def record_result(result: JobResult, attempt: int) -> str:
                 "ignored %s result of job %s (attempt %s)", result.kind, job.pk, attempt
             )
             return "ignored"
-        stages.record(job, result, agent_named(result.agent))
+        stages.record(job, result, agent)
         _after(job)
         return job.state
 
@@ -445,20 +447,10 @@ def _after(job: Job) -> None:
         advance(job.release_id)
 
 
-def agent_named(name: str) -> Agent | None:
-    """The agent `name`, registered now if its first heartbeat is still on its way."""
-    if not name:
-        return None
-    agent = Agent.objects.filter(name=name).first()
-    return agent or do_register_agent(name, queue=f"agent.{name}")
-
-
-def record_progress(
-    job_id: int, attempt: int, agent_name: str, progress: float
-) -> bool:
+def record_progress(job_id: int, attempt: int, agent: Agent, progress: float) -> bool:
+    """`agent` (sealed, enrolled: the intake checked) runs `attempt` of the job."""
     job = Job.objects.filter(pk=job_id).first()
-    agent = agent_named(agent_name)
-    if job is None or agent is None:
+    if job is None:
         return False
     return do_mark_job_running(job, attempt=attempt, agent=agent, progress=progress)
 

@@ -5,8 +5,7 @@ objects) and idempotent (each continues from the state recorded now)."""
 from celery import shared_task
 
 from controlplane.fleet.models import Deployment
-from controlplane.releases import pipeline
-from gpuagent.protocol import JobResult
+from controlplane.releases import intake, pipeline
 
 
 @shared_task(name="controlplane.releases.run_promotion")
@@ -23,14 +22,18 @@ def run_deployment(release_id: int) -> str:
 
 
 @shared_task(name="controlplane.releases.record_job_result")
-def record_job_result(result: dict, attempt: int) -> str:
-    """An agent's JobResult (gpuagent.tasks.run_job). A duplicate changes nothing."""
-    return pipeline.record_result(JobResult.model_validate(result), attempt)
+def record_job_result(result: dict, attempt: int, seal: dict | None = None) -> str:
+    """An agent's sealed JobResult (gpuagent.tasks.run_job), checked at the intake
+    (unsigned, forged, replayed, stale: refused and audited). A duplicate changes
+    nothing."""
+    return intake.accept_result(result, attempt, seal)
 
 
 @shared_task(name="controlplane.releases.record_job_progress")
-def record_job_progress(job_id: int, attempt: int, agent: str, progress: float) -> bool:
-    return pipeline.record_progress(job_id, attempt, agent, progress)
+def record_job_progress(
+    job_id: int, attempt: int, agent: str, progress: float, seal: dict | None = None
+) -> bool:
+    return intake.accept_progress(job_id, attempt, agent, progress, seal)
 
 
 @shared_task(name="controlplane.releases.watch_jobs")

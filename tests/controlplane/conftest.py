@@ -301,45 +301,116 @@ def unreachable_broker_url() -> str:
     return f"redis://127.0.0.1:{port}/12"  # closed again: connections are refused
 
 
-class LocalAgent:
-    """An agent in the test process: takes the gpuagent.run_job messages the code
-    under test queued (outbox rows) and runs them through gpuagent.tasks.execute,
-    the task's own code, then hands the JobResult to the record_job_result task.
-    `answer(kind, ...)` instead records a result as an agent would send it (for
-    the evaluate and load-test jobs, whose real runs the process tests do)."""
+def sealed_beat(agent, /, **fields) -> tuple[dict, dict]:
+    """(heartbeat, seal) of the gpuagent.worker.Agent `agent`, as its worker sends
+    them (record_heartbeat's arguments); `fields` replace what the beat says."""
+    from gpuagent.integrity import identity
+    from gpuagent.integrity.keys import public_key_pem
+    from gpuagent.protocol import Heartbeat
 
-    def __init__(self, tmp_path: Path):
-        from controlplane.fleet.actions import do_record_heartbeat
+    said = {
+        "agent": agent.name,
+        "queue": agent.queue,
+        "pool_queue": agent.pool_queue,
+        "incarnation": agent.incarnation,
+        "started": agent.started,
+        "device": "cpu",
+        "gpu_model": "CPU test",
+        "memory_total_bytes": 2**30,
+        "memory_free_bytes": 2**29,
+        "can_sign": agent.signing_key is not None,
+        "public_key": identity.public_raw(agent.identity).hex(),
+        "signing_public_key": (
+            public_key_pem(agent.signing_key).decode() if agent.signing_key else ""
+        ),
+    }
+    body = Heartbeat(**{**said, **fields}).model_dump(mode="json")
+    sealed = identity.seal(agent.identity, body, type="heartbeat")
+    return body, sealed.model_dump(mode="json")
+
+
+def enroll(agent, *, can_sign: bool = False, **fields):
+    """Enroll the gpuagent.worker.Agent `agent` as an operator would: its first
+    sealed beat files a pending request, the operator approves it (name, pool
+    and may-sign as given), its next beat finds it enrolled and online."""
+    from controlplane.fleet.enrollment import do_enroll_agent
+    from controlplane.fleet.models import Agent, EnrollmentRequest
+    from controlplane.fleet.tasks import record_heartbeat
+
+    assert record_heartbeat(*sealed_beat(agent)) == "pending"
+    request = EnrollmentRequest.objects.get(fingerprint=agent.fingerprint)
+    do_enroll_agent(
+        request,
+        actor="system:tests",
+        name=fields.pop("name", agent.name),
+        pool_queue=agent.pool_queue,
+        can_sign=can_sign,
+        **fields,
+    )
+    assert record_heartbeat(*sealed_beat(agent)) == "online"
+    return Agent.objects.get(fingerprint=agent.fingerprint)
+
+
+@pytest.fixture(autouse=True)
+def controlplane_key(settings, tmp_path_factory) -> bytes:
+    """The control plane's job-request key: one per test session, never var/'s.
+    Returns its raw public key (what agents are given)."""
+    from controlplane.fleet.keys import controlplane_key
+    from gpuagent.integrity import identity
+
+    settings.RELEASEGATE_CONTROLPLANE_KEY = (
+        tmp_path_factory.getbasetemp() / "controlplane-key" / "controlplane.key"
+    )
+    return identity.public_raw(controlplane_key())
+
+
+class LocalAgent:
+    """Two enrolled agents in the test process sharing one artifact store: "local"
+    (signs; does every job but verify) and "checker" (verifies: never the
+    signer). It takes the gpuagent.run_job messages the code under test queued
+    (outbox rows), checks their seals as the agent's task does, runs them through
+    gpuagent.tasks.execute, the task's own code, then hands the sealed JobResult
+    to the record_job_result task. `answer(kind, ...)` instead records a result
+    as an agent would send it (for the evaluate and load-test jobs, whose real
+    runs the process tests do)."""
+
+    def __init__(self, tmp_path: Path, controlplane_key: bytes):
         from gpuagent import tasks
         from gpuagent.artifacts import ArtifactStore
         from gpuagent.integrity.keys import ensure_key_pair
-        from gpuagent.protocol import Heartbeat
 
         key = tmp_path / "keys" / "local.pem"
-        ensure_key_pair(key)
+        public = ensure_key_pair(key)
+        store = ArtifactStore(tmp_path / "artifacts")
         self.tasks = tasks
+        common = {
+            "store": store,
+            "controlplane_queue": "celery",
+            "pool_queue": "agents",
+            "threads": 1,
+            "controlplane_keys": (controlplane_key,),
+        }
         self.agent = tasks.Agent(
-            name="local",
-            store=ArtifactStore(tmp_path / "artifacts"),
-            signing_key=key,
-            trusted_keys=(),
-            controlplane_queue="celery",
-            pool_queue="agents",
-            threads=1,
+            name="local", signing_key=key, trusted_keys=(), **common
         )
-        self.row = do_record_heartbeat(
-            Heartbeat(
-                agent="local",
-                queue="agent.local",
-                pool_queue="agents",
-                device="cpu",
-                gpu_model="CPU test",
-                memory_total_bytes=2**30,
-                memory_free_bytes=2**29,
-                can_sign=True,
-            )
+        self.checker = tasks.Agent(
+            name="checker", signing_key=None, trusted_keys=(public,), **common
         )
+        self.row = enroll(self.agent, can_sign=True)
+        self.checker_row = enroll(self.checker)
         self.taken: set[int] = set()
+
+    def agent_for(self, kind: str):
+        return self.checker if kind == "verify" else self.agent
+
+    def beat(self, incarnation: str, *, running_jobs=()) -> tuple[dict, dict]:
+        """The sealed beat of "local" as `incarnation` (record_heartbeat's args)."""
+        return sealed_beat(
+            self.agent,
+            incarnation=incarnation,
+            started=timezone.now(),
+            running_jobs=list(running_jobs),
+        )
 
     def pending(self, kind: str | None = None):
         from gpuagent.protocol import JobRequest
@@ -352,51 +423,58 @@ class LocalAgent:
                 found.append((message, request))
         return found
 
-    def record(self, message, request, result) -> str:
+    def record(self, message, request, result, me=None) -> str:
         from controlplane.releases.tasks import record_job_result
 
         self.taken.add(message.pk)
-        return record_job_result(result.model_dump(mode="json"), request.attempt)
+        me = me or self.agent_for(request.kind)
+        return record_job_result(*self.tasks.sealed_result(result, request, me))
 
     def work(self, kinds=("verify_source", "compress", "sign", "verify", "deploy")):
         """Run queued jobs of `kinds` until none is left; returns their results."""
         results = []
         while batch := [p for p in self.pending() if p[1].kind in kinds]:
             for message, request in batch:
-                result = self.tasks.execute(request, self.agent, timezone.now())
+                me = self.agent_for(request.kind)
+                accepted = self.tasks.accept_job(message.args[0], message.args[1], me)
+                result = self.tasks.execute(accepted, me, timezone.now())
                 results.append(result)
-                self.record(message, request, result)
+                self.record(message, accepted, result, me)
         return results
 
     def answer(self, kind: str, payload=None, *, error: str = "") -> str:
         from gpuagent.protocol import JobResult
 
         (message, request), *_ = self.pending(kind)
+        me = self.agent_for(kind)
         result = JobResult(
             job_id=request.job_id,
             kind=kind,
             ok=not error,
-            agent="local",
+            agent=me.name,
             started=timezone.now(),
             finished=timezone.now(),
             error=error,
             payload=payload.model_dump(mode="json") if payload is not None else {},
         )
-        return self.record(message, request, result)
+        return self.record(message, request, result, me)
 
 
 @pytest.fixture
-def local_agent(db, tmp_path, queued, monkeypatch) -> LocalAgent:
+def local_agent(db, tmp_path, queued, monkeypatch, controlplane_key) -> LocalAgent:
     from gpuagent import tasks
+
+    local = LocalAgent(tmp_path, controlplane_key)
 
     # Progress goes to the control plane's task directly, not through a broker.
     def progress(request, fraction):
         from controlplane.releases.tasks import record_job_progress
 
-        record_job_progress(request.job_id, request.attempt, "local", fraction)
+        me = local.agent_for(request.kind)
+        record_job_progress(*tasks.sealed_progress(request, fraction, me))
 
     monkeypatch.setattr(tasks, "report_progress", progress)
-    return LocalAgent(tmp_path)
+    return local
 
 
 class RedisServer:

@@ -22,7 +22,9 @@ from django.conf import settings
 from controlplane import celery_app
 from controlplane.accounts.models import ApiToken
 from controlplane.celery import dies_with_this_process, worker_command
-from controlplane.fleet.models import Agent
+from controlplane.fleet.enrollment import do_enroll_agent
+from controlplane.fleet.keys import write_controlplane_public_key
+from controlplane.fleet.models import Agent, EnrollmentRequest
 from controlplane.releases.actions.gate_policies import do_set_gate_policy
 from gpuagent.integrity.keys import ensure_key_pair
 from gpuagent.serving import Registry, loaded_deployments, undeploy
@@ -55,6 +57,12 @@ class Cluster:
         self.queue = f"cp-{suffix}"
         self.pool = f"pool-{suffix}"
         self.dead_after_s = AGENT_TIMEOUT_S
+        # The control plane's public key, given to the agents (its private key is
+        # the test session's: settings.RELEASEGATE_CONTROLPLANE_KEY).
+        self.controlplane_public = write_controlplane_public_key(
+            tmp_path / "keys" / "controlplane.pub.pem"
+        )
+        self.allow_verify_on_signer = False
 
     def env(self) -> dict:
         return {
@@ -72,6 +80,8 @@ class Cluster:
             "RELEASEGATE_AGENT_CHECK_S": str(AGENT_CHECK_S),
             "GPUAGENT_HEARTBEAT_S": "1",
             "OMP_NUM_THREADS": "1",
+            "RELEASEGATE_CONTROLPLANE_KEY": str(settings.RELEASEGATE_CONTROLPLANE_KEY),
+            "RELEASEGATE_ALLOW_VERIFY_ON_SIGNER": str(self.allow_verify_on_signer),
         }
 
     def start(self, name: str, command: list[str], ready: bytes) -> None:
@@ -122,11 +132,34 @@ class Cluster:
             *(("--signing-key", str(self.key)) if signer else ()),
             "--trusted-key",
             str(self.public_key),
+            "--controlplane-key",
+            str(self.controlplane_public),
+            "--state-dir",
+            str(self.tmp / "state" / name),
         ]
         self.start(name, command, b"ready.")
 
     def wait_for_agents(self, *names: str) -> None:
+        """Enroll the agents `names` (as an operator would: each one's pending
+        request, the signer's may sign), then wait until each beats online."""
         deadline = time.monotonic() + 60
+        for name in names:
+            if Agent.objects.filter(name=name, enrollment="enrolled").exists():
+                continue
+            while not (
+                request := EnrollmentRequest.objects.filter(
+                    requested_name=name, state="pending"
+                ).first()
+            ):
+                assert time.monotonic() < deadline, self.log_tail()
+                time.sleep(0.2)
+            do_enroll_agent(
+                request,
+                actor="system:tests",
+                name=name,
+                pool_queue=self.pool,
+                can_sign=bool(request.signing_public_key),
+            )
         while set(
             Agent.objects.filter(name__in=names, state="online").values_list(
                 "name", flat=True
@@ -384,6 +417,7 @@ def test_it_resends_the_job_of_an_agent_killed_and_restarted_under_its_name(
         release.target_environment, {**POLICY, "load": None}, actor=owner
     )
     cluster.dead_after_s = settings.AGENT_DEAD_AFTER_S = 10 * RESTART_RESENT_S
+    cluster.allow_verify_on_signer = True  # one agent: it verifies what it signed
     cluster.start_controlplane()
     cluster.start_agent("solo", signer=True)
     cluster.wait_for_agents("solo")

@@ -17,10 +17,15 @@ from django.conf import settings
 
 from controlplane import celery_app
 from controlplane.celery import dies_with_this_process, worker_command
-from controlplane.fleet.models import Agent
+from controlplane.fleet.enrollment import do_enroll_agent
+from controlplane.fleet.models import Agent, EnrollmentRequest
+from controlplane.releases import stages
 from controlplane.releases.actions.promotion import do_request_promotion
 from controlplane.releases.models import Job
-from gpuagent.protocol import Heartbeat, InspectResult, JobResult
+from gpuagent import tasks
+from gpuagent.artifacts import ArtifactStore
+from gpuagent.protocol import InspectResult, JobResult
+from tests.controlplane.conftest import sealed_beat
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 90
@@ -55,6 +60,7 @@ def celery_worker(log_path: Path, queue: str, *args: str, **env: str):
         "RELEASEGATE_SOURCE_ROOTS": ",".join(
             str(root) for root in settings.RELEASEGATE_SOURCE_ROOTS
         ),
+        "RELEASEGATE_CONTROLPLANE_KEY": str(settings.RELEASEGATE_CONTROLPLANE_KEY),
         **env,
     }
     command = worker_command("--without-heartbeat", f"--queues={queue}", *args)
@@ -108,36 +114,51 @@ def wait_for(predicate, worker, what: str) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.django_db(transaction=True)
-def test_it_records_agent_messages_in_a_real_worker(worker, make_release, owner):
-    """What agents send (heartbeat, progress, result) goes through the broker to
-    the control plane's tasks in a worker process, which move the release on and
-    send the next job to the agents' pool queue; a duplicate result is ignored."""
+def test_it_records_agent_messages_in_a_real_worker(
+    worker, make_release, owner, tmp_path
+):
+    """What an enrolled agent sends (heartbeat, progress, result), sealed with its
+    key, goes through the broker to the control plane's tasks in a worker
+    process, which move the release on and send the next job to the agents' pool
+    queue; a duplicate result is ignored."""
     backend = (settings.DATABASES["default"]["ENGINE"], celery_app.conf.broker_url)
     print("worker integration against", backend)
     release = make_release()
-    celery_app.send_task(
-        "controlplane.fleet.record_heartbeat",
-        args=[
-            Heartbeat(
-                agent="cpu-1",
-                queue="agent.cpu-1",
-                pool_queue="agents",
-                device="cpu",
-                gpu_model="CPU",
-                memory_total_bytes=2**30,
-                memory_free_bytes=2**29,
-                running_jobs=[],
-            ).model_dump(mode="json")
-        ],
+    me = tasks.Agent(
+        name="cpu-1",
+        store=ArtifactStore(tmp_path / "artifacts"),
+        signing_key=None,
+        trusted_keys=(),
+        controlplane_queue="celery",
+        pool_queue="agents",
+        threads=1,
     )
-    wait_for(lambda: Agent.objects.filter(name="cpu-1").exists(), worker, "beat")
+    celery_app.send_task("controlplane.fleet.record_heartbeat", sealed_beat(me))
+    wait_for(
+        lambda: EnrollmentRequest.objects.filter(fingerprint=me.fingerprint).exists(),
+        worker,
+        "pending enrollment",
+    )
+    assert not Agent.objects.filter(name="cpu-1").exists()  # nothing more
+    do_enroll_agent(
+        EnrollmentRequest.objects.get(fingerprint=me.fingerprint),
+        actor="system:tests",
+    )
+    celery_app.send_task("controlplane.fleet.record_heartbeat", sealed_beat(me))
+    wait_for(
+        lambda: Agent.objects.filter(name="cpu-1", state="online").exists(),
+        worker,
+        "beat",
+    )
     assert Agent.objects.get(name="cpu-1").gpu_memory_free_bytes == 2**29
 
     do_request_promotion(release, owner)
     wait_for(lambda: release.jobs.filter(kind="verify_source").exists(), worker, "job")
     job = release.jobs.get(kind="verify_source")
+    request = stages.request_for(job)
     celery_app.send_task(
-        "controlplane.releases.record_job_progress", args=[job.pk, 1, "cpu-1", 0.5]
+        "controlplane.releases.record_job_progress",
+        tasks.sealed_progress(request, 0.5, me),
     )
     wait_for(
         lambda: Job.objects.filter(pk=job.pk, state="running").exists(), worker, "run"
@@ -148,9 +169,12 @@ def test_it_records_agent_messages_in_a_real_worker(worker, make_release, owner)
         ok=True,
         agent="cpu-1",
         payload=InspectResult(ok=True).model_dump(mode="json"),
-    ).model_dump(mode="json")
-    for _ in range(2):  # the second is a duplicate
-        celery_app.send_task("controlplane.releases.record_job_result", [result, 1])
+    )
+    for _ in range(2):  # the second is a duplicate (sealed anew)
+        celery_app.send_task(
+            "controlplane.releases.record_job_result",
+            tasks.sealed_result(result, request, me),
+        )
 
     wait_for(lambda: release.jobs.filter(kind="compress").exists(), worker, "next")
     worker_log = worker[1]

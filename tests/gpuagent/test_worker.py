@@ -4,6 +4,8 @@ its heartbeat, sent through a real (embedded SQLAlchemy) broker."""
 import pytest
 
 from gpuagent import worker
+from gpuagent.integrity import identity
+from gpuagent.protocol import Seal
 from tests.test_layering import imported_modules, is_within
 
 
@@ -15,6 +17,7 @@ def me(tmp_path, monkeypatch) -> worker.Agent:
             "GPUAGENT_NAME": "gpu-7",
             "GPUAGENT_ARTIFACTS": str(tmp_path / "artifacts"),
             "GPUAGENT_CONTROLPLANE_QUEUE": f"cp-{tmp_path.name}",
+            "GPUAGENT_STATE_DIR": str(tmp_path / "state"),
         }
     )
     monkeypatch.setattr(worker, "_agent", agent)
@@ -59,5 +62,53 @@ def test_it_sends_the_first_beat_before_it_returns(me, tmp_path):
         message = queue.get(block=False)  # there already, not on its way
         queue.close()
     assert message.headers["task"] == worker.RECORD_HEARTBEAT
-    (sent,), _, _ = message.decode()
+    (sent, seal), _, _ = message.decode()
     assert sent["incarnation"] == me.incarnation
+    # sealed by this agent's own key, over this very beat
+    identity.check_seal(
+        Seal.model_validate(seal),
+        identity.public_raw(me.identity),
+        sent,
+        type="heartbeat",
+    )
+    assert sent["public_key"] == identity.public_raw(me.identity).hex()
+
+
+def test_it_creates_its_identity_key_on_first_start_readable_by_it_alone(me):
+    key_path = me.identity_key_path
+
+    fingerprint = me.fingerprint
+
+    assert key_path.is_file()
+    assert key_path.stat().st_mode & 0o777 == 0o600
+    again = worker.agent_from_environment(
+        {"GPUAGENT_NAME": "gpu-7", "GPUAGENT_IDENTITY_KEY": str(key_path)}
+    )
+    assert again.fingerprint == fingerprint  # the same identity after a restart
+
+
+def test_it_trusts_the_control_plane_keys_it_is_given_as_pem_files_or_hex(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    current, next_key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    pem = tmp_path / "controlplane.pub.pem"
+    pem.write_bytes(
+        current.public_key().public_bytes(
+            serialization.Encoding.PEM,
+            serialization.PublicFormat.SubjectPublicKeyInfo,
+        )
+    )
+    env = {
+        "GPUAGENT_NAME": "gpu-7",
+        "GPUAGENT_STATE_DIR": str(tmp_path / "state"),
+        "GPUAGENT_CONTROLPLANE_KEY": f"{pem},{identity.public_raw(next_key).hex()}",
+    }
+
+    me = worker.agent_from_environment(env)
+
+    assert me.controlplane_keys == (
+        identity.public_raw(current),
+        identity.public_raw(next_key),
+    )
+    assert me.identity_key_path == tmp_path / "state" / "identity.key"

@@ -11,7 +11,7 @@ from django.utils import timezone
 from controlplane.dashboard import access
 from controlplane.dashboard.agent_facts import agent_facts
 from controlplane.dashboard.health import agent_dead_after_s, agent_health, job_health
-from controlplane.fleet.models import Agent, Deployment
+from controlplane.fleet.models import Agent, Deployment, EnrollmentRequest
 from controlplane.releases.models import Job
 
 
@@ -51,5 +51,14 @@ def _rows(user) -> list[dict]:
 
 @login_required
 def fleet(request):
-    ctx = {"rows": _rows(request.user), "dead_after_s": agent_dead_after_s()}
+    operator = request.user.is_staff or request.user.is_superuser
+    ctx = {
+        "rows": _rows(request.user),
+        "dead_after_s": agent_dead_after_s(),
+        # Keys waiting for an operator (staff only: fleet enrollment is theirs).
+        "operator": operator,
+        "pending": (
+            EnrollmentRequest.objects.filter(state="pending") if operator else []
+        ),
+    }
     return render(request, "dashboard/fleet.html", ctx)

@@ -109,12 +109,14 @@ def outbox(settings) -> Callable[[], list[tuple[str, tuple]]]:
     return pending
 
 
-def _agent_deployed(request: dict) -> str:
-    """What an agent answers a deploy job with once it verified the candidate and
-    its server answers /health (these releases have no files: their evidence is
-    built); returns the release's state after the control plane recorded it."""
+def _agent_deployed(request: dict, agent) -> str:
+    """What the enrolled `agent` (a gpuagent.worker.Agent) answers a deploy job
+    with once it verified the candidate and its server answers /health (these
+    releases have no files: their evidence is built), sealed with its key;
+    returns the release's state after the control plane recorded it."""
     from controlplane.releases.models import Release
     from controlplane.releases.tasks import record_job_result
+    from gpuagent import tasks
     from gpuagent.protocol import DeployResult, JobRequest, JobResult
 
     job = JobRequest.model_validate(request)
@@ -123,26 +125,42 @@ def _agent_deployed(request: dict) -> str:
         job_id=job.job_id,
         kind=job.kind,
         ok=True,
-        agent="gpu-1",
+        agent=agent.name,
         payload=DeployResult(ok=True, endpoint="http://127.0.0.1:8100").model_dump(),
     )
-    record_job_result(result.model_dump(mode="json"), job.attempt)
+    record_job_result(*tasks.sealed_result(result, job, agent))
     return Release.objects.get(pk=job.release_id).state
 
 
 @pytest.fixture
-def run_queued(outbox):
+def run_queued(outbox, tmp_path):
     """Run what was queued, oldest first, through the real task code; agent jobs
-    are answered as an agent would (`_agent_deployed`). Returns the outcome of each
-    control-plane task."""
+    are answered as an enrolled agent would (`_agent_deployed`). Returns the
+    outcome of each control-plane task."""
+    from gpuagent import tasks
+    from gpuagent.artifacts import ArtifactStore
+    from tests.controlplane.conftest import enroll
+
+    agent = tasks.Agent(
+        name="gpu-1",
+        store=ArtifactStore(tmp_path / "gpu-1"),
+        signing_key=None,
+        trusted_keys=(),
+        controlplane_queue="celery",
+        pool_queue="agents",
+        threads=1,
+    )
+    enrolled = []
 
     def run() -> list[str]:
         celery_app.loader.import_default_modules()  # registers the tasks by name
+        if not enrolled:
+            enrolled.append(enroll(agent))
         outcomes = []
         while message := OutboxMessage.objects.filter(sent__isnull=True).first():
             OutboxMessage.objects.filter(pk=message.pk).update(sent=timezone.now())
             if message.task == "gpuagent.run_job":
-                outcomes.append(_agent_deployed(*message.args))
+                outcomes.append(_agent_deployed(message.args[0], agent))
             else:
                 outcomes.append(celery_app.tasks[message.task](*message.args))
         return outcomes

@@ -20,7 +20,7 @@ from controlplane.accounts.actions import do_create_api_token
 from controlplane.accounts.models import Membership
 from controlplane.dashboard import urls as dashboard_urls
 from controlplane.fleet.actions import do_record_agent_heartbeat, do_register_agent
-from controlplane.fleet.models import Deployment
+from controlplane.fleet.models import Deployment, EnrollmentRequest
 from controlplane.releases.actions.approvals import do_reject_release
 from controlplane.releases.actions.deployments import do_fail_deployment
 from controlplane.releases.actions.jobs import do_finish_job, do_start_job
@@ -54,7 +54,15 @@ FRAGMENTS = {
     "release-status": "release-detail",
     "environment-rows": "environment-list",
 }
-NOT_PAGES = {"cost-csv", "favicon"}  # a CSV download, an icon
+# a CSV download, an icon, and the fleet page's enrollment posts (they answer
+# with the fleet page, seen here with a key waiting)
+NOT_PAGES = {
+    "cost-csv",
+    "favicon",
+    "enroll-agent",
+    "reject-enrollment",
+    "revoke-agent",
+}
 
 OVERFLOW_JS = "() => [document.documentElement.scrollWidth, window.innerWidth]"
 # Elements, and runs of text, whose right edge is past the viewport and that no
@@ -117,6 +125,16 @@ def long_scene(
     whose pipeline is running with a failed job. The viewer is an approver with a
     long username."""
     viewer = User.objects.create_user(LONG_USER, password=PASSWORD)
+    viewer.is_staff = True  # sees the agent keys waiting for enrollment
+    viewer.save(update_fields=["is_staff"])
+    EnrollmentRequest.objects.create(
+        fingerprint=hex64("waiting"),
+        public_key=hex64("waiting-key"),
+        requested_name=LONG_AGENT + "-new",
+        requested_pool="agents-" + LONG_AGENT,
+        signing_public_key="-----BEGIN PUBLIC KEY-----",
+        gpu_model=LONG_GPU,
+    )
     Membership.objects.create(
         team=owner.memberships.get().team, user=viewer, role="approver"
     )

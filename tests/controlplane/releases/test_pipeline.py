@@ -23,14 +23,13 @@ from controlplane.releases.actions.promotion import do_reopen_release
 from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job, Release
 from controlplane.releases.tasks import (
-    record_job_result,
     run_deployment,
     run_promotion,
     run_reverification,
     watch_jobs,
 )
 from controlplane.releases.timings import stage_timings
-from gpuagent.protocol import DeployResult, Heartbeat, VerifyResult
+from gpuagent.protocol import DeployResult, VerifyResult
 from tests.controlplane.releases.test_evaluate_policy import load_report, quality_report
 from tests.controlplane.releases.test_transition_release import erase_audit_log
 
@@ -91,7 +90,14 @@ def test_it_runs_integrity_stages_on_the_agent_then_both_tests_in_parallel(
         p.name for p in DEMO_MODEL.iterdir() if p.is_file()
     )
     done = Job.objects.filter(release=bf16_release, state="succeeded")
-    assert all(j.agent.name == "local" and j.started and j.finished for j in done)
+    assert all(j.started and j.finished for j in done)
+    # verified by another enrolled agent than the one that signed
+    assert {j.kind: j.agent.name for j in done} == {
+        "verify_source": "local",
+        "compress": "local",
+        "sign": "local",
+        "verify": "checker",
+    }
 
 
 def test_it_gates_on_the_recorded_evidence_then_waits_for_approval(
@@ -185,7 +191,8 @@ def test_a_duplicate_result_message_changes_nothing(bf16_release, local_agent):
         Release.objects.get(pk=bf16_release.pk).state,
     )
 
-    again = record_job_result(result.model_dump(mode="json"), request.attempt)
+    # sealed anew (an agent's retry): counted once
+    again = local_agent.record(message, request, result)
 
     assert again == "ignored"
     after = (
@@ -284,27 +291,10 @@ def test_the_watch_resends_a_job_no_agent_took_in_time(bf16_release, local_agent
     assert "no agent took it within" in Job.objects.get(release=bf16_release).error
 
 
-def beat_of(incarnation: str, *, running_jobs=()) -> dict:
-    """A heartbeat of the local agent's `incarnation`, as gpuagent.worker sends."""
-    return Heartbeat(
-        agent="local",
-        queue="agent.local",
-        pool_queue="agents",
-        incarnation=incarnation,
-        started=timezone.now(),
-        device="cpu",
-        gpu_model="CPU test",
-        memory_total_bytes=2**30,
-        memory_free_bytes=2**29,
-        running_jobs=list(running_jobs),
-        can_sign=True,
-    ).model_dump(mode="json")
-
-
 def test_a_restarted_agent_gets_the_job_of_its_earlier_incarnation_again_at_once(
     bf16_release, local_agent
 ):
-    record_heartbeat(beat_of(local_agent.agent.incarnation))
+    record_heartbeat(*local_agent.beat(local_agent.agent.incarnation))
     run_promotion(bf16_release.pk)
     (message, request), *_ = local_agent.pending("verify_source")
     local_agent.tasks.report_progress(request, 0.1)  # taken by "local"
@@ -312,7 +302,7 @@ def test_a_restarted_agent_gets_the_job_of_its_earlier_incarnation_again_at_once
 
     # Killed and started again: its next beat is another incarnation's, long
     # before AGENT_DEAD_AFTER_S.
-    assert record_heartbeat(beat_of(uuid.uuid4().hex)) == "online"
+    assert record_heartbeat(*local_agent.beat(uuid.uuid4().hex)) == "online"
 
     job = Job.objects.get(release=bf16_release, kind="verify_source")
     assert (job.state, job.attempts, job.agent) == ("queued", 2, None)
@@ -332,21 +322,21 @@ def test_a_restart_resends_what_the_earlier_incarnation_reported_and_no_more(
     run_promotion(bf16_release.pk)
     (message, request), *_ = local_agent.pending("verify_source")
     # Taken: its last beat says so, its progress report was lost with it.
-    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
-    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    record_heartbeat(*local_agent.beat(first, running_jobs=[request.job_id]))
+    record_heartbeat(*local_agent.beat(first, running_jobs=[request.job_id]))
     job = Job.objects.get(pk=request.job_id)
     assert (job.state, job.attempts) == ("queued", 1)  # the same incarnation
 
     second = uuid.uuid4().hex
-    record_heartbeat(beat_of(second))
+    record_heartbeat(*local_agent.beat(second))
 
     job.refresh_from_db()
     assert (job.state, job.attempts) == ("queued", 2)
     local_agent.taken.add(message.pk)
     (message, request), *_ = local_agent.pending("verify_source")
     local_agent.tasks.report_progress(request, 0.1)  # the new one takes it
-    record_heartbeat(beat_of(second, running_jobs=[request.job_id]))
-    record_heartbeat(beat_of(uuid.uuid4().hex, running_jobs=[request.job_id]))
+    record_heartbeat(*local_agent.beat(second, running_jobs=[request.job_id]))
+    record_heartbeat(*local_agent.beat(uuid.uuid4().hex, running_jobs=[request.job_id]))
     job.refresh_from_db()
     # still attempt 2: the newest incarnation says it runs it
     assert (job.state, job.attempts) == ("running", 2)
@@ -359,11 +349,11 @@ def test_a_restart_after_the_watch_sent_the_job_away_sends_it_no_more(
     run_promotion(bf16_release.pk)
     (_, request), *_ = local_agent.pending("verify_source")
     local_agent.tasks.report_progress(request, 0.1)
-    record_heartbeat(beat_of(first, running_jobs=[request.job_id]))
+    record_heartbeat(*local_agent.beat(first, running_jobs=[request.job_id]))
     silence(local_agent.row)
     assert watch_jobs()["retried"] == 1  # offline: attempt 2 is queued
 
-    record_heartbeat(beat_of(uuid.uuid4().hex))
+    record_heartbeat(*local_agent.beat(uuid.uuid4().hex))
 
     job = Job.objects.get(pk=request.job_id)
     assert (job.state, job.attempts) == ("queued", 2)

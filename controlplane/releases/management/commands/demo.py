@@ -33,6 +33,8 @@ from controlplane.celery import dies_with_this_process, worker_command
 from controlplane.costs.actions import do_set_cost_model
 from controlplane.costs.money import format_money
 from controlplane.costs.report import release_costs
+from controlplane.fleet.enrollment import do_enroll_local_agent
+from controlplane.fleet.keys import write_controlplane_public_key
 from controlplane.fleet.models import Environment
 from controlplane.releases import pipeline
 from controlplane.releases.actions.approvals import do_approve_release
@@ -41,7 +43,8 @@ from controlplane.releases.actions.promotion import do_request_promotion
 from controlplane.releases.actions.registration import do_register_release
 from controlplane.releases.models import Job, ModelFamily, Release
 from controlplane.releases.timings import stage_timings
-from gpuagent.integrity.keys import ensure_key_pair
+from gpuagent.integrity import identity
+from gpuagent.integrity.keys import ensure_key_pair, public_key_pem
 
 DEMO_MODEL = Path(settings.BASE_DIR) / "gpuagent" / "engine" / "demo_model"
 # int4 weights (compressed-tensors w4a16, group 128, GPTQ on the calibration text)
@@ -174,11 +177,29 @@ class Command(BaseCommand):
         data = Path(settings.DATA_DIR)
         key = data / "agent" / "keys" / f"{LOCAL_AGENT}.pem"
         ensure_key_pair(key)
+        pool = settings.RELEASEGATE_AGENT_POOL_QUEUE
+        # Dev/demo: the local agent's identity is made here and enrolled without
+        # an operator (logged, audited as system:demo); production agents wait
+        # for an operator's approval. It gets the control plane's public key.
+        identity_key = data / "agent" / "state" / LOCAL_AGENT / "identity.key"
+        agent = do_enroll_local_agent(
+            LOCAL_AGENT,
+            identity.public_raw(identity.load_or_create_key(identity_key)),
+            signing_public_key=public_key_pem(key).decode(),
+            pool_queue=pool,
+            actor="system:demo",
+        )
+        controlplane_public = write_controlplane_public_key(
+            data / "agent" / "controlplane.pub.pem"
+        )
+        self.stdout.write(
+            f"dev: local agent {agent.name} enrolled without an operator (key "
+            f"{agent.fingerprint[:16]}...); one agent signs and verifies here"
+        )
         # The control plane's worker is also the local agent: it runs
         # gpuagent.tasks from the agent queues, with threads so that the control
         # plane's tasks (results, heartbeats) are taken while a job runs; beat
         # runs in it too (the watch of silent agents, the outbox relay).
-        pool = settings.RELEASEGATE_AGENT_POOL_QUEUE
         command = worker_command(
             "--include=gpuagent.tasks",
             f"--queues=celery,{pool},agent.{LOCAL_AGENT}",
@@ -196,6 +217,11 @@ class Command(BaseCommand):
             "GPUAGENT_POOL": pool,
             "GPUAGENT_CONTROLPLANE_QUEUE": "celery",
             "GPUAGENT_THREADS": "1",
+            "GPUAGENT_IDENTITY_KEY": str(identity_key),
+            "GPUAGENT_CONTROLPLANE_KEY": str(controlplane_public),
+            "RELEASEGATE_CONTROLPLANE_KEY": str(settings.RELEASEGATE_CONTROLPLANE_KEY),
+            # One agent: it verifies what it signed (never in production).
+            "RELEASEGATE_ALLOW_VERIFY_ON_SIGNER": "True",
         }
         with open(log_path, "wb") as log:
             worker = subprocess.Popen(
