@@ -1,7 +1,11 @@
 """`receiver`: a real HTTP server on 127.0.0.1 (a free port) that records every
 request and answers with the statuses it is given, in order (200 once they run out).
-`webhook`: one for the team's environment pointing at it, with its secret."""
+`proxy`: another, standing where a proxy variable would send requests.
+`webhook`: one for the team's environment pointing at the receiver, with its secret.
+`resolver`: stands in for DNS for names under .example.test (other names resolve
+as usual); `connects`: every address a connection was opened to."""
 
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -29,12 +33,11 @@ class Receiver:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/releasegate"
+        self.port = self.server.server_port
+        self.url = f"http://127.0.0.1:{self.port}/hooks/releasegate"
 
 
-@pytest.fixture
-def receiver():
-    found = Receiver()
+def _serving(found: Receiver):
     thread = threading.Thread(target=found.server.serve_forever, daemon=True)
     thread.start()
     yield found
@@ -44,6 +47,66 @@ def receiver():
 
 
 @pytest.fixture
+def receiver():
+    yield from _serving(Receiver())
+
+
+@pytest.fixture
+def proxy():
+    yield from _serving(Receiver())
+
+
+@pytest.fixture
 def webhook(receiver, environment, owner, settings):
     settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver is local
     return do_create_webhook(environment, receiver.url, actor=owner)
+
+
+class Resolver:
+    """Answers for names under .example.test: `answers` in turn, one list of
+    addresses per lookup (the last one again once they run out)."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.answers: list[list[str]] = []
+        self.lookups: list[str] = []
+
+    def __call__(self, host, port, *args, **kwargs):
+        if not str(host).endswith(".example.test"):
+            return self.real(host, port, *args, **kwargs)
+        self.lookups.append(host)
+        addresses = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        return [
+            (
+                socket.AF_INET6 if ":" in a else socket.AF_INET,
+                socket.SOCK_STREAM,
+                socket.IPPROTO_TCP,
+                "",
+                (a, port or 0, 0, 0) if ":" in a else (a, port or 0),
+            )
+            for a in addresses
+        ]
+
+
+@pytest.fixture
+def resolver(monkeypatch):
+    fake = Resolver(socket.getaddrinfo)
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    return fake
+
+
+@pytest.fixture
+def connects(monkeypatch):
+    """Connections go through as usual, except to the public address the tests
+    name (8.8.8.8), which is refused here: no test reaches out."""
+    real = socket.create_connection
+    opened: list[tuple[str, int]] = []
+
+    def create_connection(address, *args, **kwargs):
+        opened.append((address[0], address[1]))
+        if address[0] == "8.8.8.8":
+            raise ConnectionRefusedError("refused by the test")
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    return opened
