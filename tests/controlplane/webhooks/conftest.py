@@ -110,3 +110,68 @@ def connects(monkeypatch):
 
     monkeypatch.setattr(socket, "create_connection", create_connection)
     return opened
+
+
+def _self_signed(name: str, folder) -> tuple[str, str]:
+    """A key and a self-signed certificate for `name` (its own CA), as PEM files."""
+    from datetime import UTC, datetime, timedelta
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path, cert_path = folder / f"{name}.key", folder / f"{name}.pem"
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(key_path), str(cert_path)
+
+
+@pytest.fixture
+def tls_receiver(tmp_path, monkeypatch):
+    """A receiver over TLS with a certificate for `name`, trusted by the client
+    (the one CA it trusts); `server_names` are the SNI names it was sent."""
+    import ssl
+
+    import certifi
+
+    servers = []
+
+    def start(name: str) -> Receiver:
+        key_path, cert_path = _self_signed(name, tmp_path)
+        monkeypatch.setattr(certifi, "where", lambda: cert_path)
+        found = Receiver()
+        found.server_names = []
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert_path, key_path)
+        context.sni_callback = lambda sock, sni, ctx: found.server_names.append(sni)
+        found.server.socket = context.wrap_socket(found.server.socket, server_side=True)
+        serving = _serving(found)
+        next(serving)
+        servers.append(serving)
+        return found
+
+    yield start
+    for serving in servers:
+        next(serving, None)

@@ -223,3 +223,28 @@ def test_it_ignores_proxy_variables(
 
     assert proxy.requests == []
     assert len(receiver.requests) == 1
+
+
+@pytest.mark.parametrize("certified", ["hooks.example.test", "other.example.test"])
+def test_it_checks_the_certificate_of_the_host_name(
+    release, environment, owner, tls_receiver, queued, resolver, settings, certified
+):
+    settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver is local
+    receiver = tls_receiver(certified)
+    url = f"https://hooks.example.test:{receiver.port}/hooks/releasegate"
+    do_create_webhook(environment, url, actor=owner)
+    resolver.answers = [["127.0.0.1"]]
+    do_transition_release(release, "verifying", actor=owner)
+    [(delivery_id,)] = queued("deliver")
+
+    state = deliver_webhook(delivery_id)
+
+    assert receiver.server_names == ["hooks.example.test"]  # SNI: the name
+    if certified == "hooks.example.test":
+        assert state == "delivered"
+        [(headers, _)] = receiver.requests
+        assert headers["Host"] == f"hooks.example.test:{receiver.port}"
+    else:
+        assert receiver.requests == []
+        error = WebhookDelivery.objects.get(pk=delivery_id).last_error
+        assert "CERTIFICATE_VERIFY_FAILED" in error
