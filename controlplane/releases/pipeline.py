@@ -24,6 +24,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from controlplane.audit.actions import on_behalf_of_agent
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import IllegalTransition
 from controlplane.fleet.actions import (
@@ -353,7 +354,12 @@ def _reverified(job: Job) -> None:
 def record_result(result: JobResult, attempt: int) -> str:
     """Record an agent's answer and move the release on. A result for a finished
     job, or from an attempt no longer in force (a retried job's old agent), changes
-    nothing: returns "ignored"."""
+    nothing: returns "ignored". What it sets off is audited as that agent's."""
+    with on_behalf_of_agent(result.agent):
+        return _record_result(result, attempt)
+
+
+def _record_result(result: JobResult, attempt: int) -> str:
     with transaction.atomic():
         job = (
             Job.objects.select_for_update()
@@ -397,11 +403,12 @@ def agent_named(name: str) -> Agent | None:
 def record_progress(
     job_id: int, attempt: int, agent_name: str, progress: float
 ) -> bool:
-    job = Job.objects.filter(pk=job_id).first()
-    agent = agent_named(agent_name)
-    if job is None or agent is None:
-        return False
-    return do_mark_job_running(job, attempt=attempt, agent=agent, progress=progress)
+    with on_behalf_of_agent(agent_name):
+        job = Job.objects.filter(pk=job_id).first()
+        agent = agent_named(agent_name)
+        if job is None or agent is None:
+            return False
+        return do_mark_job_running(job, attempt=attempt, agent=agent, progress=progress)
 
 
 def retry_or_fail(job: Job, reason: str, *, avoid_agent: bool = True) -> str:
@@ -428,7 +435,13 @@ def record_heartbeat(beat: Heartbeat) -> Agent:
     """Record an agent's heartbeat. The first beat of a new incarnation (the agent
     restarted under its name, e.g. killed and started again sooner than
     AGENT_DEAD_AFTER_S would tell) sends again, at once and in the same
-    transaction, every job its earlier incarnation held: those died with it."""
+    transaction, every job its earlier incarnation held: those died with it.
+    What it sets off is audited as that agent's."""
+    with on_behalf_of_agent(beat.agent):
+        return _record_heartbeat(beat)
+
+
+def _record_heartbeat(beat: Heartbeat) -> Agent:
     with transaction.atomic():
         earlier = Agent.objects.select_for_update().filter(name=beat.agent).first()
         agent = do_record_heartbeat(beat)
