@@ -132,3 +132,31 @@ def test_it_detects_an_event_rehashed_on_its_own(events):
 
     with pytest.raises(CommandError, match=f"event {events[3].pk} .* does not follow"):
         verify()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_keeps_one_chain_under_concurrent_writers(release, owner):
+    """Writers in their own transactions and connections, each holding its
+    transaction open a moment after appending: the head's lock orders them."""
+    import threading
+    import time
+
+    from django.db import connections, transaction
+
+    def write(n: int) -> None:
+        try:
+            for i in range(5):
+                with transaction.atomic():
+                    do_record_event(owner, f"release.w{n}.{i}", release)
+                    time.sleep(0.005)
+        finally:
+            connections.close_all()
+
+    writers = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+
+    assert AuditEvent.objects.filter(verb__startswith="release.w").count() == 20
+    assert "holds" in verify()
