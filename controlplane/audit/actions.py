@@ -2,8 +2,9 @@
 the event commits or rolls back with the change it describes.
 
 Every event names who did it: a user (dashboard) by username, an API token as
-`token:<prefix> (<name>, <username>)`, an agent as `agent:<name>` (its enrolled
-name) for what its messages set off, or a named system component
+`token:<prefix> (<name>, <username>)`, an agent as `agent:<name>` for what its
+messages set off (the name the message carries: pass the enrolled identity that
+signed it once messages are signed), or a named system component
 ("system:worker", "system:fleet") for what the control plane does on its own.
 Each event is chained to the one before it by hash (chain.py)."""
 
