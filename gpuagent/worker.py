@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import ssl
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -139,6 +140,13 @@ def make_app(broker_url: str) -> Celery:
         task_ignore_result=True,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
+        # rediss://: check the broker's certificate (kombu's default for rediss://
+        # without options is CERT_NONE); ssl_* parameters in the URL replace this.
+        broker_use_ssl=(
+            {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+            if broker_url.startswith("rediss://")
+            else False
+        ),
     )
     return app
 

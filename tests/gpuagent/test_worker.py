@@ -1,6 +1,8 @@
 """The agent process (gpuagent.worker): who it is, which start of it this is, and
 its heartbeat, sent through a real (embedded SQLAlchemy) broker."""
 
+import ssl
+
 import pytest
 
 from gpuagent import worker
@@ -61,3 +63,14 @@ def test_it_sends_the_first_beat_before_it_returns(me, tmp_path):
     assert message.headers["task"] == worker.RECORD_HEARTBEAT
     (sent,), _, _ = message.decode()
     assert sent["incarnation"] == me.incarnation
+
+
+def test_it_checks_the_certificate_of_a_rediss_broker():
+    url = "rediss://agent-gpu-1:s3cret@redis.internal:6380/0"
+
+    checked = worker.make_app(url).connection_for_write().ssl
+    with_ca = worker.make_app(url + "?ssl_ca_certs=/ca.pem").connection_for_write()
+
+    assert checked == {"ssl_cert_reqs": ssl.CERT_REQUIRED}  # kombu's own: CERT_NONE
+    assert with_ca.ssl == {"ssl_ca_certs": "/ca.pem"}  # redis-py then requires
+    assert not worker.make_app("redis://redis.internal/0").connection_for_write().ssl
