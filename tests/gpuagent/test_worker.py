@@ -74,3 +74,14 @@ def test_it_checks_the_certificate_of_a_rediss_broker():
     assert checked == {"ssl_cert_reqs": ssl.CERT_REQUIRED}  # kombu's own: CERT_NONE
     assert with_ca.ssl == {"ssl_ca_certs": "/ca.pem"}  # redis-py then requires
     assert not worker.make_app("redis://redis.internal/0").connection_for_write().ssl
+
+
+def test_it_keeps_its_unacknowledged_messages_under_keys_of_its_own():
+    app = worker.make_app("rediss://agent-gpu-1:s3cret@redis.internal:6380/0", "gpu-1")
+
+    assert app.conf.broker_transport_options == {
+        "unacked_key": "unacked.agent.gpu-1",
+        "unacked_index_key": "unacked_index.agent.gpu-1",
+        "unacked_mutex_key": "unacked_mutex.agent.gpu-1",
+    }
+    assert app.conf.worker_enable_remote_control is False
