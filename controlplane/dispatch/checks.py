@@ -25,8 +25,8 @@ def redis_transport_warnings(setting: str, url: str, tls_options) -> list[Warnin
     if scheme == "redis":
         found.append(
             Warning(
-                f"{setting} is a plain redis:// URL: job requests and results "
-                "cross the network in clear.",
+                f"{setting} is a plain redis:// URL: what it carries crosses the "
+                "network in clear.",
                 hint="Use rediss:// (Redis with TLS); see the README, Redis.",
                 id="releasegate.W001",
             )
