@@ -87,24 +87,44 @@ def post_pinned(url: str, *, content: bytes, headers: dict) -> httpx.Response:
     )
     headers = {**headers, "Host": parts.netloc}
     extensions = {}
-    if parts.scheme == "https" and parts.hostname not in map(str, found):
+    if parts.scheme == "https" and not _is_address(parts.hostname):
         extensions["sni_hostname"] = parts.hostname
+    *others, last = found
     with httpx.Client(
         trust_env=False,
         timeout=settings.RELEASEGATE_WEBHOOK_TIMEOUT_S,
         follow_redirects=False,
     ) as client:
-        for n, address in enumerate(found, start=1):
-            literal = f"[{address}]" if address.version == 6 else str(address)
-            pinned = parts._replace(netloc=f"{literal}:{port}").geturl()
+        for address in others:
             try:
                 return client.post(
-                    pinned, content=content, headers=headers, extensions=extensions
+                    _at(parts, address, port),
+                    content=content,
+                    headers=headers,
+                    extensions=extensions,
                 )
             except (httpx.ConnectError, httpx.ConnectTimeout):
-                if n == len(found):
-                    raise
-    raise AssertionError("unreachable: resolve_checked returns an address")
+                continue  # the next checked address
+        return client.post(
+            _at(parts, last, port),
+            content=content,
+            headers=headers,
+            extensions=extensions,
+        )
+
+
+def _at(parts, address, port: int) -> str:
+    """The URL `parts` with its host replaced by `address`."""
+    literal = f"[{address}]" if address.version == 6 else str(address)
+    return parts._replace(netloc=f"{literal}:{port}").geturl()
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def do_create_webhook(

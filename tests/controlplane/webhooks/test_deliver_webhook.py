@@ -248,3 +248,18 @@ def test_it_checks_the_certificate_of_the_host_name(
         assert receiver.requests == []
         error = WebhookDelivery.objects.get(pk=delivery_id).last_error
         assert "CERTIFICATE_VERIFY_FAILED" in error
+
+
+def test_it_tries_the_next_checked_address_when_one_does_not_connect(
+    release, environment, owner, receiver, queued, resolver, connects, settings
+):
+    settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver is local
+    named_webhook(environment, owner, receiver)
+    resolver.answers = [["8.8.8.8", "127.0.0.1"]]
+    do_transition_release(release, "verifying", actor=owner)
+    [(delivery_id,)] = queued("deliver")
+
+    assert deliver_webhook(delivery_id) == "delivered"
+
+    assert connects == [("8.8.8.8", receiver.port), ("127.0.0.1", receiver.port)]
+    assert resolver.lookups == ["hooks.example.test"]
