@@ -70,6 +70,7 @@ class AuditEvent(models.Model):
             "before": self.before,
             "after": self.after,
             "created": self.created.isoformat(),
+            "prev_hash": self.prev_hash,
             "hash": self.event_hash,
         }
 
