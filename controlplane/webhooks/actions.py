@@ -85,10 +85,11 @@ def post_pinned(url: str, *, content: bytes, headers: dict) -> httpx.Response:
     found = addresses.resolve_checked(
         parts.hostname, port, allow_private=settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE
     )
-    headers = {**headers, "Host": parts.netloc}
+    named = httpx.URL(url)  # the name as it goes on the wire (IDNA)
+    headers = {**headers, "Host": named.netloc.decode("ascii")}
     extensions = {}
     if parts.scheme == "https" and not _is_address(parts.hostname):
-        extensions["sni_hostname"] = parts.hostname
+        extensions["sni_hostname"] = named.raw_host.decode("ascii")
     *others, last = found
     with httpx.Client(
         trust_env=False,

@@ -135,21 +135,38 @@ def named_webhook(environment, owner, receiver):
     return do_create_webhook(environment, url, actor=owner)
 
 
+@pytest.mark.parametrize(
+    "name, on_the_wire",
+    [
+        ("hooks.example.test", "hooks.example.test"),
+        ("bücher.example.test", "xn--bcher-kva.example.test"),  # IDNA
+    ],
+)
 def test_it_connects_to_the_address_it_resolved_and_keeps_the_host_name(
-    release, environment, owner, receiver, queued, resolver, connects, settings
+    release,
+    environment,
+    owner,
+    receiver,
+    queued,
+    resolver,
+    connects,
+    settings,
+    name,
+    on_the_wire,
 ):
     settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver is local
-    named_webhook(environment, owner, receiver)
+    url = f"http://{name}:{receiver.port}/hooks/releasegate"
+    do_create_webhook(environment, url, actor=owner)
     resolver.answers = [["127.0.0.1"]]
     do_transition_release(release, "verifying", actor=owner)
     [(delivery_id,)] = queued("deliver")
 
     assert deliver_webhook(delivery_id) == "delivered"
 
-    assert resolver.lookups == ["hooks.example.test"]  # once
+    assert len(resolver.lookups) == 1  # once
     assert connects == [("127.0.0.1", receiver.port)]
     [(headers, _)] = receiver.requests
-    assert headers["Host"] == f"hooks.example.test:{receiver.port}"
+    assert headers["Host"] == f"{on_the_wire}:{receiver.port}"
 
 
 def test_it_never_connects_to_a_rebound_address(
