@@ -5,6 +5,7 @@ needs no server, artifacts under ./var/artifacts, DEBUG on with a throwaway key.
 """
 
 import os
+import ssl
 import tempfile
 from pathlib import Path
 
@@ -58,6 +59,16 @@ def broker_transport_options(
         "socket_connect_timeout": connect_timeout_s,
         "socket_timeout": socket_timeout_s,
     }
+
+
+def redis_tls_options(url: str) -> dict | bool:
+    """For a rediss:// URL, TLS that checks the server's certificate against the
+    system's CAs: kombu's own default for rediss:// without options is CERT_NONE
+    (encrypted, to anyone). ssl_* parameters in the URL (ssl_ca_certs=/path,
+    ssl_certfile=, ssl_keyfile=) replace these whole. False for other URLs."""
+    if not url.startswith("rediss://"):
+        return False
+    return {"ssl_cert_reqs": ssl.CERT_REQUIRED}
 
 
 DATA_DIR = Path(os.getenv("RELEASEGATE_DATA_DIR", BASE_DIR / "var"))
@@ -216,6 +227,10 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {
     "interval_step": 0.5,
     "interval_max": 1,
 }
+# rediss://: TLS with the server's certificate checked (the deploy checks in
+# controlplane/dispatch/checks.py warn about plain redis:// and a missing ACL user).
+CELERY_BROKER_USE_SSL = redis_tls_options(CELERY_BROKER_URL)
+CELERY_REDIS_BACKEND_USE_SSL = redis_tls_options(CELERY_RESULT_BACKEND) or None
 CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = BROKER_CONNECT_TIMEOUT_S
 CELERY_REDIS_SOCKET_TIMEOUT = envfloat("BROKER_SOCKET_TIMEOUT_S", "5")
 # Nothing reads a task's result (what a task does is in the database), so none is

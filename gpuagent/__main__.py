@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["GPUAGENT_IDENTITY_KEY"] = str(args.identity_key.resolve())
     from gpuagent.worker import make_app
 
-    app = make_app(args.broker)  # its worker_ready starts the heartbeat (worker.py)
+    app = make_app(
+        args.broker, name=args.name
+    )  # its worker_ready starts the heartbeat (worker.py)
     app.set_current()
     app.set_default()
     app.worker_main(

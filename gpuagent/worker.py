@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import ssl
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -177,9 +178,17 @@ def _is_hex_key(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
-def make_app(broker_url: str) -> Celery:
-    """The agent's Celery app on `broker_url`, running gpuagent.tasks."""
+def make_app(broker_url: str, name: str = "") -> Celery:
+    """The agent's Celery app on `broker_url`, running gpuagent.tasks. With the
+    agent's `name`, the messages it holds unacknowledged are kept under Redis
+    keys of its own (unacked.agent.NAME...), so its Redis ACL user needs no
+    access to the messages other agents and the control plane hold."""
     app = Celery("gpuagent", broker=broker_url, include=["gpuagent.tasks"])
+    if name and broker_url.startswith(("redis://", "rediss://")):
+        app.conf.broker_transport_options = {
+            f"{key}_key": f"{key}.agent.{name}"
+            for key in ("unacked", "unacked_index", "unacked_mutex")
+        }
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],
@@ -189,6 +198,17 @@ def make_app(broker_url: str) -> Celery:
         task_ignore_result=True,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
+        # No remote control: whoever can publish to the broker could otherwise
+        # broadcast shutdown or pool commands to every agent (and its reply
+        # queues would need their own Redis ACL keys).
+        worker_enable_remote_control=False,
+        # rediss://: check the broker's certificate (kombu's default for rediss://
+        # without options is CERT_NONE); ssl_* parameters in the URL replace this.
+        broker_use_ssl=(
+            {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+            if broker_url.startswith("rediss://")
+            else False
+        ),
     )
     return app
 
@@ -196,8 +216,14 @@ def make_app(broker_url: str) -> Celery:
 def send_to_controlplane(task: str, *args, app: Celery | None = None) -> None:
     """Send the control plane's task named `task` to its queue. Nobody reads what
     it returns: no result store is asked to expect it."""
+    # declare=[]: the control plane declares its own queue; an agent only pushes
+    # to it (its Redis ACL user may write that list, not the queue's bindings).
     (app or current_app).send_task(
-        task, args=list(args), queue=agent().controlplane_queue, ignore_result=True
+        task,
+        args=list(args),
+        queue=agent().controlplane_queue,
+        ignore_result=True,
+        declare=[],
     )
 
 

@@ -162,7 +162,7 @@ class ApiToken(models.Model):
 
     @property
     def actor_name(self) -> str:
-        return f"token:{self.name} ({self.user.username})"
+        return f"token:{self.prefix} ({self.name}, {self.user.username})"
 
     def to_dict(self) -> dict:
         return {

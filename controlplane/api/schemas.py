@@ -738,6 +738,11 @@ class AuditEventOut(Schema):
     before: dict[str, Any]
     after: dict[str, Any]
     created: datetime
+    prev_hash: str = Field(description="the hash of the event written before it")
+    hash: str = Field(
+        description="sha256 over prev_hash and this event's content: its link in "
+        "the audit log's hash chain (manage.py verify_audit_chain checks it)"
+    )
 
 
 class AuditFilters(PageParams):

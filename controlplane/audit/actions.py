@@ -1,14 +1,49 @@
 """The one writer of AuditEvent rows. Callers run it inside their own transaction so
-the event commits or rolls back with the change it describes."""
+the event commits or rolls back with the change it describes.
+
+Every event names who did it: a user (dashboard) by username, an API token as
+`token:<prefix> (<name>, <username>)`, an agent as `agent:<name>` for what its
+messages set off (the name the message carries: pass the enrolled identity that
+signed it once messages are signed), or a named system component
+("system:worker", "system:fleet") for what the control plane does on its own.
+Each event is chained to the one before it by hash (chain.py)."""
+
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
 
 from controlplane.accounts.models import ApiToken
-from controlplane.audit.models import AuditEvent
+from controlplane.audit import chain
+from controlplane.audit.models import AuditChainHead, AuditEvent
 
 # Who did something: a user (dashboard), a token (API), or a named system component
 # ("system:worker"). None means the system without a finer name.
 Actor = AbstractBaseUser | ApiToken | str | None
+
+# The agent whose message (a result, a progress report, a heartbeat) is being
+# recorded, if any: what the worker does in answer names it.
+_acting_agent: ContextVar[str | None] = ContextVar("acting_agent", default=None)
+# What the worker and agent bookkeeping name themselves; a named policy
+# ("system:auto-rollback", "system:fleet") keeps its own name.
+WORKER_ACTORS = (None, "system", "system:worker", "system:agent")
+
+
+def agent_actor_name(agent_name: str) -> str:
+    return f"agent:{agent_name}"
+
+
+@contextmanager
+def on_behalf_of_agent(agent_name: str | None):
+    """Within this block, events the worker records (WORKER_ACTORS) name the agent
+    `agent_name` instead: it is the party whose message set them off. Events by a
+    user, a token or a named policy keep their actor."""
+    token = _acting_agent.set(agent_name or None)
+    try:
+        yield
+    finally:
+        _acting_agent.reset(token)
 
 
 def actor_fields(actor: Actor) -> dict:
@@ -20,6 +55,9 @@ def actor_fields(actor: Actor) -> dict:
         }
     if isinstance(actor, AbstractBaseUser):
         return {"actor_user": actor, "actor_name": actor.get_username()}
+    agent = _acting_agent.get()
+    if agent and actor in WORKER_ACTORS:
+        return {"actor_name": agent_actor_name(agent)}
     return {"actor_name": actor or "system"}
 
 
@@ -32,12 +70,22 @@ def do_record_event(
     after: dict | None = None,
     team=None,
 ) -> AuditEvent:
-    return AuditEvent.objects.create(
-        team=team,
-        verb=verb,
-        object_type=obj._meta.model_name,
-        object_id=str(obj.pk),
-        before=before or {},
-        after=after or {},
-        **actor_fields(actor),
-    )
+    with transaction.atomic():
+        # The head's lock orders writers: ids, and so the chain, follow commits.
+        head, _ = AuditChainHead.objects.select_for_update().get_or_create(pk=1)
+        prev_hash = head.last_hash or chain.GENESIS
+        event = AuditEvent(
+            team=team,
+            verb=verb,
+            object_type=obj._meta.model_name,
+            object_id=str(obj.pk),
+            before=chain.as_stored(before or {}),
+            after=chain.as_stored(after or {}),
+            prev_hash=prev_hash,
+            **actor_fields(actor),
+        )
+        event.event_hash = chain.event_hash(event, prev_hash)
+        event.save()
+        head.last_event_id, head.last_hash = event.pk, event.event_hash
+        head.save(update_fields=["last_event_id", "last_hash"])
+    return event

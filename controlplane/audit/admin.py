@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from controlplane.audit.models import AuditEvent
+from controlplane.audit.models import AuditChainHead, AuditEvent
 
 
 @admin.register(AuditEvent)
@@ -8,6 +8,21 @@ class AuditEventAdmin(admin.ModelAdmin):
     list_display = ("created", "actor_name", "verb", "object_type", "object_id")
     list_filter = ("verb", "object_type", "team")
     search_fields = ("actor_name", "object_id")
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(AuditChainHead)
+class AuditChainHeadAdmin(admin.ModelAdmin):
+    # Moved only by do_record_event; shown so an operator can copy the head hash.
+    list_display = ("last_event_id", "last_hash")
 
     def has_add_permission(self, request):
         return False

@@ -37,6 +37,10 @@ class AuditEvent(models.Model):
     before = models.JSONField(default=dict, blank=True)
     after = models.JSONField(default=dict, blank=True)
     created = models.DateTimeField(default=timezone.now, db_index=True)
+    # The hash chain (chain.py): the previous event's hash, and this one's over its
+    # content and prev_hash. Set by do_record_event, under the chain head's lock.
+    prev_hash = models.CharField(max_length=64)
+    event_hash = models.CharField(max_length=64)
 
     objects = AuditEventQuerySet.as_manager()
 
@@ -66,4 +70,18 @@ class AuditEvent(models.Model):
             "before": self.before,
             "after": self.after,
             "created": self.created.isoformat(),
+            "prev_hash": self.prev_hash,
+            "hash": self.event_hash,
         }
+
+
+class AuditChainHead(models.Model):
+    """The one row that names the newest audit event and its hash. Writers lock it
+    (select_for_update) to append, so events chain in the order they commit, and
+    a chain that stops short of it shows its newest events were removed."""
+
+    last_event_id = models.BigIntegerField(null=True, blank=True)
+    last_hash = models.CharField(max_length=64, blank=True)
+
+    def __str__(self) -> str:
+        return f"audit chain head at event {self.last_event_id}"

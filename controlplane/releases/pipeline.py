@@ -24,6 +24,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from controlplane.audit.actions import on_behalf_of_agent
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import IllegalTransition
 from controlplane.fleet.actions import (
@@ -414,7 +415,13 @@ def record_result(result: JobResult, attempt: int, agent: Agent) -> str:
     """Record an agent's answer and move the release on. A result for a finished
     job, or from an attempt no longer in force (a retried job's old agent), changes
     nothing: returns "ignored". `agent` is the enrolled agent whose seal the
-    intake checked (controlplane.releases.intake), never a name the result says."""
+    intake checked (controlplane.releases.intake), never a name the result says;
+    what it sets off is audited as that agent's."""
+    with on_behalf_of_agent(agent.name):
+        return _record_result(result, attempt, agent)
+
+
+def _record_result(result: JobResult, attempt: int, agent: Agent) -> str:
     with transaction.atomic():
         job = (
             Job.objects.select_for_update()
@@ -449,10 +456,11 @@ def _after(job: Job) -> None:
 
 def record_progress(job_id: int, attempt: int, agent: Agent, progress: float) -> bool:
     """`agent` (sealed, enrolled: the intake checked) runs `attempt` of the job."""
-    job = Job.objects.filter(pk=job_id).first()
-    if job is None:
-        return False
-    return do_mark_job_running(job, attempt=attempt, agent=agent, progress=progress)
+    with on_behalf_of_agent(agent.name):
+        job = Job.objects.filter(pk=job_id).first()
+        if job is None:
+            return False
+        return do_mark_job_running(job, attempt=attempt, agent=agent, progress=progress)
 
 
 def retry_or_fail(job: Job, reason: str, *, avoid_agent: bool = True) -> str:
@@ -479,7 +487,13 @@ def record_heartbeat(beat: Heartbeat) -> Agent:
     """Record an agent's heartbeat. The first beat of a new incarnation (the agent
     restarted under its name, e.g. killed and started again sooner than
     AGENT_DEAD_AFTER_S would tell) sends again, at once and in the same
-    transaction, every job its earlier incarnation held: those died with it."""
+    transaction, every job its earlier incarnation held: those died with it.
+    What it sets off is audited as that agent's."""
+    with on_behalf_of_agent(beat.agent):
+        return _record_heartbeat(beat)
+
+
+def _record_heartbeat(beat: Heartbeat) -> Agent:
     with transaction.atomic():
         earlier = Agent.objects.select_for_update().filter(name=beat.agent).first()
         agent = do_record_heartbeat(beat)

@@ -11,7 +11,6 @@ import base64
 import ipaddress
 import json
 import secrets
-import socket
 import time
 from urllib.parse import urlsplit
 
@@ -28,6 +27,7 @@ from controlplane.audit.actions import Actor, do_record_event
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import ValidationFailed
 from controlplane.fleet.models import Environment
+from controlplane.webhooks import addresses
 from controlplane.webhooks.models import Webhook, WebhookDelivery
 from controlplane.webhooks.signing import (
     DELIVERY_HEADER,
@@ -57,7 +57,7 @@ def decrypt_secret(webhook: Webhook) -> str:
 def check_webhook_url(url: str) -> str:
     """ValidationFailed unless `url` is an http(s) URL with a host (and, unless
     RELEASEGATE_WEBHOOK_ALLOW_PRIVATE, one that does not name a private,
-    loopback or link-local address literally)."""
+    loopback or link-local address literally, nor an IPv6 form of one)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValidationFailed("url must be an http(s) URL with a host", field="url")
@@ -67,30 +67,65 @@ def check_webhook_url(url: str) -> str:
         address = ipaddress.ip_address(parts.hostname)
     except ValueError:
         return url
-    if _is_private(address) and not settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE:
-        raise ValidationFailed(f"url names private address {address}", field="url")
+    why = addresses.why_refused(address)
+    if why and not settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE:
+        raise ValidationFailed(f"url names {why}", field="url")
     return url
 
 
-def _is_private(address) -> bool:
-    return not address.is_global
+def post_pinned(url: str, *, content: bytes, headers: dict) -> httpx.Response:
+    """POST to `url` over a connection to an address its host resolved to once and
+    that was checked then (addresses.resolve_checked), trying the next address only
+    when one does not connect. The Host header, TLS SNI and the certificate check
+    keep the URL's host name. Proxy variables (HTTPS_PROXY...) are ignored: a
+    proxy would resolve the name again, past the check. AddressRefused or
+    httpx.HTTPError when nothing was delivered."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    found = addresses.resolve_checked(
+        parts.hostname, port, allow_private=settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE
+    )
+    named = httpx.URL(url)  # the name as it goes on the wire (IDNA)
+    headers = {**headers, "Host": named.netloc.decode("ascii")}
+    extensions = {}
+    if parts.scheme == "https" and not _is_address(parts.hostname):
+        extensions["sni_hostname"] = named.raw_host.decode("ascii")
+    *others, last = found
+    with httpx.Client(
+        trust_env=False,
+        timeout=settings.RELEASEGATE_WEBHOOK_TIMEOUT_S,
+        follow_redirects=False,
+    ) as client:
+        for address in others:
+            try:
+                return client.post(
+                    _at(parts, address, port),
+                    content=content,
+                    headers=headers,
+                    extensions=extensions,
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                continue  # the next checked address
+        return client.post(
+            _at(parts, last, port),
+            content=content,
+            headers=headers,
+            extensions=extensions,
+        )
 
 
-def _refused_address(url: str) -> str:
-    """Why a delivery to `url` must not be made now, or "" (checked at send time
-    too: a name may resolve to an internal address later)."""
-    if settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE:
-        return ""
-    host = urlsplit(url).hostname or ""
+def _at(parts, address, port: int) -> str:
+    """The URL `parts` with its host replaced by `address`."""
+    literal = f"[{address}]" if address.version == 6 else str(address)
+    return parts._replace(netloc=f"{literal}:{port}").geturl()
+
+
+def _is_address(host: str) -> bool:
     try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError as exc:
-        return f"cannot resolve {host}: {exc}"
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0])
-        if _is_private(address):
-            return f"{host} resolves to private address {address}"
-    return ""
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def do_create_webhook(
@@ -193,30 +228,24 @@ def attempt_delivery(delivery_id: int) -> tuple[str, float | None]:
         delivery.save(update_fields=["attempts"])
     webhook = delivery.webhook
     body = delivery_body(delivery)
-    status, error = None, _refused_address(webhook.url)
-    if not error:
-        headers = {
-            "Content-Type": "application/json",
-            "User-Agent": "releasegate-webhooks",
-            EVENT_HEADER: delivery.event,
-            DELIVERY_HEADER: str(delivery.pk),
-            SIGNATURE_HEADER: signature_header(
-                decrypt_secret(webhook), int(time.time()), body
-            ),
-        }
-        try:
-            response = httpx.post(
-                webhook.url,
-                content=body,
-                headers=headers,
-                timeout=settings.RELEASEGATE_WEBHOOK_TIMEOUT_S,
-                follow_redirects=False,
-            )
-            status = response.status_code
-            if not 200 <= status < 300:
-                error = f"HTTP {status}"
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
+    status, error = None, ""
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "releasegate-webhooks",
+        EVENT_HEADER: delivery.event,
+        DELIVERY_HEADER: str(delivery.pk),
+        SIGNATURE_HEADER: signature_header(
+            decrypt_secret(webhook), int(time.time()), body
+        ),
+    }
+    try:
+        status = post_pinned(webhook.url, content=body, headers=headers).status_code
+        if not 200 <= status < 300:
+            error = f"HTTP {status}"
+    except addresses.AddressRefused as exc:
+        error = str(exc)
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
     if not error:
         state, retry_in = "delivered", None
     elif delivery.attempts >= settings.RELEASEGATE_WEBHOOK_MAX_ATTEMPTS:

@@ -1,6 +1,8 @@
 """The agent process (gpuagent.worker): who it is, which start of it this is, and
 its heartbeat, sent through a real (embedded SQLAlchemy) broker."""
 
+import ssl
+
 import pytest
 
 from gpuagent import worker
@@ -112,3 +114,25 @@ def test_it_trusts_the_control_plane_keys_it_is_given_as_pem_files_or_hex(tmp_pa
         identity.public_raw(next_key),
     )
     assert me.identity_key_path == tmp_path / "state" / "identity.key"
+
+
+def test_it_checks_the_certificate_of_a_rediss_broker():
+    url = "rediss://agent-gpu-1:s3cret@redis.internal:6380/0"
+
+    checked = worker.make_app(url).connection_for_write().ssl
+    with_ca = worker.make_app(url + "?ssl_ca_certs=/ca.pem").connection_for_write()
+
+    assert checked == {"ssl_cert_reqs": ssl.CERT_REQUIRED}  # kombu's own: CERT_NONE
+    assert with_ca.ssl == {"ssl_ca_certs": "/ca.pem"}  # redis-py then requires
+    assert not worker.make_app("redis://redis.internal/0").connection_for_write().ssl
+
+
+def test_it_keeps_its_unacknowledged_messages_under_keys_of_its_own():
+    app = worker.make_app("rediss://agent-gpu-1:s3cret@redis.internal:6380/0", "gpu-1")
+
+    assert app.conf.broker_transport_options == {
+        "unacked_key": "unacked.agent.gpu-1",
+        "unacked_index_key": "unacked_index.agent.gpu-1",
+        "unacked_mutex_key": "unacked_mutex.agent.gpu-1",
+    }
+    assert app.conf.worker_enable_remote_control is False

@@ -60,7 +60,8 @@ def test_an_admin_sets_a_price_in_krw_with_power(api, admin_token, environment):
     model = cost_model_for(environment)
     assert model.electricity_price_per_kwh == Decimal("120.5")
     event = AuditEvent.objects.get(verb="environment.cost_model_set")
-    assert event.actor_name == "token:alice-read-admin (alice)"
+    prefix = event.actor_token.prefix
+    assert event.actor_name == f"token:{prefix} (alice-read-admin, alice)"
     assert event.before["cost_model"] == CostModel().model_dump(mode="json")
     assert event.after["cost_model"]["currency"] == "KRW"
     assert "device_hourly_price" in event.after["changed"]

@@ -22,6 +22,10 @@ def test_it_reads_the_teams_audit_log_newest_first(api, owner_token, release):
     assert promoted["actor"].startswith("token:")
     assert promoted["object_type"] == "release"
     assert promoted["object_id"] == str(release.pk)
+    # Each event's link in the hash chain, to pin or check outside.
+    registered = response.json()["items"][1]
+    assert promoted["prev_hash"] == registered["hash"]
+    assert len(promoted["hash"]) == 64
 
 
 def test_it_filters(api, owner_token, release, make_release):

@@ -1,6 +1,7 @@
 import pytest
 
-from controlplane.audit.actions import do_record_event
+from controlplane.accounts.models import TOKEN_PREFIX_LENGTH, ApiToken
+from controlplane.audit.actions import do_record_event, on_behalf_of_agent
 from controlplane.audit.models import AppendOnlyError, AuditEvent
 
 
@@ -48,3 +49,26 @@ def test_it_is_read_only_in_the_admin(event, admin_client):
     response = admin_client.post(f"/admin/audit/auditevent/{event.pk}/delete/")
     assert response.status_code == 403
     assert AuditEvent.objects.filter(pk=event.pk).exists()
+
+
+def test_it_names_the_agent_whose_message_set_off_a_worker_event(release, owner):
+    with on_behalf_of_agent("gpu-1"):
+        worker = do_record_event("system:worker", "x", release)
+        unnamed = do_record_event(None, "x", release)
+        policy = do_record_event("system:auto-rollback", "x", release)
+        person = do_record_event(owner, "x", release)
+    after = do_record_event("system:worker", "x", release)
+
+    assert worker.actor_name == unnamed.actor_name == "agent:gpu-1"
+    assert policy.actor_name == "system:auto-rollback"
+    assert person.actor_name == owner.username
+    assert after.actor_name == "system:worker"
+
+
+def test_it_names_a_token_by_its_prefix(release, owner, team):
+    token, plaintext = ApiToken.create(owner, team, "ci", ["promote"])
+
+    event = do_record_event(token, "x", release)
+
+    assert event.actor_name == f"token:{plaintext[:TOKEN_PREFIX_LENGTH]} (ci, alice)"
+    assert (event.actor_token, event.actor_user) == (token, owner)

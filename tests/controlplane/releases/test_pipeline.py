@@ -100,6 +100,22 @@ def test_it_runs_integrity_stages_on_the_agent_then_both_tests_in_parallel(
     }
 
 
+def test_it_audits_what_an_agents_results_set_off_as_that_agent(
+    bf16_release, local_agent
+):
+    promote_to_tests(bf16_release, local_agent)
+
+    events = AuditEvent.objects.filter(object_id=str(bf16_release.pk))
+    moves = events.filter(verb="release.transition").order_by("id")
+    assert [(e.after["state"], e.actor_name) for e in moves] == [
+        ("verifying", "system:worker"),  # run_promotion: no agent involved
+        ("compressing", "agent:local"),  # each next state: the agent's result
+        ("evaluating", "agent:local"),
+    ]
+    finished = AuditEvent.objects.filter(verb="job.succeeded")
+    assert {e.actor_name for e in finished} == {"agent:local"}
+
+
 def test_it_gates_on_the_recorded_evidence_then_waits_for_approval(
     bf16_release, local_agent
 ):

@@ -146,7 +146,7 @@ def test_it_names_a_token_actor_in_the_audit_event(release, owner, team):
     event = AuditEvent.objects.get(verb="release.transition")
     assert event.actor_token == token
     assert event.actor_user == owner
-    assert event.actor_name == "token:ci (alice)"
+    assert event.actor_name == f"token:{token.prefix} (ci, alice)"
 
 
 def test_it_keeps_when_the_release_entered_its_state_and_was_reopened(release, owner):

@@ -6,7 +6,11 @@ import pytest
 from controlplane import celery_app
 from controlplane.errors import ValidationFailed
 from controlplane.releases.actions.transitions import do_transition_release
-from controlplane.webhooks.actions import check_webhook_url, retry_delay_s
+from controlplane.webhooks.actions import (
+    check_webhook_url,
+    do_create_webhook,
+    retry_delay_s,
+)
 from controlplane.webhooks.models import Webhook, WebhookDelivery
 from controlplane.webhooks.signing import verify_signature
 from controlplane.webhooks.tasks import deliver_webhook
@@ -123,3 +127,156 @@ def test_it_refuses_private_addresses_unless_allowed(
     assert receiver.requests == []
     delivery = WebhookDelivery.objects.get(pk=delivery_id)
     assert "private address 127.0.0.1" in delivery.last_error
+
+
+def named_webhook(environment, owner, receiver):
+    """A webhook at a name the `resolver` answers for, on the receiver's port."""
+    url = f"http://hooks.example.test:{receiver.port}/hooks/releasegate"
+    return do_create_webhook(environment, url, actor=owner)
+
+
+@pytest.mark.parametrize(
+    "name, on_the_wire",
+    [
+        ("hooks.example.test", "hooks.example.test"),
+        ("bücher.example.test", "xn--bcher-kva.example.test"),  # IDNA
+    ],
+)
+def test_it_connects_to_the_address_it_resolved_and_keeps_the_host_name(
+    release,
+    environment,
+    owner,
+    receiver,
+    queued,
+    resolver,
+    connects,
+    settings,
+    name,
+    on_the_wire,
+):
+    settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver is local
+    url = f"http://{name}:{receiver.port}/hooks/releasegate"
+    do_create_webhook(environment, url, actor=owner)
+    resolver.answers = [["127.0.0.1"]]
+    do_transition_release(release, "verifying", actor=owner)
+    [(delivery_id,)] = queued("deliver")
+
+    assert deliver_webhook(delivery_id) == "delivered"
+
+    assert len(resolver.lookups) == 1  # once
+    assert connects == [("127.0.0.1", receiver.port)]
+    [(headers, _)] = receiver.requests
+    assert headers["Host"] == f"{on_the_wire}:{receiver.port}"
+
+
+def test_it_never_connects_to_a_rebound_address(
+    release, environment, owner, receiver, queued, resolver, connects, settings
+):
+    settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = False
+    named_webhook(environment, owner, receiver)
+    # DNS rebinding: public for the check, the receiver's loopback address after.
+    resolver.answers = [["8.8.8.8"], ["127.0.0.1"]] * 5
+    do_transition_release(release, "verifying", actor=owner)
+    [(delivery_id,)] = queued("deliver")
+
+    deliver_webhook(delivery_id)
+
+    assert receiver.requests == []
+    assert resolver.lookups == ["hooks.example.test"]
+    assert connects == [("8.8.8.8", receiver.port)]
+    delivery = WebhookDelivery.objects.get(pk=delivery_id)
+    assert delivery.state == "pending"
+    assert "ConnectError" in delivery.last_error
+
+
+@pytest.mark.parametrize(
+    "answer, named",
+    [
+        (["8.8.8.8", "127.0.0.1"], "private address 127.0.0.1"),
+        (
+            ["64:ff9b::7f00:1"],
+            "address 64:ff9b::7f00:1, which embeds private address 127.0.0.1",
+        ),
+        (["::ffff:10.0.0.1"], "private address ::ffff:a00:1"),
+    ],
+)
+def test_it_refuses_a_name_with_any_private_address(
+    release,
+    environment,
+    owner,
+    receiver,
+    queued,
+    resolver,
+    connects,
+    settings,
+    answer,
+    named,
+):
+    settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = False
+    named_webhook(environment, owner, receiver)
+    resolver.answers = [answer]
+    do_transition_release(release, "verifying", actor=owner)
+    [(delivery_id,)] = queued("deliver")
+
+    deliver_webhook(delivery_id)
+
+    assert connects == [] and receiver.requests == []
+    delivery = WebhookDelivery.objects.get(pk=delivery_id)
+    assert f"hooks.example.test resolves to {named}" in delivery.last_error
+
+
+def test_it_ignores_proxy_variables(
+    release, owner, webhook, receiver, proxy, queued, monkeypatch
+):
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.setenv(name.lower(), f"http://127.0.0.1:{proxy.port}")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    do_transition_release(release, "verifying", actor=owner)
+    [(delivery_id,)] = queued("deliver")
+
+    assert deliver_webhook(delivery_id) == "delivered"
+
+    assert proxy.requests == []
+    assert len(receiver.requests) == 1
+
+
+@pytest.mark.parametrize("certified", ["hooks.example.test", "other.example.test"])
+def test_it_checks_the_certificate_of_the_host_name(
+    release, environment, owner, tls_receiver, queued, resolver, settings, certified
+):
+    settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver is local
+    receiver = tls_receiver(certified)
+    url = f"https://hooks.example.test:{receiver.port}/hooks/releasegate"
+    do_create_webhook(environment, url, actor=owner)
+    resolver.answers = [["127.0.0.1"]]
+    do_transition_release(release, "verifying", actor=owner)
+    [(delivery_id,)] = queued("deliver")
+
+    state = deliver_webhook(delivery_id)
+
+    assert receiver.server_names == ["hooks.example.test"]  # SNI: the name
+    if certified == "hooks.example.test":
+        assert state == "delivered"
+        [(headers, _)] = receiver.requests
+        assert headers["Host"] == f"hooks.example.test:{receiver.port}"
+    else:
+        assert receiver.requests == []
+        error = WebhookDelivery.objects.get(pk=delivery_id).last_error
+        assert "CERTIFICATE_VERIFY_FAILED" in error
+
+
+def test_it_tries_the_next_checked_address_when_one_does_not_connect(
+    release, environment, owner, receiver, queued, resolver, connects, settings
+):
+    settings.RELEASEGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver is local
+    named_webhook(environment, owner, receiver)
+    resolver.answers = [["8.8.8.8", "127.0.0.1"]]
+    do_transition_release(release, "verifying", actor=owner)
+    [(delivery_id,)] = queued("deliver")
+
+    assert deliver_webhook(delivery_id) == "delivered"
+
+    assert connects == [("8.8.8.8", receiver.port), ("127.0.0.1", receiver.port)]
+    assert resolver.lookups == ["hooks.example.test"]
