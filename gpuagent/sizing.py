@@ -147,17 +147,28 @@ class ModelShape:
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        """Layers i in [first_k_dense_replace, num_layers) with i % freq == 0."""
+        if not self.is_moe or self.first_k_dense_replace >= self.num_layers:
+            return 0
+        freq = self.moe_layer_freq
+        return -(-self.num_layers // freq) - -(-self.first_k_dense_replace // freq)
+
+
+# Larger than any published dimension by far; bounds what a pasted config costs.
+MAX_CONFIG_INT = 2**32
 
 
 def _int(config: Mapping[str, Any], key: str, *, minimum: int = 1) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else shown[:40] + "..."
+        raise SizingError(f"config.json: {key!r} must be an integer, got {shown}")
+    if not minimum <= value <= MAX_CONFIG_INT:
         raise SizingError(
-            f"config.json: {key!r} must be an integer, got {json.dumps(value)}"
+            f"config.json: {key!r} must be in [{minimum}, {MAX_CONFIG_INT}], "
+            f"got {value}"
         )
-    if value < minimum:
-        raise SizingError(f"config.json: {key!r} must be >= {minimum}, got {value}")
     return value
 
 

@@ -261,7 +261,7 @@ def test_it_gives_no_vllm_command_for_a_kv_dtype_vllm_lacks():
         ({"model_type": "qwen9"}, 'model_type "qwen9" is not supported'),
         ({"kv_lora_rank": None}, "'kv_lora_rank' must be an integer"),
         ({"hidden_size": True}, "'hidden_size' must be an integer"),
-        ({"n_routed_experts": 0}, "'n_routed_experts' must be >= 1"),
+        ({"n_routed_experts": 0}, "'n_routed_experts' must be in \\[1, "),
         ({"num_experts_per_tok": 500}, "num_experts_per_tok 500 > n_routed_experts"),
         ({"tie_word_embeddings": "no"}, "'tie_word_embeddings' must be true or false"),
     ],
@@ -331,3 +331,20 @@ def test_it_refuses_a_bad_config_file_on_the_command_line(tmp_path, capsys):
 
     assert rc == 2
     assert "duplicate" in capsys.readouterr().err.lower()
+
+
+@pytest.mark.parametrize(
+    ("layers", "first", "freq"),
+    [(61, 1, 1), (92, 3, 1), (27, 1, 2), (4, 0, 3), (3, 5, 1)],
+)
+def test_it_counts_moe_layers_as_transformers_places_them(layers, first, freq):
+    shape = sizing.model_shape(
+        {
+            **config("kimi-k2-instruct"),
+            "num_hidden_layers": layers,
+            "first_k_dense_replace": first,
+            "moe_layer_freq": freq,
+        }
+    )
+
+    assert shape.num_moe_layers == sum(shape.is_moe_layer(i) for i in range(layers))
