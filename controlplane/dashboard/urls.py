@@ -9,6 +9,7 @@ from controlplane.dashboard.views import (
     fleet,
     releases,
     reopen,
+    sizing,
     tokens,
 )
 
@@ -53,6 +54,7 @@ urlpatterns = [
     path("fleet/", fleet.fleet, name="fleet"),
     path("cost/", cost.cost, name="cost"),
     path("cost.csv", cost.cost_csv, name="cost-csv"),
+    path("sizing/", sizing.sizing, name="sizing"),
     path("audit/", audit.audit_log, name="audit-log"),
     path("tokens/", tokens.token_list, name="token-list"),
     path("tokens/new/", tokens.create_token, name="token-create"),
