@@ -9,7 +9,7 @@ from ninja import Field, Router, Schema
 
 from controlplane.api.auth import read_auth
 from controlplane.api.errors import ApiError
-from controlplane.api.schemas import READ_ERRORS, RequestBody
+from controlplane.api.schemas import ErrorOut, RequestBody
 from gpuagent.sizing import (
     DevicePlan,
     Knobs,
@@ -20,6 +20,8 @@ from gpuagent.sizing import (
 )
 
 router = Router(tags=["sizing"])
+# 400: a body that is not JSON; 422: a knob or config key the sizing cannot take.
+SIZING_ERRORS = {c: ErrorOut for c in (400, 401, 403, 422)}
 
 
 class SizingIn(RequestBody):
@@ -74,7 +76,7 @@ class SizingOut(Schema):
 @router.post(
     "/sizing",
     auth=read_auth(),
-    response={200: SizingOut, **READ_ERRORS},
+    response={200: SizingOut, **SIZING_ERRORS},
     summary="Size a deployment from a config.json alone",
     description="Parameters (total and active per token, by class), weight bytes "
     "per format in the compressed-tensors layout the compress job writes, KV bytes "

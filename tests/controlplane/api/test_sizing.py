@@ -99,3 +99,9 @@ def test_it_names_what_is_wrong_with_the_config(
     error = error_of(api.post(URL, payload, token=owner_token), 422, "invalid_config")
 
     assert message in error["message"]
+
+
+def test_it_refuses_a_body_that_is_not_json(api, owner_token):
+    response = api.post(URL, raw="{", token=owner_token)
+
+    error_of(response, 400, "bad_request")
