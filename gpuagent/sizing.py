@@ -45,6 +45,10 @@ replicated ones (norms, the router, MLA's q_a_proj and kv_a_proj_with_mqa, which
 vLLM runs unsplit); KV: a GQA rank holds ceil(kv_heads / tp) heads, an MLA rank the
 whole latent (vLLM replicates the MLA cache on every tensor-parallel rank). The
 activation headroom (what vLLM's profiling run and CUDA graphs take) is a knob.
+Under data-parallel attention (`parallelism="data"`, vLLM's --data-parallel-size with
+--enable-expert-parallel) a device holds every non-expert weight, 1/N of the routed
+experts, and the whole-model KV of its own sessions, so MLA's latent is no longer
+repeated on every device: the deployment holds N times the sessions of one device.
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ KV_STATIC_SCALE_BYTES = 4
 KV_WINDOW_TOKENS = {"int4": 18}
 VLLM_BLOCK_TOKENS = 16  # vLLM's default --block-size: a sequence takes whole blocks
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+MAX_DEVICES_NEEDED = 64
+# "tensor": one tensor-parallel group over the devices; "data": vLLM's data-parallel
+# attention (tensor-parallel size 1, --data-parallel-size N) with the routed experts
+# split over all N devices (--enable-expert-parallel): every device holds the
+# non-expert weights whole and the KV of its own sessions only.
+PARALLELISMS = ("tensor", "data")
 
 
 class SizingError(ValueError):
@@ -670,6 +680,7 @@ class Knobs:
     kv_cache_dtype: str = "bf16"
     gpu_memory_utilization: float = 0.9
     activation_headroom_gib: float = 4.0
+    parallelism: str = "tensor"
 
     def check(self) -> None:
         """Raises SizingError naming every knob out of range."""
@@ -686,6 +697,8 @@ class Knobs:
             problems.append("gpu_memory_utilization must be in (0, 1]")
         if not 0 <= self.activation_headroom_gib < self.gpu_memory_gib:
             problems.append("activation_headroom_gib must be in [0, gpu_memory_gib)")
+        if self.parallelism not in PARALLELISMS:
+            problems.append(f"parallelism must be one of {', '.join(PARALLELISMS)}")
         if self.kv_cache_dtype not in KV_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}")
         try:
@@ -698,51 +711,65 @@ class Knobs:
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """One tensor-parallel deployment of `devices` GPUs, per device."""
+    """A deployment over `devices` GPUs: memory per device, capacity (tokens,
+    sessions) of the whole deployment."""
 
     devices: int
-    budget_bytes: int  # gpu memory x utilization
-    weight_bytes: int
-    activation_headroom_bytes: int
-    kv_budget_bytes: int  # what is left for the KV cache (negative: does not fit)
-    kv_bytes_per_token: int  # on this device, every layer
-    token_capacity: int
+    parallelism: str
+    budget_bytes: int  # per device: gpu memory x utilization
+    weight_bytes: int  # per device
+    activation_headroom_bytes: int  # per device
+    kv_budget_bytes: int  # per device, left for the KV cache (<= 0: does not fit)
+    kv_bytes_per_token: int  # per device, every layer
+    token_capacity: int  # the deployment's
     context_tokens: int
-    sessions_at_context: int
+    sessions_at_context: int  # the deployment's
     fits_weights: bool
-    valid_tensor_parallel: bool
+    valid_layout: bool  # tensor: the attention heads split over the devices
     note: str = ""
 
 
 def plan_devices(
     s: ModelShape, weights: WeightBytes, kv: KVBytes, knobs: Knobs, devices: int
 ) -> DevicePlan:
+    """`knobs` deployed on `devices` GPUs as `knobs.parallelism` says."""
     budget = int(knobs.gpu_memory_gib * GIB * knobs.gpu_memory_utilization)
-    on_device = weights.per_device_bytes(devices)
     headroom = int(knobs.activation_headroom_gib * GIB)
-    per_token, window, static = kv_bytes_per_rank(s, kv, devices)
+    if knobs.parallelism == "data":
+        routed = weights.by_class["routed_experts"]
+        on_device = weights.total_bytes - routed + math.ceil(routed / devices)
+        per_token, window, static = (
+            kv.bytes_per_token,
+            kv.window_bytes_per_sequence,
+            kv.static_bytes,
+        )
+        replicas, valid = devices, True
+    else:
+        on_device = weights.per_device_bytes(devices)
+        per_token, window, static = kv_bytes_per_rank(s, kv, devices)
+        replicas, valid = 1, s.num_heads % devices == 0
     free = budget - on_device - headroom - static
-    tokens = max(free, 0) // per_token
     padded = math.ceil(knobs.context_tokens / VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
-    sessions = max(free, 0) // (padded * per_token + window)
-    valid = s.num_heads % devices == 0
     note = ""
     if not valid:
         note = f"{s.num_heads} attention heads do not split over {devices} devices"
     elif free <= 0:
         note = "the weights and the activation headroom do not fit"
+    elif knobs.parallelism == "data" and s.n_routed_experts % devices:
+        note = f"{s.n_routed_experts} experts do not split evenly over {devices}"
     return DevicePlan(
         devices=devices,
+        parallelism=knobs.parallelism,
         budget_bytes=budget,
         weight_bytes=on_device,
         activation_headroom_bytes=headroom,
         kv_budget_bytes=free,
         kv_bytes_per_token=per_token,
-        token_capacity=tokens,
+        token_capacity=replicas * (max(free, 0) // per_token),
         context_tokens=knobs.context_tokens,
-        sessions_at_context=sessions,
+        sessions_at_context=replicas * (max(free, 0) // (padded * per_token + window)),
         fits_weights=free > 0,
-        valid_tensor_parallel=valid,
+        valid_layout=valid,
         note=note,
     )
 
@@ -750,11 +777,16 @@ def plan_devices(
 def devices_needed(
     s: ModelShape, weights: WeightBytes, kv: KVBytes, knobs: Knobs
 ) -> DevicePlan | None:
-    """The smallest tensor-parallel size (TP_CANDIDATES) that holds `knobs.sessions`
-    sequences of `knobs.context_tokens`; None if 64 devices do not."""
-    for tp in TP_CANDIDATES:
-        plan = plan_devices(s, weights, kv, knobs, tp)
-        if plan.valid_tensor_parallel and plan.sessions_at_context >= knobs.sessions:
+    """The fewest devices (tensor: TP_CANDIDATES; data: any count) that hold
+    `knobs.sessions` sequences of `knobs.context_tokens`; None if 64 do not."""
+    counts = (
+        TP_CANDIDATES
+        if knobs.parallelism == "tensor"
+        else range(1, MAX_DEVICES_NEEDED + 1)
+    )
+    for devices in counts:
+        plan = plan_devices(s, weights, kv, knobs, devices)
+        if plan.valid_layout and plan.sessions_at_context >= knobs.sessions:
             return plan
     return None
 
@@ -763,7 +795,8 @@ def vllm_command(s: ModelShape, knobs: Knobs, devices: int) -> tuple[list[str], 
     """(argv, note) of the vllm preset for this deployment; argv is empty (and the
     note says why) for a KV dtype vLLM does not offer. MoE models get
     --enable-expert-parallel: experts split over the ranks whole rather than each
-    expert's matrices split, as vLLM recommends for DeepSeek-V3-class models."""
+    expert's matrices split, as vLLM recommends for DeepSeek-V3-class models; data
+    parallelism renders tensor-parallel size 1 and --data-parallel-size."""
     template, kv_map = PRESETS["vllm"]
     if knobs.kv_cache_dtype not in kv_map:
         return [], (
@@ -781,7 +814,7 @@ def vllm_command(s: ModelShape, knobs: Knobs, devices: int) -> tuple[list[str], 
         "kv_cache_dtype": kv_map[knobs.kv_cache_dtype],
         "max_model_len": str(knobs.context_tokens),
         "gpu_memory_utilization": f"{knobs.gpu_memory_utilization:g}",
-        "tensor_parallel_size": str(devices),
+        "tensor_parallel_size": str(1 if knobs.parallelism == "data" else devices),
         "quantization_args": quantization_args(quantized),
         "served_model_names": ["MODEL_NAME"],
     }
@@ -790,6 +823,8 @@ def vllm_command(s: ModelShape, knobs: Knobs, devices: int) -> tuple[list[str], 
     except TemplateError as e:  # the preset and this module disagree: a bug
         raise SizingError(f"the vllm preset cannot be rendered: {e}") from e
     notes = []
+    if knobs.parallelism == "data":
+        argv += ["--data-parallel-size", str(devices)]
     if s.is_moe:
         argv.append("--enable-expert-parallel")
     if s.remote_code:
@@ -932,11 +967,12 @@ def format_report(r: SizingReport) -> str:
         if p is None:
             lines.append(
                 f"{title}: {r.knobs.sessions} sessions of {r.knobs.context_tokens} "
-                f"tokens do not fit on {TP_CANDIDATES[-1]} devices"
+                f"tokens do not fit on {MAX_DEVICES_NEEDED} devices"
             )
             continue
         lines.append(
-            f"{title}: {p.devices} x {r.knobs.gpu_memory_gib:g} GiB, weights "
+            f"{title}: {p.devices} x {r.knobs.gpu_memory_gib:g} GiB "
+            f"({p.parallelism} parallel), weights "
             f"{_gib(p.weight_bytes)}/device, KV {_gib(max(p.kv_budget_bytes, 0))}"
             f"/device, {p.token_capacity:,} tokens, {p.sessions_at_context:,} "
             f"sessions of {p.context_tokens:,}" + (f" ({p.note})" if p.note else "")
@@ -960,6 +996,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv", default="bf16", choices=KV_DTYPES)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--activation-headroom-gib", type=float, default=4.0)
+    parser.add_argument(
+        "--parallelism",
+        default="tensor",
+        choices=PARALLELISMS,
+        help="tensor: one tensor-parallel group; data: data-parallel attention with "
+        "expert parallelism (vLLM --data-parallel-size)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     from gpuagent.integrity.strict_json import Rejected, strict_json_loads
@@ -978,6 +1021,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_cache_dtype=args.kv,
         gpu_memory_utilization=args.gpu_memory_utilization,
         activation_headroom_gib=args.activation_headroom_gib,
+        parallelism=args.parallelism,
     )
     try:
         report = size_deployment(config, knobs)

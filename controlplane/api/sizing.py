@@ -48,6 +48,12 @@ class SizingIn(RequestBody):
     activation_headroom_gib: float = Field(
         4.0, ge=0, le=4096, description="per device, for activations and CUDA graphs"
     )
+    parallelism: Literal["tensor", "data"] = Field(
+        "tensor",
+        description="tensor: one tensor-parallel group over the devices; data: "
+        "data-parallel attention with the experts split over the devices (vLLM "
+        "--data-parallel-size --enable-expert-parallel)",
+    )
 
 
 class SizingOut(Schema):
@@ -64,8 +70,7 @@ class SizingOut(Schema):
     knobs: Knobs
     deployment: DevicePlan
     devices_needed: DevicePlan | None = Field(
-        description="the smallest tensor-parallel size holding `sessions`; null: "
-        "none up to 64"
+        description="the fewest devices holding `sessions`; null: none up to 64"
     )
     vllm_argv: list[str] = Field(description="empty: vLLM lacks the KV dtype")
     vllm_command: str

@@ -214,6 +214,13 @@ class SizingForm(forms.Form):
     )
     gpu_memory_utilization = forms.FloatField(min_value=0.05, max_value=1, initial=0.9)
     activation_headroom_gib = forms.FloatField(min_value=0, max_value=4096, initial=4)
+    parallelism = forms.ChoiceField(
+        choices=[
+            ("tensor", "tensor: one tensor-parallel group"),
+            ("data", "data: data-parallel attention + expert parallel"),
+        ],
+        initial="tensor",
+    )
 
     def clean_config(self) -> dict:
         try:

@@ -348,3 +348,45 @@ def test_it_counts_moe_layers_as_transformers_places_them(layers, first, freq):
     )
 
     assert shape.num_moe_layers == sum(shape.is_moe_layer(i) for i in range(layers))
+
+
+def test_it_plans_data_parallel_attention_for_mla():
+    """Kimi K2 w4a16, fp8 KV on 8 x 141 GiB. Tensor parallel: every rank holds the
+    whole latent (35,136 bytes a token). Data-parallel attention: each device holds
+    the non-expert weights whole plus 1/8 of the routed experts and the latent of
+    its own sessions, so the deployment holds 8 devices' worth of sessions."""
+    kw = {
+        "gpu_memory_gib": 141,
+        "devices": 8,
+        "context_tokens": 32768,
+        "weights": "w4a16-g128",
+        "kv_cache_dtype": "fp8",
+    }
+    tensor = size_deployment(config("kimi-k2-instruct"), Knobs(**kw))
+    data = size_deployment(config("kimi-k2-instruct"), Knobs(**kw, parallelism="data"))
+
+    w4 = next(w for w in data.weights if w.format == "w4a16-g128")
+    routed = w4.by_class["routed_experts"]
+    assert data.deployment.weight_bytes == w4.total_bytes - routed + -(-routed // 8)
+    assert tensor.deployment.weight_bytes < data.deployment.weight_bytes
+    assert data.deployment.kv_bytes_per_token == tensor.deployment.kv_bytes_per_token
+    assert data.deployment.kv_bytes_per_token == 61 * 576
+    per_device = data.deployment.kv_budget_bytes // (32768 * 61 * 576)
+    assert data.deployment.sessions_at_context == 8 * per_device
+    assert (
+        data.deployment.sessions_at_context > 4 * tensor.deployment.sessions_at_context
+    )
+    argv = data.vllm_argv
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "1"
+    assert argv[argv.index("--data-parallel-size") + 1] == "8"
+    assert "--enable-expert-parallel" in argv
+
+
+def test_it_splits_gqa_heads_under_tensor_parallelism_not_data():
+    kw = {"gpu_memory_gib": 80, "devices": 8, "weights": "w4a16-g128"}
+    tensor = size_deployment(config("llama-3.1-70b"), Knobs(**kw))
+    data = size_deployment(config("llama-3.1-70b"), Knobs(**kw, parallelism="data"))
+
+    assert tensor.deployment.kv_bytes_per_token == 327_680 // 8
+    assert data.deployment.kv_bytes_per_token == 327_680
+    assert "--enable-expert-parallel" not in data.vllm_argv

@@ -65,6 +65,7 @@ def test_it_refuses_no_token(api):
         ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization"),
         ({"config": [1, 2]}, "config"),
         ({"max_batch": 8}, "max_batch"),
+        ({"parallelism": "pipeline"}, "parallelism"),
     ],
 )
 def test_it_names_a_bad_knob(api, owner_token, changes, field):
@@ -105,3 +106,12 @@ def test_it_refuses_a_body_that_is_not_json(api, owner_token):
     response = api.post(URL, raw="{", token=owner_token)
 
     error_of(response, 400, "bad_request")
+
+
+def test_it_sizes_data_parallel_attention(api, owner_token):
+    response = api.post(URL, body(parallelism="data"), token=owner_token)
+
+    assert response.status_code == 200, response.content
+    data = response.json()
+    assert data["deployment"]["parallelism"] == "data"
+    assert "--data-parallel-size" in data["vllm_argv"]

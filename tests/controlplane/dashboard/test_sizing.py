@@ -22,6 +22,7 @@ def form(name: str = "kimi-k2-instruct", **changes) -> dict:
         "kv_cache_dtype": "fp8",
         "gpu_memory_utilization": "0.9",
         "activation_headroom_gib": "4",
+        "parallelism": "tensor",
         **changes,
     }
 
@@ -113,3 +114,16 @@ def test_it_checks_csrf(member):
     client.force_login(member)
 
     assert client.post(URL, form()).status_code == 403
+
+
+def test_it_renders_data_parallel_attention(client, member):
+    client.force_login(member)
+
+    response = client.post(URL, form(parallelism="data"))
+
+    assert response.status_code == 200
+    plan = response.context["report"].deployment
+    assert (plan.parallelism, plan.devices) == ("data", 8)
+    command = html.unescape(response.content.decode()).split('id="vllm-command">')[1]
+    assert "--tensor-parallel-size 1 " in command
+    assert "--data-parallel-size 8" in command
