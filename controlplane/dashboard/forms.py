@@ -198,23 +198,39 @@ class SizingForm(forms.Form):
     """A pasted config.json and the deployment's knobs (gpuagent.sizing.Knobs)."""
 
     config = forms.CharField(
+        label="config.json",
         widget=forms.Textarea(attrs={"rows": 14, "spellcheck": "false"}),
         max_length=1_000_000,
         help_text="the model's config.json as published",
     )
-    gpu_memory_gib = forms.FloatField(min_value=1, max_value=4096, initial=80)
-    devices = forms.IntegerField(min_value=1, max_value=1024, initial=8)
-    context_tokens = forms.IntegerField(min_value=1, max_value=2**24, initial=32768)
-    sessions = forms.IntegerField(min_value=1, max_value=2**20, initial=16)
+    gpu_memory_gib = forms.FloatField(
+        label="GPU memory (GiB)", min_value=1, max_value=4096, initial=80
+    )
+    devices = forms.IntegerField(
+        label="Devices", min_value=1, max_value=1024, initial=8
+    )
+    context_tokens = forms.IntegerField(
+        label="Context (tokens)", min_value=1, max_value=2**24, initial=32768
+    )
+    sessions = forms.IntegerField(
+        label="Sessions", min_value=1, max_value=2**20, initial=16
+    )
     weights = forms.ChoiceField(
-        choices=[(f, f) for f in SIZING_WEIGHT_FORMATS], initial="w4a16-g128"
+        label="Weights",
+        choices=[(f, f) for f in SIZING_WEIGHT_FORMATS],
+        initial="w4a16-g128",
     )
     kv_cache_dtype = forms.ChoiceField(
-        choices=[(d, d) for d in KV_DTYPES], initial="fp8"
+        label="KV cache dtype", choices=[(d, d) for d in KV_DTYPES], initial="fp8"
     )
-    gpu_memory_utilization = forms.FloatField(min_value=0.05, max_value=1, initial=0.9)
-    activation_headroom_gib = forms.FloatField(min_value=0, max_value=4096, initial=4)
+    gpu_memory_utilization = forms.FloatField(
+        label="GPU memory utilization", min_value=0.05, max_value=1, initial=0.9
+    )
+    activation_headroom_gib = forms.FloatField(
+        label="Activation headroom (GiB)", min_value=0, max_value=4096, initial=4
+    )
     parallelism = forms.ChoiceField(
+        label="Parallelism",
         choices=[
             ("tensor", "tensor: one tensor-parallel group"),
             ("data", "data: data-parallel attention + expert parallel"),
