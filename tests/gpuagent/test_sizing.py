@@ -390,3 +390,29 @@ def test_it_splits_gqa_heads_under_tensor_parallelism_not_data():
     assert tensor.deployment.kv_bytes_per_token == 327_680 // 8
     assert data.deployment.kv_bytes_per_token == 327_680
     assert "--enable-expert-parallel" not in data.vllm_argv
+
+
+@pytest.mark.parametrize("parallelism", ["tensor", "data"])
+def test_vllms_own_parser_takes_the_sizing_command(parallelism):
+    # where vLLM is installed (not in this project's environment)
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    r = report(
+        "kimi-k2-instruct",
+        devices=8,
+        weights="w4a16-g128",
+        kv_cache_dtype="fp8",
+        parallelism=parallelism,
+    )
+    parser = FlexibleArgumentParser()
+    serve = ServeSubcommand()
+    serve.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(r.vllm_argv[1:])
+    serve.validate(args)
+
+    assert args.enable_expert_parallel
+    assert args.kv_cache_dtype == "fp8"
+    assert args.tensor_parallel_size == (8 if parallelism == "tensor" else 1)
+    assert args.data_parallel_size == (1 if parallelism == "tensor" else 8)
