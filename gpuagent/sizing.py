@@ -98,6 +98,10 @@ MAX_DEVICES_NEEDED = 64
 # split over all N devices (--enable-expert-parallel): every device holds the
 # non-expert weights whole and the KV of its own sessions only.
 PARALLELISMS = ("tensor", "data")
+# Classes a recipe may leave in bf16 (Kimi K2 Thinking's int4 checkpoint keeps
+# attention and the shared experts in bf16, its `ignore`); router gates,
+# embeddings, lm_head and norms always are.
+KEEP_BF16_CLASSES = ("attention", "shared_experts", "dense_mlp")
 
 
 class SizingError(ValueError):
@@ -550,11 +554,25 @@ def linear_weight_bytes(fmt: WeightFormat, out_f: int, in_f: int) -> int:
     return total
 
 
-def group_bytes(g: TensorGroup, fmt: WeightFormat) -> int:
-    """Bytes of one instance of `g` in `fmt` (bf16 where the recipe ignores it)."""
-    if g.quantizable and fmt.quantized:
+def group_bytes(
+    g: TensorGroup, fmt: WeightFormat, keep_bf16: Sequence[str] = ()
+) -> int:
+    """Bytes of one instance of `g` in `fmt` (bf16 where the recipe ignores it, or
+    its class is in `keep_bf16`)."""
+    if g.quantizable and fmt.quantized and g.tensor_class not in keep_bf16:
         return linear_weight_bytes(fmt, g.out_features, g.in_features)
     return 2 * g.numel
+
+
+def fp8_block_bytes(g: TensorGroup, block: tuple[int, int]) -> int:
+    """Bytes of one instance of `g` as DeepSeek-V3 / Kimi K2 publish their weights
+    (quant_method fp8, weight_block_size [bn, bk]): a Linear's `weight` e4m3 [N, K]
+    and `weight_scale_inv` float32 [ceil(N / bn), ceil(K / bk)]; router gates,
+    embeddings, head and norms bf16."""
+    if not g.quantizable:
+        return 2 * g.numel
+    n, k = g.out_features, g.in_features
+    return n * k + 4 * math.ceil(n / block[0]) * math.ceil(k / block[1])
 
 
 @dataclass(frozen=True)
@@ -565,21 +583,52 @@ class WeightBytes:
     by_class: dict[str, int]
     replicated_bytes: int  # held whole by every tensor-parallel rank
 
-    def per_device_bytes(self, tp: int) -> int:
-        return math.ceil((self.total_bytes - self.replicated_bytes) / tp) + (
-            self.replicated_bytes
-        )
+    def per_device_bytes(self, devices: int, parallelism: str = "tensor") -> int:
+        """What one of `devices` holds: tensor parallel, the split tensors' share
+        and the replicated ones whole; data parallel (expert parallel), the routed
+        experts' share and everything else whole."""
+        if parallelism == "data":
+            routed = self.by_class["routed_experts"]
+            return self.total_bytes - routed + math.ceil(routed / devices)
+        split = self.total_bytes - self.replicated_bytes
+        return math.ceil(split / devices) + self.replicated_bytes
 
 
-def weight_bytes(groups: Sequence[TensorGroup], fmt: WeightFormat) -> WeightBytes:
+def weight_bytes(
+    groups: Sequence[TensorGroup], fmt: WeightFormat, keep_bf16: Sequence[str] = ()
+) -> WeightBytes:
+    """The model's weights in `fmt`, the classes in `keep_bf16` left in bf16."""
+    return _sum_bytes(groups, fmt.name, lambda g: group_bytes(g, fmt, keep_bf16))
+
+
+def published_weight_bytes(
+    groups: Sequence[TensorGroup], config: Mapping[str, Any]
+) -> WeightBytes | None:
+    """The checkpoint as published, where config.json says it is fp8 in blocks
+    (DeepSeek-V3, Kimi K2); None for any other quantization_config or none."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, Mapping) or quant.get("quant_method") != "fp8":
+        return None
+    block = quant.get("weight_block_size")
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(type(b) is int and 1 <= b <= MAX_CONFIG_INT for b in block)
+    ):
+        return None
+    name = f"fp8-block{block[0]}x{block[1]} (published)"
+    return _sum_bytes(groups, name, lambda g: fp8_block_bytes(g, tuple(block)))
+
+
+def _sum_bytes(groups, name: str, bytes_of) -> WeightBytes:
     by_class = dict.fromkeys(TENSOR_CLASSES, 0)
     active = replicated = 0
     for g in groups:
-        one = group_bytes(g, fmt)
+        one = bytes_of(g)
         by_class[g.tensor_class] += one * g.count
         active += one * g.active
         replicated += one * g.count if g.replicated else 0
-    return WeightBytes(fmt.name, sum(by_class.values()), active, by_class, replicated)
+    return WeightBytes(name, sum(by_class.values()), active, by_class, replicated)
 
 
 # -- KV cache --------------------------------------------------------------------------
@@ -681,6 +730,7 @@ class Knobs:
     gpu_memory_utilization: float = 0.9
     activation_headroom_gib: float = 4.0
     parallelism: str = "tensor"
+    keep_bf16: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Raises SizingError naming every knob out of range."""
@@ -697,6 +747,12 @@ class Knobs:
             problems.append("gpu_memory_utilization must be in (0, 1]")
         if not 0 <= self.activation_headroom_gib < self.gpu_memory_gib:
             problems.append("activation_headroom_gib must be in [0, gpu_memory_gib)")
+        unknown = sorted(set(self.keep_bf16) - set(KEEP_BF16_CLASSES))
+        if unknown:
+            problems.append(
+                f"keep_bf16 takes {', '.join(KEEP_BF16_CLASSES)}, not "
+                f"{', '.join(map(str, unknown))}"
+            )
         if self.parallelism not in PARALLELISMS:
             problems.append(f"parallelism must be one of {', '.join(PARALLELISMS)}")
         if self.kv_cache_dtype not in KV_DTYPES:
@@ -736,8 +792,7 @@ def plan_devices(
     budget = int(knobs.gpu_memory_gib * GIB * knobs.gpu_memory_utilization)
     headroom = int(knobs.activation_headroom_gib * GIB)
     if knobs.parallelism == "data":
-        routed = weights.by_class["routed_experts"]
-        on_device = weights.total_bytes - routed + math.ceil(routed / devices)
+        on_device = weights.per_device_bytes(devices, "data")
         per_token, window, static = (
             kv.bytes_per_token,
             kv.window_bytes_per_sequence,
@@ -854,6 +909,8 @@ class SizingReport:
     active_params_by_class: dict[str, int]
     mtp_params: int
     weights: list[WeightBytes]
+    # the checkpoint as its config.json says it ships (fp8 blocks), when it says so
+    published_weights: WeightBytes | None
     kv: list[KVBytes]
     knobs: Knobs
     deployment: DevicePlan
@@ -878,7 +935,8 @@ def size_deployment(config: Mapping[str, Any], knobs: Knobs) -> SizingReport:
     formats = list(REPORTED_WEIGHT_FORMATS)
     if knobs.weights not in formats:
         formats.append(knobs.weights)
-    weights = [weight_bytes(groups, weight_format(f)) for f in formats]
+    keep = knobs.keep_bf16
+    weights = [weight_bytes(groups, weight_format(f), keep) for f in formats]
     chosen = next(w for w in weights if w.format == knobs.weights)
     kvs = [kv_bytes(s, d) for d in KV_DTYPES]
     kv = next(k for k in kvs if k.kv_dtype == knobs.kv_cache_dtype)
@@ -907,6 +965,7 @@ def size_deployment(config: Mapping[str, Any], knobs: Knobs) -> SizingReport:
         active_params_by_class=active,
         mtp_params=sum(g.numel * g.count for g in mtp_tensors(s)),
         weights=weights,
+        published_weights=published_weight_bytes(groups, config),
         kv=kvs,
         knobs=knobs,
         deployment=plan,
@@ -940,11 +999,12 @@ def format_report(r: SizingReport) -> str:
         )
     if r.mtp_params:
         lines.append(f"{'(mtp, apart)':<16}{r.mtp_params:>18,}")
-    lines += ["", f"{'weights':<14}{'total':>14}{'active/token':>16}"]
-    for w in r.weights:
-        lines.append(
-            f"{w.format:<14}{_gib(w.total_bytes):>14}{_gib(w.active_bytes_per_token):>16}"
-        )
+    rows = [*r.weights, *([r.published_weights] if r.published_weights else [])]
+    width = max(len(w.format) for w in rows) + 2
+    lines += ["", f"{'weights':<{width}}{'total':>14}{'active/token':>16}"]
+    for w in rows:
+        total, active = _gib(w.total_bytes), _gib(w.active_bytes_per_token)
+        lines.append(f"{w.format:<{width}}{total:>14}{active:>16}")
     lines += [
         "",
         f"{'kv dtype':<10}{'bytes/token':>14}{'per layer':>11}{'expanded':>12}",
@@ -997,6 +1057,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--activation-headroom-gib", type=float, default=4.0)
     parser.add_argument(
+        "--keep-bf16",
+        default="",
+        help="comma-separated classes left in bf16: " + ", ".join(KEEP_BF16_CLASSES),
+    )
+    parser.add_argument(
         "--parallelism",
         default="tensor",
         choices=PARALLELISMS,
@@ -1022,6 +1087,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         activation_headroom_gib=args.activation_headroom_gib,
         parallelism=args.parallelism,
+        keep_bf16=tuple(c for c in args.keep_bf16.split(",") if c),
     )
     try:
         report = size_deployment(config, knobs)

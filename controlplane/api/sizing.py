@@ -2,6 +2,7 @@
 (gpuagent.sizing), for a release manager sizing a model whose weights are nowhere
 near this machine."""
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from django.http import HttpRequest
@@ -48,6 +49,12 @@ class SizingIn(RequestBody):
     activation_headroom_gib: float = Field(
         4.0, ge=0, le=4096, description="per device, for activations and CUDA graphs"
     )
+    keep_bf16: list[Literal["attention", "shared_experts", "dense_mlp"]] = Field(
+        [],
+        max_length=3,
+        description="classes the recipe leaves in bf16 (router, embeddings, head "
+        "and norms always are)",
+    )
     parallelism: Literal["tensor", "data"] = Field(
         "tensor",
         description="tensor: one tensor-parallel group over the devices; data: "
@@ -66,6 +73,9 @@ class SizingOut(Schema):
     active_params_by_class: dict[str, int]
     mtp_params: int = Field(description="multi-token-prediction layers, not counted")
     weights: list[WeightBytes]
+    published_weights: WeightBytes | None = Field(
+        description="the checkpoint as its config.json says it ships (fp8 blocks)"
+    )
     kv: list[KVBytes]
     knobs: Knobs
     deployment: DevicePlan
@@ -90,7 +100,8 @@ class SizingOut(Schema):
     "Nothing is stored. README: Sizing.",
 )
 def post_sizing(request: HttpRequest, payload: SizingIn) -> dict:
-    knobs = Knobs(**payload.model_dump(exclude={"config"}))
+    knobs = Knobs(**payload.model_dump(exclude={"config", "keep_bf16"}))
+    knobs = replace(knobs, keep_bf16=tuple(dict.fromkeys(payload.keep_bf16)))
     try:
         report = size_deployment(payload.config, knobs)
     except SizingError as e:

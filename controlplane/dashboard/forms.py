@@ -10,7 +10,7 @@ from controlplane.costs.report import parse_targets
 from controlplane.dashboard import access
 from controlplane.releases.models import RELEASE_STATES
 from gpuagent.integrity.strict_json import Rejected, strict_json_loads
-from gpuagent.sizing import KV_DTYPES, Knobs
+from gpuagent.sizing import KEEP_BF16_CLASSES, KV_DTYPES, Knobs
 
 # What each scope lets a token do (as the README's table says).
 SCOPE_LABELS = {
@@ -229,6 +229,12 @@ class SizingForm(forms.Form):
     activation_headroom_gib = forms.FloatField(
         label="Activation headroom (GiB)", min_value=0, max_value=4096, initial=4
     )
+    keep_bf16 = forms.MultipleChoiceField(
+        label="Left in bf16",
+        choices=[(c, c) for c in KEEP_BF16_CLASSES],
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+    )
     parallelism = forms.ChoiceField(
         label="Parallelism",
         choices=[
@@ -249,4 +255,4 @@ class SizingForm(forms.Form):
 
     def knobs(self) -> Knobs:
         data = {k: v for k, v in self.cleaned_data.items() if k != "config"}
-        return Knobs(**data)
+        return Knobs(**{**data, "keep_bf16": tuple(data["keep_bf16"])})

@@ -416,3 +416,44 @@ def test_vllms_own_parser_takes_the_sizing_command(parallelism):
     assert args.kv_cache_dtype == "fp8"
     assert args.tensor_parallel_size == (8 if parallelism == "tensor" else 1)
     assert args.data_parallel_size == (1 if parallelism == "tensor" else 8)
+
+
+def test_it_leaves_the_named_classes_in_bf16():
+    """Kimi K2 Thinking's layout: int4 (group 32) routed experts, attention and
+    shared experts in bf16: attention is 2 bytes a parameter, the experts are not."""
+    r = report(
+        "kimi-k2-instruct",
+        weights="w4a16-g32",
+        keep_bf16=("attention", "shared_experts"),
+    )
+    w = next(w for w in r.weights if w.format == "w4a16-g32")
+
+    assert w.by_class["attention"] == 2 * r.params_by_class["attention"]
+    assert w.by_class["shared_experts"] == 2 * r.params_by_class["shared_experts"]
+    routed = r.params_by_class["routed_experts"]
+    # half a byte a value plus a bf16 scale per 32, plus weight_shape per Linear
+    assert w.by_class["routed_experts"] == routed // 2 + routed // 32 * 2 + (
+        60 * 384 * 3 * 16
+    )
+    assert w.by_class["dense_mlp"] < 2 * r.params_by_class["dense_mlp"]
+
+
+def test_it_refuses_a_class_it_cannot_leave_in_bf16():
+    with pytest.raises(SizingError, match="keep_bf16 takes .* not router"):
+        report("kimi-k2-instruct", keep_bf16=("router",))
+
+
+def test_it_sizes_the_checkpoint_as_published():
+    """Kimi K2 ships fp8 in 128x128 blocks: each Linear 1 byte a value plus a
+    float32 scale per block; embeddings, head, router, norms bf16. 958.5 GiB, about
+    the 1.03 TB its folder takes. GLM-4.5's config names no quantization."""
+    r = report("kimi-k2-instruct")
+    published = r.published_weights
+    q_b = 1536 * 64 * 192 + 4 * (64 * 192 // 128) * (1536 // 128)
+
+    assert published.format == "fp8-block128x128 (published)"
+    assert published.by_class["embeddings"] == 2 * r.params_by_class["embeddings"]
+    assert published.by_class["router"] == 2 * r.params_by_class["router"]
+    assert q_b * 61 < published.by_class["attention"]
+    assert abs(published.total_bytes / 1.03e12 - 1) < 0.01
+    assert report("glm-4.5").published_weights is None

@@ -15,7 +15,8 @@ def _billions(n: int) -> str:
 
 def report_tables(report: SizingReport) -> dict:
     """The report's rows as the page shows them."""
-    chosen = next(w for w in report.weights if w.format == report.knobs.weights)
+    knobs = report.knobs
+    chosen = next(w for w in report.weights if w.format == knobs.weights)
     return {
         "params": [
             (c, _billions(report.params_by_class[c]), _billions(a))
@@ -27,8 +28,9 @@ def report_tables(report: SizingReport) -> dict:
         "active_no_embeddings": _billions(report.active_params_no_embeddings),
         "mtp": _billions(report.mtp_params) if report.mtp_params else "",
         "weights": [
-            (w, w.per_device_bytes(report.knobs.devices), w is chosen)
+            (w, w.per_device_bytes(knobs.devices, knobs.parallelism), w is chosen)
             for w in report.weights
+            + ([report.published_weights] if report.published_weights else [])
         ],
         "kv": [
             (

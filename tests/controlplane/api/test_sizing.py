@@ -66,6 +66,7 @@ def test_it_refuses_no_token(api):
         ({"config": [1, 2]}, "config"),
         ({"max_batch": 8}, "max_batch"),
         ({"parallelism": "pipeline"}, "parallelism"),
+        ({"keep_bf16": ["router"]}, "keep_bf16.0"),
     ],
 )
 def test_it_names_a_bad_knob(api, owner_token, changes, field):
@@ -115,3 +116,16 @@ def test_it_sizes_data_parallel_attention(api, owner_token):
     data = response.json()
     assert data["deployment"]["parallelism"] == "data"
     assert "--data-parallel-size" in data["vllm_argv"]
+
+
+def test_it_leaves_named_classes_in_bf16(api, owner_token):
+    payload = body(weights="w4a16-g32", keep_bf16=["attention", "shared_experts"])
+
+    response = api.post(URL, payload, token=owner_token)
+
+    assert response.status_code == 200, response.content
+    data = response.json()
+    assert data["knobs"]["keep_bf16"] == ["attention", "shared_experts"]
+    w4 = next(w for w in data["weights"] if w["format"] == "w4a16-g32")
+    assert w4["by_class"]["attention"] == 2 * data["params_by_class"]["attention"]
+    assert data["published_weights"]["format"] == "fp8-block128x128 (published)"

@@ -127,3 +127,17 @@ def test_it_renders_data_parallel_attention(client, member):
     command = html.unescape(response.content.decode()).split('id="vllm-command">')[1]
     assert "--tensor-parallel-size 1 " in command
     assert "--data-parallel-size 8" in command
+
+
+def test_it_leaves_ticked_classes_in_bf16_and_shows_the_published_size(client, member):
+    client.force_login(member)
+
+    response = client.post(
+        URL, form(weights="w4a16-g32", keep_bf16=["attention", "shared_experts"])
+    )
+
+    assert response.status_code == 200, response.content
+    report = response.context["report"]
+    assert report.knobs.keep_bf16 == ("attention", "shared_experts")
+    body = html.unescape(response.content.decode())
+    assert "fp8-block128x128 (published)" in body
