@@ -237,6 +237,13 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
         ),
         "remote_code": bool(config.get("auto_map")),
     }
+    if model_type not in MLA_TYPES:
+        kv_heads = common["num_kv_heads"]
+        if kv_heads > heads or heads % kv_heads:
+            raise SizingError(
+                f"config.json: num_attention_heads {heads} is not a multiple of "
+                f"num_key_value_heads {kv_heads}"
+            )
     if model_type == "llama":
         head_dim = _opt_int(config, "head_dim", None, minimum=1)
         if head_dim is None:
@@ -935,15 +942,20 @@ def size_deployment(config: Mapping[str, Any], knobs: Knobs) -> SizingReport:
     formats = list(REPORTED_WEIGHT_FORMATS)
     if knobs.weights not in formats:
         formats.append(knobs.weights)
-    keep = knobs.keep_bf16
-    weights = [weight_bytes(groups, weight_format(f), keep) for f in formats]
+    keep, weights, notes = knobs.keep_bf16, [], []
+    for f in formats:
+        try:
+            weights.append(weight_bytes(groups, weight_format(f), keep))
+        except SizingError as e:  # a width no int4 group divides
+            if f == knobs.weights:
+                raise
+            notes.append(f"{f} not shown: {e}")
     chosen = next(w for w in weights if w.format == knobs.weights)
     kvs = [kv_bytes(s, d) for d in KV_DTYPES]
     kv = next(k for k in kvs if k.kv_dtype == knobs.kv_cache_dtype)
     plan = plan_devices(s, chosen, kv, knobs, knobs.devices)
     needed = devices_needed(s, chosen, kv, knobs)
     argv, note = vllm_command(s, knobs, knobs.devices)
-    notes = []
     if s.num_mtp_layers:
         notes.append(
             f"{s.num_mtp_layers} multi-token-prediction layer(s) in the checkpoint "

@@ -457,3 +457,25 @@ def test_it_sizes_the_checkpoint_as_published():
     assert q_b * 61 < published.by_class["attention"]
     assert abs(published.total_bytes / 1.03e12 - 1) < 0.01
     assert report("glm-4.5").published_weights is None
+
+
+def test_it_leaves_out_a_reported_format_the_widths_refuse():
+    """A hidden size of 4100 takes no int4 group of 32 or more: the table drops
+    w4a16-g128 and says why, unless that is the format asked for."""
+    odd = {**config("llama-3.1-8b"), "hidden_size": 4100, "head_dim": 128}
+
+    r = size_deployment(odd, Knobs(gpu_memory_gib=80))
+
+    assert [w.format for w in r.weights] == ["bf16", "fp8", "w8a16"]
+    assert any("w4a16-g128 not shown" in n and "4100" in n for n in r.notes)
+    with pytest.raises(SizingError, match="in_features=4100"):
+        size_deployment(odd, Knobs(gpu_memory_gib=80, weights="w4a16-g128"))
+
+
+def test_it_refuses_heads_that_kv_heads_do_not_divide():
+    bad = {**config("glm-4.5"), "num_key_value_heads": 7}
+
+    with pytest.raises(
+        SizingError, match="96 is not a multiple of num_key_value_heads 7"
+    ):
+        size_deployment(bad, Knobs(gpu_memory_gib=80))
