@@ -479,3 +479,20 @@ def test_it_refuses_heads_that_kv_heads_do_not_divide():
         SizingError, match="96 is not a multiple of num_key_value_heads 7"
     ):
         size_deployment(bad, Knobs(gpu_memory_gib=80))
+
+
+def test_it_counts_deepseek_v3_as_its_model_card():
+    """DeepSeek-V3 (128 heads, 3 dense layers, 256 experts, vocab 129280): the card
+    says 671B total, 37B activated, and Hugging Face 685B for the checkpoint, which
+    adds the MTP module (its decoder layer plus its own copies of embeddings and
+    head: 2 x 129280 x 7168): 684.49B, 684.53B with the fp8 block scales it counts.
+    Attention a layer: q_a 11,010,048, q_b 1536 x 128 x 192 = 37,748,736, kv_a
+    4,128,768, kv_b 512 x 128 x 256 = 16,777,216, o 16384 x 7168 = 117,440,512,
+    norms 2048: 187,107,328 x 61 = 11,413,547,008."""
+    r = report("deepseek-v3")
+
+    assert r.params_by_class["attention"] == 187_107_328 * 61 == 11_413_547_008
+    assert round(r.total_params / 1e9) == 671
+    assert round(r.active_params / 1e9) in (37, 38)  # 37.55B
+    mtp_on_hub = r.mtp_params + 2 * 129280 * 7168
+    assert round((r.total_params + mtp_on_hub) / 1e9, 2) == 684.49
