@@ -8,7 +8,7 @@ from typing import Any, Literal
 from django.http import HttpRequest
 from ninja import Field, Router, Schema
 
-from controlplane.api.auth import read_auth
+from controlplane.api.auth import token_auth
 from controlplane.api.errors import ApiError
 from controlplane.api.schemas import ErrorOut, RequestBody
 from gpuagent.sizing import (
@@ -90,7 +90,7 @@ class SizingOut(Schema):
 
 @router.post(
     "/sizing",
-    auth=read_auth(),
+    auth=token_auth("read"),
     response={200: SizingOut, **SIZING_ERRORS},
     summary="Size a deployment from a config.json alone",
     description="Parameters (total and active per token, by class), weight bytes "

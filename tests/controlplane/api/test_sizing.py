@@ -129,3 +129,10 @@ def test_it_leaves_named_classes_in_bf16(api, owner_token):
     w4 = next(w for w in data["weights"] if w["format"] == "w4a16-g32")
     assert w4["by_class"]["attention"] == 2 * data["params_by_class"]["attention"]
     assert data["published_weights"]["format"] == "fp8-block128x128 (published)"
+
+
+def test_it_takes_tokens_not_dashboard_sessions(api, owner):
+    # a POST is for tokens only, so a session cannot be CSRF'd into one
+    api.client.force_login(owner)
+
+    error_of(api.post(URL, body()), 401, "not_authenticated")
