@@ -919,6 +919,8 @@ class SizingReport:
     # the checkpoint as its config.json says it ships (fp8 blocks), when it says so
     published_weights: WeightBytes | None
     kv: list[KVBytes]
+    # sessions at context_tokens this deployment holds with each KV dtype
+    sessions_by_kv_dtype: dict[str, int]
     knobs: Knobs
     deployment: DevicePlan
     devices_needed: DevicePlan | None
@@ -979,6 +981,12 @@ def size_deployment(config: Mapping[str, Any], knobs: Knobs) -> SizingReport:
         weights=weights,
         published_weights=published_weight_bytes(groups, config),
         kv=kvs,
+        sessions_by_kv_dtype={
+            k.kv_dtype: plan_devices(
+                s, chosen, k, knobs, knobs.devices
+            ).sessions_at_context
+            for k in kvs
+        },
         knobs=knobs,
         deployment=plan,
         devices_needed=needed,
@@ -1019,7 +1027,8 @@ def format_report(r: SizingReport) -> str:
         lines.append(f"{w.format:<{width}}{total:>14}{active:>16}")
     lines += [
         "",
-        f"{'kv dtype':<10}{'bytes/token':>14}{'per layer':>11}{'expanded':>12}",
+        f"{'kv dtype':<10}{'bytes/token':>14}{'per layer':>11}{'expanded':>12}"
+        f"{'sessions':>10}",
     ]
     for k in r.kv:
         expanded = (
@@ -1029,7 +1038,7 @@ def format_report(r: SizingReport) -> str:
         )
         lines.append(
             f"{k.kv_dtype:<10}{k.bytes_per_token:>14,}{k.bytes_per_token_per_layer:>11,}"
-            f"{expanded:>12}"
+            f"{expanded:>12}{r.sessions_by_kv_dtype[k.kv_dtype]:>10,}"
         )
     for title, p in (
         ("deployment", r.deployment),

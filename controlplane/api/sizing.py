@@ -77,6 +77,9 @@ class SizingOut(Schema):
         description="the checkpoint as its config.json says it ships (fp8 blocks)"
     )
     kv: list[KVBytes]
+    sessions_by_kv_dtype: dict[str, int] = Field(
+        description="sessions at context_tokens this deployment holds per KV dtype"
+    )
     knobs: Knobs
     deployment: DevicePlan
     devices_needed: DevicePlan | None = Field(

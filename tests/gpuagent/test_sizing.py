@@ -496,3 +496,15 @@ def test_it_counts_deepseek_v3_as_its_model_card():
     assert round(r.active_params / 1e9) in (37, 38)  # 37.55B
     mtp_on_hub = r.mtp_params + 2 * 129280 * 7168
     assert round((r.total_params + mtp_on_hub) / 1e9, 2) == 684.49
+
+
+def test_it_counts_sessions_per_kv_dtype_on_the_same_devices():
+    """Llama-3.1-70B w4a16 on 8 x 80 GiB at 32k: the same KV budget a device,
+    40,960 bf16 bytes a token a device (one KV head), half that in fp8."""
+    r = report("llama-3.1-70b", devices=8, weights="w4a16-g128")
+    free = r.deployment.kv_budget_bytes
+
+    assert r.sessions_by_kv_dtype["bf16"] == free // (32768 * 40_960)
+    fp8_free = free - 80 * 2 * 4  # fp8's per-head scales, one head a device
+    assert r.sessions_by_kv_dtype["fp8"] == fp8_free // (32768 * 20_480)
+    assert r.sessions_by_kv_dtype["int4"] > r.sessions_by_kv_dtype["int8"]

@@ -38,6 +38,7 @@ def report_tables(report: SizingReport) -> dict:
                 k.expanded_bytes_per_token
                 and f"{k.expanded_bytes_per_token / k.bytes_per_token:.1f}x",
                 k.kv_dtype == report.knobs.kv_cache_dtype,
+                report.sessions_by_kv_dtype[k.kv_dtype],
             )
             for k in report.kv
         ],
