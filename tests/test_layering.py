@@ -4,6 +4,8 @@ neither the evaluator nor the compressor, and the agent's benches (which drive s
 layers) live in gpuagent/benches/, imported by nothing outside it but the tests."""
 
 import ast
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,12 +59,23 @@ def test_it_keeps_layers_apart(package, forbidden):
 
 
 def test_it_lets_controlplane_import_only_torch_free_agent_modules():
-    allowed = ("gpuagent.protocol", "gpuagent.integrity")
+    allowed = ("gpuagent.protocol", "gpuagent.integrity", "gpuagent.sizing")
 
     def bad(_, name):
         return name.startswith("gpuagent") and not name.startswith(allowed)
 
     assert offenders(("controlplane",), bad) == []
+
+
+def test_it_keeps_torch_out_of_the_agent_modules_the_control_plane_imports():
+    code = (
+        "import sys, gpuagent.protocol, gpuagent.integrity, gpuagent.sizing; "
+        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def test_it_keeps_the_engine_off_the_evaluator_and_the_compressor():

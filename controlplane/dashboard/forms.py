@@ -9,6 +9,8 @@ from controlplane.accounts.models import API_SCOPES, ROLE_SCOPES, Membership
 from controlplane.costs.report import parse_targets
 from controlplane.dashboard import access
 from controlplane.releases.models import RELEASE_STATES
+from gpuagent.integrity.strict_json import Rejected, strict_json_loads
+from gpuagent.sizing import KEEP_BF16_CLASSES, KV_DTYPES, Knobs
 
 # What each scope lets a token do (as the README's table says).
 SCOPE_LABELS = {
@@ -19,6 +21,18 @@ SCOPE_LABELS = {
     "admin": "admin: gate policies, cost models, webhooks, members, environments, "
     "tokens (admin role)",
 }
+
+
+# The weight formats the sizing page offers (gpuagent.sizing.weight_format takes them).
+SIZING_WEIGHT_FORMATS = (
+    "bf16",
+    "fp8",
+    "w8a16",
+    "w4a16-g128",
+    "w4a16-g64",
+    "w4a16-g32",
+    "w4a16-g128-asym",
+)
 
 
 def _blank(label: str) -> list[tuple[str, str]]:
@@ -178,3 +192,67 @@ def typed_targets(request) -> tuple[dict[str, float] | None, str]:
         return parse_targets(text), ""
     except ValueError as exc:
         return None, f"targets: {exc}"
+
+
+class SizingForm(forms.Form):
+    """A pasted config.json and the deployment's knobs (gpuagent.sizing.Knobs)."""
+
+    config = forms.CharField(
+        label="config.json",
+        widget=forms.Textarea(attrs={"rows": 14, "spellcheck": "false"}),
+        max_length=1_000_000,
+        help_text="the model's config.json as published",
+    )
+    gpu_memory_gib = forms.FloatField(
+        label="GPU memory (GiB)", min_value=1, max_value=4096, initial=80
+    )
+    devices = forms.IntegerField(
+        label="Devices", min_value=1, max_value=1024, initial=8
+    )
+    context_tokens = forms.IntegerField(
+        label="Context (tokens)", min_value=1, max_value=2**24, initial=32768
+    )
+    sessions = forms.IntegerField(
+        label="Sessions", min_value=1, max_value=2**20, initial=16
+    )
+    weights = forms.ChoiceField(
+        label="Weights",
+        choices=[(f, f) for f in SIZING_WEIGHT_FORMATS],
+        initial="w4a16-g128",
+    )
+    kv_cache_dtype = forms.ChoiceField(
+        label="KV cache dtype", choices=[(d, d) for d in KV_DTYPES], initial="fp8"
+    )
+    gpu_memory_utilization = forms.FloatField(
+        label="GPU memory utilization", min_value=0.05, max_value=1, initial=0.9
+    )
+    activation_headroom_gib = forms.FloatField(
+        label="Activation headroom (GiB)", min_value=0, max_value=4096, initial=4
+    )
+    keep_bf16 = forms.MultipleChoiceField(
+        label="Left in bf16",
+        choices=[(c, c) for c in KEEP_BF16_CLASSES],
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+    )
+    parallelism = forms.ChoiceField(
+        label="Parallelism",
+        choices=[
+            ("tensor", "tensor: one tensor-parallel group"),
+            ("data", "data: data-parallel attention + expert parallel"),
+        ],
+        initial="tensor",
+    )
+
+    def clean_config(self) -> dict:
+        try:
+            config = strict_json_loads(self.cleaned_data["config"], 32)
+        except (Rejected, ValueError) as exc:
+            raise forms.ValidationError(f"not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise forms.ValidationError("config.json must be a JSON object")
+        return config
+
+    def knobs(self) -> Knobs:
+        data = {k: v for k, v in self.cleaned_data.items() if k != "config"}
+        return Knobs(**{**data, "keep_bf16": tuple(data["keep_bf16"])})

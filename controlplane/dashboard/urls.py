@@ -10,6 +10,7 @@ from controlplane.dashboard.views import (
     fleet,
     releases,
     reopen,
+    sizing,
     tokens,
 )
 
@@ -69,6 +70,7 @@ urlpatterns = [
     ),
     path("cost/", cost.cost, name="cost"),
     path("cost.csv", cost.cost_csv, name="cost-csv"),
+    path("sizing/", sizing.sizing, name="sizing"),
     path("audit/", audit.audit_log, name="audit-log"),
     path("tokens/", tokens.token_list, name="token-list"),
     path("tokens/new/", tokens.create_token, name="token-create"),

@@ -10,6 +10,7 @@ pattern there is not visited here (fragments are visited inside the page that
 loads them)."""
 
 import hashlib
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -54,6 +55,9 @@ FRAGMENTS = {
     "release-status": "release-detail",
     "environment-rows": "environment-list",
 }
+KIMI_CONFIG = (
+    Path(__file__).resolve().parents[2] / "data" / "configs" / "kimi-k2-instruct.json"
+)
 # a CSV download, an icon, and the fleet page's enrollment posts (they answer
 # with the fleet page, seen here with a key waiting)
 NOT_PAGES = {
@@ -278,6 +282,10 @@ def test_it_fits_every_page_in_a_phone_viewport(
     check("cost", "/cost/")
     check("cost filtered", f"/cost/?model={long_scene['family'].pk}")
     check("audit", "/audit/")
+    check("sizing", "/sizing/")
+    page.get_by_label("config.json").fill(KIMI_CONFIG.read_text())
+    page.get_by_role("button", name="Size it").click()
+    check("sizing report")
     check("tokens", "/tokens/")
     check("new token", "/tokens/new/")
     page.get_by_label("Name").fill(LONG_TOKEN + "-2")
