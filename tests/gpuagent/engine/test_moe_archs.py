@@ -517,3 +517,61 @@ def test_config_reads_the_published_layout():
     assert kv_bytes_per_token(config, "bf16") == 61 * 576 * 2
     # softmax scale: 192^-0.5 * (0.1 ln 40 + 1)^2
     assert config.softmax_scale == pytest.approx(192**-0.5 * 1.3688879454113936**2)
+
+
+# ----------------------------------------------------------------------- engine
+
+ENGINE_PROMPTS = [
+    "hello world",
+    "def add(a, b):\n    return",
+    "x",
+    "The quick brown fox jumps over the lazy dog. " * 2,
+    "import os\nimport sys\n",
+]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_engine_generates_transformers_greedy_tokens_through_preemption(tmp_path, arch):
+    # Sharded with an index, as the published checkpoints are; the byte tokenizer's
+    # 264 ids. Tight blocks and a small token budget: chunked prefill, mixed
+    # batches and preemption (recompute), all against transformers' generate.
+    from gpuagent.engine.engine import LLMEngine
+    from gpuagent.engine.sampling import SamplingParams
+    from gpuagent.engine.tokenizer import save_byte_tokenizer
+
+    torch.manual_seed(0)
+    hf = FOLDERS[arch](tmp_path / "x", vocab_size=264, initializer_range=0.2)
+    hf.save_pretrained(tmp_path / "m", safe_serialization=True, max_shard_size="60KB")
+    save_byte_tokenizer(tmp_path / "m")
+    assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
+    engine = LLMEngine.from_model_dir(
+        tmp_path / "m",
+        kv_cache_dtype="fp32",
+        num_blocks=30,
+        block_size=4,
+        max_num_batched_tokens=32,
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    outs = engine.generate(ENGINE_PROMPTS, params)
+
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(ENGINE_PROMPTS, outs, strict=True):
+        ids = engine.encode_prompt(prompt)
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False
+            )[0, len(ids) :].tolist()
+        assert out.token_ids == expected, prompt
+    assert engine.kv.blocks.num_used_blocks == 0
+
+
+def test_engine_refuses_a_quantized_kv_dtype_for_mla_by_name(tmp_path):
+    from gpuagent.engine.engine import LLMEngine
+    from gpuagent.engine.tokenizer import save_byte_tokenizer
+
+    deepseek_folder(tmp_path, vocab_size=264)
+    save_byte_tokenizer(tmp_path)
+
+    with pytest.raises(ValueError, match="'int8' is not supported for MLA"):
+        LLMEngine.from_model_dir(tmp_path, kv_cache_dtype="int8", num_blocks=8)
