@@ -15,10 +15,12 @@ Attention has two forms, equal up to float rounding (tested):
 - naive (prefill, and the reference): K and V are expanded per head from the
   gathered latents and attention runs as usual.
 
-Cache dtypes: the latent is stored as a plain cast (bf16, fp16, fp32). The
-quantized layouts (fp8, fp8-per-token, int8, int4) are refused with an error
-naming them: their kernels quantize per kv head of a K/V pair, which this layout
-is not.
+Cache dtypes: bf16, fp16 and fp32 store the latent as a plain cast; int8 and
+fp8-per-token store codes with one float16 scale per token for the latent c and
+one for k_pe (two scales per token and layer: the parts' ranges differ, the RoPE
+key is not normalised), quantized and dequantized by `kernels.kv_quant`'s torch
+reference. fp8 (static per-head scales, calibrated) and int4 are refused with an
+error naming them.
 """
 
 from __future__ import annotations
@@ -29,13 +31,20 @@ import torch
 from torch import Tensor, nn
 
 from gpuagent.engine.model import RMSNorm, apply_rope
-from kernels.kv_quant import PagedKVCache
+from kernels.kv_quant import SCALE_DTYPE, PagedKVCache, dequantize_kv, quantize_kv
 
 if TYPE_CHECKING:
     from gpuagent.engine.arch import MoEConfig
     from gpuagent.engine.model import AttentionMetadata
 
-MLA_KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MLA_KV_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "int8": torch.int8,
+    "fp8-per-token": torch.float8_e4m3fn,
+}
+QUANTIZED_MLA_KV_DTYPES = ("int8", "fp8-per-token")
 # DeepSeek's q_a_layernorm / kv_a_layernorm are built with this eps, not the config's
 LORA_NORM_EPS = 1e-6
 
@@ -63,6 +72,8 @@ def mla_kv_bytes_per_token(config: object, kv_dtype: str) -> int:
     """Cache bytes one token takes across all layers (latent + RoPE key)."""
     check_mla_kv_dtype(kv_dtype)
     per_layer = latent_dim(config) * MLA_KV_DTYPES[kv_dtype].itemsize
+    if kv_dtype in QUANTIZED_MLA_KV_DTYPES:  # two float16 scales per token
+        per_layer += 2 * SCALE_DTYPE.itemsize
     return config.num_hidden_layers * per_layer
 
 
@@ -74,10 +85,16 @@ def allocate_mla_cache(
     device: str | torch.device = "cpu",
 ) -> PagedKVCache:
     """One layer's paged latent cache: key [num_blocks, block_size, 1, dim]; the
-    value tensor has width 0 (the latent serves as both)."""
+    value tensor has width 0 (the latent serves as both); quantized dtypes add
+    key_scale [num_blocks, block_size, 2] float16 (latent, RoPE key)."""
     check_mla_kv_dtype(kv_dtype)
     shape = (num_blocks, block_size, 1, dim)
     key = torch.zeros(shape, dtype=MLA_KV_DTYPES[kv_dtype], device=device)
+    scale = None
+    if kv_dtype in QUANTIZED_MLA_KV_DTYPES:
+        scale = torch.zeros(
+            (num_blocks, block_size, 2), dtype=SCALE_DTYPE, device=device
+        )
     return PagedKVCache(
         dtype=kv_dtype,
         num_blocks=num_blocks,
@@ -86,27 +103,44 @@ def allocate_mla_cache(
         head_dim=dim,
         key=key,
         value=key.new_zeros((num_blocks, block_size, 1, 0)),
-        key_scale=None,
+        key_scale=scale,
         value_scale=None,
     )
 
 
-def write_latent(cache: PagedKVCache, latent: Tensor, slot_mapping: Tensor) -> None:
-    """Store latent [T, dim] at slot_mapping [T] (-1: skip the token)."""
+def _bytes(t: Tensor) -> Tensor:
+    # fp8 storage moves as bytes (index_put/gather lack fp8 kernels on some builds)
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def write_latent(
+    cache: PagedKVCache, latent: Tensor, slot_mapping: Tensor, rank: int
+) -> None:
+    """Store latent [T, dim] ([c (rank), k_pe]) at slot_mapping [T] (-1: skip)."""
     check_mla_kv_dtype(cache.dtype)
     if cache.value.shape[-1] != 0 or cache.window:
         raise ValueError("not an MLA latent cache (allocate_mla_cache)")
     keep = slot_mapping >= 0
+    slots, latent = slot_mapping[keep], latent[keep]
     store = cache.key.view(cache.num_slots, cache.head_dim)
-    store[slot_mapping[keep]] = latent[keep].to(store.dtype)
+    if cache.key_scale is None:
+        store[slots] = latent.to(store.dtype)
+        return
+    sizes = (rank, cache.head_dim - rank)
+    parts = [quantize_kv(p, cache.dtype) for p in latent.split(sizes, dim=-1)]
+    codes = torch.cat([_bytes(code) for code, _ in parts], dim=-1)
+    _bytes(store)[slots] = codes
+    cache.key_scale.view(cache.num_slots, 2)[slots] = torch.stack(
+        [scale for _, scale in parts], dim=-1
+    )
 
 
 def gather_latent(
-    cache: PagedKVCache, block_tables: Tensor, context_lens: Tensor
+    cache: PagedKVCache, block_tables: Tensor, context_lens: Tensor, rank: int
 ) -> tuple[Tensor, Tensor]:
     """(latents [B, L, dim], valid [B, L] bool) of each sequence's positions
-    0..L-1, L the longest context; positions past a sequence's context are
-    zero and not valid."""
+    0..L-1 (dequantized to float32 for a quantized cache), L the longest
+    context; positions past a sequence's context are zero and not valid."""
     max_len = int(context_lens.max())
     pos = torch.arange(max_len, device=block_tables.device)  # [L]
     valid = pos[None, :] < context_lens[:, None].long()  # [B, L]
@@ -114,8 +148,19 @@ def gather_latent(
     slots = blocks * cache.block_size + pos % cache.block_size
     slots = torch.where(valid, slots, torch.zeros_like(slots)).clamp(min=0)
     store = cache.key.view(cache.num_slots, cache.head_dim)
-    latents = store[slots] * valid[..., None].to(store.dtype)
-    return latents, valid
+    if cache.key_scale is None:
+        latents = store[slots]
+    else:
+        codes = _bytes(store)[slots].view(store.dtype)  # [B, L, dim]
+        scales = cache.key_scale.view(cache.num_slots, 2)[slots]  # [B, L, 2]
+        latents = torch.cat(
+            [
+                dequantize_kv(part, scales[..., i], cache.dtype)
+                for i, part in enumerate(codes.split((rank, cache.head_dim - rank), -1))
+            ],
+            dim=-1,
+        )
+    return latents * valid[..., None].to(latents.dtype), valid
 
 
 def _interleaved_to_halves(x: Tensor) -> Tensor:
@@ -220,7 +265,7 @@ class MLAAttention(nn.Module):
         out_rows: Tensor | None = None,  # [B] rows to compute; None: all T
     ) -> Tensor:
         q_nope, q_pe, latent = self._project(x, cos, sin)
-        write_latent(cache, latent, attn.slot_mapping)
+        write_latent(cache, latent, attn.slot_mapping, self.rank)
         context_lens = attn.context_lens.long()  # [B]
         num_seqs = context_lens.shape[0]
         decode = out_rows is not None or attn.decode_only
@@ -241,7 +286,9 @@ class MLAAttention(nn.Module):
             local = torch.arange(x.shape[0], device=x.device) - qsl[seq]
             pos = context_lens[seq] - counts[seq] + local  # [T] absolute position
             width = int(counts.max())
-        latents, valid = gather_latent(cache, attn.block_tables, context_lens)
+        latents, valid = gather_latent(
+            cache, attn.block_tables, context_lens, self.rank
+        )
         latents = latents.to(q_nope.dtype)
         length = latents.shape[1]
         padded_pos = torch.full((num_seqs, width), -1, device=x.device)
