@@ -305,10 +305,25 @@ def test_absorbed_mla_equals_the_naive_form(tmp_path):
     model = load_model(tmp_path)
     seqs = [_tokens(30, seed=2), _tokens(17, seed=3)]
 
-    absorbed = run_paged(model, seqs, [6, 3])  # mostly decode steps
-    for layer in model.layers:
-        layer.self_attn.absorb = False
-    naive = run_paged(model, seqs, [6, 3])
+    forms = []
+    original = MLAAttention.attend
+
+    def recording(self, *args, absorbed):
+        forms.append(absorbed)
+        return original(self, *args, absorbed=absorbed)
+
+    MLAAttention.attend = recording
+    try:
+        absorbed = run_paged(model, seqs, [6, 3])  # mostly decode steps
+        # the one prefill step runs the naive form, all 24 decode steps absorbed
+        assert forms.count(False) == 3 and forms.count(True) == 3 * 24
+        for layer in model.layers:
+            layer.self_attn.absorb = False
+        forms.clear()
+        naive = run_paged(model, seqs, [6, 3])
+        assert not any(forms)
+    finally:
+        MLAAttention.attend = original
 
     diff = max((a - n).abs().max().item() for a, n in zip(absorbed, naive, strict=True))
     print(f"MLA absorbed vs naive (logits) max abs diff {diff:.2e}")
@@ -543,6 +558,59 @@ def test_config_reads_the_published_layout():
     assert kv_bytes_per_token(config, "bf16") == 61 * 576 * 2
     # softmax scale: 192^-0.5 * (0.1 ln 40 + 1)^2
     assert config.softmax_scale == pytest.approx(192**-0.5 * 1.3688879454113936**2)
+
+
+def test_config_reads_the_published_glm_layout():
+    # GLM-4.5's config.json: top-level partial_rotary_factor and rope_theta
+    config = MoEConfig.from_hf_config(
+        {
+            "architectures": ["Glm4MoeForCausalLM"],
+            "model_type": "glm4_moe",
+            "attention_bias": True,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 5120,
+            "intermediate_size": 12288,
+            "max_position_embeddings": 131072,
+            "moe_intermediate_size": 1536,
+            "n_group": 1,
+            "n_routed_experts": 160,
+            "n_shared_experts": 1,
+            "norm_topk_prob": True,
+            "num_attention_heads": 96,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3,
+            "num_hidden_layers": 92,
+            "num_key_value_heads": 8,
+            "num_nextn_predict_layers": 1,
+            "partial_rotary_factor": 0.5,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "routed_scaling_factor": 2.5,
+            "topk_group": 1,
+            "use_qk_norm": True,
+            "vocab_size": 151552,
+        }
+    )
+    assert (config.rotary_dim, config.rope_theta) == (64, 1e6)
+    assert config.use_qk_norm and config.attention_bias and not config.is_mla
+    # GQA K and V: 92 layers * 2 * 8 heads * 128 * 2 bytes
+    assert kv_bytes_per_token(config, "bf16") == 92 * 2 * 8 * 128 * 2
+
+
+def test_a_bfloat16_moe_model_keeps_its_router_in_float32(tmp_path):
+    hf = deepseek_folder(tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    gate = model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert model.layers[1].mlp.experts[0].up_proj.weight.dtype == torch.bfloat16
+    tokens = _tokens(16, seed=2)
+
+    paged = run_paged(model, [tokens], [8], kv_dtype="bf16")[0]
+
+    per_position = (paged - _hf_logits(hf, tokens)).abs().max(-1).values
+    assert per_position.median().item() <= 0.15, per_position
 
 
 # ----------------------------------------------------------------------- engine
