@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
-from gpuagent.engine import arch, weights
+from gpuagent.engine import arch, fp8_blocks, weights
 from gpuagent.engine.kv_calibration import pop_checkpoint_kv_scales
 from gpuagent.engine.model import Transformer
 
@@ -63,7 +63,8 @@ def load_model(
 
     quantized = weights.is_quantized(hf_config)
     moe = isinstance(config, arch.MoEConfig)
-    if quantized and moe:
+    block_fp8 = fp8_blocks.is_block_fp8(hf_config)  # DeepSeek-V3 / Kimi K2 as published
+    if quantized and moe and not block_fp8:
         raise ModelLoadError(
             f"quantized {config.model_type} checkpoints are not supported yet"
         )
@@ -73,6 +74,14 @@ def load_model(
         for k, v in checkpoint.items()
         if not arch.extra_checkpoint_layer(k, config)
     }
+    if block_fp8:  # dequantized here; the model then runs plain weights
+        try:
+            checkpoint = fp8_blocks.dequantize(
+                checkpoint, hf_config["quantization_config"]
+            )
+        except fp8_blocks.BlockFp8Error as exc:
+            raise ModelLoadError(str(exc)) from exc
+        quantized = False
     with torch.device("meta"):
         model = arch.build_model(config)
     layers = {}

@@ -696,3 +696,111 @@ def mla_bytes(config, kv_dtype):
     size = {"bf16": 2, "int8": 1, "fp8-per-token": 1}[kv_dtype]
     scales = 0 if kv_dtype == "bf16" else 4
     return config.num_hidden_layers * (40 * size + scales)
+
+
+# ------------------------------------------------------------ block fp8 (published)
+
+
+def _to_block_fp8(folder, block=16):
+    """Rewrite folder's Linear weights as DeepSeek's published block fp8 (weight +
+    weight_scale_inv per block), router/embeddings/head/norms left as they are;
+    returns the dequantized weights by name (computed block by block)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    out, dequantized = {}, {}
+    for name, t in tensors.items():
+        linear = t.dim() == 2 and name.endswith(
+            ("_proj.weight", "kv_a_proj_with_mqa.weight")
+        )
+        if not linear:
+            out[name] = t
+            continue
+        rows, cols = -(-t.shape[0] // block), -(-t.shape[1] // block)
+        codes = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(rows, cols)
+        approx = torch.empty(t.shape)
+        for i in range(rows):
+            for j in range(cols):
+                part = t[i * block : (i + 1) * block, j * block : (j + 1) * block]
+                s = part.abs().max().clamp(min=1e-12) / 448.0
+                q = (part / s).to(torch.float8_e4m3fn)
+                codes[i * block : (i + 1) * block, j * block : (j + 1) * block] = q
+                scale[i, j] = s
+                approx[i * block : (i + 1) * block, j * block : (j + 1) * block] = (
+                    q.float() * s
+                )
+        out[name], out[name + "_scale_inv"] = codes, scale
+        dequantized[name] = approx
+    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [block, block],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_it_loads_published_block_fp8_weights(tmp_path):
+    # q_b (72 x 48), kv_a (40 x 64): blocks that don't divide the shape
+    hf = deepseek_folder(tmp_path)
+    dequantized = _to_block_fp8(tmp_path)
+    with torch.no_grad():  # the oracle runs the same dequantized weights
+        params = dict(hf.named_parameters())
+        for name, w in dequantized.items():
+            if name in params:
+                params[name].copy_(w)
+            else:  # transformers fuses the experts: experts.E.*_proj -> 3D
+                prefix, expert, proj, _ = name.rsplit(".", 3)
+                fused = dict(hf.named_parameters())
+                if proj == "down_proj":
+                    fused[f"{prefix}.down_proj"][int(expert)].copy_(w)
+                else:
+                    rows = fused[f"{prefix}.gate_up_proj"][int(expert)]
+                    half = rows.shape[0] // 2
+                    part = rows[:half] if proj == "gate_proj" else rows[half:]
+                    part.copy_(w)
+    model = load_model(tmp_path)
+    seqs = [_tokens(20, seed=2)]
+
+    diff = _max_diff(run_paged(model, seqs, [12]), hf, seqs)
+
+    print(f"block-fp8 DeepSeek-V3 folder paged max abs diff {diff:.2e}")
+    assert diff <= ATOL, diff
+    assert len(dequantized) > 20
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"weight_block_size": None}, "weight_block_size None"),
+        ({"fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
+        ({"activation_scheme": "static"}, "activation_scheme 'static'"),
+        ({"bits": 8}, "unknown keys \\['bits'\\]"),
+    ],
+)
+def test_it_refuses_block_fp8_configs_it_does_not_read(tmp_path, edit, message):
+    deepseek_folder(tmp_path)
+    _to_block_fp8(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"].update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(tmp_path)
+
+
+def test_it_refuses_an_fp8_weight_without_its_scale(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    deepseek_folder(tmp_path)
+    _to_block_fp8(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+    with pytest.raises(ModelLoadError, match="o_proj.weight has no"):
+        load_model(tmp_path)
