@@ -804,3 +804,24 @@ def test_it_refuses_an_fp8_weight_without_its_scale(tmp_path):
 
     with pytest.raises(ModelLoadError, match="o_proj.weight has no"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kv_dtype", ["bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4"]
+)
+def test_engine_serves_glm_with_every_kv_dtype(tmp_path, kv_dtype):
+    # plumbing, as for Llama: fp8's scales calibrated at start, int4's window
+    from gpuagent.engine.engine import LLMEngine
+    from gpuagent.engine.sampling import SamplingParams
+    from gpuagent.engine.tokenizer import save_byte_tokenizer
+
+    glm_folder(tmp_path, vocab_size=264, initializer_range=0.2)
+    save_byte_tokenizer(tmp_path)
+    engine = LLMEngine.from_model_dir(tmp_path, kv_cache_dtype=kv_dtype, num_blocks=64)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    outs = engine.generate(ENGINE_PROMPTS[:3], params)
+
+    assert [len(o.token_ids) for o in outs] == [5, 5, 5]
+    assert engine.kv.kv_caches[0].num_kv_heads == 2
+    assert engine.kv.kv_caches[0].scales_set == (kv_dtype == "fp8")
