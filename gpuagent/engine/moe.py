@@ -5,8 +5,8 @@ experts and the shared experts.
 Experts are computed by grouping the batch's tokens per expert: the (token, slot)
 pairs of the router's top-k are sorted by expert once, each expert multiplies the
 contiguous run of rows routed to it as one GEMM, and the weighted results are
-scatter-added back onto their tokens. The only Python loop is over experts that
-received tokens, never over tokens.
+put back in (token, slot) order with one scatter and summed over the k slots.
+The only Python loop is over experts that received tokens, never over tokens.
 
 Submodule names follow the Hugging Face checkpoints (`mlp.gate.weight`,
 `mlp.gate.e_score_correction_bias`, `mlp.experts.E.{gate,up,down}_proj.weight`,
@@ -119,19 +119,19 @@ class Experts(nn.ModuleList):
         top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [T * k], pair p is token p // k
         order = flat_ids.argsort(stable=True)  # pairs grouped by expert
-        tokens = order // top_k  # [T * k] token of each sorted pair
-        pair_weights = weights.reshape(-1)[order]  # [T * k]
         counts = torch.bincount(flat_ids, minlength=len(self)).tolist()
-        rows = x[tokens]  # [T * k, hidden], each expert's rows contiguous
-        out = torch.zeros_like(x)
+        rows = x[order // top_k]  # [T * k, hidden], each expert's rows contiguous
+        outputs = torch.empty_like(rows)
         start = 0
         for expert, count in zip(self, counts, strict=True):
             if count:
-                end = start + count
-                y = expert(rows[start:end]) * pair_weights[start:end, None].to(x.dtype)
-                out.index_add_(0, tokens[start:end], y)
-                start = end
-        return out
+                outputs[start : start + count] = expert(rows[start : start + count])
+                start += count
+        outputs *= weights.reshape(-1)[order, None].to(x.dtype)
+        # back to (token, slot) order, then each token's k results summed
+        pairs = torch.empty_like(outputs)
+        pairs[order] = outputs
+        return pairs.view(-1, top_k, x.shape[-1]).sum(dim=1)
 
 
 class MoE(nn.Module):
