@@ -1,4 +1,4 @@
-"""The mixture-of-experts architectures beside Llama: `deepseek_v3`
+"""The mixture-of-experts architectures beside Llama: `deepseek_v3` and `kimi_k2`
 (DeepseekV3ForCausalLM: MLA attention, `gpuagent.engine.mla`) and `glm4_moe`
 (Glm4MoeForCausalLM: GQA with partial rotary, optional qk norm and q/k/v bias),
 both with `first_k_dense_replace` dense MLP layers and then MoE layers
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 MOE_MODEL_TYPES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    # Kimi K2's text model: DeepSeek-V3's architecture and tensor names under its
+    # own model_type (Moonshot's note: engines without it may read it as deepseek_v3)
+    "kimi_k2": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = ("llama", *MOE_MODEL_TYPES)

@@ -825,3 +825,20 @@ def test_engine_serves_glm_with_every_kv_dtype(tmp_path, kv_dtype):
     assert [len(o.token_ids) for o in outs] == [5, 5, 5]
     assert engine.kv.kv_caches[0].num_kv_heads == 2
     assert engine.kv.kv_caches[0].scales_set == (kv_dtype == "fp8")
+
+
+def test_kimi_k2_model_type_reads_as_the_deepseek_v3_architecture(tmp_path):
+    hf = deepseek_folder(tmp_path, n_group=1, topk_group=1)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "kimi_k2"  # as Kimi-K2-Instruct's config.json has it
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    model = load_model(tmp_path)
+
+    assert model.config.model_type == "kimi_k2" and model.config.is_mla
+    seqs = [_tokens(12, seed=2)]
+    assert _max_diff(run_paged(model, seqs, [6]), hf, seqs) <= ATOL
+    config["architectures"] = ["Glm4MoeForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="architectures"):
+        load_model(tmp_path)
