@@ -64,10 +64,6 @@ def load_model(
     quantized = weights.is_quantized(hf_config)
     moe = isinstance(config, arch.MoEConfig)
     block_fp8 = fp8_blocks.is_block_fp8(hf_config)  # DeepSeek-V3 / Kimi K2 as published
-    if quantized and moe and not block_fp8:
-        raise ModelLoadError(
-            f"quantized {config.model_type} checkpoints are not supported yet"
-        )
     checkpoint = read_checkpoint(reader, quantized=quantized)
     checkpoint = {
         k: v

@@ -224,7 +224,18 @@ class MLAAttention(nn.Module):
 
     def _kv_b(self) -> tuple[Tensor, Tensor]:
         # W_UK [H, nope, rank], W_UV [H, v, rank]
-        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
+        if isinstance(self.kv_b_proj, nn.Linear):
+            w = self.kv_b_proj.weight
+        else:
+            # a quantized kv_b_proj (engine.weights.QuantLinear): both forms need
+            # W itself, so it is dequantized once, as vLLM does for MLA, by
+            # running the layer on the identity (its own arithmetic: W^T rows)
+            w = getattr(self, "_kv_b_dequantized", None)
+            if w is None:
+                eye = torch.eye(self.rank, device=self.kv_b_proj.scale.device)
+                w = self.kv_b_proj(eye.to(self.kv_b_proj.scale.dtype)).t()
+                self._kv_b_dequantized = w
+        w = w.unflatten(0, (self.num_heads, -1))
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def attend(

@@ -842,3 +842,63 @@ def test_kimi_k2_model_type_reads_as_the_deepseek_v3_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="architectures"):
         load_model(tmp_path)
+
+
+# ------------------------------------------------- compressed-tensors (per expert)
+
+
+@pytest.mark.parametrize("weights", ["w8a16", "w4a16-g32", "fp8"])
+def test_it_loads_compressed_tensors_experts_and_kv_b(tmp_path, weights):
+    # Every routed and shared expert and MLA's kv_b_proj quantized, the router
+    # kept dense (in `ignore`, as llm-compressor writes it); the oracle runs the
+    # dequantized weights. kv_b_proj is dequantized once for the absorbed form.
+    from safetensors.torch import load_file, save_file
+
+    from gpuagent.compress.checkpoint import quantization_config, quantized_tensors
+    from gpuagent.compress.quantize import quantize_rtn
+    from gpuagent.compress.recipes import weight_scheme
+
+    hf = deepseek_folder(tmp_path, moe_intermediate_size=32)  # int4 groups of 32
+    scheme = weight_scheme({"weights": weights, "kv_cache_dtype": "bf16"})
+    tensors = load_file(tmp_path / "model.safetensors")
+    out, dequantized = {}, {}
+    for name, t in tensors.items():
+        if "experts." in name or name.endswith("kv_b_proj.weight"):
+            module = name.removesuffix(".weight")
+            qw = quantize_rtn(t, scheme)
+            out.update(quantized_tensors(module, qw))
+            dequantized[name] = qw.dequantize()
+        else:
+            out[name] = t
+    save_file(out, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    group = 32 if weights.startswith("w4") else None
+    targets = [r"re:.*experts.*_proj$", r"re:.*kv_b_proj$"]
+    config["quantization_config"] = quantization_config(
+        scheme, {group: targets}, ["lm_head", "re:.*mlp\\.gate$"], None
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        params = dict(hf.named_parameters())
+        for name, w in dequantized.items():
+            if name in params:
+                params[name].copy_(w)
+                continue
+            prefix, expert, proj, _ = name.rsplit(".", 3)
+            if proj == "down_proj":
+                params[f"{prefix}.down_proj"][int(expert)].copy_(w)
+            else:
+                rows = params[f"{prefix}.gate_up_proj"][int(expert)]
+                half = rows.shape[0] // 2
+                (rows[:half] if proj == "gate_proj" else rows[half:]).copy_(w)
+
+    model = load_model(tmp_path)
+
+    quantized = [
+        n for n, m in model.named_modules() if type(m).__name__ == "QuantLinear"
+    ]
+    assert len(quantized) == len(dequantized)
+    seqs = [_tokens(20, seed=2), _tokens(9, seed=3)]
+    diff = _max_diff(run_paged(model, seqs, [12, 4], chunk=5), hf, seqs)
+    print(f"compressed-tensors {weights} experts + kv_b paged max abs diff {diff:.2e}")
+    assert diff <= ATOL, diff
