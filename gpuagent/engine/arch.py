@@ -80,6 +80,8 @@ class MoEConfig:
     tie_word_embeddings: bool = False
     eos_token_id: int | list[int] | None = None
     bos_token_id: int | None = None
+    # multi-token-prediction layers after the decoder in the checkpoint (not run)
+    num_nextn_predict_layers: int = 0
     # glm4_moe
     use_qk_norm: bool = False
     # deepseek_v3 (MLA)
@@ -209,6 +211,7 @@ class MoEConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_id=cfg.get("eos_token_id"),
             bos_token_id=cfg.get("bos_token_id"),
+            num_nextn_predict_layers=cfg.get("num_nextn_predict_layers") or 0,
         )
         if model_type == "glm4_moe":
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -251,14 +254,18 @@ def build_model(config: LlamaConfig | MoEConfig) -> nn.Module:
 
 
 def extra_checkpoint_layer(name: str, config: LlamaConfig | MoEConfig) -> bool:
-    """Whether `name` belongs to a layer past num_hidden_layers: the multi-token
-    prediction layers (num_nextn_predict_layers) DeepSeek-V3 and GLM-4.5 ship,
-    which serving without speculative decoding doesn't run (transformers skips
-    them too)."""
+    """Whether `name` belongs to one of the `num_nextn_predict_layers`
+    multi-token-prediction layers DeepSeek-V3 and GLM-4.5 ship after the decoder
+    (layers num_hidden_layers ..), which serving without speculative decoding
+    doesn't run (transformers skips them too). Layers past those stay unexpected."""
     if not isinstance(config, MoEConfig) or not name.startswith("model.layers."):
         return False
     index = name.split(".")[2]
-    return index.isdigit() and int(index) >= config.num_hidden_layers
+    first = config.num_hidden_layers
+    return (
+        index.isdigit()
+        and first <= int(index) < first + config.num_nextn_predict_layers
+    )
 
 
 # ---------------------------------------------------------------------------- RoPE

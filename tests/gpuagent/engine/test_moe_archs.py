@@ -492,6 +492,13 @@ def test_loader_skips_the_multi_token_prediction_layer(tmp_path):
     seq = _tokens(10)
     diff = _max_diff(run_paged(model, [seq], [10]), hf, [seq])
     assert diff <= ATOL
+    # a layer past the declared MTP layers is not skipped: it is unexpected
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    config["num_nextn_predict_layers"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unexpected tensors.*layers.3.eh_proj"):
+        load_model(tmp_path)
 
 
 @pytest.mark.parametrize(
