@@ -49,6 +49,9 @@ def _randomize(hf, seed):
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+        for name, p in hf.named_parameters():  # biases are zero-initialised
+            if name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
 
 
 def deepseek_folder(path, seed=0, **overrides):
@@ -110,10 +113,6 @@ def glm_folder(path, seed=0, **overrides):
     torch.manual_seed(seed)
     hf = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**kwargs))
     _randomize(hf, seed)
-    with torch.no_grad():  # biases are zero-initialised; make them matter
-        for name, p in hf.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(0.2 * torch.randn_like(p))
     hf.eval().save_pretrained(path, safe_serialization=True)
     return hf
 
@@ -198,13 +197,14 @@ DEEPSEEK_VARIANTS = {
     "yarn-mscale-attention-factor": {
         "rope_parameters": {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}
     },
-    "no-qlora-plain-rope-halves": {
+    "no-qlora-plain-rope-halves-bias": {
         "q_lora_rank": None,
         "rope_interleave": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "n_group": 1,
         "topk_group": 1,
         "norm_topk_prob": False,
+        "attention_bias": True,  # kv_a_proj and o_proj biases
     },
 }
 GLM_VARIANTS = {
