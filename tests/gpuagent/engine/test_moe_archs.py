@@ -909,3 +909,26 @@ def test_it_loads_compressed_tensors_experts_and_kv_b(tmp_path, weights):
     diff = _max_diff(run_paged(model, seqs, [12, 4], chunk=5), hf, seqs)
     print(f"compressed-tensors {weights} experts + kv_b paged max abs diff {diff:.2e}")
     assert diff <= ATOL, diff
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_mla_prefix_cache_hits_give_the_same_tokens(tmp_path, kv_dtype):
+    # cached latent blocks are reused by a later request with the same prefix
+    from gpuagent.engine.engine import LLMEngine
+    from gpuagent.engine.sampling import SamplingParams
+    from gpuagent.engine.tokenizer import save_byte_tokenizer
+
+    deepseek_folder(tmp_path, vocab_size=264, initializer_range=0.2)
+    save_byte_tokenizer(tmp_path)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cold = LLMEngine.from_model_dir(
+        tmp_path, kv_cache_dtype=kv_dtype, num_blocks=64, enable_prefix_caching=False
+    ).generate([prompt], params)[0]
+    engine = LLMEngine.from_model_dir(tmp_path, kv_cache_dtype=kv_dtype, num_blocks=64)
+
+    first = engine.generate([prompt], params)[0]
+    second = engine.generate([prompt], params)[0]
+
+    assert engine.scheduler.prefix_cache_hits > 0
+    assert first.token_ids == second.token_ids == cold.token_ids
