@@ -456,7 +456,7 @@ def kv_bytes_per_token(config: Any, kv_dtype: str) -> int:
 def kv_static_bytes(config: Any, kv_dtype: str) -> int:
     """Bytes the caches hold whatever their size (fp8's per-head scales)."""
     if mla.is_mla(config):
-        return 0
+        return mla.mla_kv_static_bytes(config, kv_dtype)
     num_layers, num_kv_heads, _ = _kv_shape(config)
     return num_layers * kernels.kv_static_bytes(kv_dtype, num_kv_heads)
 

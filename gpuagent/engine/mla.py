@@ -19,8 +19,9 @@ Cache dtypes: bf16, fp16 and fp32 store the latent as a plain cast; int8 and
 fp8-per-token store codes with one float16 scale per token for the latent c and
 one for k_pe (two scales per token and layer: the parts' ranges differ, the RoPE
 key is not normalised), quantized and dequantized by `kernels.kv_quant`'s torch
-reference. fp8 (static per-head scales, calibrated) and int4 are refused with an
-error naming them.
+reference. fp8 stores e4m3 codes under two static float32 scales per layer
+(latent, RoPE key: absmax / 448 over the built-in calibration text,
+`calibrate_latent_scales`). int4 is refused with an error naming it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ MLA_KV_DTYPES = {
     "fp32": torch.float32,
     "int8": torch.int8,
     "fp8-per-token": torch.float8_e4m3fn,
+    "fp8": torch.float8_e4m3fn,
 }
-QUANTIZED_MLA_KV_DTYPES = ("int8", "fp8-per-token")
+QUANTIZED_MLA_KV_DTYPES = ("int8", "fp8-per-token")  # a scale per token and part
+FP8_MAX = 448.0
 # DeepSeek's q_a_layernorm / kv_a_layernorm are built with this eps, not the config's
 LORA_NORM_EPS = 1e-6
 
@@ -77,6 +80,13 @@ def mla_kv_bytes_per_token(config: object, kv_dtype: str) -> int:
     return config.num_hidden_layers * per_layer
 
 
+def mla_kv_static_bytes(config: object, kv_dtype: str) -> int:
+    """Bytes the caches hold whatever their size: fp8's two static scales per
+    layer (float32, latent and RoPE key)."""
+    check_mla_kv_dtype(kv_dtype)
+    return config.num_hidden_layers * 2 * 4 if kv_dtype == "fp8" else 0
+
+
 def allocate_mla_cache(
     kv_dtype: str,
     num_blocks: int,
@@ -85,8 +95,9 @@ def allocate_mla_cache(
     device: str | torch.device = "cpu",
 ) -> PagedKVCache:
     """One layer's paged latent cache: key [num_blocks, block_size, 1, dim]; the
-    value tensor has width 0 (the latent serves as both); quantized dtypes add
-    key_scale [num_blocks, block_size, 2] float16 (latent, RoPE key)."""
+    value tensor has width 0 (the latent serves as both); int8 / fp8-per-token
+    add key_scale [num_blocks, block_size, 2] float16 (latent, RoPE key), fp8 its
+    two static scales key_scale [2] float32."""
     check_mla_kv_dtype(kv_dtype)
     shape = (num_blocks, block_size, 1, dim)
     key = torch.zeros(shape, dtype=MLA_KV_DTYPES[kv_dtype], device=device)
@@ -95,6 +106,8 @@ def allocate_mla_cache(
         scale = torch.zeros(
             (num_blocks, block_size, 2), dtype=SCALE_DTYPE, device=device
         )
+    elif kv_dtype == "fp8":  # static, set by `set_latent_scales` before any write
+        scale = torch.ones(2, dtype=torch.float32, device=device)
     return PagedKVCache(
         dtype=kv_dtype,
         num_blocks=num_blocks,
@@ -104,8 +117,24 @@ def allocate_mla_cache(
         key=key,
         value=key.new_zeros((num_blocks, block_size, 1, 0)),
         key_scale=scale,
-        value_scale=None,
+        # empty, so code that hashes both static scales finds a tensor
+        value_scale=None
+        if kv_dtype != "fp8"
+        else key.new_zeros(0, dtype=torch.float32),
     )
+
+
+def set_latent_scales(cache: PagedKVCache, scales: Tensor) -> None:
+    """Give an fp8 latent cache its static scales [2] (latent, RoPE key):
+    positive and finite, absmax / 448 of calibration latents."""
+    if cache.dtype != "fp8" or cache.value.shape[-1] != 0:
+        raise ValueError("static latent scales are for an MLA fp8 cache")
+    if tuple(scales.shape) != (2,) or not bool(
+        torch.isfinite(scales).all() and (scales > 0).all()
+    ):
+        raise ValueError(f"latent scales must be [2], positive, finite: {scales}")
+    cache.key_scale.copy_(scales)
+    cache.scales_set = True
 
 
 def _bytes(t: Tensor) -> Tensor:
@@ -127,6 +156,15 @@ def write_latent(
         store[slots] = latent.to(store.dtype)
         return
     sizes = (rank, cache.head_dim - rank)
+    if cache.dtype == "fp8":
+        if not cache.scales_set:
+            raise ValueError("an fp8 latent cache needs its scales before a write")
+        scale = cache.key_scale.repeat_interleave(
+            torch.tensor(sizes, device=slots.device)
+        )
+        codes = (latent.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+        _bytes(store)[slots] = _bytes(codes.to(torch.float8_e4m3fn))
+        return
     parts = [quantize_kv(p, cache.dtype) for p in latent.split(sizes, dim=-1)]
     codes = torch.cat([_bytes(code) for code, _ in parts], dim=-1)
     _bytes(store)[slots] = codes
@@ -150,6 +188,10 @@ def gather_latent(
     store = cache.key.view(cache.num_slots, cache.head_dim)
     if cache.key_scale is None:
         latents = store[slots]
+    elif cache.dtype == "fp8":
+        sizes = torch.tensor((rank, cache.head_dim - rank), device=slots.device)
+        codes = _bytes(store)[slots].view(store.dtype)
+        latents = codes.float() * cache.key_scale.repeat_interleave(sizes)
     else:
         codes = _bytes(store)[slots].view(store.dtype)  # [B, L, dim]
         scales = cache.key_scale.view(cache.num_slots, 2)[slots]  # [B, L, 2]
@@ -322,3 +364,43 @@ class MLAAttention(nn.Module):
         mask = causal.expand(x.shape[0], steps, steps)
         out = self.attend(q_nope, q_pe, latent, mask, absorbed=False)
         return self.o_proj(out.to(x.dtype).flatten(-2))
+
+
+def calibrate_latent_scales(
+    model: nn.Module, sequences: list[list[int]], kv_caches: list[PagedKVCache]
+) -> None:
+    """Set each fp8 latent cache's static scales from what the model writes over
+    `sequences` (one float32 prefill each): absmax / 448 per layer and part."""
+    from gpuagent.engine.model import AttentionMetadata
+
+    config = model.config
+    device = next(model.parameters()).device
+    rank, dim = config.kv_lora_rank, latent_dim(config)
+    absmax = torch.zeros(config.num_hidden_layers, 2, device=device)
+    for ids in sequences:
+        n = len(ids)
+        caches = [
+            allocate_mla_cache("fp32", n, 1, dim, device)
+            for _ in range(config.num_hidden_layers)
+        ]
+        attn = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=device),
+            block_tables=torch.arange(n, dtype=torch.int32, device=device)[None],
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+            context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            decode_only=n == 1,
+        )
+        with torch.inference_mode():
+            model(
+                torch.tensor(ids, device=device),
+                torch.arange(n, device=device),
+                caches,
+                attn,
+            )
+        for layer, cache in enumerate(caches):
+            latent = cache.key.view(n, dim).abs()
+            seen = torch.stack((latent[:, :rank].amax(), latent[:, rank:].amax()))
+            absmax[layer] = torch.maximum(absmax[layer], seen)
+    scales = (absmax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    for cache, scale in zip(kv_caches, scales, strict=True):
+        set_latent_scales(cache, scale.to(cache.key_scale.device))

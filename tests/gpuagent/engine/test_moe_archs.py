@@ -359,7 +359,7 @@ def test_mla_cache_holds_the_latent_and_rope_key_only(tmp_path):
     assert kv.bytes_per_token < config.num_hidden_layers * expanded * 2
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int4"])
 def test_mla_refuses_other_quantized_kv_dtypes_by_name(tmp_path, kv_dtype):
     deepseek_folder(tmp_path)
     config = load_model(tmp_path).config
@@ -405,6 +405,43 @@ def test_mla_quantized_latent_cache_stays_close(tmp_path, kv_dtype, bar):
     assert ATOL < per_position.median().item() <= bar, per_position
     # an expert flip may move a token's logits by O(1); most positions stay close
     assert (per_position <= 3 * bar).float().mean().item() >= 0.9, per_position
+
+
+def test_mla_static_fp8_latent_cache_stays_close(tmp_path):
+    # e4m3 codes under two calibrated float32 scales per layer (latent, RoPE key)
+    from gpuagent.engine.mla import calibrate_latent_scales
+
+    hf = deepseek_folder(tmp_path)
+    model = load_model(tmp_path)
+    tokens = _tokens(32, seed=2)
+    calibration = [_tokens(40, seed=9), _tokens(25, seed=10)]
+    original = KVCacheManager.__init__
+
+    def calibrated(self, config, kv_dtype, *args, **kwargs):
+        original(self, config, kv_dtype, *args, **kwargs)
+        calibrate_latent_scales(model, calibration, self.kv_caches)
+
+    KVCacheManager.__init__ = calibrated
+    try:
+        paged = run_paged(model, [tokens], [12], kv_dtype="fp8")[0]
+    finally:
+        KVCacheManager.__init__ = original
+
+    per_position = (paged - _hf_logits(hf, tokens)).abs().max(-1).values
+    print(
+        f"MLA fp8 (static) latent cache: max abs diff {per_position.max():.2e}, "
+        f"median per position {per_position.median():.2e}"
+    )
+    assert ATOL < per_position.median().item() <= 0.25, per_position
+    assert (per_position <= 0.75).float().mean().item() >= 0.9, per_position
+
+
+def test_an_mla_fp8_cache_refuses_writes_before_its_scales(tmp_path):
+    deepseek_folder(tmp_path)
+    model = load_model(tmp_path)
+
+    with pytest.raises(ValueError, match="needs its scales before a write"):
+        run_paged(model, [_tokens(5)], [5], kv_dtype="fp8")
 
 
 def test_glm_runs_a_quantized_kv_cache_as_llama_does(tmp_path):
@@ -678,7 +715,7 @@ def test_engine_refuses_a_quantized_kv_dtype_for_mla_by_name(tmp_path):
         LLMEngine.from_model_dir(tmp_path, kv_cache_dtype="int4", num_blocks=8)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8-per-token"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8-per-token", "fp8"])
 def test_engine_serves_mla_with_each_latent_dtype(tmp_path, kv_dtype):
     # plumbing: the engine's budget sizing, prefix cache root and generation
     from gpuagent.engine.engine import LLMEngine
@@ -696,12 +733,19 @@ def test_engine_serves_mla_with_each_latent_dtype(tmp_path, kv_dtype):
 
     assert [len(o.token_ids) for o in outs] == [5, 5, 5]
     assert engine.kv.bytes_per_token == mla_bytes(engine.config, kv_dtype)
-    assert engine.kv.num_blocks == (1 << 16) // (engine.kv.bytes_per_token * 16)
+    static = 3 * 8 if kv_dtype == "fp8" else 0  # two float32 scales per layer
+    slots = engine.kv.num_blocks * engine.kv.block_size
+    assert engine.kv.nbytes == engine.kv.bytes_per_token * slots + static
+    assert engine.kv.num_blocks == ((1 << 16) - static) // (
+        engine.kv.bytes_per_token * 16
+    )
+    if kv_dtype == "fp8":  # calibrated at start
+        assert all(c.scales_set for c in engine.kv.kv_caches)
 
 
 def mla_bytes(config, kv_dtype):
-    size = {"bf16": 2, "int8": 1, "fp8-per-token": 1}[kv_dtype]
-    scales = 0 if kv_dtype == "bf16" else 4
+    size = {"bf16": 2, "int8": 1, "fp8-per-token": 1, "fp8": 1}[kv_dtype]
+    scales = 4 if kv_dtype in ("int8", "fp8-per-token") else 0
     return config.num_hidden_layers * (40 * size + scales)
 
 
