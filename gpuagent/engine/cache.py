@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 import kernels
+from gpuagent.engine import mla
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -439,11 +440,14 @@ def _kv_shape(config: Any) -> tuple[int, int, int]:
 
 
 def kv_bytes_per_token(config: Any, kv_dtype: str) -> int:
-    """KV-cache bytes one token takes across all layers (K and V, scales included).
+    """KV-cache bytes one token takes across all layers (K and V, scales included;
+    for MLA the latent and RoPE key, `mla.mla_kv_bytes_per_token`).
 
     Exact: equals the summed `nbytes` of the model's caches divided by the number of
     token slots in them.
     """
+    if mla.is_mla(config):
+        return mla.mla_kv_bytes_per_token(config, kv_dtype)
     num_layers, num_kv_heads, head_dim = _kv_shape(config)
     per_layer = kernels.kv_bytes_per_token(kv_dtype, num_kv_heads, head_dim)
     return num_layers * per_layer
@@ -451,6 +455,8 @@ def kv_bytes_per_token(config: Any, kv_dtype: str) -> int:
 
 def kv_static_bytes(config: Any, kv_dtype: str) -> int:
     """Bytes the caches hold whatever their size (fp8's per-head scales)."""
+    if mla.is_mla(config):
+        return mla.mla_kv_static_bytes(config, kv_dtype)
     num_layers, num_kv_heads, _ = _kv_shape(config)
     return num_layers * kernels.kv_static_bytes(kv_dtype, num_kv_heads)
 
@@ -499,7 +505,17 @@ class KVCacheManager:
         self.kv_dtype = kv_dtype
         self.block_size = block_size
         self.bytes_per_token = kv_bytes_per_token(config, kv_dtype)
+        if mla.is_mla(config) and window:
+            raise ValueError("MLA's latent cache keeps no full-precision window")
         self.blocks = BlockManager(num_blocks, block_size, window, num_windows)
+        if mla.is_mla(config):  # one latent + RoPE key per token and layer
+            self.kv_caches = [
+                mla.allocate_mla_cache(
+                    kv_dtype, num_blocks, block_size, mla.latent_dim(config), device
+                )
+                for _ in range(num_layers)
+            ]
+            return
         self.kv_caches: list[kernels.PagedKVCache] = [
             kernels.allocate_kv_cache(
                 kv_dtype,

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gpuagent.engine.cache import BlockManager, KVCacheManager, model_digest
 from gpuagent.engine.kv_calibration import calibrate_kv_caches
+from gpuagent.engine.mla import is_mla
 from gpuagent.engine.model import AttentionMetadata
 from gpuagent.engine.sampling import (
     SampledToken,
@@ -74,8 +75,8 @@ def engine_kv_cache(
     as many as `kv_memory_bytes` (DEFAULT_KV_MEMORY_BYTES) holds beside one window
     row per `max_num_seqs` when the dtype keeps a window (`kv_window`, default
     `default_kv_window`). Raises ValueError when the budget holds no block."""
-    if kv_window is None:
-        kv_window = default_kv_window(kv_cache_dtype)
+    if kv_window is None:  # MLA's latent cache keeps no window (engine.mla)
+        kv_window = 0 if is_mla(config) else default_kv_window(kv_cache_dtype)
     num_windows = max_num_seqs if kv_window else 0
     if num_blocks is not None:
         return KVCacheManager(

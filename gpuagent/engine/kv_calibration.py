@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 import kernels
+from gpuagent.engine.mla import calibrate_latent_scales, is_mla
 from gpuagent.engine.model import AttentionMetadata
 
 FP8_MAX = 448.0
@@ -147,6 +148,9 @@ def calibrate_kv_caches(model, tokenizer, kv_caches) -> None:
     calibrated on the built-in calibration text; a no-op for layouts without
     static scales."""
     if not kv_caches or not kv_caches[0].static_scales:
+        return
+    if is_mla(model.config):  # two scales per layer for the latent cache
+        calibrate_latent_scales(model, calibration_sequences(tokenizer), kv_caches)
         return
     checkpoint_scales = getattr(model, "checkpoint_kv_scales", None)
     if checkpoint_scales is not None:

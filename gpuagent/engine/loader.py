@@ -1,4 +1,5 @@
-"""Load a Hugging Face format Llama folder into `model.Transformer`.
+"""Load a Hugging Face format Llama folder into `model.Transformer`, or a
+DeepSeek-V3 / GLM-4.5 MoE folder into `arch.MoETransformer` (by `model_type`).
 
 Reads `config.json` and either `model.safetensors` or the shards named by
 `model.safetensors.index.json`. Tensors are parsed with `safetensors.torch.load` on the
@@ -17,9 +18,9 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
-from gpuagent.engine import weights
+from gpuagent.engine import arch, fp8_blocks, weights
 from gpuagent.engine.kv_calibration import pop_checkpoint_kv_scales
-from gpuagent.engine.model import LlamaConfig, Transformer
+from gpuagent.engine.model import Transformer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -27,6 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # the lossless container (gpuagent.lossless: exponent-coded bf16/fp16/fp32 weights)
 LOSSLESS_FILE = "model.lossless.safetensors"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES_BY_TYPE = {"llama": SUPPORTED_ARCHITECTURES[0], **arch.MOE_MODEL_TYPES}
 CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Older transformers saved RoPE's inverse frequencies as a buffer; we recompute them.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -42,7 +44,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     files: Mapping[str, bytes] | None = None,
-) -> Transformer:
+) -> Transformer | arch.MoETransformer:
     """Build a `Transformer` from a HF Llama folder, weights cast to `dtype`.
 
     `files` maps names relative to `model_dir` to their bytes; when given, only those
@@ -53,16 +55,31 @@ def load_model(
     hf_config = _read_json_object(reader, CONFIG_FILE)
     check_supported_config(hf_config)
     try:
-        config = LlamaConfig.from_hf_config(hf_config)
+        config = arch.config_for(hf_config)
     except KeyError as exc:
         raise ModelLoadError(f"{CONFIG_FILE} lacks {exc}") from exc
     except (ArithmeticError, TypeError, ValueError) as exc:  # e.g. 0 heads
         raise ModelLoadError(f"{CONFIG_FILE}: {exc}") from exc
 
     quantized = weights.is_quantized(hf_config)
+    moe = isinstance(config, arch.MoEConfig)
+    block_fp8 = fp8_blocks.is_block_fp8(hf_config)  # DeepSeek-V3 / Kimi K2 as published
     checkpoint = read_checkpoint(reader, quantized=quantized)
+    checkpoint = {
+        k: v
+        for k, v in checkpoint.items()
+        if not arch.extra_checkpoint_layer(k, config)
+    }
+    if block_fp8:  # dequantized here; the model then runs plain weights
+        try:
+            checkpoint = fp8_blocks.dequantize(
+                checkpoint, hf_config["quantization_config"]
+            )
+        except fp8_blocks.BlockFp8Error as exc:
+            raise ModelLoadError(str(exc)) from exc
+        quantized = False
     with torch.device("meta"):
-        model = Transformer(config)
+        model = arch.build_model(config)
     layers = {}
     if quantized:  # compressed-tensors: quantized Linears run weight-only kernels
         try:
@@ -82,7 +99,12 @@ def load_model(
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
     state = _match_state_dict(model, checkpoint)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    if moe and config.is_mla and kv_scales is not None:
+        raise ModelLoadError("checkpoint KV scales are not supported for MLA")
+    state = {  # the router stays float32, as transformers keeps it
+        k: v.to(device, torch.float32 if k.endswith(arch.FP32_SUFFIXES) else dtype)
+        for k, v in state.items()
+    }
     model.load_state_dict(state, strict=not layers, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter with two
     model.checkpoint_kv_scales = kv_scales
@@ -90,18 +112,20 @@ def load_model(
 
 
 def check_supported_config(hf_config: dict[str, Any]) -> None:
-    """Refuse configs that would run custom code or are not a plain Llama."""
+    """Refuse configs that would run custom code or aren't a supported model type."""
     if "auto_map" in hf_config:
         raise ModelLoadError(
             f"{CONFIG_FILE} has auto_map (custom modeling code); refusing to load"
         )
     model_type = hf_config.get("model_type")
-    if model_type != "llama":
+    if model_type not in ARCHITECTURES_BY_TYPE:
         raise ModelLoadError(
-            f"model_type {model_type!r} is not supported (need 'llama')"
+            f"model_type {model_type!r} is not supported "
+            f"(need one of {sorted(ARCHITECTURES_BY_TYPE)})"
         )
-    architectures = hf_config.get("architectures") or list(SUPPORTED_ARCHITECTURES)
-    unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+    expected = ARCHITECTURES_BY_TYPE[model_type]
+    architectures = hf_config.get("architectures") or [expected]
+    unsupported = [a for a in architectures if a != expected]
     if unsupported:
         raise ModelLoadError(f"architectures {unsupported} are not supported")
 
