@@ -194,6 +194,9 @@ class ConcurrencySweep(_Message):
         16, ge=1, le=100_000, description="at least 2 x concurrency are sent"
     )
     max_seconds_per_level: float = Field(60.0, gt=0, le=86_400)
+    retries: int = Field(
+        1, ge=0, le=5, description="runs again of a level whose client fell behind"
+    )
     workloads: list[str] = Field(default=[], description="empty: every workload")
 
     @field_validator("levels")

@@ -9,9 +9,11 @@ rest; what a workload leaves unused goes to the next):
   breaks; `search` doubles from 1 until it breaks (or max_concurrency), then bisects
   between the last level that met it and the first that didn't. The knee is the
   highest concurrency that met the SLO; every level run is the curve.
-- the rate sweep (open loop): each rate once; a run whose client fell behind its
-  schedule (`metrics.ClientHealth.kept_up`) is invalid, says so, and is run again
-  (up to `retries`) while the budget lasts, the report counting the retries.
+- the rate sweep (open loop): each rate once.
+- a level whose client fell behind (its schedule, or its event loop:
+  `metrics.ClientHealth.kept_up`) is invalid, says so, and is run again (up to the
+  sweep's `retries`) while the budget lasts, the report counting the retries: a
+  busy client is no evidence that the server broke its SLO.
 - the context sweep: single requests of each context length (prompt + answer) at
   one concurrency; a length over the server's max_model_len is skipped, named.
 
@@ -62,7 +64,7 @@ from gpuagent.protocol import (
 )
 
 MIN_LEVEL_S = 1.0  # a level that can't have this long is skipped for the budget
-KV_SAMPLE_INTERVAL_S = 0.1
+KV_SAMPLE_INTERVAL_S = 0.25
 LEVEL_INDEX_STRIDE = 10_000  # request tags per level (6 digits: 100 levels)
 
 Progress = Callable[[str, int, int], None]
@@ -292,15 +294,23 @@ async def concurrency_sweep(
         return max(sweep.requests_per_level, 2 * c)
 
     async def run(c: int) -> LoadRun:
-        return await state.level(
-            f"{name} c={c}",
-            prompts,
-            opening,
-            requests=requests(c),
-            max_seconds=sweep.max_seconds_per_level,
-            until=until,
-            concurrency=c,
-        )
+        label, retries = f"{name} c={c}", 0
+        while True:
+            run = await state.level(
+                label,
+                prompts,
+                opening,
+                requests=requests(c),
+                max_seconds=sweep.max_seconds_per_level,
+                until=until,
+                concurrency=c,
+            )
+            if run.valid or retries >= sweep.retries:
+                break
+            if not state.budget.allows(f"{label} (retry)", until):
+                break
+            retries += 1
+        return run.model_copy(update={"retries": retries})
 
     if sweep.mode == "stepped":
         levels = list(sweep.levels) or doubling(sweep.max_concurrency)
