@@ -813,8 +813,10 @@ class LoadTestReport(_Message):
     skipped_for_budget: list[str] = Field(
         default=[], description="the points the budget left unmeasured"
     )
-    skipped: list[str] = Field(
-        default=[], description="points skipped for another reason, with it"
+    # Not "skipped": a job result with that key is one that measured nothing
+    # (controlplane.releases.evidence).
+    unmeasured: list[str] = Field(
+        default=[], description="points not run for another reason, with it"
     )
 
 

@@ -346,6 +346,20 @@ class RejectIn(RequestBody):
     )
 
 
+class RemeasureIn(RequestBody):
+    stages: list[Literal["evaluate", "load_test"]] = Field(
+        min_length=1,
+        max_length=2,
+        description="which evidence to measure again: evaluate, load_test or both",
+    )
+
+    @model_validator(mode="after")
+    def _each_once(self) -> "RemeasureIn":
+        if len(set(self.stages)) != len(self.stages):
+            raise ValueError("stages must name each stage once")
+        return self
+
+
 class ReopenIn(RequestBody):
     reason: str = Field(min_length=1, max_length=5000, description="why again")
 

@@ -125,7 +125,7 @@ class PlanRun:
     budget: Budget
     progress: Progress
     levels: int = 0
-    skipped: list[str] = field(default_factory=list)
+    unmeasured: list[str] = field(default_factory=list)
     # system prompts an earlier level sent: their opening is in the server's cache
     warm_openings: set[str] = field(default_factory=set)
 
@@ -380,11 +380,11 @@ async def context_sweep(
     for tokens in lengths:
         label = f"{workload.name} {tokens} tok"
         if max_len and tokens > max_len:
-            state.skipped.append(f"{label}: over the server's max_model_len {max_len}")
+            state.unmeasured.append(f"{label}: over the server's max_model_len")
             continue
         prompt_tokens = tokens - workload.output.tokens
         if prompt_tokens < 1:
-            state.skipped.append(f"{label}: not longer than the answer")
+            state.unmeasured.append(f"{label}: not longer than the answer")
             continue
         if not state.budget.allows(label, until):
             continue
@@ -472,7 +472,7 @@ async def run_plan(
         try:
             workloads.append(await run_workload(state, workload, until))
         except PromptError as exc:  # too short for its instruction on this server
-            state.skipped.append(f"{workload.name} (every point): {exc}")
+            state.unmeasured.append(f"{workload.name} (every point): {exc}")
     return LoadTestReport(
         endpoint=base_url,
         gpu_hourly_usd=0.0,
@@ -490,5 +490,5 @@ async def run_plan(
         budget_s=plan.budget_s,
         wall_s=time.perf_counter() - started,
         skipped_for_budget=budget.skipped,
-        skipped=state.skipped,
+        unmeasured=state.unmeasured,
     )
