@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,21 +44,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(model_dir: Path, kv_dtype: str, threads: int, port: int):
-    """The engine serving `model_dir` on 127.0.0.1:`port`, in its own process."""
+def start_server(model_dir: Path, kv_dtype: str, threads: int, port: int, log):
+    """The engine serving `model_dir` on 127.0.0.1:`port`, in its own process,
+    logging to the file `log` (a pipe nobody reads would stall it once full)."""
     command = [sys.executable, "-m", "gpuagent.engine", "serve", str(model_dir)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--kv-cache-dtype", kv_dtype, "--kv-memory-gb", str(KV_MEMORY_GB)]
     command += ["--threads", str(threads), "--served-model-name", "bench"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        command, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if process.poll() is not None:
-            raise SystemExit(f"the server exited: {process.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise SystemExit(f"the server exited: {log.read()[-2000:]}")
         if time.monotonic() > deadline:
             process.kill()
             raise SystemExit("the server did not start in time")
@@ -98,8 +101,9 @@ def rows_of(name: str, report: LoadTestReport, wall_s: float, judged: bool):
 
 
 def bench(model_dir: Path, args) -> list[Row]:
+    log = tempfile.TemporaryFile("w+")
     process, base = start_server(
-        model_dir, args.kv_cache_dtype, args.threads, free_port()
+        model_dir, args.kv_cache_dtype, args.threads, free_port(), log
     )
     try:
         plan = default_load_plan()
@@ -111,6 +115,7 @@ def bench(model_dir: Path, args) -> list[Row]:
     finally:
         process.terminate()
         process.wait(timeout=30)
+        log.close()
     judged = model_dir.resolve() == DEMO_MODEL_DIR.resolve()
     return list(rows_of(model_dir.name, report, wall_s, judged))
 

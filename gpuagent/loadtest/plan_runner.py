@@ -17,8 +17,9 @@ rest; what a workload leaves unused goes to the next):
 - the context sweep: single requests of each context length (prompt + answer) at
   one concurrency; a length over the server's max_model_len is skipped, named.
 
-A level gets at most the budget left (`cut_by_budget` when that ended it early);
-one that can't start with MIN_LEVEL_S left is skipped and named in
+A level gets at most the budget left (`cut_by_budget` when that ended it early; a
+request still in flight at the budget's end is stopped, and left out of the
+numbers); one that can't start with MIN_LEVEL_S left is skipped and named in
 `skipped_for_budget`, as is every level a sweep would still have run.
 
 Per level, beside the latency percentiles, throughput and goodput: the prefix-cache
@@ -175,6 +176,7 @@ class PlanRun:
                 seed=self.plan.seed + self.levels,
                 turns=turns,
                 first_index=self.levels * LEVEL_INDEX_STRIDE,
+                hard_deadline=self.budget.deadline,
                 on_done=tick,
             )
             cpu_s = time.process_time() - cpu_before
@@ -219,9 +221,12 @@ class PlanRun:
                 "kv_memory_bytes_peak": kv_peak
                 * self.server.kv_block_size_tokens
                 * self.server.kv_bytes_per_token,
-                "cut_by_budget": sent.cut_by_deadline
-                and deadline < own_end
-                and len(records) < requests,
+                "cut_by_budget": sent.cut_in_flight > 0
+                or (
+                    sent.cut_by_deadline
+                    and deadline < own_end
+                    and len(records) < requests
+                ),
             }
         )
 
@@ -319,8 +324,8 @@ async def concurrency_sweep(
                 state.budget.skipped += [f"{name} c={x}" for x in levels[i + 1 :]]
                 break
             runs.append(await run(c))
-            if not (runs[-1].meets_slo and runs[-1].valid):
-                break
+            if runs[-1].valid and not runs[-1].meets_slo:
+                break  # broken (a client that fell behind showed nothing)
         return runs
     met: dict[int, bool] = {}
     while (c := search_levels(met, sweep.max_concurrency)) is not None:

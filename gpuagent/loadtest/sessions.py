@@ -61,6 +61,7 @@ INSTRUCTIONS = {
 }
 SYSTEM_INTRO = "You are a helpful assistant. Background for this conversation:"
 VARIANTS = 4
+CUT = "cut at the budget's end"
 Count = Callable[[str], Awaitable[int]]
 
 
@@ -162,10 +163,12 @@ class LevelRecords:
     turns: list[Turn] = field(default_factory=list)
     max_schedule_lag_ms: float = 0.0
     cut_by_deadline: bool = False
+    cut_in_flight: int = 0  # requests stopped mid-way at the hard deadline
 
     @property
     def records(self) -> list[RequestRecord]:
-        return [t.record for t in self.turns]
+        """The requests that ran to their end (or failed on their own)."""
+        return [t.record for t in self.turns if t.record.error != CUT]
 
 
 def request_body(
@@ -200,12 +203,15 @@ async def run_sessions(
     seed: int = 0,
     turns: int | None = None,
     first_index: int = 0,
+    hard_deadline: float | None = None,
     on_done: Callable[[RequestRecord], None] = lambda _: None,
 ) -> LevelRecords:
     """One level: `requests` turns at most, none sent after `deadline`
     (time.perf_counter()); closed loop at `concurrency` or open loop at `rate`.
     Request tags start at `first_index` (give each level its own, or a level's
-    prompts repeat an earlier one's and the cache serves them whole)."""
+    prompts repeat an earlier one's and the cache serves them whole). A request
+    still in flight at `hard_deadline` is stopped (the server aborts it) and left
+    out of the records: it measured nothing whole."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency and rate")
     plan = prompts.workload.session
@@ -237,7 +243,7 @@ async def run_sessions(
             messages += history + [{"role": "user", "content": text}]
             record = RequestRecord(scheduled_s=scheduled if turn == 0 else 0.0)
             out.turns.append(Turn(record, index, turn))
-            await stream_chat(
+            streamed = stream_chat(
                 session,
                 chat_url,
                 request_body(model, prompts, messages, max_tokens),
@@ -245,6 +251,17 @@ async def run_sessions(
                 keep_text=plan.carry_history and turns > 1,
                 headers={"x-session-affinity": f"{prompts.workload.name}-{index}"},
             )
+            if hard_deadline is None:
+                await streamed
+            else:
+                try:
+                    left = max(hard_deadline - time.perf_counter(), 0.0)
+                    await asyncio.wait_for(streamed, left)
+                except TimeoutError:
+                    record.error = CUT
+                    out.cut_by_deadline = True
+                    out.cut_in_flight += 1
+                    return
             on_done(record)
             if not record.ok:
                 return  # a session whose turn failed has no history to carry

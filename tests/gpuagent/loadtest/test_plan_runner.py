@@ -100,13 +100,24 @@ def test_the_budget_stops_a_plan_and_names_the_points_it_skipped(scripted):
     with scripted(*SERVER) as url:  # no throttle: every level meets the SLO
         report = asyncio.run(run_plan(url, plan(sweeps, 4.0, [WORKLOAD, second])))
 
-    assert report.wall_s < 4.0 + 2.0  # the last requests in flight end
+    assert report.wall_s < 4.0 + 1.0
     assert report.budget_s == 4.0
     first = report.workloads[0]
     assert first.runs[0].cut_by_budget  # 400 requests don't fit its 2 s share
     assert "chat c=2" in report.skipped_for_budget
     assert "chat c=8" in report.skipped_for_budget
     assert [w.profile for w in report.workloads] == ["chat", "chat-2"]  # its share
+
+
+def test_requests_in_flight_at_the_budgets_end_are_stopped(scripted):
+    sweeps = concurrency("stepped", levels=[2])
+    slow = ["--ttft-ms", "20", "--itl-ms", "20", "--tokens", "400"]  # 8 s each
+    with scripted(*slow) as url:
+        report = asyncio.run(run_plan(url, plan(sweeps, 2.0)))
+
+    assert report.wall_s < 2.0 + 1.0
+    (run,) = report.workloads[0].runs
+    assert run.cut_by_budget and run.num_requests == 0 and run.num_errors == 0
 
 
 def test_a_client_that_falls_behind_says_so_and_is_run_again(scripted, monkeypatch):
