@@ -303,10 +303,12 @@ class LoadPlan(_Message):
 def default_load_plan() -> LoadPlan:
     """The three workloads a team measures first (multi-turn chat, RAG/long
     context, code), each in English and Korean, sized to run on the demo model
-    on two CPU cores within the budget; an environment replaces it with its own."""
+    on two CPU cores within the budget; an environment replaces it with its own.
+    A chat turn is long enough for its instruction and a chat template that adds
+    its own system prompt when measured alone (SmolLM2's: 77 tokens in Korean)."""
     chat = dict(
         task="chat",
-        prompt=Lengths(tokens=96, spread=0.25),
+        prompt=Lengths(tokens=128, spread=0.25),
         output=Lengths(tokens=12),
         session=SessionModel(turns=3, system_prompt_tokens=64, think_time_s=0.0),
     )

@@ -80,14 +80,16 @@ def rows_of(name: str, report: LoadTestReport, wall_s: float, judged: bool):
         wall_s <= WALL_TARGET_S if judged else None,
     )
     for w in report.workloads:
+        closed = [r for r in w.runs if r.concurrency is not None]
         knee_run = next(
-            (r for r in w.runs if r.concurrency == w.knee_concurrency), None
+            (r for r in closed if r.concurrency == w.knee_concurrency),
+            closed[0] if closed else None,
         )
         hit = knee_run.prefix_cache_hit_rate if knee_run else None
         implied = knee_run.implied_prefix_cache_hit_rate if knee_run else None
         goodput = f"{w.max_goodput:.2f}/s" if w.max_goodput is not None else "-"
         yield Row(
-            f"  {w.profile}: knee c, goodput, hit (implied)",
+            f"  {w.profile}: knee c, goodput; hit (implied) at the knee or c=1",
             f"{w.knee_concurrency or '-'}, {goodput}",
             f"{hit or 0:.0%} ({implied or 0:.0%})",
             None,
@@ -98,6 +100,8 @@ def rows_of(name: str, report: LoadTestReport, wall_s: float, judged: bool):
         "",
         None,
     )
+    for reason in report.unmeasured:
+        print(f"  unmeasured: {reason}")
 
 
 def bench(model_dir: Path, args) -> list[Row]:
