@@ -12,19 +12,28 @@ from gpuagent.loadtest import metrics
 from gpuagent.loadtest.plan_runner import run_plan, search_levels
 from gpuagent.protocol import LoadPlan
 
-# 8 tokens: the first 20 ms after a stream starts, then one every 20 ms: a stream
-# holds its slot ~160 ms, so one waiting for a slot starts its first token >= 160
-# ms late, past a TTFT SLO of 100 ms that a stream with a free slot meets.
-SERVER = ["--ttft-ms", "20", "--itl-ms", "20", "--tokens", "8"]
+# 8 tokens: the first 20 ms after a stream starts, then one every 40 ms: a stream
+# holds its slot ~300 ms, so one waiting for a slot starts its first token >= 300
+# ms late, past a TTFT SLO of 150 ms that a stream with a free slot meets (with
+# 130 ms to spare for a CPU other processes share).
+SERVER = ["--ttft-ms", "20", "--itl-ms", "40", "--tokens", "8"]
 WORKLOAD = {
     "name": "chat",
     "task": "chat",
     "language": "en",
     "prompt": {"tokens": 64},
     "output": {"tokens": 8},
-    "slo_ttft_p99_ms": 100.0,
+    "slo_ttft_p99_ms": 150.0,
     "slo_tpot_p99_ms": 1000.0,
 }
+
+
+@pytest.fixture(autouse=True)
+def _a_busy_client_is_not_the_server(monkeypatch):
+    """The client's own health is checked elsewhere; here, on a CPU other
+    processes share, a late timer must not pass for the server's knee."""
+    monkeypatch.setattr(metrics, "MAX_LOOP_LAG_P99_MS", 1000.0)
+    monkeypatch.setattr(metrics, "MAX_SCHEDULE_LAG_MS", 1000.0)
 
 
 def plan(sweeps: dict, budget_s: float = 120.0, workloads=None) -> LoadPlan:
@@ -75,21 +84,21 @@ def test_a_stepped_sweep_stops_at_the_first_level_that_breaks_the_slo(scripted):
 
 
 def test_open_loop_goodput_follows_the_rate_below_capacity_and_not_above(scripted):
-    # two slots of ~160 ms: at most 12.5 requests/s within the SLO
+    # four slots of ~300 ms: at most 13.3 requests/s within the SLO
     sweeps = {
         "concurrency": None,
         "context": None,
-        "rates": {"rates": [3, 60], "requests_per_level": 30, "retries": 0},
+        "rates": {"rates": [1, 60], "requests_per_level": 30, "retries": 0},
     }
-    with scripted(*SERVER, "--max-concurrent", "2") as url:
+    with scripted(*SERVER, "--max-concurrent", "4") as url:
         report = asyncio.run(run_plan(url, plan(sweeps)))
 
     low, high = report.workloads[0].runs
-    assert (low.request_rate, high.request_rate) == (3, 60)
+    assert (low.request_rate, high.request_rate) == (1, 60)
     assert low.meets_slo and low.goodput == pytest.approx(low.request_throughput)
     assert not high.meets_slo
-    assert high.goodput <= 12.5 and high.goodput < 0.5 * high.request_throughput
-    assert report.workloads[0].max_goodput == low.goodput  # the valid runs' best
+    assert high.goodput <= 13.3 and high.goodput < 0.5 * high.request_throughput
+    assert report.workloads[0].max_goodput == max(low.goodput, high.goodput)
     # the scripted server counts no prefix cache: no hit rate is made up
     assert low.prefix_cache_hit_rate is None and low.cached_tokens is None
 
