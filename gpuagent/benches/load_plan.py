@@ -7,8 +7,8 @@ and runs the default load plan (`gpuagent.protocol.default_load_plan`) against i
 with the plan runner. Prints, per model, the plan's wall time against its target
 (the default plan must fit 90 s on the demo model on two cores; the plan's own
 budget bounds it on any model) and, for information, each workload's knee, best
-open-loop goodput, the prefix-cache hit rate the server reported on the knee's
-level beside what the plan implies, and the points the budget skipped.
+open-loop goodput, the prefix-cache hit rate the server reported at the knee (or
+c=1) beside what the plan implies, and the points the budget skipped.
 
 Default: the demo model, then SmolLM2-135M where `var/models/smollm2-135m` exists.
 """
@@ -89,7 +89,7 @@ def rows_of(name: str, report: LoadTestReport, wall_s: float, judged: bool):
         implied = knee_run.implied_prefix_cache_hit_rate if knee_run else None
         goodput = f"{w.max_goodput:.2f}/s" if w.max_goodput is not None else "-"
         yield Row(
-            f"  {w.profile}: knee c, goodput; hit (implied) at the knee or c=1",
+            f"  {w.profile}: knee, goodput | hit (implied)",
             f"{w.knee_concurrency or '-'}, {goodput}",
             f"{hit or 0:.0%} ({implied or 0:.0%})",
             None,
