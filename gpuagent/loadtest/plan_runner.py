@@ -379,6 +379,10 @@ async def context_sweep(
     sweep = state.plan.sweeps.context
     max_len = state.server.max_model_len
     runs: list[LoadRun] = []
+    if "max_model_len" in sweep.context_tokens and not max_len:
+        state.unmeasured.append(
+            f"{workload.name} max_model_len tok: the server does not say its own"
+        )
     lengths = sorted(
         {max_len if t == "max_model_len" else t for t in sweep.context_tokens} - {0}
     )

@@ -77,6 +77,39 @@ def test_the_servers_hit_rate_matches_what_the_session_model_implies():
     assert sessions.turns_per_session == 4 and sessions.system_prompt_tokens == 128
 
 
+def test_the_context_sweep_goes_up_to_the_servers_max_model_len():
+    engine = LLMEngine(
+        load_model(DEMO), load_tokenizer(DEMO), num_blocks=256, max_model_len=1024
+    )
+    rag = workload("rag", turns=1, system=0) | {
+        "task": "rag",
+        "prompt": {"tokens": 200},
+    }
+    plan = LoadPlan.model_validate(
+        {
+            "workloads": [rag],
+            "sweeps": {
+                "concurrency": None,
+                "context": {
+                    "context_tokens": [4096, 256, "max_model_len"],
+                    "requests_per_level": 2,
+                },
+            },
+            "budget_s": 120,
+        }
+    )
+    with serve(engine, "demo") as (url, _):
+        report = asyncio.run(run_plan(url, plan))
+
+    (workload_report,) = report.workloads
+    runs = workload_report.context_sweep
+    # prompt + answer per request: 252 + 4 and 1020 + 4 (a cut falls between bytes)
+    assert [r.prompt_tokens + 4 for r in runs] == [256, 1024]
+    assert all(r.num_requests == 2 and r.num_errors == 0 for r in runs)
+    assert report.max_model_len == 1024
+    assert report.unmeasured == ["rag 4096 tok: over the server's max_model_len"]
+
+
 def record(start: float, first: float, prompt: int) -> RequestRecord:
     return RequestRecord(
         start_s=start,
