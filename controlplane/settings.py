@@ -101,6 +101,7 @@ INSTALLED_APPS = [
     "controlplane.dispatch",
     "controlplane.webhooks",
     "controlplane.costs",
+    "controlplane.loadplans",
     "controlplane.dashboard",
 ]
 

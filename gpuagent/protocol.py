@@ -13,7 +13,7 @@ import string
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4")
 # Layouts of the fp8 KV scales a compressed checkpoint carries (compressed-tensors
@@ -147,6 +147,220 @@ class FileDigest(_Message):
     digest: str = Field(description="'<algorithm>:<hex>', e.g. sha256:ab12...")
 
 
+# --- Load-test plans -----------------------------------------------------------------
+# What the load_test job measures, per environment (the control plane stores one and
+# sends it in JobRequest.load_plan; the report carries the plan that ran). Lengths are
+# in tokens of the server's own tokenizer, times in seconds unless named _ms.
+
+PLAN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+MAX_PLAN_TOKENS = 1_048_576
+
+
+class Lengths(_Message):
+    """A length distribution: uniform over tokens x (1 - spread) .. tokens x (1 +
+    spread), drawn per prompt variant (seeded); spread 0 is a fixed length."""
+
+    tokens: int = Field(ge=1, le=MAX_PLAN_TOKENS)
+    spread: float = Field(0.0, ge=0, lt=1)
+
+
+class SessionModel(_Message):
+    """How a workload's requests chain: a session of `turns` requests, each turn's
+    prompt starting with a system prompt of `system_prompt_tokens` shared by every
+    session, then (with carry_history) every earlier turn and its answer. A turn
+    is sent `think_time_s` after the answer before it. This is what sets the
+    prefix-cache reuse a workload offers."""
+
+    turns: int = Field(1, ge=1, le=64)
+    system_prompt_tokens: int = Field(0, ge=0, le=MAX_PLAN_TOKENS)
+    carry_history: bool = True
+    think_time_s: float = Field(0.0, ge=0, le=600)
+
+
+class WorkloadPlan(_Message):
+    """One workload: what its prompts are (task and language pick the text and the
+    instruction), their lengths per turn, its session model and its SLO."""
+
+    name: str = Field(pattern=PLAN_NAME_PATTERN)
+    task: Literal["chat", "rag", "code"]
+    language: Literal["en", "ko"]
+    prompt: Lengths = Field(description="each turn's new user message")
+    output: Lengths = Field(description="each answer (max_tokens, EOS ignored)")
+    session: SessionModel = Field(default_factory=lambda: SessionModel())
+    slo_ttft_p99_ms: float = Field(2000.0, gt=0, le=3_600_000)
+    slo_tpot_p99_ms: float = Field(150.0, gt=0, le=3_600_000)
+    temperature: float | None = Field(0.0, ge=0, le=2)
+
+
+class ConcurrencySweep(_Message):
+    """Closed loop: `stepped` runs `levels` (empty: 1, 2, 4, ... max_concurrency)
+    until the SLO breaks; `search` doubles until it breaks, then bisects between
+    the last level that met it and the first that didn't. Either way the knee is
+    the highest concurrency that met the SLO, and every level run is the curve."""
+
+    mode: Literal["stepped", "search"] = "search"
+    levels: list[int] = Field(default=[], max_length=64)
+    max_concurrency: int = Field(64, ge=1, le=4096)
+    requests_per_level: int = Field(
+        16, ge=1, le=100_000, description="at least 2 x concurrency are sent"
+    )
+    max_seconds_per_level: float = Field(60.0, gt=0, le=86_400)
+    retries: int = Field(
+        1, ge=0, le=5, description="runs again of a level whose client fell behind"
+    )
+    workloads: list[str] = Field(default=[], description="empty: every workload")
+
+    @field_validator("levels")
+    @classmethod
+    def _check_levels(cls, value: list[int]) -> list[int]:
+        if any(c < 1 or c > 4096 for c in value):
+            raise ValueError("levels must be concurrencies from 1 to 4096")
+        if value != sorted(set(value)):
+            raise ValueError("levels must be increasing, each once")
+        return value
+
+
+class ContextSweep(_Message):
+    """The same workload at longer contexts (prompt + answer per request) at one
+    concurrency; lengths past the server's max_model_len are skipped (the report
+    names them). `max_model_len` in the list stands for the server's own."""
+
+    context_tokens: list[int | Literal["max_model_len"]] = Field(
+        default=[512, 1024, 2048, 4096, "max_model_len"], min_length=1, max_length=32
+    )
+    concurrency: int = Field(1, ge=1, le=4096)
+    requests_per_level: int = Field(4, ge=1, le=100_000)
+    max_seconds_per_level: float = Field(60.0, gt=0, le=86_400)
+    workloads: list[str] = Field(
+        default=[], description="empty: every workload whose task is rag"
+    )
+
+    @field_validator("context_tokens")
+    @classmethod
+    def _check_lengths(cls, value: list) -> list:
+        numbers = [v for v in value if v != "max_model_len"]
+        if any(not 1 <= v <= MAX_PLAN_TOKENS for v in numbers):
+            raise ValueError(f"context lengths must be 1 .. {MAX_PLAN_TOKENS} tokens")
+        return value
+
+
+class RateSweep(_Message):
+    """Open loop: requests arrive at each rate (requests/s; Poisson, or gamma of
+    shape `burstiness`), whatever is in flight; goodput is the requests/s that met
+    the SLO. A client that falls behind its schedule says so (the run is invalid)
+    and the level is retried up to `retries` times while the budget lasts."""
+
+    rates: list[float] = Field(min_length=1, max_length=32)
+    burstiness: float | None = Field(None, gt=0, le=100)
+    requests_per_level: int = Field(16, ge=1, le=100_000)
+    max_seconds_per_level: float = Field(60.0, gt=0, le=86_400)
+    retries: int = Field(1, ge=0, le=5)
+    workloads: list[str] = Field(default=[], description="empty: every workload")
+
+    @field_validator("rates")
+    @classmethod
+    def _check_rates(cls, value: list[float]) -> list[float]:
+        if any(not 0 < r <= 100_000 for r in value):
+            raise ValueError("rates must be requests/s above 0 (at most 100000)")
+        return value
+
+
+class Sweeps(_Message):
+    concurrency: ConcurrencySweep | None = Field(
+        default_factory=lambda: ConcurrencySweep()
+    )
+    context: ContextSweep | None = Field(default_factory=lambda: ContextSweep())
+    rates: RateSweep | None = None
+
+
+class LoadPlan(_Message):
+    """What a load test measures and for how long at most: every workload under
+    the sweeps, stopped at `budget_s` (the report lists the points skipped)."""
+
+    workloads: list[WorkloadPlan] = Field(min_length=1, max_length=32)
+    sweeps: Sweeps = Field(default_factory=lambda: Sweeps())
+    budget_s: float = Field(gt=0, le=86_400, description="the whole test's time")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> LoadPlan:
+        names = [w.name for w in self.workloads]
+        doubled = sorted({n for n in names if names.count(n) > 1})
+        if doubled:
+            raise ValueError(f"workload names must be unique: {doubled} repeat")
+        for key in ("concurrency", "context", "rates"):
+            sweep = getattr(self.sweeps, key)
+            unknown = sorted(set(sweep.workloads) - set(names)) if sweep else []
+            if unknown:
+                raise ValueError(
+                    f"sweeps.{key}.workloads names {unknown}, not in the plan's "
+                    f"workloads {names}"
+                )
+        return self
+
+    def sweep_applies(self, sweep: str, workload: str) -> bool:
+        """Whether sweeps.`sweep` runs for `workload` (an empty list: every one; for
+        the context sweep every rag one)."""
+        chosen = getattr(self.sweeps, sweep)
+        if chosen is None:
+            return False
+        if chosen.workloads:
+            return workload in chosen.workloads
+        if sweep == "context":
+            return any(w.name == workload and w.task == "rag" for w in self.workloads)
+        return True
+
+
+def default_load_plan() -> LoadPlan:
+    """The three workloads a team measures first (multi-turn chat, RAG/long
+    context, code), each in English and Korean, sized to run on the demo model
+    on two CPU cores within the budget; an environment replaces it with its own.
+    A chat turn is long enough for its instruction and a chat template that adds
+    its own system prompt when measured alone (SmolLM2's: 77 tokens in Korean)."""
+    chat = dict(
+        task="chat",
+        prompt=Lengths(tokens=128, spread=0.25),
+        output=Lengths(tokens=12),
+        session=SessionModel(turns=3, system_prompt_tokens=64, think_time_s=0.0),
+    )
+    rag = dict(
+        task="rag",
+        prompt=Lengths(tokens=320, spread=0.2),
+        output=Lengths(tokens=8),
+        slo_ttft_p99_ms=5000.0,
+    )
+    code = dict(task="code", prompt=Lengths(tokens=256), output=Lengths(tokens=16))
+    workloads = [
+        WorkloadPlan(name=name + suffix, language=language, **spec)
+        for suffix, language in (("", "en"), ("-ko", "ko"))
+        for name, spec in (("chat", chat), ("rag", rag), ("code", code))
+    ]
+    order = {name: i for i, name in enumerate(LOAD_PROFILES)}
+    workloads.sort(key=lambda w: order.get(w.name, len(order)))
+    return LoadPlan(
+        workloads=workloads,
+        sweeps=Sweeps(
+            concurrency=ConcurrencySweep(
+                mode="search",
+                max_concurrency=8,
+                requests_per_level=8,
+                max_seconds_per_level=10.0,
+            ),
+            context=ContextSweep(
+                context_tokens=[256, 512, 1024, "max_model_len"],
+                concurrency=1,
+                requests_per_level=2,
+                max_seconds_per_level=10.0,
+            ),
+            rates=RateSweep(
+                rates=[2.0], requests_per_level=6, max_seconds_per_level=8.0
+            ),
+        ),
+        budget_s=80.0,
+        seed=0,
+    )
+
+
 class JobRequest(_Message):
     """What the control plane sends to an agent task (`gpuagent.run_job`).
 
@@ -176,6 +390,9 @@ class JobRequest(_Message):
     serving_id: str = ""
     backend: BackendSpec = Field(default_factory=lambda: BackendSpec())
     quarantined_digests: list[str] = []
+    load_plan: LoadPlan | None = Field(
+        None, description="load_test: the environment's plan (None: the default)"
+    )
 
 
 class Heartbeat(_Message):
@@ -636,7 +853,31 @@ class LoadRun(_Message):
         ge=0,
         le=1,
         description="prefix-cache hits / queries over the run, as the server's "
-        "/metrics counted them (None: the server reported none; no evidence)",
+        "/metrics counted them, else its usage.prompt_tokens_details.cached_tokens "
+        "over prompt tokens (None: the server reported neither; no evidence)",
+    )
+    prefix_cache_hit_rate_source: Literal["metrics", "usage"] | None = None
+    cached_tokens: int | None = Field(
+        None, ge=0, description="sum of usage cached_tokens (None: not reported)"
+    )
+    implied_prefix_cache_hit_rate: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="what the plan's session model implies: each prompt's full "
+        "blocks shared with an earlier one (system prompt, carried history)",
+    )
+    kv_blocks_used_peak: int = Field(
+        0, ge=0, description="most KV blocks in use in /metrics samples (0: unknown)"
+    )
+    kv_memory_bytes_peak: int = Field(
+        0, ge=0, description="kv_blocks_used_peak in bytes (0: unknown)"
+    )
+    retries: int = Field(
+        0, ge=0, description="times the level was run again: its client fell behind"
+    )
+    cut_by_budget: bool = Field(
+        False, description="the plan's budget ended the level before its requests"
     )
 
 
@@ -675,6 +916,14 @@ class WorkloadReport(_Message):
     context_sweep: list[LoadRun] = Field(
         default=[], description="runs at other prompt lengths, same concurrency"
     )
+    knee_concurrency: int | None = Field(
+        None, description="the highest closed-loop concurrency that met the SLO"
+    )
+    max_goodput: float | None = Field(
+        None, description="open loop: the most requests/s that met the SLO"
+    )
+    turns_per_session: int = Field(1, ge=1)
+    system_prompt_tokens: int = Field(0, ge=0)
 
 
 class LoadTestReport(_Message):
@@ -695,6 +944,17 @@ class LoadTestReport(_Message):
     kv_blocks_total: int = Field(0, ge=0)
     kv_block_size_tokens: int = Field(0, ge=0)
     max_model_len: int = Field(0, ge=0)
+    plan: LoadPlan | None = Field(None, description="the plan that ran")
+    budget_s: float | None = Field(None, ge=0)
+    wall_s: float | None = Field(None, ge=0, description="the whole test's time")
+    skipped_for_budget: list[str] = Field(
+        default=[], description="the points the budget left unmeasured"
+    )
+    # Not "skipped": a job result with that key is one that measured nothing
+    # (controlplane.releases.evidence).
+    unmeasured: list[str] = Field(
+        default=[], description="points not run for another reason, with it"
+    )
 
 
 # Defined above the models they name.

@@ -54,6 +54,7 @@ from gpuagent.protocol import (
     Seal,
     UndeployResult,
     VerifyResult,
+    default_load_plan,
 )
 from gpuagent.serving import Trust
 from gpuagent.worker import Agent, agent, send_to_controlplane
@@ -65,10 +66,6 @@ RECORD_PROGRESS = "controlplane.releases.record_job_progress"
 # Small, bounded settings: the gate's evidence on the agent's own hardware in
 # seconds for the demo model (a GPU agent runs the same code, faster).
 EVAL_ITEMS_PER_SLICE = 2
-LOAD_REQUESTS = 4
-LOAD_CONCURRENCY = 2
-LOAD_MAX_SECONDS = 60.0
-LOAD_PROMPT_TOKENS = 160  # room for the longest profile instruction + template
 # How long an agent's server may take to answer /health when the environment's
 # backend sets no health_timeout_s: the project's engine loads in seconds; an
 # external engine's cold start (worker spawn, tens of GB of weights, compile, CUDA
@@ -435,9 +432,12 @@ def evaluate(req: JobRequest, me: Agent):
 def load_test(req: JobRequest, me: Agent):
     """LoadTestReport of an engine server started for the candidate (through
     gpuagent.serving, verified against its digest first) with the recipe's KV
-    dtype, closed loop, few requests, every shipped profile."""
-    from gpuagent.loadtest import Bounds, Costs, Plan, load_profiles, run_load_test
+    dtype, under the request's load plan (the environment's; the default plan
+    when it sends none), stopped at the plan's budget. The report carries the
+    plan that ran."""
+    from gpuagent.loadtest.plan_runner import run_plan
 
+    plan = req.load_plan or default_load_plan()
     before = {info.deployment_id for info in serving.loaded_deployments(me.registry)}
     spec = deploy_spec(req, me, BackendSpec())
     server = serving.deploy(_candidate(req, me), spec, registry=me.registry)
@@ -445,21 +445,10 @@ def load_test(req: JobRequest, me: Agent):
         raise JobFailed(f"load test: no server for the candidate: {server.error}")
     report_progress(req, 0.2)
     try:
-        profiles = [
-            p.with_lengths(prompt_tokens=LOAD_PROMPT_TOKENS, output_tokens=8)
-            for p in load_profiles().values()
-        ]
-        plan = Plan(
-            concurrency=[LOAD_CONCURRENCY],
-            bounds=Bounds(requests=LOAD_REQUESTS, max_seconds=LOAD_MAX_SECONDS),
-            seed=req.release_id,
-        )
         return asyncio.run(
-            run_load_test(
+            run_plan(
                 server.endpoint,
-                profiles,
                 plan,
-                Costs(),
                 model=spec.served_model_name or None,
             )
         )

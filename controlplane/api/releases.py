@@ -19,6 +19,7 @@ from controlplane.api.schemas import (
     ReleaseFilters,
     ReleaseIn,
     ReleaseOut,
+    RemeasureIn,
     ReopenIn,
 )
 from controlplane.api.scoping import (
@@ -29,7 +30,7 @@ from controlplane.api.scoping import (
     principal_of,
     releases,
 )
-from controlplane.releases import evidence
+from controlplane.releases import evidence, pipeline
 from controlplane.releases.actions.approvals import (
     do_approve_release,
     do_reject_release,
@@ -259,3 +260,28 @@ def reopen_release(
     release = do_reopen_release(release, principal.token, reason=payload.reason)
     status_url = release_url(request, release.pk)
     return {"release": release.to_dict(), "status_url": status_url}
+
+
+@router.post(
+    "/releases/{release_id}/remeasure",
+    auth=token_auth("promote"),
+    response={202: PromotionOut, **WRITE_ERRORS},
+    summary="Re-run a judged release's evaluate and/or load test, then its gate",
+    description="For a release whose gate was inconclusive (gated), that awaits "
+    "approval, or that its gate failed: the stages named run again (the load "
+    "test under the environment's load plan in force) and the gate judges the "
+    "new evidence; poll `status_url`. 409 in any other state or while a "
+    "re-measure runs. Audited (`release.remeasure_requested`).",
+)
+def remeasure_release(
+    request: HttpRequest,
+    release_id: ObjectId,
+    payload: RemeasureIn,
+    response: HttpResponse,
+) -> Status:
+    principal = principal_of(request)
+    release = get_release(principal, release_id)
+    release = pipeline.remeasure(release, payload.stages, principal.token)
+    status_url = release_url(request, release.pk)
+    response["Location"] = status_url
+    return Status(202, {"release": release.to_dict(), "status_url": status_url})

@@ -26,7 +26,7 @@ from controlplane.costs.spec import CostModel, Currency, Price
 from controlplane.fleet.models import DEPLOYMENT_STATES
 from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
-from gpuagent.protocol import KV_CACHE_DTYPES, WEIGHT_FORMAT_PATTERN
+from gpuagent.protocol import KV_CACHE_DTYPES, WEIGHT_FORMAT_PATTERN, LoadPlan
 
 ReleaseState = Literal[RELEASE_STATES]  # type: ignore[valid-type]
 DeploymentState = Literal[DEPLOYMENT_STATES]  # type: ignore[valid-type]
@@ -349,6 +349,20 @@ class RejectIn(RequestBody):
     )
 
 
+class RemeasureIn(RequestBody):
+    stages: list[Literal["evaluate", "load_test"]] = Field(
+        min_length=1,
+        max_length=2,
+        description="which evidence to measure again: evaluate, load_test or both",
+    )
+
+    @model_validator(mode="after")
+    def _each_once(self) -> "RemeasureIn":
+        if len(set(self.stages)) != len(self.stages):
+            raise ValueError("stages must name each stage once")
+        return self
+
+
 class ReopenIn(RequestBody):
     reason: str = Field(min_length=1, max_length=5000, description="why again")
 
@@ -498,6 +512,36 @@ class CostModelChangeIn(RequestBody):
                 "name at least one key to change: " + ", ".join(type(self).model_fields)
             )
         return self
+
+
+class LoadPlanIn(LoadPlan):
+    """A whole load-test plan: `workloads` and `budget_s` are required; a key left
+    out takes its default (README: Load-test plans)."""
+
+
+class LoadPlanChangeIn(RequestBody):
+    """The keys of the plan to change; the rest keep their current values. An
+    object merges key by key (`{"sweeps": {"rates": null}}` drops the rate sweep),
+    anything else replaces (a list of workloads replaces them all)."""
+
+    workloads: list[dict[str, Any]] | None = None
+    sweeps: dict[str, Any] | None = None
+    budget_s: Any = None
+    seed: Any = None
+
+    @model_validator(mode="after")
+    def _names_a_change(self) -> "LoadPlanChangeIn":
+        if not self.model_fields_set:
+            raise ValueError(
+                "name at least one key to change: " + ", ".join(type(self).model_fields)
+            )
+        return self
+
+
+class LoadPlanOut(Schema):
+    environment: str
+    load_plan: LoadPlan
+    is_default: bool = Field(description="none set: the default plan runs")
 
 
 class CostModelOut(Schema):

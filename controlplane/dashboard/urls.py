@@ -8,6 +8,7 @@ from controlplane.dashboard.views import (
     environments,
     favicon,
     fleet,
+    load_plan,
     releases,
     reopen,
     sizing,
@@ -51,6 +52,11 @@ urlpatterns = [
         "environments/<int:environment_id>/rollback/",
         environments.rollback_environment,
         name="rollback-environment",
+    ),
+    path(
+        "environments/<int:environment_id>/load-plan/",
+        load_plan.load_plan,
+        name="load-plan",
     ),
     path("fleet/", fleet.fleet, name="fleet"),
     path(

@@ -13,6 +13,8 @@ attempt in force.
     compressing: compress, then sign, then verify   -> evaluating
     evaluating:  evaluate and load_test in parallel -> gated
     gated:       gates (here) -> awaiting_approval | failed | stays (inconclusive)
+                 (a re-measure sends evaluate and/or load_test again from gated,
+                 awaiting_approval or a gate's fail; the gate waits for them)
     approved -> deploying: deploy -> live
 """
 
@@ -51,6 +53,10 @@ from controlplane.releases.actions.jobs import (
     do_mark_job_running,
     do_retry_job,
     do_start_job,
+)
+from controlplane.releases.actions.remeasure import (
+    REMEASURE_KINDS,
+    do_request_remeasure,
 )
 from controlplane.releases.actions.rollbacks import (
     do_auto_rollback_environment,
@@ -139,7 +145,7 @@ def advance(release_id: int) -> str:
                 do_transition_release(release, "verifying", actor=WORKER)
             while release.state in PROMOTION and _advance_stage(release):
                 pass
-            if release.state == "gated":
+            if release.state == "gated" and not remeasure_pending(release):
                 run_gate(release)
         except IllegalTransition:
             release.refresh_from_db()
@@ -175,6 +181,37 @@ def _advance_stage(release: Release) -> bool:
             return False
     do_transition_release(release, next_state, actor=WORKER)
     return True
+
+
+def remeasure(release: Release, stages: list[str], actor) -> Release:
+    """Re-run the release's `stages` (evaluate, load_test), then its gate: the
+    release goes to gated and the jobs are sent (actions.remeasure says when)."""
+    with transaction.atomic():
+        for job in do_request_remeasure(release, actor, stages=stages):
+            _send(job)
+    return release
+
+
+def remeasure_pending(release: Release) -> bool:
+    """Whether the gate must wait: a job of a re-measure (an evaluate or load_test
+    job created since the release entered gated) is still open, or one failed,
+    which fails the release as it would have in evaluating."""
+    for kind in REMEASURE_KINDS:
+        job = (
+            release.jobs.filter(kind=kind, created__gte=release.state_entered_at)
+            .order_by("-id")
+            .first()
+        )
+        if job is None:
+            continue
+        if job.state in OPEN_STATES:
+            return True
+        if job.state == "failed":
+            do_transition_release(
+                release, "failed", actor=WORKER, reason=f"{job.kind}: {job.error}"
+            )
+            return True
+    return False
 
 
 def run_gate(release: Release) -> bool:

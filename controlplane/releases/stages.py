@@ -1,6 +1,7 @@
 """What each pipeline job asks an agent, and how its answer is recorded.
 
-`request_for(job)` builds the JobRequest an agent runs (gpuagent.tasks); `record`
+`request_for(job)` builds the JobRequest an agent runs (gpuagent.tasks; a load test
+carries its environment's load plan); `record`
 writes a JobResult through actions: the job's row, and the state a kind's result
 sets (sign: the manifest and signature the approval will bind to). Nothing here
 moves a release; that is the pipeline's (controlplane.releases.pipeline)."""
@@ -9,6 +10,7 @@ from django.db.models import Q
 
 from controlplane.fleet.backend import job_backend
 from controlplane.fleet.models import Agent, Deployment
+from controlplane.loadplans.actions import load_plan_for
 from controlplane.releases import evidence
 from controlplane.releases.actions.jobs import do_finish_job
 from controlplane.releases.actions.manifests import do_record_manifest
@@ -96,6 +98,11 @@ def request_for(job: Job) -> JobRequest:
             else release.target_environment.serving_backend
         ),
         quarantined_digests=quarantined_digests() if job.kind == "deploy" else [],
+        load_plan=(
+            load_plan_for(release.target_environment)
+            if job.kind == "load_test"
+            else None
+        ),
     )
 
 

@@ -30,6 +30,8 @@ class RequestRecord:
     end_s: float = 0.0  # when the stream ended
     prompt_tokens: int = 0
     output_tokens: int = 0  # from usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details (None: absent)
+    text: str = ""  # the answer's content, kept only when asked (a session's history)
     error: str = ""
 
     @property
@@ -75,18 +77,21 @@ async def stream_chat(
     url: str,
     body: dict[str, Any],
     record: RequestRecord,
+    keep_text: bool = False,
+    headers: dict[str, str] | None = None,
 ) -> RequestRecord:
-    """POST `body` (stream=true, usage in the stream) to `url` and fill `record`;
-    every failure (connection, HTTP status, an error event, a stream cut short, no
-    usage) ends up in `record.error`, never raised."""
+    """POST `body` (stream=true, usage in the stream) to `url` and fill `record`
+    (with `keep_text`, the answer's text too); every failure (connection, HTTP
+    status, an error event, a stream cut short, no usage) ends up in
+    `record.error`, never raised."""
     record.start_s = time.perf_counter()
     try:
-        async with session.post(url, json=body) as resp:
+        async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 record.error = f"HTTP {resp.status}: {text}"
                 return record
-            done = False
+            done, parts = False, []
             async for line in resp.content:
                 now = time.perf_counter()
                 if not line.startswith(DATA_PREFIX):
@@ -101,13 +106,20 @@ async def stream_chat(
                     return record
                 for choice in event.get("choices") or ():
                     delta = choice.get("delta") or {}
-                    if delta.get("content") or choice.get("text"):
+                    content = delta.get("content") or choice.get("text")
+                    if content:
                         record.chunk_times_s.append(now)
+                        if keep_text:
+                            parts.append(content)
                 usage = event.get("usage")
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens", 0)
                     record.output_tokens = usage.get("completion_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if isinstance(details.get("cached_tokens"), int):
+                        record.cached_tokens = details["cached_tokens"]
             record.end_s = time.perf_counter()
+            record.text = "".join(parts)
             if not done:
                 record.error = "the stream ended without [DONE]"
             elif not record.output_tokens:

@@ -33,6 +33,14 @@ NAMES = {
     "weights_bytes": ("engine_weights_bytes",),
     "max_model_len": ("engine_max_model_len",),
     "preemptions": ("engine_preemptions_total", "vllm:num_preemptions_total"),
+    "prefix_cache_queries": (
+        "engine_prefix_cache_queries_total",
+        "vllm:prefix_cache_queries_total",
+    ),
+    "prefix_cache_hits": (
+        "engine_prefix_cache_hits_total",
+        "vllm:prefix_cache_hits_total",
+    ),
 }
 RUNNING_PER_STEP = "engine_iteration_num_requests_running"
 
@@ -49,6 +57,10 @@ class ServerSnapshot:
     weights_bytes: int = 0
     max_model_len: int = 0
     preemptions: int = 0
+    # prompt tokens looked up in / served by the prefix cache (cumulative; -1: the
+    # server exports no such counter)
+    prefix_cache_queries: int = -1
+    prefix_cache_hits: int = -1
     kv_cache_dtype: str = "unknown"
     # RUNNING_PER_STEP's cumulative bucket counts: upper bound -> steps that ran at
     # most that many sequences (empty: the server has no such histogram)
@@ -86,12 +98,28 @@ def parse_metrics(text: str) -> ServerSnapshot:
                     float(sample.labels.get("block_size") or 0),
                 )
     values = {
-        key: int(next((samples[n] for n in names if n in samples), 0))
+        key: int(next((samples[n] for n in names if n in samples), missing))
         for key, names in NAMES.items()
+        for missing in [-1 if key.startswith("prefix_cache") else 0]
     }
     return ServerSnapshot(
         **values, kv_cache_dtype=dtype, running_per_step=running_per_step
     )
+
+
+def prefix_cache_hit_rate(
+    before: ServerSnapshot, after: ServerSnapshot
+) -> float | None:
+    """Prefix-cache hits / queries between two readings, as the server counted
+    them; None when it exports no such counters, looked nothing up in between, or
+    restarted (a counter went down)."""
+    if min(before.prefix_cache_queries, after.prefix_cache_queries) < 0:
+        return None
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    if queries <= 0 or hits < 0 or hits > queries:
+        return None
+    return hits / queries
 
 
 def peak_running(before: ServerSnapshot, after: ServerSnapshot) -> int:

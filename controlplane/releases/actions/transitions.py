@@ -11,7 +11,7 @@ AuditEvent in one transaction, so an illegal or failed transition changes nothin
     evaluating        -> gated, failed
     gated             -> awaiting_approval, failed, rejected
                          (an inconclusive gate stays in gated: the pipeline pauses)
-    awaiting_approval -> approved, rejected, failed
+    awaiting_approval -> approved, rejected, failed, gated (re-measured)
     approved          -> deploying, failed
     deploying         -> live, failed, failed_verification (verify-on-load failed)
     live              -> superseded (a newer release went live), failed_verification
@@ -19,7 +19,8 @@ AuditEvent in one transaction, so an illegal or failed transition changes nothin
     superseded        -> deploying (rollback target; it stayed warm), quarantined
                          (its warm copy failed re-verification)
     rejected          -> registered (reopened for another review)
-    failed            -> registered (retry the pipeline)
+    failed            -> registered (retry the pipeline), gated (re-measured after
+                         its gate failed)
     failed_verification -> quarantined (digest untrusted), rolled_back
     quarantined       -> registered (rebuild from source: a new candidate and digest)
     rolled_back       -> deploying (roll forward again; verify-on-load re-checks the
@@ -51,13 +52,13 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "compressing": ("evaluating", "failed"),
     "evaluating": ("gated", "failed"),
     "gated": ("awaiting_approval", "failed", "rejected"),
-    "awaiting_approval": ("approved", "rejected", "failed"),
+    "awaiting_approval": ("approved", "rejected", "failed", "gated"),
     "approved": ("deploying", "failed"),
     "deploying": ("live", "failed", "failed_verification"),
     "live": ("superseded", "failed_verification", "rolled_back"),
     "superseded": ("deploying", "quarantined"),
     "rejected": ("registered",),
-    "failed": ("registered",),
+    "failed": ("registered", "gated"),
     "failed_verification": ("quarantined", "rolled_back"),
     "quarantined": ("registered",),
     "rolled_back": ("deploying", "quarantined"),

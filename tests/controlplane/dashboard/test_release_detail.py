@@ -11,7 +11,7 @@ from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job
-from gpuagent.protocol import FileDigest
+from gpuagent.protocol import FileDigest, default_load_plan
 from tests.controlplane.dashboard.builders import (
     load_test_report,
     quality_report,
@@ -453,3 +453,26 @@ def test_it_prices_the_agent_time_of_the_verification(
         Decimal("0.000001")
     )
     assert 'id="verification"' in response.content.decode()
+
+
+def test_it_says_which_points_the_load_plan_left_out(client, teammate, awaiting):
+    release = awaiting("1.0.0")
+    report = load_test_report(release.recipe).model_copy(
+        update={
+            "plan": default_load_plan(),
+            "budget_s": 80.0,
+            "wall_s": 79.6,
+            "skipped_for_budget": ["rag c=8", "code-ko 2/s"],
+            "unmeasured": ["rag 4096 tok: over the server's max_model_len"],
+        }
+    )
+    Job.objects.filter(release=release, kind="load_test").update(
+        result=report.model_dump(mode="json")
+    )
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    assert "6 workloads within a budget of 80 s; ran 79.6 s." in body
+    assert "Skipped for the budget: rag c=8, code-ko 2/s." in body
+    assert "rag 4096 tok: over the server&#x27;s max_model_len" in body

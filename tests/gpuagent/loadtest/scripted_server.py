@@ -1,12 +1,14 @@
 """An OpenAI-style streaming server with scripted timings, for the load tester's
 tests: `python -m tests.gpuagent.loadtest.scripted_server --port P [--ttft-ms 100]
 [--itl-ms 20] [--tokens 8] [--tokens-per-chunk 1] [--fail-every N]
-[--cut-every N] [--error-event-every N]`.
+[--cut-every N] [--error-event-every N] [--max-concurrent N]`.
 
 Each chat request gets a role-only chunk at once, its first content chunk
 `ttft-ms` after the request arrived, then one chunk every `itl-ms`, each chunk
 carrying `tokens-per-chunk` tokens, then a usage chunk (`tokens` completion tokens)
-and [DONE]. Every Nth request fails instead: a 500, a stream cut after its first
+and [DONE]. With --max-concurrent N it serves at most N streams at once: the rest
+wait (their time to first token grows) until one ends, as a server throttled to a
+known capacity. Every Nth request fails instead: a 500, a stream cut after its first
 content chunk, or an in-band error event.
 
 /metrics has the engine's per-step histogram of running sequences
@@ -49,6 +51,7 @@ def running_per_step_histogram(
 def build_app(args: argparse.Namespace) -> web.Application:
     counter = itertools.count(1)
     running = 0
+    slots = asyncio.Semaphore(args.max_concurrent) if args.max_concurrent else None
     registry = CollectorRegistry()
     running_per_step = running_per_step_histogram(registry, MAX_RUNNING)
     ttft_s = Histogram(
@@ -73,6 +76,12 @@ def build_app(args: argparse.Namespace) -> web.Application:
         return web.Response(body=generate_latest(registry), content_type="text/plain")
 
     async def chat(request: web.Request) -> web.StreamResponse:
+        if slots is None:
+            return await serve_chat(request)
+        async with slots:
+            return await serve_chat(request)
+
+    async def serve_chat(request: web.Request) -> web.StreamResponse:
         nonlocal running
         arrived = asyncio.get_running_loop().time()
         number = next(counter)
@@ -132,6 +141,7 @@ def main() -> None:
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--cut-every", type=int, default=0)
     parser.add_argument("--error-event-every", type=int, default=0)
+    parser.add_argument("--max-concurrent", type=int, default=0)
     args = parser.parse_args()
     web.run_app(build_app(args), host="127.0.0.1", port=args.port, print=None)
 
