@@ -5,8 +5,9 @@ Each event stores `prev_hash`, the `event_hash` of the event written before it
 canonical JSON of its content (every field but the id and the hashes). Editing an
 event changes its hash; deleting or reordering events breaks the link to the one
 before; the chain head (AuditChainHead) names the last event, so removing the
-newest ones shows too. Events are chained in id order, which is the order they
-were written in: writers take the head's lock before they insert.
+newest ones shows too. Each event's `seq` is its position in the chain: events are
+chained after their transactions commit (actions.chain_pending, under the head's
+lock), in that order, so the chain is walked by seq, not id.
 
 This makes tampering evident, not impossible: whoever can rewrite every row and
 the head can forge a new chain. Record the head hash somewhere else (the
@@ -54,7 +55,7 @@ def event_hash(event, prev_hash: str) -> str:
 
 
 def first_break(events, head_event_id: int | None, head_hash: str) -> str:
-    """Why the chain of `events` (in id order) does not hold, naming the first
+    """Why the chain of `events` (in seq order) does not hold, naming the first
     event that breaks it, or "" when it holds and ends where the head says."""
     prev_hash, last = GENESIS, None
     for event in events:
