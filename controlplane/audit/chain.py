@@ -9,7 +9,10 @@ newest ones shows too. Each event's `seq` is its position in the chain: events a
 chained after their transactions commit (actions.chain_pending, under the head's
 lock), in that order, so the chain is walked by seq, not id.
 
-This makes tampering evident, not impossible: whoever can rewrite every row and
+An event is unprotected between its commit and its chaining (moments, or until the
+beat's chain_pending if its on-commit run was lost), and the chainer takes any
+unchained row, so one inserted past the writer is chained like the rest. This
+makes tampering evident, not impossible: whoever can rewrite every row and
 the head can forge a new chain. Record the head hash somewhere else (the
 verify_audit_chain command prints it) to pin the history up to then."""
 
