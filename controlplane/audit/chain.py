@@ -7,7 +7,8 @@ event changes its hash; deleting or reordering events breaks the link to the one
 before; the chain head (AuditChainHead) names the last event, so removing the
 newest ones shows too. Each event's `seq` is its position in the chain: events are
 chained after their transactions commit (actions.chain_pending, under the head's
-lock), in that order, so the chain is walked by seq, not id.
+lock: each run takes what has committed, by id), so an event written earlier may
+be chained later, and the chain is walked by seq, not id.
 
 An event is unprotected between its commit and its chaining (moments, or until the
 beat's chain_pending if its on-commit run was lost), and the chainer takes any
