@@ -79,6 +79,19 @@ def test_a_lost_on_commit_is_chained_later(release, owner, monkeypatch):
     assert "holds" in verify()
 
 
+def test_the_beat_chains_what_is_pending(release, owner, monkeypatch, settings):
+    from controlplane.audit.tasks import chain_pending_events
+
+    with monkeypatch.context() as lost:
+        lost.setattr(actions, "chain_pending", lambda: 0)
+        do_record_event(owner, "release.orphan", release)
+    scheduled = settings.CELERY_BEAT_SCHEDULE["chain-audit-events"]
+    assert scheduled["task"] == chain_pending_events.name
+
+    assert chain_pending_events() == 1
+    assert chained("release.orphan").seq is not None
+
+
 def test_verify_chains_what_is_pending_first(release, owner, monkeypatch):
     with monkeypatch.context() as lost:
         lost.setattr(actions, "chain_pending", lambda: 0)
