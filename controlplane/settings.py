@@ -280,6 +280,14 @@ RELEASEGATE_JOB_MAX_ATTEMPTS = envint("RELEASEGATE_JOB_MAX_ATTEMPTS", "3")
 RELEASEGATE_ROLLBACK_MAX_CANDIDATES = envint("RELEASEGATE_ROLLBACK_MAX_CANDIDATES", "3")
 RELEASEGATE_JOB_QUEUE_TIMEOUT_S = envfloat("RELEASEGATE_JOB_QUEUE_TIMEOUT_S", "900")
 RELEASEGATE_JOB_TIME_LIMIT_S = envfloat("RELEASEGATE_JOB_TIME_LIMIT_S", "900")
+# Audit events are chained as their transactions commit; the beat chains any whose
+# chaining was lost (the process killed right after the commit) every
+# RELEASEGATE_AUDIT_CHAIN_S.
+RELEASEGATE_AUDIT_CHAIN_S = envfloat("RELEASEGATE_AUDIT_CHAIN_S", "30")
+CELERY_BEAT_SCHEDULE["chain-audit-events"] = {
+    "task": "controlplane.audit.chain_pending",
+    "schedule": RELEASEGATE_AUDIT_CHAIN_S,
+}
 CELERY_BEAT_SCHEDULE["watch-agent-jobs"] = {
     "task": "controlplane.releases.watch_jobs",
     "schedule": RELEASEGATE_AGENT_CHECK_S,

@@ -782,7 +782,11 @@ class AuditEventOut(Schema):
     before: dict[str, Any]
     after: dict[str, Any]
     created: datetime
-    prev_hash: str = Field(description="the hash of the event written before it")
+    seq: int | None = Field(
+        description="its position in the audit log's hash chain; null (and the "
+        "hashes empty) until it is chained, just after its transaction commits"
+    )
+    prev_hash: str = Field(description="the hash of the event chained before it")
     hash: str = Field(
         description="sha256 over prev_hash and this event's content: its link in "
         "the audit log's hash chain (manage.py verify_audit_chain checks it)"

@@ -6,8 +6,14 @@ Every event names who did it: a user (dashboard) by username, an API token as
 messages set off (the name the message carries: pass the enrolled identity that
 signed it once messages are signed), or a named system component
 ("system:worker", "system:fleet") for what the control plane does on its own.
-Each event is chained to the one before it by hash (chain.py)."""
+Each event is chained to the one before it by hash (chain.py), after its
+transaction commits: do_record_event inserts it unchained and chain_pending, run on
+commit in a short transaction of its own, gives it its place. A writer never waits
+on the chain head while it holds other locks (waiting there did deadlock on
+PostgreSQL: one transaction locked a job then waited for the head, another held the
+head and waited for the job)."""
 
+import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -17,6 +23,8 @@ from django.db import transaction
 from controlplane.accounts.models import ApiToken
 from controlplane.audit import chain
 from controlplane.audit.models import AuditChainHead, AuditEvent
+
+logger = logging.getLogger(__name__)
 
 # Who did something: a user (dashboard), a token (API), or a named system component
 # ("system:worker"). None means the system without a finer name.
@@ -70,22 +78,49 @@ def do_record_event(
     after: dict | None = None,
     team=None,
 ) -> AuditEvent:
-    with transaction.atomic():
-        # The head's lock orders writers: ids, and so the chain, follow commits.
-        head, _ = AuditChainHead.objects.select_for_update().get_or_create(pk=1)
-        prev_hash = head.last_hash or chain.GENESIS
-        event = AuditEvent(
-            team=team,
-            verb=verb,
-            object_type=obj._meta.model_name,
-            object_id=str(obj.pk),
-            before=chain.as_stored(before or {}),
-            after=chain.as_stored(after or {}),
-            prev_hash=prev_hash,
-            **actor_fields(actor),
-        )
-        event.event_hash = chain.event_hash(event, prev_hash)
-        event.save()
-        head.last_event_id, head.last_hash = event.pk, event.event_hash
-        head.save(update_fields=["last_event_id", "last_hash"])
+    """Insert the event, unchained, in the caller's transaction; it is chained
+    once that commits (an event whose transaction rolls back never existed, so it
+    leaves no hole in the chain). Outside a transaction it is chained at once."""
+    event = AuditEvent(
+        team=team,
+        verb=verb,
+        object_type=obj._meta.model_name,
+        object_id=str(obj.pk),
+        before=chain.as_stored(before or {}),
+        after=chain.as_stored(after or {}),
+        **actor_fields(actor),
+    )
+    event.save()
+    # robust: the event is committed whatever happens here; one left unchained is
+    # chained by the next run (another commit, the beat, verify_audit_chain).
+    transaction.on_commit(chain_pending, robust=True)
     return event
+
+
+def chain_pending() -> int:
+    """Chain every committed, unchained event, oldest id first, in one short
+    transaction of its own under the head's lock, so chainers take turns and each
+    event is chained once. Idempotent: with nothing pending it changes nothing.
+    Run on each commit that wrote events, by the beat and by verify_audit_chain (so
+    an event whose on-commit run was lost, the process killed right after its
+    commit, is chained later). Returns how many events it chained."""
+    with transaction.atomic():
+        head, _ = AuditChainHead.objects.select_for_update().get_or_create(pk=1)
+        # Read after the lock: a chainer before us has committed what it chained.
+        pending = list(AuditEvent.objects.filter(seq__isnull=True).order_by("id"))
+        seq, prev_hash = head.last_seq, head.last_hash or chain.GENESIS
+        for event in pending:
+            seq += 1
+            event_hash = chain.event_hash(event, prev_hash)
+            linked = AuditEvent.objects.link(
+                event.pk, seq=seq, prev_hash=prev_hash, event_hash=event_hash
+            )
+            if linked != 1:  # removed past the writer: chain nothing this time
+                raise RuntimeError(f"audit event {event.pk} vanished while chaining")
+            head.last_event_id, prev_hash = event.pk, event_hash
+        if pending:
+            head.last_seq, head.last_hash = seq, prev_hash
+            head.save(update_fields=["last_event_id", "last_seq", "last_hash"])
+    if pending:
+        logger.debug("chained %d audit events, up to seq %d", len(pending), seq)
+    return len(pending)

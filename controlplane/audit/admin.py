@@ -21,8 +21,8 @@ class AuditEventAdmin(admin.ModelAdmin):
 
 @admin.register(AuditChainHead)
 class AuditChainHeadAdmin(admin.ModelAdmin):
-    # Moved only by do_record_event; shown so an operator can copy the head hash.
-    list_display = ("last_event_id", "last_hash")
+    # Moved only by chain_pending; shown so an operator can copy the head hash.
+    list_display = ("last_event_id", "last_seq", "last_hash")
 
     def has_add_permission(self, request):
         return False

@@ -5,10 +5,15 @@ Each event stores `prev_hash`, the `event_hash` of the event written before it
 canonical JSON of its content (every field but the id and the hashes). Editing an
 event changes its hash; deleting or reordering events breaks the link to the one
 before; the chain head (AuditChainHead) names the last event, so removing the
-newest ones shows too. Events are chained in id order, which is the order they
-were written in: writers take the head's lock before they insert.
+newest ones shows too. Each event's `seq` is its position in the chain: events are
+chained after their transactions commit (actions.chain_pending, under the head's
+lock: each run takes what has committed, by id), so an event written earlier may
+be chained later, and the chain is walked by seq, not id.
 
-This makes tampering evident, not impossible: whoever can rewrite every row and
+An event is unprotected between its commit and its chaining (moments, or until the
+beat's chain_pending if its on-commit run was lost), and the chainer takes any
+unchained row, so one inserted past the writer is chained like the rest. This
+makes tampering evident, not impossible: whoever can rewrite every row and
 the head can forge a new chain. Record the head hash somewhere else (the
 verify_audit_chain command prints it) to pin the history up to then."""
 
@@ -54,7 +59,7 @@ def event_hash(event, prev_hash: str) -> str:
 
 
 def first_break(events, head_event_id: int | None, head_hash: str) -> str:
-    """Why the chain of `events` (in id order) does not hold, naming the first
+    """Why the chain of `events` (in seq order) does not hold, naming the first
     event that breaks it, or "" when it holds and ends where the head says."""
     prev_hash, last = GENESIS, None
     for event in events:

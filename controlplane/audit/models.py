@@ -14,6 +14,15 @@ class AuditEventQuerySet(models.QuerySet):
     def delete(self):
         raise AppendOnlyError("audit events cannot be deleted")
 
+    def link(self, pk: int, *, seq: int, prev_hash: str, event_hash: str) -> int:
+        """The one change an event ever gets: its place in the hash chain, given
+        once, after its transaction committed (actions.chain_pending). Returns 1,
+        or 0 if the event is gone or already chained."""
+        unchained = self.filter(pk=pk, seq__isnull=True)
+        return models.QuerySet.update(
+            unchained, seq=seq, prev_hash=prev_hash, event_hash=event_hash
+        )
+
 
 class AuditEvent(models.Model):
     # PROTECT: an actor with history is deactivated, not deleted, so no row changes.
@@ -37,10 +46,13 @@ class AuditEvent(models.Model):
     before = models.JSONField(default=dict, blank=True)
     after = models.JSONField(default=dict, blank=True)
     created = models.DateTimeField(default=timezone.now, db_index=True)
-    # The hash chain (chain.py): the previous event's hash, and this one's over its
-    # content and prev_hash. Set by do_record_event, under the chain head's lock.
-    prev_hash = models.CharField(max_length=64)
-    event_hash = models.CharField(max_length=64)
+    # The hash chain (chain.py): the event's position in it, the previous event's
+    # hash, and this one's over its content and prev_hash. Empty (seq NULL) until
+    # the event's transaction commits; then chain_pending sets them, under the chain
+    # head's lock, in the order events committed.
+    seq = models.BigIntegerField(null=True, blank=True, unique=True)
+    prev_hash = models.CharField(max_length=64, blank=True)
+    event_hash = models.CharField(max_length=64, blank=True)
 
     objects = AuditEventQuerySet.as_manager()
 
@@ -70,17 +82,20 @@ class AuditEvent(models.Model):
             "before": self.before,
             "after": self.after,
             "created": self.created.isoformat(),
+            "seq": self.seq,
             "prev_hash": self.prev_hash,
             "hash": self.event_hash,
         }
 
 
 class AuditChainHead(models.Model):
-    """The one row that names the newest audit event and its hash. Writers lock it
-    (select_for_update) to append, so events chain in the order they commit, and
-    a chain that stops short of it shows its newest events were removed."""
+    """The one row that names the newest chained audit event, its position and its
+    hash. The chainer (chain_pending) locks it (select_for_update) to append, so
+    chainers take turns, and a chain that stops short of it shows its newest events
+    were removed. Writers of events never touch it."""
 
     last_event_id = models.BigIntegerField(null=True, blank=True)
+    last_seq = models.BigIntegerField(default=0)
     last_hash = models.CharField(max_length=64, blank=True)
 
     def __str__(self) -> str:

@@ -109,7 +109,9 @@ def accept_result(result: dict, attempt: int, seal: dict | None) -> str:
                 kind=parsed.kind,
             )
             job = (
-                Job.objects.select_for_update()
+                # Not `agent`'s row: PostgreSQL cannot lock an outer join's
+                # nullable side (the job may have no agent yet).
+                Job.objects.select_for_update(of=("self", "release"))
                 .select_related("release", "agent")
                 .filter(pk=parsed.job_id)
                 .first()

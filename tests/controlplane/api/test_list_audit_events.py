@@ -1,3 +1,4 @@
+from controlplane.audit.actions import chain_pending
 from tests.controlplane.api.helpers import error_of, field_names
 
 URL = "/api/v1/audit-events"
@@ -10,6 +11,7 @@ def verbs(response) -> list[str]:
 
 def test_it_reads_the_teams_audit_log_newest_first(api, owner_token, release):
     api.post(f"/api/v1/releases/{release.pk}/promote", token=owner_token)
+    chain_pending()  # what the commits would (the test's transaction never commits)
 
     response = api.get(URL, token=owner_token)
 
@@ -25,6 +27,7 @@ def test_it_reads_the_teams_audit_log_newest_first(api, owner_token, release):
     # Each event's link in the hash chain, to pin or check outside.
     registered = response.json()["items"][1]
     assert promoted["prev_hash"] == registered["hash"]
+    assert promoted["seq"] == registered["seq"] + 1
     assert len(promoted["hash"]) == 64
 
 

@@ -1,5 +1,6 @@
-"""Migration audit 0002_hash_chain: events written before the chain existed get
-one, in id order, that verify_audit_chain accepts and new events continue."""
+"""Migrations audit 0002_hash_chain and 0003_chain_after_commit: events written
+before the chain existed get one, in id order (seq follows id), that
+verify_audit_chain accepts and new events continue."""
 
 import io
 
@@ -13,7 +14,7 @@ from controlplane.audit.actions import do_record_event
 from controlplane.audit.models import AuditChainHead, AuditEvent
 
 BEFORE = [("audit", "0001_initial")]
-AFTER = [("audit", "0002_hash_chain")]
+AFTER = [("audit", "0003_chain_after_commit")]
 
 
 @pytest.fixture
@@ -42,9 +43,11 @@ def test_it_backfills_a_valid_chain(at_0001):
     events = list(AuditEvent.objects.order_by("id"))
     assert [e.verb for e in events] == ["old.step0", "old.step1", "old.step2"]
     assert len({e.event_hash for e in events}) == 3
+    assert [e.seq for e in events] == [1, 2, 3]
     head = AuditChainHead.objects.get()
-    assert (head.last_event_id, head.last_hash) == (
+    assert (head.last_event_id, head.last_seq, head.last_hash) == (
         events[-1].pk,
+        3,
         events[-1].event_hash,
     )
     out = io.StringIO()
@@ -52,6 +55,7 @@ def test_it_backfills_a_valid_chain(at_0001):
     assert "holds: 3 events" in out.getvalue()
     # New events continue the backfilled chain.
     new = do_record_event("system:cli", "new.step", events[0])  # any object
-    assert new.prev_hash == events[-1].event_hash
+    new.refresh_from_db()  # chained at once: no transaction around it
+    assert (new.seq, new.prev_hash) == (4, events[-1].event_hash)
     call_command("verify_audit_chain", stdout=out)
     assert "holds: 4 events" in out.getvalue()

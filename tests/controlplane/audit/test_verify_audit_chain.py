@@ -1,6 +1,8 @@
-"""The hash chain (controlplane.audit.chain) as do_record_event writes it, and the
-verify_audit_chain command that checks it. Tampering is done the way someone
-with the database would: raw SQL past the append-only model."""
+"""The hash chain (controlplane.audit.chain) as do_record_event and chain_pending
+write it, and the verify_audit_chain command that checks it. Tampering is done the
+way someone with the database would: raw SQL past the append-only model. These
+tests run inside one transaction that never commits, so they chain by calling
+chain_pending (what the commit would)."""
 
 import io
 
@@ -9,17 +11,19 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 
 from controlplane.audit import chain
-from controlplane.audit.actions import do_record_event
+from controlplane.audit.actions import chain_pending, do_record_event
 from controlplane.audit.models import AuditChainHead, AuditEvent
 
 
 @pytest.fixture
 def events(release, owner):
-    """Five events, each with its own verb so a message can name which."""
-    return [
+    """Five events, each with its own verb so a message can name which, chained."""
+    written = [
         do_record_event(owner, f"release.step{n}", release, after={"n": n})
         for n in range(1, 6)
     ]
+    chain_pending()
+    return [AuditEvent.objects.get(pk=event.pk) for event in written]
 
 
 def verify() -> str:
@@ -34,13 +38,15 @@ def sql(statement: str, *params) -> None:
 
 
 def test_it_chains_each_event_to_the_one_before(events):
-    assert AuditEvent.objects.order_by("id").first().prev_hash == chain.GENESIS
+    assert AuditEvent.objects.order_by("seq").first().prev_hash == chain.GENESIS
     for before, event in zip(events, events[1:], strict=False):
+        assert event.seq == before.seq + 1
         assert event.prev_hash == before.event_hash
         assert event.event_hash == chain.event_hash(event, before.event_hash)
     head = AuditChainHead.objects.get()
-    assert (head.last_event_id, head.last_hash) == (
+    assert (head.last_event_id, head.last_seq, head.last_hash) == (
         events[-1].pk,
+        events[-1].seq,
         events[-1].event_hash,
     )
 
@@ -103,15 +109,15 @@ def test_it_detects_that_the_newest_events_were_deleted(events):
 
 
 def test_it_detects_reordered_events(events):
-    second, third = events[1].pk, events[2].pk
-    sql("UPDATE audit_auditevent SET id = %s WHERE id = %s", -1, second)
-    sql("UPDATE audit_auditevent SET id = %s WHERE id = %s", second, third)
-    sql("UPDATE audit_auditevent SET id = %s WHERE id = %s", third, -1)
+    second, third = events[1], events[2]
+    sql("UPDATE audit_auditevent SET seq = %s WHERE id = %s", -1, second.pk)
+    sql("UPDATE audit_auditevent SET seq = %s WHERE id = %s", second.seq, third.pk)
+    sql("UPDATE audit_auditevent SET seq = %s WHERE id = %s", third.seq, second.pk)
 
     # The third event now sits where the second was: it does not follow the first.
     with pytest.raises(
         CommandError,
-        match=f"event {second} \\(release.step3\\) does not follow event "
+        match=f"event {third.pk} \\(release.step3\\) does not follow event "
         f"{events[0].pk}",
     ):
         verify()
@@ -137,7 +143,8 @@ def test_it_detects_an_event_rehashed_on_its_own(events):
 @pytest.mark.django_db(transaction=True)
 def test_it_keeps_one_chain_under_concurrent_writers(release, owner):
     """Writers in their own transactions and connections, each holding its
-    transaction open a moment after appending: the head's lock orders them."""
+    transaction open a moment after appending: each commit chains what committed,
+    under the head's lock, so they keep one chain."""
     import threading
     import time
 
@@ -159,4 +166,5 @@ def test_it_keeps_one_chain_under_concurrent_writers(release, owner):
         writer.join(timeout=60)
 
     assert AuditEvent.objects.filter(verb__startswith="release.w").count() == 20
+    assert not AuditEvent.objects.filter(seq__isnull=True).exists()
     assert "holds" in verify()

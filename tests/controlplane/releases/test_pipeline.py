@@ -110,10 +110,10 @@ def test_it_audits_what_an_agents_results_set_off_as_that_agent(
     assert [(e.after["state"], e.actor_name) for e in moves] == [
         ("verifying", "system:worker"),  # run_promotion: no agent involved
         ("compressing", "agent:local"),  # each next state: the agent's result
-        ("evaluating", "agent:local"),
+        ("evaluating", "agent:checker"),  # the verify, by another agent than the signer
     ]
     finished = AuditEvent.objects.filter(verb="job.succeeded")
-    assert {e.actor_name for e in finished} == {"agent:local"}
+    assert {e.actor_name for e in finished} == {"agent:local", "agent:checker"}
 
 
 def test_it_gates_on_the_recorded_evidence_then_waits_for_approval(
