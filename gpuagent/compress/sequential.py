@@ -14,7 +14,8 @@ tensor, with memory bounded by a decoder layer or two, not by the model.
   (the paged prefill the engine's calibration runs, one layer at a time over
   per-sequence hidden states), then written and dropped.
 - Output tensors go to safetensors shards of at most `max_shard_bytes` as layers
-  finish (`ShardWriter`), in a temporary folder renamed into place at the end;
+  finish (`shard_writer.ShardWriter`, written from the tensors held, no copy),
+  in a temporary folder renamed into place at the end;
   several shards get `model.safetensors.index.json`, a single one is written as
   `model.safetensors`, byte for byte the in-memory path's file.
 """
@@ -31,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 import kernels
 from gpuagent.compress.awq import scale_layer
@@ -40,6 +40,7 @@ from gpuagent.compress.checkpoint import DENSE_DTYPE, kv_cache_only_config
 from gpuagent.compress.kv_scales import _SHAPES, kv_cache_scheme
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import RecipeError, WeightScheme
+from gpuagent.compress.shard_writer import ShardWriter
 from gpuagent.compress.signround import tune_layer
 from gpuagent.compress.size_report import TENSOR_CLASSES, tensor_class
 from gpuagent.engine.kv_calibration import FP8_MAX
@@ -66,7 +67,7 @@ from gpuagent.protocol import CompressResult, Recipe, TensorClassSize
 
 # Output shards: large enough that a small model is one file (the in-memory
 # path's), small enough that the buffer of finished layers stays a few layers.
-DEFAULT_MAX_SHARD_BYTES = 512 << 20
+DEFAULT_MAX_SHARD_BYTES = 256 << 20
 # Calibration hidden states larger than this are carried in a file, not in memory.
 DEFAULT_SPILL_BYTES = 256 << 20
 SOURCE_DTYPES = ("F32", "BF16", "F16")
@@ -75,56 +76,6 @@ SOURCE_DTYPES = ("F32", "BF16", "F16")
 class SequentialUnsupported(ValueError):
     """The source is one the layer-by-layer path does not take (the in-memory
     path does); the message says why."""
-
-
-class ShardWriter:
-    """Output tensors written into safetensors shards as they come (module
-    docstring); `finish()` names the shards and writes the index."""
-
-    def __init__(self, folder: Path, max_shard_bytes: int) -> None:
-        self.folder = folder
-        self.max_bytes = max_shard_bytes
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.buffered = 0
-        self.shards: list[tuple[str, list[str]]] = []
-        self.total = 0
-
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        for name, t in tensors.items():
-            size = t.numel() * t.element_size()
-            if self.buffer and self.buffered + size > self.max_bytes:
-                self._flush()
-            self.buffer[name] = t
-            self.buffered += size
-            self.total += size
-
-    def _flush(self) -> None:
-        name = f".shard-{len(self.shards) + 1:05d}.safetensors"
-        save_file(self.buffer, str(self.folder / name), metadata={"format": "pt"})
-        self.shards.append((name, list(self.buffer)))
-        self.buffer, self.buffered = {}, 0
-
-    def finish(self) -> list[str]:
-        """Names of the files written (the shards, and the index when several)."""
-        if self.buffer or not self.shards:
-            self._flush()
-        if len(self.shards) == 1:
-            os.rename(self.folder / self.shards[0][0], self.folder / WEIGHTS_FILE)
-            return [WEIGHTS_FILE]
-        count = len(self.shards)
-        weight_map = {}
-        names = []
-        for i, (tmp_name, tensors) in enumerate(self.shards, 1):
-            final = f"model-{i:05d}-of-{count:05d}.safetensors"
-            os.rename(self.folder / tmp_name, self.folder / final)
-            names.append(final)
-            weight_map |= dict.fromkeys(tensors, final)
-        index = {
-            "metadata": {"total_size": self.total},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        return [*names, INDEX_FILE]
 
 
 class Activations:
