@@ -5,7 +5,8 @@ For synthetic Llama-shaped float32 models of each size (GiB; `write_synthetic_ll
 random weights, many layers, the demo model's tokenizer), each compressed in a
 fresh child process by the in-memory path and the layer-by-layer path
 (`gpuagent.compress.pipeline`): peak resident memory over the child's baseline
-(its RSS after the imports, before `compress`) as a fraction of the model's bytes,
+(its RSS after the imports, before `compress`; the peak is reset there,
+`reset_peak_rss`) as a fraction of the model's bytes,
 and the model's bytes per second of compression, and whether the two outputs hold
 the same tensors. Target: the layer-by-layer path at <= 0.35x at 2 GiB, flat (not
 growing) as the model grows.
@@ -103,9 +104,9 @@ def model_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-def measure(source: Path, recipe: dict, out: Path, sequential: bool) -> dict:
+def measure(source: Path, recipe: dict, out: Path, sequential: bool, **options) -> dict:
     """Compress in a fresh child (`--child`): its peak RSS over its baseline and
-    the seconds `compress` took."""
+    the seconds `compress` took; `options` go to `compress`."""
     child = subprocess.run(
         [
             sys.executable,
@@ -118,6 +119,7 @@ def measure(source: Path, recipe: dict, out: Path, sequential: bool) -> dict:
                     "recipe": recipe,
                     "out": str(out),
                     "sequential": sequential,
+                    "options": options,
                 }
             ),
         ],
@@ -131,20 +133,43 @@ def measure(source: Path, recipe: dict, out: Path, sequential: bool) -> dict:
 
 
 def _child(args: dict) -> None:
-    import resource
     import time
-
-    import psutil
 
     from gpuagent.compress import compress
 
     torch.set_num_threads(1)  # the project's shared CPUs; both paths alike
-    baseline = psutil.Process().memory_info().rss
+    baseline = reset_peak_rss()
     started = time.monotonic()
-    compress(args["source"], args["recipe"], args["out"], sequential=args["sequential"])
+    compress(
+        args["source"],
+        args["recipe"],
+        args["out"],
+        sequential=args["sequential"],
+        **args.get("options", {}),
+    )
     seconds = time.monotonic() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak_over_baseline": peak - baseline, "seconds": seconds}))
+    print(json.dumps({"peak_over_baseline": peak_rss() - baseline, "seconds": seconds}))
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS, which it returns:
+    the peak read after is the peak since (Linux: /proc/self/clear_refs, "5")."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    """This process's peak RSS (VmHWM) in bytes."""
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def same_tensors(a: Path, b: Path) -> bool:

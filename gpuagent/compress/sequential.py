@@ -51,12 +51,10 @@ from gpuagent.engine.loader import (
     WEIGHTS_FILE,
     ModelLoadError,
     check_supported_config,
-    hf_name,
 )
 from gpuagent.engine.model import (
     AttentionMetadata,
     LlamaConfig,
-    Transformer,
     TransformerBlock,
     rope_cos_sin,
     rope_inv_freq,
@@ -124,11 +122,7 @@ def check_source(src: StreamedModel, hf_config: dict[str, Any]) -> LlamaConfig:
                 raise ModelLoadError(f"{shard} does not hold {name} ({INDEX_FILE})")
     elif set(src.headers) != {WEIGHTS_FILE}:
         raise SequentialUnsupported(f"shards without {INDEX_FILE}")
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = {hf_name(n): tuple(p.shape) for n, p in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight")
+    expected = _expected_shapes(config)
     present = {n: r for n, r in src.refs.items() if not n.endswith(IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
         present.pop("lm_head.weight", None)
@@ -154,6 +148,25 @@ def check_source(src: StreamedModel, hf_config: dict[str, Any]) -> LlamaConfig:
     if problems:
         raise ModelLoadError("checkpoint does not match config: " + "; ".join(problems))
     return config
+
+
+def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensor names and shapes, as `Transformer(config)`'s state
+    dict has them (built a layer at a time: a whole model on the meta device first
+    costs torch ~80 MB of imports for its embedding)."""
+    with torch.device("meta"):
+        block = TransformerBlock(config)
+    expected = {
+        f"model.layers.{i}.{n}": tuple(p.shape)
+        for i in range(config.num_hidden_layers)
+        for n, p in block.state_dict().items()
+    }
+    v, h = config.vocab_size, config.hidden_size
+    expected["model.embed_tokens.weight"] = (v, h)
+    expected["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        expected["lm_head.weight"] = (v, h)
+    return expected
 
 
 class SequentialCompressor:
