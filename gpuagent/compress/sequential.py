@@ -22,6 +22,7 @@ tensor, with memory bounded by a decoder layer or two, not by the model.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -74,6 +75,28 @@ SOURCE_DTYPES = ("F32", "BF16", "F16")
 class SequentialUnsupported(ValueError):
     """The source is one the layer-by-layer path does not take (the in-memory
     path does); the message says why."""
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the layer just done back to the OS (glibc's
+    `malloc_trim`; elsewhere nothing). glibc raises its mmap threshold to the
+    size of each large block freed (up to 32 MiB), so a layer's weights and
+    temporaries come from the heap, whose freed pages it keeps: without this the
+    resident size creeps up layer after layer."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
 
 
 class Activations:
@@ -300,6 +323,7 @@ class SequentialCompressor:
                 kv_absmax.append(absmax)
             self._write_layer(i, layer, quantized)
             del layer, quantized
+            _release_freed_memory()
             if scheme is not None:
                 self.progress(i + 1, total, f"layer {i}")
         del hidden, unquantized, kv_hidden
