@@ -39,6 +39,7 @@ from gpuagent.integrity import _fs
 from gpuagent.integrity.errors import (
     HashingError,
     IntegrityError,
+    ManifestDigestMismatchError,
     ManifestMismatchError,
 )
 from gpuagent.integrity.inspection import inspect_model
@@ -57,6 +58,11 @@ from gpuagent.integrity.safetensors_header import (
     HeaderRejected,
     SafetensorsHeader,
     parse_header,
+)
+from gpuagent.integrity.signing import (
+    _relative_inside,
+    check_statement,
+    read_signed_statement,
 )
 from gpuagent.integrity.verified_load import (
     _check_loadable,
@@ -169,8 +175,57 @@ def open_inspected(
     return _open_checked(model_dir, HashSpec("files", "sha256"), ignore, policy)
 
 
+def open_verified(
+    model_dir: str | Path,
+    expected_manifest_digest: str,
+    *,
+    signature_path: str | Path | None = None,
+    policy: Policy | None = None,
+) -> StreamedModel:
+    """What `read_verified_files` does, tensors left on disk: the folder is
+    opened only if its files hash to `expected_manifest_digest` (with
+    `signature_path`, the signature, signer, ignore list and binding first, and
+    a mismatch names the missing, extra and changed files), then the strict
+    checks. Raises an `IntegrityError` subclass."""
+    policy = policy or DEFAULT_POLICY
+    model_dir = Path(model_dir)
+    name, _, _hex = expected_manifest_digest.rpartition(":")
+    spec = HashSpec.from_digest_name(name)
+    signed: Manifest | None = None
+    if signature_path is not None:
+        statement = read_signed_statement(signature_path, policy)
+        check_statement(
+            statement, policy, _relative_inside(model_dir, Path(signature_path))
+        )
+        signed = statement.manifest
+        if signed.digest != expected_manifest_digest:
+            raise ManifestDigestMismatchError(expected_manifest_digest, signed.digest)
+        ignore = list(signed.ignore_paths)
+    else:
+        ignore = default_ignore_paths(policy.signature_names, policy.ignore_git_paths)
+
+    def compare(actual: Manifest, uncovered: list[str]) -> None:
+        # verified_load.read_verified_files' checks, in its order
+        if signed is not None:
+            missing, extra, changed = signed.diff(actual)
+            extra = sorted(set(extra) | set(uncovered))
+            if missing or extra or changed:
+                raise ManifestMismatchError(missing, extra, changed)
+        elif uncovered:
+            raise ManifestMismatchError([], uncovered, [])
+        if actual.digest != expected_manifest_digest:
+            raise ManifestDigestMismatchError(expected_manifest_digest, actual.digest)
+
+    return _open_checked(model_dir, spec, ignore, policy, signed, compare)
+
+
 def _open_checked(
-    model_dir: Path, spec: HashSpec, ignore: list[str], policy: Policy
+    model_dir: Path,
+    spec: HashSpec,
+    ignore: list[str],
+    policy: Policy,
+    signed: Manifest | None = None,
+    compare=None,
 ) -> StreamedModel:
     root_fd = _fs.open_root(model_dir)
     fds: dict[str, int] = {}
@@ -181,6 +236,12 @@ def _open_checked(
             policy.limits,
             prefix=_fs.prefix_bytes(model_dir),
         )
+        if signed is not None:  # planted or missing files, before reading any
+            names = {p for p, _ in listed}
+            missing = sorted(set(signed.files()) - names)
+            extra = sorted(names - set(signed.files()))
+            if missing or extra:
+                raise ManifestMismatchError(missing, extra, [])
         _refuse_unread(model_dir, listed, policy)
         _fs.check_dense(root_fd, listed)
         files: dict[str, bytes] = {}
@@ -208,7 +269,9 @@ def _open_checked(
         )
         covered = set(manifest.files())
         uncovered = sorted(p for p, _ in listed if p not in covered)
-        if uncovered:
+        if compare is not None:
+            compare(manifest, uncovered)
+        elif uncovered:
             raise ManifestMismatchError([], uncovered, [])
         _check_loadable(model_dir, files, policy, ignore, headers, rejected)
         duplicated = _duplicates(headers)
