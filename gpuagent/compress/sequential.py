@@ -101,7 +101,12 @@ _LIBC = _load_libc()
 
 class Activations:
     """Calibration hidden states [B, T, hidden] carried between layers: in memory,
-    or (over `spill_bytes`) in a file of `folder`, mapped back for each layer."""
+    or (over `spill_bytes`) written to a file of `folder` and mapped back
+    privately, so that the states a layer reads are clean file pages the kernel
+    may drop and read again under memory pressure, not anonymous memory. What
+    stays in memory: the states the current layer produces (`run_layer` joins its
+    batches) and the methods' own per-layer statistics (GPTQ's Hessians, AWQ's
+    sampled rows)."""
 
     def __init__(self, folder: Path, spill_bytes: int, label: str) -> None:
         self.folder, self.spill_bytes, self.label = folder, spill_bytes, label

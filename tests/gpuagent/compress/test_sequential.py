@@ -158,3 +158,17 @@ def test_layerwise_peak_memory_is_bounded_by_layers_not_the_model(tmp_path):
     assert peaks[64] < peaks[16] + 4 * layer_bytes
     assert peaks[64] < 0.6 * sizes[64]
     assert same_tensors(tmp_path / "memory", tmp_path / "layers-64")
+
+
+def test_sources_the_layer_path_does_not_take_are_named(tmp_path):
+    from gpuagent.compress.sequential import SequentialUnsupported, check_source
+    from gpuagent.engine.loader import ModelLoadError
+    from gpuagent.integrity.streamed_load import open_inspected
+
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    with open_inspected(DEMO_MODEL) as src:
+        assert check_source(src, dict(config)).num_hidden_layers == 4
+        with pytest.raises(SequentialUnsupported, match="already quantized"):
+            check_source(src, config | {"quantization_config": {}})
+        with pytest.raises(ModelLoadError, match="missing tensors"):
+            check_source(src, config | {"num_hidden_layers": 5})
