@@ -56,7 +56,6 @@ from gpuagent.compress.recipes import (
     weight_scheme,
 )
 from gpuagent.compress.sequential import (
-    DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_SPILL_BYTES,
     SequentialUnsupported,
     compress_sequential,
@@ -100,7 +99,7 @@ def compress(
     calibration_size: tuple[int, int] | None = None,
     kv_scale_strategy: str = DEFAULT_KV_SCALE_STRATEGY,
     sequential: bool = True,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
 ) -> CompressResult:
     """Compress `source_dir` under `recipe` into `out_dir` (which must not exist).
@@ -108,7 +107,8 @@ def compress(
     `calibration_size` (sequences, tokens each) overrides the GPTQ / KV calibration
     defaults; `kv_scale_strategy` is the layout of fp8 KV scales ("tensor" or
     "attn_head", gpuagent.compress.kv_scales). `sequential` picks the layer-by-layer
-    path (module docstring), whose output shards hold at most `max_shard_bytes` and
+    path (module docstring), whose output shards hold at most `max_shard_bytes`
+    (None: one layer in bf16, at least 128 MiB) and
     whose calibration hidden states go to a file over `spill_bytes`. Raises
     RecipeError for recipes that can't be applied, CompressError for a refused
     source or an existing output."""

@@ -64,9 +64,11 @@ from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.integrity.streamed_load import StreamedModel
 from gpuagent.protocol import CompressResult, Recipe, TensorClassSize
 
-# Output shards: large enough that a small model is one file (the in-memory
-# path's), small enough that the buffer of finished layers stays a few layers.
-DEFAULT_MAX_SHARD_BYTES = 256 << 20
+# Output shards (`max_shard_bytes=None`): one decoder layer in bf16, at least 128
+# MiB. The shard being filled is held in memory, so it is sized like the layer
+# that is (a small model's output then fits one `model.safetensors`, the in-memory
+# path's file; a 70B layer's 1.7 GB gives shards of that size).
+MIN_SHARD_BYTES = 128 << 20
 # Calibration hidden states larger than this are carried in a file, not in memory.
 DEFAULT_SPILL_BYTES = 256 << 20
 SOURCE_DTYPES = ("F32", "BF16", "F16")
@@ -176,6 +178,15 @@ def check_source(src: StreamedModel, hf_config: dict[str, Any]) -> LlamaConfig:
     if problems:
         raise ModelLoadError("checkpoint does not match config: " + "; ".join(problems))
     return config
+
+
+def default_shard_bytes(config: LlamaConfig) -> int:
+    """Output shard size for `max_shard_bytes=None`: one layer in bf16, at least
+    MIN_SHARD_BYTES."""
+    with torch.device("meta"):
+        block = TransformerBlock(config)
+    layer = sum(p.numel() for p in block.parameters()) * 2
+    return max(MIN_SHARD_BYTES, layer)
 
 
 def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -440,7 +451,7 @@ def compress_sequential(
     *,
     calibration_size,
     kv_scale_strategy: str,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
     started: float,
 ) -> CompressResult:
@@ -450,6 +461,8 @@ def compress_sequential(
     from gpuagent.compress.pipeline import _by_projection, _quant_config
 
     config = check_source(src, hf_config)
+    if max_shard_bytes is None:
+        max_shard_bytes = default_shard_bytes(config)
     if scheme and scheme.quantize_lm_head and config.tie_word_embeddings:
         raise RecipeError(
             "quantize_lm_head=true but lm_head is tied to the embeddings "
