@@ -4,6 +4,8 @@ side by side; each is a script, `python -m gpuagent.benches.<name>`:
 - `engine`: KV memory, capacity, throughput and KV quality of the serving engine
   (with `kv_alternatives`: KV layouts measured beside the served ones, not served);
 - `compress`: weight compression's size, quality, decode speed and matmuls;
+- `compress_memory`: compression's peak memory and speed, layer by layer vs in
+  memory, on synthetic models of 0.5 to 2 GiB;
 - `lossless`: the lossless checkpoint coding vs zipnn;
 - `integrity`: verify speed vs model_signing and plain reads, hostile inputs;
 - `serving`: what the agent's check and the engine's verify-on-load add to a deploy;

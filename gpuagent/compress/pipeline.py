@@ -1,11 +1,21 @@
 """`compress(source_dir, recipe, out_dir)`: a source model folder in, a
 compressed-tensors folder out (the candidate the release pipeline evaluates).
 
-The source is read through integrity inspection (`read_inspected_files`: a folder
-holding a pickle, remote code or a malformed safetensors is refused) and the model
-is built from exactly the bytes inspected. The output is written to a temporary
-folder beside `out_dir` and renamed into place only when complete: a crash or an
-error leaves nothing at `out_dir`.
+The source goes through integrity inspection (a folder holding a pickle, remote
+code or a malformed safetensors is refused) and the model is built from exactly
+the bytes inspected. Two paths, the same output tensor for tensor:
+
+- layer by layer (`gpuagent.compress.sequential`, the default): tensors read
+  and checked one at a time (`integrity.streamed_load`), one decoder layer in
+  memory, output shards written as layers finish; memory bounded by a few
+  layers, not the model;
+- in memory (`sequential=False`, and for sources the layer path does not take:
+  an already quantized or a lossless source, which `load_model` decodes as a
+  whole): every file read (`read_inspected_files`), the whole model built in
+  float32, one `model.safetensors` written.
+
+The output is written to a temporary folder beside `out_dir` and renamed into
+place only when complete: a crash or an error leaves nothing at `out_dir`.
 """
 
 from __future__ import annotations
@@ -45,11 +55,23 @@ from gpuagent.compress.recipes import (
     parse_recipe,
     weight_scheme,
 )
+from gpuagent.compress.sequential import (
+    DEFAULT_SPILL_BYTES,
+    SequentialUnsupported,
+    compress_sequential,
+)
 from gpuagent.compress.signround import tune_layer
 from gpuagent.compress.size_report import size_report
-from gpuagent.engine.loader import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, load_model
+from gpuagent.engine.loader import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    ModelLoadError,
+    load_model,
+)
 from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.integrity import IntegrityError, read_inspected_files
+from gpuagent.integrity.streamed_load import open_inspected
 from gpuagent.protocol import CompressResult, Recipe
 
 # progress(done, total, what): called after each layer.
@@ -76,13 +98,20 @@ def compress(
     *,
     calibration_size: tuple[int, int] | None = None,
     kv_scale_strategy: str = DEFAULT_KV_SCALE_STRATEGY,
+    sequential: bool = True,
+    max_shard_bytes: int | None = None,
+    spill_bytes: int = DEFAULT_SPILL_BYTES,
 ) -> CompressResult:
     """Compress `source_dir` under `recipe` into `out_dir` (which must not exist).
 
     `calibration_size` (sequences, tokens each) overrides the GPTQ / KV calibration
     defaults; `kv_scale_strategy` is the layout of fp8 KV scales ("tensor" or
-    "attn_head", gpuagent.compress.kv_scales). Raises RecipeError for recipes that
-    can't be applied, CompressError for a refused source or an existing output."""
+    "attn_head", gpuagent.compress.kv_scales). `sequential` picks the layer-by-layer
+    path (module docstring), whose output shards hold at most `max_shard_bytes`
+    (None: one layer in bf16, at least 128 MiB) and
+    whose calibration hidden states go to a file over `spill_bytes`. Raises
+    RecipeError for recipes that can't be applied, CompressError for a refused
+    source or an existing output."""
     started = time.monotonic()
     recipe = parse_recipe(recipe)
     scheme = weight_scheme(recipe)
@@ -93,6 +122,38 @@ def compress(
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     if out_dir.exists():
         raise CompressError(f"{out_dir} already exists; refusing to overwrite it")
+    progress = progress or (lambda done, total, what: None)
+    if sequential:
+        try:
+            src = open_inspected(source_dir)
+        except IntegrityError as exc:
+            raise CompressError(
+                f"source {source_dir} failed inspection: {exc}"
+            ) from exc
+        with src:
+            try:
+                hf_config = json.loads(src.files[CONFIG_FILE].decode("utf-8"))
+            except (KeyError, ValueError) as exc:
+                raise ModelLoadError(f"{CONFIG_FILE} is not readable: {exc}") from exc
+            if not isinstance(hf_config, dict):
+                raise ModelLoadError(f"{CONFIG_FILE} is not a JSON object")
+            try:
+                return compress_sequential(
+                    src,
+                    source_dir,
+                    hf_config,
+                    recipe,
+                    scheme,
+                    out_dir,
+                    progress,
+                    calibration_size=calibration_size,
+                    kv_scale_strategy=kv_scale_strategy,
+                    max_shard_bytes=max_shard_bytes,
+                    spill_bytes=spill_bytes,
+                    started=started,
+                )
+            except SequentialUnsupported:
+                pass  # the in-memory path below takes it
     try:
         files, _digest = read_inspected_files(source_dir)
     except IntegrityError as exc:
@@ -110,7 +171,6 @@ def compress(
     sequences = None
     if needs_text:
         sequences = calibration_sequences(tokenizer, *(calibration_size or ()))
-    progress = progress or (lambda done, total, what: None)
 
     quantized = _quantize_model(model, scheme, sequences, progress) if scheme else {}
     kv_tensors = {}

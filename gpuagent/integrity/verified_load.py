@@ -13,7 +13,9 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from gpuagent.integrity import _fs
 from gpuagent.integrity.errors import (
@@ -198,7 +200,12 @@ def _refuse_unread(
 
 
 def _check_loadable(
-    model_dir: Path, files: dict[str, bytes], policy: Policy, ignore: list[str]
+    model_dir: Path,
+    files: dict[str, bytes],
+    policy: Policy,
+    ignore: list[str],
+    headers: Mapping[str, object] = MappingProxyType({}),
+    rejected: Mapping[str, HeaderRejected] = MappingProxyType({}),
 ) -> None:
     """The strict checks of `inspect_model`, on the very bytes the engine gets,
     for every file the engine parses: the approved digest may have been taken of
@@ -208,10 +215,14 @@ def _check_loadable(
     shards must be `.safetensors` files among `files`, not under `ignore`),
     every `.safetensors` file the strict header checks, text and tokenizer
     models their format checks. Files the manifest ignores are not read, so
-    not checked (names were refused before reading, `_refuse_unread`)."""
-    kinds = {path: path_kind(path, policy) for path in files}
+    not checked (names were refused before reading, `_refuse_unread`).
+
+    `headers` / `rejected` (streamed_load): `.safetensors` files not in `files`
+    whose header was parsed strictly from the file itself, and those refused."""
+    every = set(files) | set(headers) | set(rejected)
+    kinds = {path: path_kind(path, policy) for path in every}
     verdicts = []
-    for path in sorted(files):
+    for path in sorted(every):
         verdict = FileVerdict(path, kinds[path])
         if verdict.kind in ("text", "tokenizer-model"):
             check_format_bytes(files[path], verdict)
@@ -219,7 +230,9 @@ def _check_loadable(
             check_json_bytes(files[path], verdict, policy)
             if verdict.kind == "index":
                 check_index_references(verdict, kinds, ignore)
-        elif verdict.kind == "safetensors":
+        elif path in rejected:
+            verdict.reject(rejected[path].code, rejected[path].detail)
+        elif verdict.kind == "safetensors" and path in files:
             try:
                 parse_header_bytes(files[path], policy)
             except HeaderRejected as e:

@@ -58,16 +58,23 @@ def test_it_leaves_nothing_when_interrupted(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_it_leaves_nothing_when_writing_fails(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sequential", [True, False])
+def test_it_leaves_nothing_when_writing_fails(tmp_path, monkeypatch, sequential):
     import gpuagent.compress.pipeline as pipeline
+    import gpuagent.compress.shard_writer as shard_writer
 
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(pipeline, "save_file", broken_save)
+    monkeypatch.setattr(shard_writer, "write_safetensors", broken_save)
     with pytest.raises(OSError, match="disk full"):
         compress(
-            DEMO_MODEL, {"weights": "fp8", "kv_cache_dtype": "bf16"}, tmp_path / "o"
+            DEMO_MODEL,
+            {"weights": "fp8", "kv_cache_dtype": "bf16"},
+            tmp_path / "o",
+            sequential=sequential,
+            max_shard_bytes=100_000,  # the first shard fails mid-run
         )
 
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,543 @@
+"""Layer-by-layer compression (sequential onloading, as llm-compressor does): the
+same output as the in-memory path (`pipeline._compress_in_memory`), tensor for
+tensor, with memory bounded by a decoder layer or two, not by the model.
+
+- The source is opened with `integrity.streamed_load.open_inspected`: every file
+  hashed in a streaming pass first, then each tensor read from the same
+  descriptor when it is needed and used only if its bytes are those the digest
+  covered.
+- One decoder layer at a time is built in float32 from its own tensors, quantized
+  (RTN, GPTQ, AWQ scales, sign-gradient rounding: the in-memory path's own
+  functions, in the same order), run over the calibration hidden states it needs
+  (carried from layer to layer, `Activations`: spilled to a file in the
+  temporary output folder when larger than `spill_bytes`), its fp8 KV scales taken
+  (the paged prefill the engine's calibration runs, one layer at a time over
+  per-sequence hidden states), then written and dropped.
+- Output tensors go to safetensors shards of at most `max_shard_bytes` as layers
+  finish (`shard_writer.ShardWriter`, written from the tensors held, no copy),
+  in a temporary folder renamed into place at the end;
+  several shards get `model.safetensors.index.json`, a single one is written as
+  `model.safetensors`, byte for byte the in-memory path's file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from gpuagent.compress.awq import scale_layer
+from gpuagent.compress.calibration import calibration_sequences, run_layer
+from gpuagent.compress.checkpoint import DENSE_DTYPE, kv_cache_only_config
+from gpuagent.compress.kv_scales import _SHAPES, kv_cache_scheme
+from gpuagent.compress.quantize import quantize_rtn
+from gpuagent.compress.recipes import RecipeError, WeightScheme
+from gpuagent.compress.shard_writer import ShardWriter
+from gpuagent.compress.signround import tune_layer
+from gpuagent.compress.size_report import TENSOR_CLASSES, tensor_class
+from gpuagent.engine.kv_calibration import FP8_MAX
+from gpuagent.engine.loader import (
+    CONFIG_FILE,
+    IGNORED_SUFFIXES,
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    ModelLoadError,
+    check_supported_config,
+)
+from gpuagent.engine.model import (
+    AttentionMetadata,
+    LlamaConfig,
+    TransformerBlock,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from gpuagent.engine.tokenizer import load_tokenizer
+from gpuagent.integrity.streamed_load import StreamedModel
+from gpuagent.protocol import CompressResult, Recipe, TensorClassSize
+
+# Output shards (`max_shard_bytes=None`): one decoder layer in bf16, at least 128
+# MiB. The shard being filled is held in memory, so it is sized like the layer
+# that is (a small model's output then fits one `model.safetensors`, the in-memory
+# path's file; a 70B layer's 1.7 GB gives shards of that size).
+MIN_SHARD_BYTES = 128 << 20
+# Calibration hidden states larger than this are carried in a file, not in memory.
+DEFAULT_SPILL_BYTES = 256 << 20
+SOURCE_DTYPES = ("F32", "BF16", "F16")
+
+
+class SequentialUnsupported(ValueError):
+    """The source is one the layer-by-layer path does not take (the in-memory
+    path does); the message says why."""
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the layer just done back to the OS (glibc's
+    `malloc_trim`; elsewhere nothing). glibc raises its mmap threshold to the
+    size of each large block freed (up to 32 MiB), so a layer's weights and
+    temporaries come from the heap, whose freed pages it keeps: without this the
+    resident size creeps up layer after layer."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
+
+
+class Activations:
+    """Calibration hidden states [B, T, hidden] carried between layers: in memory,
+    or (over `spill_bytes`) written to a file of `folder` and mapped back
+    privately, so that the states a layer reads are clean file pages the kernel
+    may drop and read again under memory pressure, not anonymous memory. What
+    stays in memory: the states the current layer produces (`run_layer` joins its
+    batches) and the methods' own per-layer statistics (GPTQ's Hessians, AWQ's
+    sampled rows)."""
+
+    def __init__(self, folder: Path, spill_bytes: int, label: str) -> None:
+        self.folder, self.spill_bytes, self.label = folder, spill_bytes, label
+        self.count = 0
+
+    def keep(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.numel() * hidden.element_size() <= self.spill_bytes:
+            return hidden
+        self.count += 1
+        path = self.folder / f".activations-{self.label}-{self.count % 2}.bin"
+        hidden.contiguous().numpy().tofile(path)
+        shape, dtype = hidden.shape, hidden.dtype
+        del hidden
+        mapped = torch.from_file(
+            str(path), shared=False, size=int(torch.Size(shape).numel()), dtype=dtype
+        )
+        return mapped.view(shape)
+
+
+def check_source(src: StreamedModel, hf_config: dict[str, Any]) -> LlamaConfig:
+    """The source's config, if this path takes it; SequentialUnsupported naming
+    why not (a quantized or lossless source goes through the in-memory path),
+    ValueError for a checkpoint that does not match its config."""
+    from gpuagent.engine import weights
+
+    if weights.is_quantized(hf_config):
+        raise SequentialUnsupported("the source is already quantized")
+    if not src.headers:
+        raise SequentialUnsupported("the source has no .safetensors checkpoint")
+    check_supported_config(hf_config)
+    config = LlamaConfig.from_hf_config(hf_config)
+    if INDEX_FILE in src.files:
+        index = json.loads(src.files[INDEX_FILE])
+        listed = set(index.get("weight_map", {}).values())
+        unlisted = sorted(set(src.headers) - listed)
+        if unlisted:
+            raise ModelLoadError(f"{INDEX_FILE} does not name {unlisted}")
+        for name, shard in index["weight_map"].items():
+            ref = src.refs.get(name)
+            if ref is None or ref.file != shard:
+                raise ModelLoadError(f"{shard} does not hold {name} ({INDEX_FILE})")
+    elif set(src.headers) != {WEIGHTS_FILE}:
+        raise SequentialUnsupported(f"shards without {INDEX_FILE}")
+    expected = _expected_shapes(config)
+    present = {n: r for n, r in src.refs.items() if not n.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        present.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(present))
+    unexpected = sorted(set(present) - set(expected))
+    misshapen = [
+        f"{n}: checkpoint {present[n].shape} vs config {expected[n]}"
+        for n in expected
+        if n in present and present[n].shape != expected[n]
+    ]
+    bad_dtypes = {
+        n: r.dtype for n, r in present.items() if r.dtype not in SOURCE_DTYPES
+    }
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected}")
+    if misshapen:
+        problems.append(f"shape mismatch {misshapen}")
+    if bad_dtypes:
+        problems.append(f"unsupported tensor dtypes {bad_dtypes}")
+    if problems:
+        raise ModelLoadError("checkpoint does not match config: " + "; ".join(problems))
+    return config
+
+
+def default_shard_bytes(config: LlamaConfig) -> int:
+    """Output shard size for `max_shard_bytes=None`: one layer in bf16, at least
+    MIN_SHARD_BYTES."""
+    with torch.device("meta"):
+        block = TransformerBlock(config)
+    layer = sum(p.numel() for p in block.parameters()) * 2
+    return max(MIN_SHARD_BYTES, layer)
+
+
+def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensor names and shapes, as `Transformer(config)`'s state
+    dict has them (built a layer at a time: a whole model on the meta device first
+    costs torch ~80 MB of imports for its embedding)."""
+    with torch.device("meta"):
+        block = TransformerBlock(config)
+    expected = {
+        f"model.layers.{i}.{n}": tuple(p.shape)
+        for i in range(config.num_hidden_layers)
+        for n, p in block.state_dict().items()
+    }
+    v, h = config.vocab_size, config.hidden_size
+    expected["model.embed_tokens.weight"] = (v, h)
+    expected["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        expected["lm_head.weight"] = (v, h)
+    return expected
+
+
+class SequentialCompressor:
+    """One run of the layer-by-layer path (module docstring); `run()` writes the
+    tensors and returns what `pipeline` needs to finish the folder."""
+
+    def __init__(
+        self,
+        src: StreamedModel,
+        src_dir: Path,
+        config: LlamaConfig,
+        recipe: Recipe,
+        scheme: WeightScheme | None,
+        tmp: Path,
+        progress,
+        *,
+        calibration_size,
+        kv_scale_strategy: str,
+        max_shard_bytes: int,
+        spill_bytes: int,
+    ) -> None:
+        self.src, self.config, self.recipe, self.scheme = src, config, recipe, scheme
+        self.src_dir = src_dir
+        self.tmp, self.progress = tmp, progress
+        self.calibration_size = calibration_size
+        self.kv_strategy = kv_scale_strategy
+        self.writer = ShardWriter(tmp, max_shard_bytes)
+        self.spill_bytes = spill_bytes
+        self.dense = torch.float16 if recipe.weights == "fp16" else DENSE_DTYPE
+        self.after = dict.fromkeys(TENSOR_CLASSES, 0)
+        self.examples: dict[str, Any] = {}  # one QuantizedWeight per projection kind
+        self.quantized_count = 0
+        self.kv_written = False
+
+    # -- tensors
+    def _f32(self, name: str) -> torch.Tensor:
+        return self.src.tensor(name).to(torch.float32)
+
+    def _write(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            self.after[tensor_class(name)] += t.numel() * t.element_size()
+        self.writer.add(tensors)
+
+    def _write_quantized(self, quantized: dict) -> None:
+        from gpuagent.compress.checkpoint import quantized_tensors
+
+        for module, qw in quantized.items():
+            self._write(quantized_tensors(module, qw))
+            kind = (
+                module.split(".", 3)[-1]
+                if module.startswith("model.layers.")
+                else module
+            )
+            if kind not in self.examples:
+                self.examples[kind] = _GroupOnly(qw.group_size)
+            self.quantized_count += 1
+
+    def _layer(self, i: int) -> TransformerBlock:
+        with torch.device("meta"):
+            block = TransformerBlock(self.config)
+        state = {n: self._f32(f"model.layers.{i}.{n}") for n in block.state_dict()}
+        block.load_state_dict(state, assign=True)
+        return block.eval()
+
+    # -- the run
+    def run(self) -> None:
+        from gpuagent.compress.pipeline import _quantize_layer
+
+        config, scheme, recipe = self.config, self.scheme, self.recipe
+        embed = self._f32("model.embed_tokens.weight")
+        if config.tie_word_embeddings and "lm_head.weight" in self.src.refs:
+            if not torch.equal(self._f32("lm_head.weight"), embed):
+                raise ModelLoadError(
+                    "tie_word_embeddings=true but lm_head.weight differs from "
+                    "model.embed_tokens.weight"
+                )
+        calibrated = scheme is not None and (scheme.method != "rtn" or scheme.awq)
+        kv = recipe.kv_cache_dtype == "fp8"
+        sequences = None
+        if calibrated or kv:
+            tokenizer = load_tokenizer(self.src_dir, files=self.src.files)
+            sequences = calibration_sequences(tokenizer, *(self.calibration_size or ()))
+        inv_freq = rope_inv_freq(config)
+        hidden = unquantized = kv_hidden = None
+        acts = Activations(self.tmp, self.spill_bytes, "hidden")
+        ref_acts = Activations(self.tmp, self.spill_bytes, "reference")
+        if calibrated:
+            tokens = torch.tensor(sequences)
+            cos, sin = _cos_sin(inv_freq, tokens.shape[1])
+            hidden = acts.keep(F.embedding(tokens, embed))
+            if scheme.method == "signround":
+                unquantized = hidden
+        if kv:
+            # one prefill per sequence, as engine.kv_calibration.static_kv_scales
+            kv_hidden = [F.embedding(torch.tensor(ids), embed) for ids in sequences]
+            kv_absmax = []
+        tied = config.tie_word_embeddings
+        self._write({"model.embed_tokens.weight": embed.to(self.dense)})
+        if not tied:
+            del embed
+        total = config.num_hidden_layers + int(bool(scheme and scheme.quantize_lm_head))
+        for i in range(config.num_hidden_layers):
+            layer = self._layer(i)
+            quantized: dict = {}
+            if scheme is not None and not calibrated:
+                _quantize_layer(i, layer, scheme, quantized)
+            elif calibrated:
+                with torch.no_grad():
+                    if scheme.awq:
+                        scale_layer(layer, hidden, cos, sin, scheme)
+                    if unquantized is not None:
+                        unquantized = ref_acts.keep(
+                            run_layer(layer, unquantized, cos, sin)
+                        )
+                        for p, qw in tune_layer(
+                            layer, hidden, unquantized, cos, sin, scheme
+                        ).items():
+                            quantized[f"model.layers.{i}.{p}"] = qw
+                    else:
+                        gptq = scheme.method == "gptq"
+                        _quantize_layer(
+                            i,
+                            layer,
+                            scheme,
+                            quantized,
+                            (hidden, cos, sin) if gptq else None,
+                        )
+                    hidden = acts.keep(run_layer(layer, hidden, cos, sin))
+            if kv:
+                kv_hidden, absmax = _layer_kv_absmax(layer, kv_hidden, inv_freq)
+                kv_absmax.append(absmax)
+            self._write_layer(i, layer, quantized)
+            del layer, quantized
+            _release_freed_memory()
+            if scheme is not None:
+                self.progress(i + 1, total, f"layer {i}")
+        del hidden, unquantized, kv_hidden
+        self._write(
+            {"model.norm.weight": self._f32("model.norm.weight").to(self.dense)}
+        )
+        if scheme is not None and scheme.quantize_lm_head:
+            qw = quantize_rtn(self._f32("lm_head.weight"), scheme)
+            self._write_quantized({"lm_head": qw})
+            self.progress(total, total, "lm_head")
+        elif not tied:
+            self._write({"lm_head.weight": self._f32("lm_head.weight").to(self.dense)})
+        if kv:
+            self._write(_kv_tensors(kv_absmax, self.kv_strategy))
+            self.kv_written = True
+
+    def _write_layer(self, i: int, layer: TransformerBlock, quantized: dict) -> None:
+        # the layer's tensors in the in-memory path's order and formats
+        tensors = {}
+        for name, param in layer.state_dict().items():
+            module = f"model.layers.{i}.{name}".removesuffix(".weight")
+            if module not in quantized:
+                tensors[f"model.layers.{i}.{name}"] = (
+                    param.detach().to(self.dense).contiguous()
+                )
+        self._write(tensors)
+        self._write_quantized(quantized)
+
+
+class _GroupOnly:
+    """What the config groups need of a QuantizedWeight (its group size)."""
+
+    def __init__(self, group_size: int | None) -> None:
+        self.group_size = group_size
+
+
+def _cos_sin(inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # as Transformer._rope for a float32 model
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(length))
+    return cos.to(torch.float32), sin.to(torch.float32)
+
+
+def _layer_kv_absmax(
+    layer: TransformerBlock, hiddens: list[torch.Tensor], inv_freq: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One layer of `static_kv_scales(model, sequences, rotated=False)`: each
+    sequence's prefill through the layer into a float32 cache, the absmax per kv
+    head of K and V written ([2, KVH]), and the hidden states leaving it."""
+    attn_mod = layer.self_attn
+    heads, dim = attn_mod.num_kv_heads, attn_mod.head_dim
+    absmax = torch.zeros(2, heads)
+    out = []
+    for h in hiddens:
+        n = h.shape[0]
+        cache = kernels.allocate_kv_cache("fp32", n, 1, heads, dim, rotated=False)
+        attn = AttentionMetadata(
+            slot_mapping=torch.arange(n),
+            block_tables=torch.arange(n, dtype=torch.int32)[None],
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            context_lens=torch.tensor([n], dtype=torch.int32),
+            decode_only=n == 1,
+        )
+        cos, sin = _cos_sin(inv_freq, n)
+        with torch.inference_mode():
+            out.append(layer(h, cos, sin, cache, attn))
+        for which, store in enumerate((cache.key, cache.value)):
+            seen = store.view(n, heads, dim).abs().amax(dim=(0, 2))
+            absmax[which] = torch.maximum(absmax[which], seen)
+    return out, absmax
+
+
+def _kv_tensors(absmax: list[torch.Tensor], strategy: str) -> dict[str, torch.Tensor]:
+    # kv_scales.kv_scale_tensors on the per-layer absmax, as static_kv_scales ends
+    shape = _SHAPES[strategy]
+    scales = (torch.stack(absmax) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    tensors = {}
+    for i, s in enumerate(scales):
+        prefix = f"model.layers.{i}.self_attn"
+        for name, per_head in (("k_scale", s[0]), ("v_scale", s[1])):
+            scale = per_head.float().reshape(-1)
+            if strategy == "tensor":
+                scale = scale.max()
+            tensors[f"{prefix}.{name}"] = scale.reshape(shape).contiguous()
+    return tensors
+
+
+def source_sizes(src: StreamedModel) -> tuple[dict[str, int], dict[str, int]]:
+    """(bytes as stored, bytes in bf16) per tensor class of the source's headers,
+    as size_report counts them."""
+    import math
+
+    before = dict.fromkeys(TENSOR_CLASSES, 0)
+    bf16 = dict.fromkeys(TENSOR_CLASSES, 0)
+    for header in src.headers.values():
+        for entry in header.tensors.values():
+            before[tensor_class(entry.name)] += entry.end - entry.begin
+            bf16[tensor_class(entry.name)] += math.prod(entry.shape) * 2
+    return before, bf16
+
+
+def compress_sequential(
+    src: StreamedModel,
+    source_dir: Path,
+    hf_config: dict[str, Any],
+    recipe: Recipe,
+    scheme: WeightScheme | None,
+    out_dir: Path,
+    progress,
+    *,
+    calibration_size,
+    kv_scale_strategy: str,
+    max_shard_bytes: int | None = None,
+    spill_bytes: int = DEFAULT_SPILL_BYTES,
+    started: float,
+) -> CompressResult:
+    """The layer-by-layer path of `pipeline.compress` on an opened source (module
+    docstring); raises SequentialUnsupported before writing anything for a source
+    it does not take."""
+    from gpuagent.compress.pipeline import _by_projection, _quant_config
+
+    config = check_source(src, hf_config)
+    if max_shard_bytes is None:
+        max_shard_bytes = default_shard_bytes(config)
+    if scheme and scheme.quantize_lm_head and config.tie_word_embeddings:
+        raise RecipeError(
+            "quantize_lm_head=true but lm_head is tied to the embeddings "
+            "(tie_word_embeddings=true), which stay unquantized"
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        run = SequentialCompressor(
+            src,
+            source_dir,
+            config,
+            recipe,
+            scheme,
+            tmp,
+            progress,
+            calibration_size=calibration_size,
+            kv_scale_strategy=kv_scale_strategy,
+            max_shard_bytes=max_shard_bytes,
+            spill_bytes=spill_bytes,
+        )
+        run.run()
+        for spilled in tmp.glob(".activations-*"):
+            spilled.unlink()
+        run.writer.finish()
+        kv_scheme = kv_cache_scheme(kv_scale_strategy) if run.kv_written else None
+        if scheme:
+            hf_config["quantization_config"] = _quant_config(
+                scheme, run.examples, kv_scheme
+            )
+        elif kv_scheme:
+            hf_config["quantization_config"] = kv_cache_only_config(kv_scheme)
+        hf_config["dtype"] = hf_config["torch_dtype"] = (
+            "float16" if recipe.weights == "fp16" else "bfloat16"
+        )
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+        for name, data in src.files.items():
+            if name in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) or name.endswith(
+                ".safetensors"
+            ):
+                continue
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        for path in (tmp, *tmp.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    before, bf16 = source_sizes(src)
+    sizes = [
+        TensorClassSize(
+            tensor_class=c,
+            bytes_before=before[c],
+            bytes_after=run.after[c],
+            bytes_bf16=bf16[c],
+        )
+        for c in TENSOR_CLASSES
+    ]
+    total_after = sum(run.after.values())
+    return CompressResult(
+        out_dir=str(out_dir),
+        recipe=recipe,
+        quantized_layers=run.quantized_count,
+        sizes=sizes,
+        total_bytes_before=sum(before.values()),
+        total_bytes_after=total_after,
+        expected_gpu_weight_bytes=total_after,
+        kv_scales=run.kv_written,
+        kv_scale_strategy=kv_scale_strategy if run.kv_written else None,
+        group_sizes={
+            p: q.group_size
+            for p, q in _by_projection(run.examples).items()
+            if q.group_size is not None
+        },
+        seconds=time.monotonic() - started,
+    )
