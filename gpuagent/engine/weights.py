@@ -22,8 +22,13 @@ per module; `install(model, layers)` puts them in place of the model's
 - pack-quantized, 4 bits, groups: the packed int32 words as stored ->
   `weight_int4_matmul`; with a zero point (asymmetric), W = (q - zp) s, passed as
   zp * s per group;
-- float-quantized (fp8 e4m3, per channel): dequantized to the activation dtype per
-  call (no fp8 kernel in `kernels` yet) and multiplied by torch.
+- float-quantized (fp8 e4m3, per channel): no CPU has an fp8 GEMM, so on a CPU
+  `to_model` dequantizes the weight once, to the model's dtype, into the same
+  matrix the per-call dequantization makes (packed for oneDNN as the parent's
+  weights are): the parent's speed at the parent's memory (dequantizing per call
+  made decode 6.5x slower than the parent). Elsewhere (and with
+  `use_cpu_kernels(enabled=False)`) it is dequantized per call and multiplied by
+  torch.
 
 Anything else in a `quantization_config` is refused by name (ModelLoadError).
 """
@@ -37,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpuagent.engine.model import packed_linear, prepack_weight
 from kernels import matmul_tuning, weight_matmul
 from kernels.weight_matmul import (
     CpuPackedWeight,
@@ -93,6 +99,10 @@ class QuantLinear(nn.Module):
         # the weight laid out for torch's CPU kernels (`prepack_cpu`); not a buffer:
         # its layout is this CPU's, never saved
         self.cpu_weight: CpuPackedWeight | None = None
+        # fp8 on a CPU: the weight dequantized once [N, K] and its oneDNN packing
+        # (`dequantize_cpu`); not buffers either
+        self.dense_weight: Tensor | None = None
+        self.packed_weight: Tensor | None = None
 
     def prepack_cpu(self) -> bool:
         """Lay the weight out once for torch's CPU weight-only kernels; False where
@@ -105,6 +115,17 @@ class QuantLinear(nn.Module):
                 self.packed, self.scale, self.group_size, self._zero_scale()
             )
         return self.cpu_weight is not None
+
+    def dequantize_cpu(self, dtype: torch.dtype) -> bool:
+        """fp8 on a CPU: hold the weight dequantized to `dtype` (exactly the
+        matrix `forward` would make per call), packed for oneDNN where that
+        applies (`model.prepack_weight`); False (nothing held) otherwise."""
+        self.dense_weight = self.packed_weight = None
+        if self.kind != "fp8" or self.codes.device.type != "cpu":
+            return False
+        self.dense_weight = self.codes.to(dtype) * self.scale.to(dtype)  # [N, K]
+        self.packed_weight = prepack_weight(self.dense_weight)
+        return True
 
     def _zero_scale(self) -> Tensor | None:
         return getattr(self, "zero_scale", None)  # [N, K/g] zp * s, asymmetric only
@@ -125,6 +146,11 @@ class QuantLinear(nn.Module):
                 weight_zero_scale=self._zero_scale(),
                 cpu_weight=self.cpu_weight,
             )
+        elif self.dense_weight is not None and x.dtype == self.dense_weight.dtype:
+            if self.packed_weight is not None:
+                y = packed_linear(x2, self.packed_weight)
+            else:
+                y = x2 @ self.dense_weight.t()
         else:
             w = self.codes.to(x.dtype) * self.scale.to(x.dtype)  # [N, K]
             y = x2 @ w.t()
@@ -258,6 +284,7 @@ def to_model(layer: QuantLinear, dtype: torch.dtype, device: str) -> QuantLinear
     layer.cpu_weight = None
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         layer.prepack_cpu()
+    layer.dequantize_cpu(dtype)  # fp8 on a CPU (module docstring)
     return layer
 
 
@@ -285,12 +312,15 @@ def use_cpu_kernels(model: nn.Module, enabled: bool = True) -> int:
     as `to_model` does at load in bf16) or, with `enabled=False`, through the torch
     reference of `kernels.weight_matmul` (parity checks). The kernels round
     activations to bf16, so in a float32 model they are a mixed arithmetic the
-    engine never runs by itself. Returns how many layers run the CPU kernels."""
+    engine never runs by itself. fp8 layers likewise hold their weight dequantized
+    once (`to_model` does at load) or, disabled, dequantize it per call. Returns
+    how many int8/int4 layers run the CPU kernels."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for layer in layers:
-        layer.cpu_weight = None
+        layer.cpu_weight = layer.dense_weight = layer.packed_weight = None
         if enabled and layer.scale.device.type == "cpu":
             layer.prepack_cpu()
+            layer.dequantize_cpu(layer.scale.dtype)
     return sum(layer.cpu_weight is not None for layer in layers)
 
 

@@ -120,6 +120,24 @@ def test_a_float32_int4_model_decodes_through_the_fused_kernel(
     assert calls == []
 
 
+def test_fp8_on_a_cpu_is_dequantized_once_and_decodes_as_the_reference(
+    compressed_demo,
+):
+    engine = LLMEngine.from_model_dir(compressed_demo["fp8"], num_blocks=32)
+    layers = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * 7 and all(m.kind == "fp8" for m in layers)
+    down = layers[0]
+    # exactly the matrix the per-call path makes, held from load
+    per_call = down.codes.float() * down.scale.float()
+    assert torch.equal(down.dense_weight, per_call)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    out = engine.generate(["def add(a, b):"], greedy)[0].token_ids
+
+    use_cpu_kernels(engine.model, enabled=False)  # dequantized per call
+    assert all(m.dense_weight is None for m in layers)
+    assert engine.generate(["def add(a, b):"], greedy)[0].token_ids == out
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("name", ["w8a16", "w4a16-g128"])
