@@ -561,12 +561,13 @@ class Transformer(nn.Module):
         gate/up fused; False (nothing packed) off the CPU or for weights that are
         neither float32 nor (where oneDNN has bf16 kernels) bfloat16.
         Call it once the weights are final: the packed copies don't follow edits."""
-        if not _dense(self.lm_head) or not can_prepack(self.lm_head.weight):
+        if not can_prepack(self.embed_tokens.weight):  # the model's dtype, device
             return False
         for layer in self.layers:
             layer.self_attn.prepack()
             layer.mlp.prepack()
-        return self.lm_head.prepack()
+        # a quantized head (engine.weights.quantize_head) runs its own kernel
+        return self.lm_head.prepack() if _dense(self.lm_head) else True
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied embedding counts once)."""
