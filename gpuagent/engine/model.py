@@ -335,6 +335,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
         self.o_proj = Linear(q_dim, hidden, bias=False)
         self.qkv_packed: Tensor | None = None  # [q_dim + 2 kv_dim, hidden], packed
+        # int4 q/k/v fused for the CPU decode kernel (engine.weights.fuse_projections)
+        self.qkv_int4: nn.Module | None = None
 
     def prepack(self) -> bool:
         """Pack q/k/v as one GEMM, and o_proj (CPU; see `prepack_weight`)."""
@@ -348,9 +350,13 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         # x [..., T, hidden] -> q [..., T, H, D], k/v [..., T, KVH, D], RoPE on q, k
-        if self.qkv_packed is not None and x.dtype == self.q_proj.weight.dtype:
+        fused = self.qkv_int4
+        if (self.qkv_packed is not None and x.dtype == self.q_proj.weight.dtype) or (
+            fused is not None and fused.runs_int4_cpu(x)
+        ):
             h, kvh = self.num_heads, self.num_kv_heads
-            qkv = packed_linear(x, self.qkv_packed).unflatten(-1, (-1, self.head_dim))
+            qkv = fused(x) if fused is not None else packed_linear(x, self.qkv_packed)
+            qkv = qkv.unflatten(-1, (-1, self.head_dim))
             # [..., T, H + 2 KVH, D]: q and k rotate together, as one tensor
             q, k = apply_rope(qkv[..., : h + kvh, :], cos, sin).split((h, kvh), -2)
             return q, k, qkv[..., h + kvh :, :]
@@ -440,6 +446,8 @@ class FeedForward(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
         self.gate_up_packed: Tensor | None = None  # [2 * inter, hidden], packed
+        # int4 gate/up fused for the CPU decode kernel (engine.weights)
+        self.gate_up_int4: nn.Module | None = None
 
     def prepack(self) -> bool:
         """Pack gate and up as one GEMM, and down (CPU; see `prepack_weight`)."""
@@ -453,6 +461,10 @@ class FeedForward(nn.Module):
         if self.gate_up_packed is not None and x.dtype == self.gate_proj.weight.dtype:
             # [..., 2 * inter] -> gate, up [..., inter]
             gate, up = packed_linear(x, self.gate_up_packed).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        fused = self.gate_up_int4
+        if fused is not None and fused.runs_int4_cpu(x):
+            gate, up = fused(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

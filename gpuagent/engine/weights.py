@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from gpuagent.engine.model import packed_linear, prepack_weight
-from kernels import matmul_tuning, weight_matmul
+from kernels import int4_cpu, matmul_tuning, weight_matmul
 from kernels.weight_matmul import (
     CpuPackedWeight,
     prepack_int4_cpu,
@@ -104,6 +104,9 @@ class QuantLinear(nn.Module):
         # (`dequantize_cpu`); not buffers either
         self.dense_weight: Tensor | None = None
         self.packed_weight: Tensor | None = None
+        # int4 in a float32 model on a CPU: the arrays `kernels.int4_cpu` reads,
+        # made once (`prepare_int4_cpu`)
+        self.int4_cpu: int4_cpu.PreparedInt4 | None = None
 
     def prepack_cpu(self) -> bool:
         """Lay the weight out once for torch's CPU weight-only kernels; False where
@@ -128,12 +131,44 @@ class QuantLinear(nn.Module):
         self.packed_weight = prepack_weight(self.dense_weight)
         return True
 
+    def prepare_int4_cpu(self) -> bool:
+        """int4 on a CPU: make `kernels.int4_cpu`'s arrays once (float32 models
+        run it at decode); False where the kernel isn't built or the group size
+        isn't one it takes."""
+        self.int4_cpu = None
+        if (
+            self.kind == "int4"
+            and self.packed.device.type == "cpu"
+            and int4_cpu.AVAILABLE
+            and self.group_size % 16 == 0
+            and 16 <= self.group_size <= 1024
+        ):
+            self.int4_cpu = int4_cpu.PreparedInt4(
+                self.packed, self.scale, self.group_size, self._zero_scale()
+            )
+        return self.int4_cpu is not None
+
+    def runs_int4_cpu(self, x: Tensor) -> bool:
+        """Whether `forward(x)` takes the prepared int4 kernel: float32 rows, at
+        most `int4_cpu.MAX_ROWS` of them, no bf16 kernel laid out instead."""
+        return (
+            self.int4_cpu is not None
+            and self.cpu_weight is None
+            and int4_cpu.AVAILABLE  # the benches switch it off for the reference
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.numel() <= int4_cpu.MAX_ROWS * self.in_features
+        )
+
     def _zero_scale(self) -> Tensor | None:
         return getattr(self, "zero_scale", None)  # [N, K/g] zp * s, asymmetric only
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if self.runs_int4_cpu(x):  # decode: the same kernel, no per-call setup
+            y = int4_cpu.int4_matmul_prepared(x2.contiguous(), self.int4_cpu)
+            return y.reshape(*shape[:-1], self.out_features)
         if self.kind == "int8":
             y = weight_int8_matmul(
                 x2, self.codes, self.scale.to(x.dtype), cpu_weight=self.cpu_weight
@@ -286,7 +321,72 @@ def to_model(layer: QuantLinear, dtype: torch.dtype, device: str) -> QuantLinear
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         layer.prepack_cpu()
     layer.dequantize_cpu(dtype)  # fp8 on a CPU (module docstring)
+    layer.prepare_int4_cpu()
     return layer
+
+
+FUSED_INT4 = {
+    "self_attn": ("qkv_int4", ("q_proj", "k_proj", "v_proj")),
+    "mlp": ("gate_up_int4", ("gate_proj", "up_proj")),
+}
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse each layer's int4 q/k/v and gate/up (`fuse_int4`) where they can,
+    kept on the attention and MLP modules outside their submodules and state dict
+    (`model.Attention.qkv_int4`, `model.FeedForward.gate_up_int4`): the
+    checkpoint's layout is unchanged. Returns how many groups were fused."""
+    fused = 0
+    for layer in getattr(model, "layers", ()):
+        for part, (attr, names) in FUSED_INT4.items():
+            parent = getattr(layer, part)
+            group = fuse_int4([getattr(parent, name) for name in names])
+            parent.__dict__[attr] = group  # not a submodule (docstring)
+            fused += group is not None
+    return fused
+
+
+def _fused_groups(model: nn.Module) -> list[QuantLinear]:
+    return [
+        group
+        for module in model.modules()
+        for attr in ("qkv_int4", "gate_up_int4")
+        if (group := module.__dict__.get(attr)) is not None
+    ]
+
+
+def fuse_int4(layers: list[QuantLinear]) -> QuantLinear | None:
+    """One int4 layer computing `layers` side by side (q/k/v, gate/up: same input),
+    their rows stacked, for the decode kernel of `kernels.int4_cpu`: one call
+    instead of several, each output row the same sum as before. The layers then
+    view the fused tensors (no second copy). None where they can't fuse: not all
+    int4 on a CPU with the kernel prepared, or group sizes, widths or zero points
+    that differ."""
+    first = layers[0]
+    if not all(
+        isinstance(m, QuantLinear)
+        and m.int4_cpu is not None
+        and m.group_size == first.group_size
+        and m.in_features == first.in_features
+        and (m._zero_scale() is None) == (first._zero_scale() is None)
+        for m in layers
+    ):
+        return None
+    names = ["packed", "scale"] + (
+        ["zero_scale"] if first._zero_scale() is not None else []
+    )
+    tensors = {name: torch.cat([getattr(m, name) for m in layers]) for name in names}
+    n = sum(m.out_features for m in layers)
+    fused = QuantLinear("int4", n, first.in_features, tensors, first.group_size)
+    start = 0
+    for m in layers:
+        rows = slice(start, start + m.out_features)
+        for name in names:
+            setattr(m, name, getattr(fused, name)[rows])
+        m.prepare_int4_cpu()
+        start += m.out_features
+    fused.prepare_int4_cpu()
+    return fused
 
 
 def tune_kernels(layers: Iterable[QuantLinear], dtype: torch.dtype) -> int:
@@ -317,7 +417,7 @@ def use_cpu_kernels(model: nn.Module, enabled: bool = True) -> int:
     once (`to_model` does at load) or, disabled, dequantize it per call. Returns
     how many int8/int4 layers run the CPU kernels."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    for layer in layers:
+    for layer in layers + _fused_groups(model):
         layer.cpu_weight = layer.dense_weight = layer.packed_weight = None
         if enabled and layer.scale.device.type == "cpu":
             layer.prepack_cpu()
