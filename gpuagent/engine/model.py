@@ -500,8 +500,24 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# A CPU step of at most this many new tokens runs its layers at
+# `Transformer.small_step_threads` intra-op threads (see there).
+SMALL_STEP_ROWS = 8
+
+
 class Transformer(nn.Module):
     """Llama decoder: `forward` over the paged KV cache, `forward_dense` without one."""
+
+    # Intra-op threads of the layers in a CPU step of at most SMALL_STEP_ROWS new
+    # tokens (decode at small batch); the output head keeps torch's setting. None:
+    # torch's setting throughout. A layer at decode is dozens of ops of microseconds
+    # each, and every op that forks (oneDNN GEMMs, the CPU flash attention, which
+    # forks whatever its size) ends in a barrier that waits for the slowest
+    # thread: on a CPU shared with other processes, a descheduled thread makes each
+    # barrier cost a time slice. SmolLM2 w4a16 at 2 threads on the shared 2-core
+    # dev machine (load ~10): 683 ms/step forking everywhere, 173 with attention on
+    # one thread, 108 with the layers on one thread.
+    small_step_threads: int | None = 1
 
     # fp8 KV scales the checkpoint carries, (key_scale [KVH], value_scale [KVH]) per
     # layer (set by the loader; engine.kv_calibration), or None
@@ -553,10 +569,25 @@ class Transformer(nn.Module):
         if not all_logits and not attn.decode_only:
             last = attn.query_start_loc[1:].long() - 1
         final = len(self.layers) - 1
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            # Past the last layer's K/V write only the logits' rows matter: a prompt
-            # chunk's other rows skip its attention output, o_proj and MLP.
-            h = layer(h, cos, sin, cache, attn, last if i == final else None)
+        threads = torch.get_num_threads()
+        narrow = (
+            self.small_step_threads is not None
+            and input_ids.device.type == "cpu"
+            and input_ids.numel() <= SMALL_STEP_ROWS
+            and self.small_step_threads < threads
+        )
+        if narrow:
+            torch.set_num_threads(self.small_step_threads)
+        try:
+            for i, (layer, cache) in enumerate(
+                zip(self.layers, kv_caches, strict=True)
+            ):
+                # Past the last layer's K/V write only the logits' rows matter: a
+                # prompt chunk's other rows skip its attention output, o_proj, MLP.
+                h = layer(h, cos, sin, cache, attn, last if i == final else None)
+        finally:
+            if narrow:
+                torch.set_num_threads(threads)
         return self.lm_head(self.norm(h)).float()  # [B or T, vocab]
 
     def forward_dense(self, tokens: Tensor) -> Tensor:
