@@ -481,9 +481,10 @@ def serving_rows(
 ) -> list[Row]:
     """Useful output tok/s of the engine vs `transformers` generate on the same
     model, prompts, dtype and threads, runs interleaved (best of `repeats` each):
-    one request alone, and 16 concurrent ones with mixed output lengths, which
-    transformers runs as one left-padded batch to the longest (its extra tokens
-    are not counted)."""
+    one request alone, 16 concurrent ones of equal output lengths (one batch for
+    transformers, no padding waste: the engine's batching against a plain batch),
+    then 16 with mixed output lengths, which transformers runs as one left-padded
+    batch to the longest (its extra tokens are not counted)."""
     prompts = THROUGHPUT_PROMPTS
     lengths = mixed_lengths(len(prompts), max_tokens)
     engine = throughput_engine(model, tokenizer, len(prompts))
@@ -504,7 +505,7 @@ def serving_rows(
         return seconds
 
     has_transformers = importlib.util.find_spec("transformers") is not None
-    best = dict.fromkeys(("e1", "t1", "e16", "t16"), math.inf)
+    best = dict.fromkeys(("e1", "t1", "eq", "tq", "e16", "t16"), math.inf)
     for _ in range(repeats):
         best["e1"] = min(
             best["e1"], time_engine(engine, prompts[:1], max_tokens, True)[0]
@@ -514,6 +515,13 @@ def serving_rows(
                 model_dir, prompt_ids[:1], max_tokens, pad_id, device, batched=True
             )
             best["t1"] = min(best["t1"], seconds)
+        # equal lengths: every request `max_tokens`, no padding waste in the batch
+        best["eq"] = min(best["eq"], time_engine(engine, prompts, max_tokens, True)[0])
+        if has_transformers:
+            seconds = time_transformers(
+                model_dir, prompt_ids, max_tokens, pad_id, device, batched=True
+            )
+            best["tq"] = min(best["tq"], seconds)
         best["e16"] = min(best["e16"], engine_mixed())
         if has_transformers:
             seconds = time_transformers(
@@ -521,10 +529,17 @@ def serving_rows(
             )
             best["t16"] = min(best["t16"], seconds)
     useful = sum(lengths)
+    equal = len(prompts) * max_tokens
     rows = [
         Row(
             f"engine tok/s, batch 1 ({max_tokens} tok)",
             f"{max_tokens / best['e1']:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            f"engine tok/s, {len(prompts)} concurrent, equal lengths {max_tokens}",
+            f"{equal / best['eq']:.1f}",
             "",
             None,
         ),
@@ -549,6 +564,18 @@ def serving_rows(
             f"{best['t1'] / best['e1']:.2f}x",
             "",
             None,
+        ),
+        Row(
+            "transformers tok/s, 16 equal lengths (one batch)",
+            f"{equal / best['tq']:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "engine / transformers, 16 concurrent equal lengths",
+            f"{best['tq'] / best['eq']:.2f}x",
+            ">= 1.2x",
+            best["tq"] / best["eq"] >= 1.2,
         ),
         Row(
             "transformers tok/s, 16 padded to the longest (useful tokens)",
