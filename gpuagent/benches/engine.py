@@ -592,6 +592,76 @@ def serving_rows(
     ]
 
 
+def head_rows(
+    model_dir: Path, device: str, max_tokens: int, repeats: int, max_len: int = 256
+) -> list[Row]:
+    """Batch-1 greedy decode ms/step with the checkpoint's output head and with
+    each `engine.weights.HEAD_FORMATS` copy (`LLMEngine(quantize_head=...)`), runs
+    interleaved (best of `repeats`), and each copy's quality cost: mean KLD and
+    same top-1 against the checkpoint's head over the eval slices' first passages
+    (teacher-forced, `max_len` tokens each)."""
+    from gpuagent.engine.loader import load_model
+    from gpuagent.engine.tokenizer import load_tokenizer
+    from gpuagent.engine.weights import HEAD_FORMATS
+
+    tokenizer = load_tokenizer(model_dir)
+    engines = {
+        fmt: LLMEngine(
+            load_model(model_dir, device=device),
+            tokenizer,
+            max_num_seqs=1,
+            kv_memory_bytes=64 << 20,
+            quantize_head=None if fmt == "checkpoint" else fmt,
+        )
+        for fmt in ("checkpoint", *HEAD_FORMATS)
+    }
+    prompt = THROUGHPUT_PROMPTS[:1]
+    best = dict.fromkeys(engines, math.inf)
+    for round_ in range(repeats + 1):  # the first round warms up
+        for fmt, engine in engines.items():
+            # (max_tokens) - (1 token) is the decode steps alone, prefill cancelled
+            one, _ = time_engine(engine, prompt, 1, concurrent=True)
+            full, _ = time_engine(engine, prompt, max_tokens, concurrent=True)
+            if round_:
+                best[fmt] = min(best[fmt], (full - one) / (max_tokens - 1))
+    sequences = quality_sequences(tokenizer, max_len)
+    with torch.inference_mode():
+        logprobs = {
+            fmt: [
+                engine.model.forward_dense(torch.tensor([ids], device=device))
+                .log_softmax(-1)[0]
+                .float()
+                .cpu()
+                for ids in sequences
+            ]
+            for fmt, engine in engines.items()
+        }
+    rows = [
+        Row(
+            "decode ms/step, batch 1, checkpoint head",
+            f"{best['checkpoint'] * 1e3:.2f}",
+            "",
+            None,
+        )
+    ]
+    reference = torch.cat(logprobs["checkpoint"])
+    for fmt in HEAD_FORMATS:
+        candidate = torch.cat(logprobs[fmt])
+        kld = (reference.exp() * (reference - candidate)).sum(-1).mean().item()
+        top1 = (reference.argmax(-1) == candidate.argmax(-1)).float().mean().item()
+        rows += [
+            Row(
+                f"decode ms/step, batch 1, {fmt} head",
+                f"{best[fmt] * 1e3:.2f} {best[fmt] / best['checkpoint']:.2f}x",
+                "",
+                None,
+            ),
+            Row(f"{fmt} head: mean KLD vs checkpoint head", f"{kld:.2e}", "", None),
+            Row(f"{fmt} head: same top-1", f"{top1:.1%}", "", None),
+        ]
+    return rows
+
+
 # ------------------------------------------------------------------------ quality
 
 
@@ -1197,9 +1267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_dir, model, tokenizer, args.device, max_tokens, repeats
         ),
     )
+    head = (
+        "output head copies (LLMEngine quantize_head): decode speed, quality cost",
+        lambda: head_rows(model_dir, args.device, max_tokens, repeats),
+    )
     sections: list[tuple[str, Callable[[], list[Row | str]]]] = []
     if args.serving_only:
-        sections.append(serving)
+        sections += [serving, head]
     elif not args.quality_only:
         sections += [
             ("memory", lambda: memory_rows(c) + capacity_rows(c)),
@@ -1210,6 +1284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
             ),
             serving,
+            head,
         ]
     if not args.serving_only:
         sections += model_quality_sections(model_dir, model, tokenizer, args.quick)
