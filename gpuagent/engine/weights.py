@@ -459,6 +459,9 @@ def quantize_head(model: nn.Module, fmt: str, group_size: int = 64) -> nn.Module
     decode speed, the head being the largest matmul of a small model
     (SmolLM2-135M's 49152 x 576, a fifth of its weights; on the 2-core AVX-512 dev
     machine, 1 thread: float32 3.8 ms, bf16 2.0 ms, int4-g64 1.0 ms a token).
+    Their cost on SmolLM2 w4a16-g128 (engine bench, eval passages, against the
+    checkpoint's head): bf16 mean KLD 5.4e-4, same top-1 96.3%; int4-g64
+    round-to-nearest 0.27 and 65.7%, too lossy to serve as is.
     Raises ValueError for another format, a head already replaced, or an int4
     group that doesn't divide the hidden size."""
     if fmt not in HEAD_FORMATS:
