@@ -93,5 +93,56 @@ def int4_matmul(
     return y
 
 
+class PreparedInt4:
+    """One int4 weight's arrays as `int4_matmul` passes them to the extension,
+    made once (at load) instead of on every call: at decode the per-call
+    conversions and checks cost SmolLM2's w4a16 step more than the kernel itself.
+    Holds the tensors it views; `int4_matmul_prepared` multiplies by it."""
+
+    def __init__(
+        self,
+        weight_packed: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_size: int,
+        weight_zero_scale: torch.Tensor | None = None,
+    ) -> None:
+        self.n = weight_packed.shape[0]
+        self.k = weight_packed.shape[1] * 8
+        self.group_size = group_size
+        self._tensors = [
+            t.detach().float().contiguous() if t.is_floating_point() else t
+            for t in (weight_scale, weight_zero_scale)
+            if t is not None
+        ]
+        self.packed = _array(weight_packed)
+        self.scale = self._tensors[0].numpy()
+        self.zero_scale = self._tensors[1].numpy() if len(self._tensors) > 1 else None
+        self._tensors.append(weight_packed)
+
+
+def int4_matmul_prepared(x: torch.Tensor, weight: PreparedInt4) -> torch.Tensor:
+    """`int4_matmul` (same kernel, same threads, the same result) over a
+    `PreparedInt4`; x [M, K] float32 with `applies`, checked by the caller."""
+    m = x.shape[0]
+    n, k = weight.n, weight.k
+    threads = max(1, min(torch.get_num_threads(), _MAX_THREADS))
+    threads = min(threads, max(1, m * n * k // MIN_PRODUCTS_PER_THREAD))
+    y = torch.empty(m, n, dtype=torch.float32)
+    _int4_cpu.int4_matmul(
+        _array(x),
+        weight.packed,
+        weight.scale,
+        weight.zero_scale,
+        y.numpy(),
+        m,
+        n,
+        k,
+        weight.group_size,
+        threads,
+        None,
+    )
+    return y
+
+
 def _array(t: torch.Tensor):
     return t.detach().contiguous().numpy()

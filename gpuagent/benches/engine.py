@@ -481,9 +481,10 @@ def serving_rows(
 ) -> list[Row]:
     """Useful output tok/s of the engine vs `transformers` generate on the same
     model, prompts, dtype and threads, runs interleaved (best of `repeats` each):
-    one request alone, and 16 concurrent ones with mixed output lengths, which
-    transformers runs as one left-padded batch to the longest (its extra tokens
-    are not counted)."""
+    one request alone, 16 concurrent ones of equal output lengths (one batch for
+    transformers, no padding waste: the engine's batching against a plain batch),
+    then 16 with mixed output lengths, which transformers runs as one left-padded
+    batch to the longest (its extra tokens are not counted)."""
     prompts = THROUGHPUT_PROMPTS
     lengths = mixed_lengths(len(prompts), max_tokens)
     engine = throughput_engine(model, tokenizer, len(prompts))
@@ -504,7 +505,7 @@ def serving_rows(
         return seconds
 
     has_transformers = importlib.util.find_spec("transformers") is not None
-    best = dict.fromkeys(("e1", "t1", "e16", "t16"), math.inf)
+    best = dict.fromkeys(("e1", "t1", "eq", "tq", "e16", "t16"), math.inf)
     for _ in range(repeats):
         best["e1"] = min(
             best["e1"], time_engine(engine, prompts[:1], max_tokens, True)[0]
@@ -514,6 +515,13 @@ def serving_rows(
                 model_dir, prompt_ids[:1], max_tokens, pad_id, device, batched=True
             )
             best["t1"] = min(best["t1"], seconds)
+        # equal lengths: every request `max_tokens`, no padding waste in the batch
+        best["eq"] = min(best["eq"], time_engine(engine, prompts, max_tokens, True)[0])
+        if has_transformers:
+            seconds = time_transformers(
+                model_dir, prompt_ids, max_tokens, pad_id, device, batched=True
+            )
+            best["tq"] = min(best["tq"], seconds)
         best["e16"] = min(best["e16"], engine_mixed())
         if has_transformers:
             seconds = time_transformers(
@@ -521,10 +529,17 @@ def serving_rows(
             )
             best["t16"] = min(best["t16"], seconds)
     useful = sum(lengths)
+    equal = len(prompts) * max_tokens
     rows = [
         Row(
             f"engine tok/s, batch 1 ({max_tokens} tok)",
             f"{max_tokens / best['e1']:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            f"engine tok/s, {len(prompts)} concurrent, equal lengths {max_tokens}",
+            f"{equal / best['eq']:.1f}",
             "",
             None,
         ),
@@ -551,6 +566,18 @@ def serving_rows(
             None,
         ),
         Row(
+            "transformers tok/s, 16 equal lengths (one batch)",
+            f"{equal / best['tq']:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "engine / transformers, 16 concurrent equal lengths",
+            f"{best['tq'] / best['eq']:.2f}x",
+            ">= 1.2x",
+            best["tq"] / best["eq"] >= 1.2,
+        ),
+        Row(
             "transformers tok/s, 16 padded to the longest (useful tokens)",
             f"{useful / best['t16']:.1f}",
             "",
@@ -563,6 +590,76 @@ def serving_rows(
             best["t16"] / best["e16"] >= 2,
         ),
     ]
+
+
+def head_rows(
+    model_dir: Path, device: str, max_tokens: int, repeats: int, max_len: int = 256
+) -> list[Row]:
+    """Batch-1 greedy decode ms/step with the checkpoint's output head and with
+    each `engine.weights.HEAD_FORMATS` copy (`LLMEngine(quantize_head=...)`), runs
+    interleaved (best of `repeats`), and each copy's quality cost: mean KLD and
+    same top-1 against the checkpoint's head over the eval slices' first passages
+    (teacher-forced, `max_len` tokens each)."""
+    from gpuagent.engine.loader import load_model
+    from gpuagent.engine.tokenizer import load_tokenizer
+    from gpuagent.engine.weights import HEAD_FORMATS
+
+    tokenizer = load_tokenizer(model_dir)
+    engines = {
+        fmt: LLMEngine(
+            load_model(model_dir, device=device),
+            tokenizer,
+            max_num_seqs=1,
+            kv_memory_bytes=64 << 20,
+            quantize_head=None if fmt == "checkpoint" else fmt,
+        )
+        for fmt in ("checkpoint", *HEAD_FORMATS)
+    }
+    prompt = THROUGHPUT_PROMPTS[:1]
+    best = dict.fromkeys(engines, math.inf)
+    for round_ in range(repeats + 1):  # the first round warms up
+        for fmt, engine in engines.items():
+            # (max_tokens) - (1 token) is the decode steps alone, prefill cancelled
+            one, _ = time_engine(engine, prompt, 1, concurrent=True)
+            full, _ = time_engine(engine, prompt, max_tokens, concurrent=True)
+            if round_:
+                best[fmt] = min(best[fmt], (full - one) / (max_tokens - 1))
+    sequences = quality_sequences(tokenizer, max_len)
+    with torch.inference_mode():
+        logprobs = {
+            fmt: [
+                engine.model.forward_dense(torch.tensor([ids], device=device))
+                .log_softmax(-1)[0]
+                .float()
+                .cpu()
+                for ids in sequences
+            ]
+            for fmt, engine in engines.items()
+        }
+    rows = [
+        Row(
+            "decode ms/step, batch 1, checkpoint head",
+            f"{best['checkpoint'] * 1e3:.2f}",
+            "",
+            None,
+        )
+    ]
+    reference = torch.cat(logprobs["checkpoint"])
+    for fmt in HEAD_FORMATS:
+        candidate = torch.cat(logprobs[fmt])
+        kld = (reference.exp() * (reference - candidate)).sum(-1).mean().item()
+        top1 = (reference.argmax(-1) == candidate.argmax(-1)).float().mean().item()
+        rows += [
+            Row(
+                f"decode ms/step, batch 1, {fmt} head",
+                f"{best[fmt] * 1e3:.2f} {best[fmt] / best['checkpoint']:.2f}x",
+                "",
+                None,
+            ),
+            Row(f"{fmt} head: mean KLD vs checkpoint head", f"{kld:.2e}", "", None),
+            Row(f"{fmt} head: same top-1", f"{top1:.1%}", "", None),
+        ]
+    return rows
 
 
 # ------------------------------------------------------------------------ quality
@@ -1170,9 +1267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_dir, model, tokenizer, args.device, max_tokens, repeats
         ),
     )
+    head = (
+        "output head copies (LLMEngine quantize_head): decode speed, quality cost",
+        lambda: head_rows(model_dir, args.device, max_tokens, repeats),
+    )
     sections: list[tuple[str, Callable[[], list[Row | str]]]] = []
     if args.serving_only:
-        sections.append(serving)
+        sections += [serving, head]
     elif not args.quality_only:
         sections += [
             ("memory", lambda: memory_rows(c) + capacity_rows(c)),
@@ -1183,6 +1284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
             ),
             serving,
+            head,
         ]
     if not args.serving_only:
         sections += model_quality_sections(model_dir, model, tokenizer, args.quick)

@@ -29,6 +29,7 @@ import torch
 
 from gpuagent.engine.engine import AsyncLLMEngine, LLMEngine
 from gpuagent.engine.server import DEFAULT_MAX_TOKENS
+from gpuagent.engine.weights import HEAD_FORMATS
 from gpuagent.integrity import IntegrityError
 from gpuagent.integrity.policy import Policy, policy_from_trust_args, release_from_flags
 from kernels.kv_quant import KV_CACHE_DTYPES
@@ -72,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="intra-op CPU threads of the engine (default: torch's, one per core)",
+    )
+    serve.add_argument(
+        "--quantize-head",
+        choices=HEAD_FORMATS,
+        default=None,
+        help="run the output head as its own quantized copy (faster decode of a "
+        "small model, at a logits cost `python -m gpuagent.benches.engine` prints; "
+        "default: the checkpoint's head)",
     )
     serve.add_argument(
         "--default-max-tokens",
@@ -203,6 +212,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        quantize_head=args.quantize_head,
     )
 
 

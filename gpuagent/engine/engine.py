@@ -36,6 +36,7 @@ from gpuagent.engine.sampling import (
 from gpuagent.engine.scheduler import ScheduledChunk, Scheduler
 from gpuagent.engine.scheduler import Sequence as Seq
 from gpuagent.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from gpuagent.engine.weights import quantize_head as quantize_head_weights
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +300,7 @@ class LLMEngine:
         prepack_weights: bool = True,
         kv_window: int | None = None,
         enable_prefix_caching: bool = True,
+        quantize_head: str | None = None,
     ) -> None:
         """Size the KV pool by `num_blocks` or else `kv_memory_bytes` (256 MiB).
 
@@ -313,8 +315,14 @@ class LLMEngine:
 
         On a CPU, `prepack_weights` lays the model's float32 (or bf16, where oneDNN
         has bf16 kernels) projections out once for oneDNN (`model.Linear`), which
-        makes decode GEMMs 2x faster; the weights must not change afterwards."""
+        makes decode GEMMs 2x faster; the weights must not change afterwards.
+
+        `quantize_head` ("int4") replaces the output head by its own quantized copy
+        (`engine.weights.quantize_head`): faster decode for a small model, at a
+        logits cost the engine bench prints; None keeps the checkpoint's head."""
         self.model = model.eval()
+        if quantize_head is not None:
+            quantize_head_weights(model, quantize_head)
         if prepack_weights and hasattr(model, "prepack_cpu_weights"):
             model.prepack_cpu_weights()
         self.tokenizer = tokenizer

@@ -107,6 +107,8 @@ def load_model(
     }
     model.load_state_dict(state, strict=not layers, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter with two
+    if layers:
+        weights.fuse_projections(model)  # int4 q/k/v, gate/up for CPU decode
     model.checkpoint_kv_scales = kv_scales
     return model.eval()
 

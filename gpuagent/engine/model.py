@@ -335,6 +335,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
         self.o_proj = Linear(q_dim, hidden, bias=False)
         self.qkv_packed: Tensor | None = None  # [q_dim + 2 kv_dim, hidden], packed
+        # int4 q/k/v fused for the CPU decode kernel (engine.weights.fuse_projections)
+        self.qkv_int4: nn.Module | None = None
 
     def prepack(self) -> bool:
         """Pack q/k/v as one GEMM, and o_proj (CPU; see `prepack_weight`)."""
@@ -348,9 +350,13 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         # x [..., T, hidden] -> q [..., T, H, D], k/v [..., T, KVH, D], RoPE on q, k
-        if self.qkv_packed is not None and x.dtype == self.q_proj.weight.dtype:
+        fused = self.qkv_int4
+        if (self.qkv_packed is not None and x.dtype == self.q_proj.weight.dtype) or (
+            fused is not None and fused.runs_int4_cpu(x)
+        ):
             h, kvh = self.num_heads, self.num_kv_heads
-            qkv = packed_linear(x, self.qkv_packed).unflatten(-1, (-1, self.head_dim))
+            qkv = fused(x) if fused is not None else packed_linear(x, self.qkv_packed)
+            qkv = qkv.unflatten(-1, (-1, self.head_dim))
             # [..., T, H + 2 KVH, D]: q and k rotate together, as one tensor
             q, k = apply_rope(qkv[..., : h + kvh, :], cos, sin).split((h, kvh), -2)
             return q, k, qkv[..., h + kvh :, :]
@@ -440,6 +446,8 @@ class FeedForward(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
         self.gate_up_packed: Tensor | None = None  # [2 * inter, hidden], packed
+        # int4 gate/up fused for the CPU decode kernel (engine.weights)
+        self.gate_up_int4: nn.Module | None = None
 
     def prepack(self) -> bool:
         """Pack gate and up as one GEMM, and down (CPU; see `prepack_weight`)."""
@@ -453,6 +461,10 @@ class FeedForward(nn.Module):
         if self.gate_up_packed is not None and x.dtype == self.gate_proj.weight.dtype:
             # [..., 2 * inter] -> gate, up [..., inter]
             gate, up = packed_linear(x, self.gate_up_packed).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        fused = self.gate_up_int4
+        if fused is not None and fused.runs_int4_cpu(x):
+            gate, up = fused(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -488,8 +500,24 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# A CPU step of at most this many new tokens runs its layers at
+# `Transformer.small_step_threads` intra-op threads (see there).
+SMALL_STEP_ROWS = 8
+
+
 class Transformer(nn.Module):
     """Llama decoder: `forward` over the paged KV cache, `forward_dense` without one."""
+
+    # Intra-op threads of the layers in a CPU step of at most SMALL_STEP_ROWS new
+    # tokens (decode at small batch); the output head keeps torch's setting. None:
+    # torch's setting throughout. A layer at decode is dozens of ops of microseconds
+    # each, and every op that forks (oneDNN GEMMs, the CPU flash attention, which
+    # forks whatever its size) ends in a barrier that waits for the slowest
+    # thread: on a CPU shared with other processes, a descheduled thread makes each
+    # barrier cost a time slice. SmolLM2 w4a16 at 2 threads on the shared 2-core
+    # dev machine (load ~10): 683 ms/step forking everywhere, 173 with attention on
+    # one thread, 108 with the layers on one thread.
+    small_step_threads: int | None = 1
 
     # fp8 KV scales the checkpoint carries, (key_scale [KVH], value_scale [KVH]) per
     # layer (set by the loader; engine.kv_calibration), or None
@@ -541,10 +569,25 @@ class Transformer(nn.Module):
         if not all_logits and not attn.decode_only:
             last = attn.query_start_loc[1:].long() - 1
         final = len(self.layers) - 1
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            # Past the last layer's K/V write only the logits' rows matter: a prompt
-            # chunk's other rows skip its attention output, o_proj and MLP.
-            h = layer(h, cos, sin, cache, attn, last if i == final else None)
+        threads = torch.get_num_threads()
+        narrow = (
+            self.small_step_threads is not None
+            and input_ids.device.type == "cpu"
+            and input_ids.numel() <= SMALL_STEP_ROWS
+            and self.small_step_threads < threads
+        )
+        if narrow:
+            torch.set_num_threads(self.small_step_threads)
+        try:
+            for i, (layer, cache) in enumerate(
+                zip(self.layers, kv_caches, strict=True)
+            ):
+                # Past the last layer's K/V write only the logits' rows matter: a
+                # prompt chunk's other rows skip its attention output, o_proj, MLP.
+                h = layer(h, cos, sin, cache, attn, last if i == final else None)
+        finally:
+            if narrow:
+                torch.set_num_threads(threads)
         return self.lm_head(self.norm(h)).float()  # [B or T, vocab]
 
     def forward_dense(self, tokens: Tensor) -> Tensor:
@@ -561,12 +604,13 @@ class Transformer(nn.Module):
         gate/up fused; False (nothing packed) off the CPU or for weights that are
         neither float32 nor (where oneDNN has bf16 kernels) bfloat16.
         Call it once the weights are final: the packed copies don't follow edits."""
-        if not _dense(self.lm_head) or not can_prepack(self.lm_head.weight):
+        if not can_prepack(self.embed_tokens.weight):  # the model's dtype, device
             return False
         for layer in self.layers:
             layer.self_attn.prepack()
             layer.mlp.prepack()
-        return self.lm_head.prepack()
+        # a quantized head (engine.weights.quantize_head) runs its own kernel
+        return self.lm_head.prepack() if _dense(self.lm_head) else True
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied embedding counts once)."""

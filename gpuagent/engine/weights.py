@@ -22,8 +22,13 @@ per module; `install(model, layers)` puts them in place of the model's
 - pack-quantized, 4 bits, groups: the packed int32 words as stored ->
   `weight_int4_matmul`; with a zero point (asymmetric), W = (q - zp) s, passed as
   zp * s per group;
-- float-quantized (fp8 e4m3, per channel): dequantized to the activation dtype per
-  call (no fp8 kernel in `kernels` yet) and multiplied by torch.
+- float-quantized (fp8 e4m3, per channel): no CPU has an fp8 GEMM, so on a CPU
+  `to_model` dequantizes the weight once, to the model's dtype, into the same
+  matrix the per-call dequantization makes (packed for oneDNN as the parent's
+  weights are): the parent's speed at the parent's memory (dequantizing per call
+  made decode 6.5x slower than the parent). Elsewhere (and with
+  `use_cpu_kernels(enabled=False)`) it is dequantized per call and multiplied by
+  torch.
 
 Anything else in a `quantization_config` is refused by name (ModelLoadError).
 """
@@ -37,11 +42,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kernels import matmul_tuning, weight_matmul
+from gpuagent.engine.model import packed_linear, prepack_weight
+from kernels import int4_cpu, matmul_tuning, weight_matmul
 from kernels.weight_matmul import (
     CpuPackedWeight,
     prepack_int4_cpu,
     prepack_int8_cpu,
+    quantize_weight_int4,
     unpack_int32,
     weight_int4_matmul,
     weight_int8_matmul,
@@ -93,6 +100,13 @@ class QuantLinear(nn.Module):
         # the weight laid out for torch's CPU kernels (`prepack_cpu`); not a buffer:
         # its layout is this CPU's, never saved
         self.cpu_weight: CpuPackedWeight | None = None
+        # fp8 on a CPU: the weight dequantized once [N, K] and its oneDNN packing
+        # (`dequantize_cpu`); not buffers either
+        self.dense_weight: Tensor | None = None
+        self.packed_weight: Tensor | None = None
+        # int4 in a float32 model on a CPU: the arrays `kernels.int4_cpu` reads,
+        # made once (`prepare_int4_cpu`)
+        self.int4_cpu: int4_cpu.PreparedInt4 | None = None
 
     def prepack_cpu(self) -> bool:
         """Lay the weight out once for torch's CPU weight-only kernels; False where
@@ -106,12 +120,55 @@ class QuantLinear(nn.Module):
             )
         return self.cpu_weight is not None
 
+    def dequantize_cpu(self, dtype: torch.dtype) -> bool:
+        """fp8 on a CPU: hold the weight dequantized to `dtype` (exactly the
+        matrix `forward` would make per call), packed for oneDNN where that
+        applies (`model.prepack_weight`); False (nothing held) otherwise."""
+        self.dense_weight = self.packed_weight = None
+        if self.kind != "fp8" or self.codes.device.type != "cpu":
+            return False
+        self.dense_weight = self.codes.to(dtype) * self.scale.to(dtype)  # [N, K]
+        self.packed_weight = prepack_weight(self.dense_weight)
+        return True
+
+    def prepare_int4_cpu(self) -> bool:
+        """int4 on a CPU: make `kernels.int4_cpu`'s arrays once (float32 models
+        run it at decode); False where the kernel isn't built or the group size
+        isn't one it takes."""
+        self.int4_cpu = None
+        if (
+            self.kind == "int4"
+            and self.packed.device.type == "cpu"
+            and int4_cpu.AVAILABLE
+            and self.group_size % 16 == 0
+            and 16 <= self.group_size <= 1024
+        ):
+            self.int4_cpu = int4_cpu.PreparedInt4(
+                self.packed, self.scale, self.group_size, self._zero_scale()
+            )
+        return self.int4_cpu is not None
+
+    def runs_int4_cpu(self, x: Tensor) -> bool:
+        """Whether `forward(x)` takes the prepared int4 kernel: float32 rows, at
+        most `int4_cpu.MAX_ROWS` of them, no bf16 kernel laid out instead."""
+        return (
+            self.int4_cpu is not None
+            and self.cpu_weight is None
+            and int4_cpu.AVAILABLE  # the benches switch it off for the reference
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.numel() <= int4_cpu.MAX_ROWS * self.in_features
+        )
+
     def _zero_scale(self) -> Tensor | None:
         return getattr(self, "zero_scale", None)  # [N, K/g] zp * s, asymmetric only
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if self.runs_int4_cpu(x):  # decode: the same kernel, no per-call setup
+            y = int4_cpu.int4_matmul_prepared(x2.contiguous(), self.int4_cpu)
+            return y.reshape(*shape[:-1], self.out_features)
         if self.kind == "int8":
             y = weight_int8_matmul(
                 x2, self.codes, self.scale.to(x.dtype), cpu_weight=self.cpu_weight
@@ -125,6 +182,11 @@ class QuantLinear(nn.Module):
                 weight_zero_scale=self._zero_scale(),
                 cpu_weight=self.cpu_weight,
             )
+        elif self.dense_weight is not None and x.dtype == self.dense_weight.dtype:
+            if self.packed_weight is not None:
+                y = packed_linear(x2, self.packed_weight)
+            else:
+                y = x2 @ self.dense_weight.t()
         else:
             w = self.codes.to(x.dtype) * self.scale.to(x.dtype)  # [N, K]
             y = x2 @ w.t()
@@ -258,7 +320,73 @@ def to_model(layer: QuantLinear, dtype: torch.dtype, device: str) -> QuantLinear
     layer.cpu_weight = None
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         layer.prepack_cpu()
+    layer.dequantize_cpu(dtype)  # fp8 on a CPU (module docstring)
+    layer.prepare_int4_cpu()
     return layer
+
+
+FUSED_INT4 = {
+    "self_attn": ("qkv_int4", ("q_proj", "k_proj", "v_proj")),
+    "mlp": ("gate_up_int4", ("gate_proj", "up_proj")),
+}
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse each layer's int4 q/k/v and gate/up (`fuse_int4`) where they can,
+    kept on the attention and MLP modules outside their submodules and state dict
+    (`model.Attention.qkv_int4`, `model.FeedForward.gate_up_int4`): the
+    checkpoint's layout is unchanged. Returns how many groups were fused."""
+    fused = 0
+    for layer in getattr(model, "layers", ()):
+        for part, (attr, names) in FUSED_INT4.items():
+            parent = getattr(layer, part)
+            group = fuse_int4([getattr(parent, name) for name in names])
+            parent.__dict__[attr] = group  # not a submodule (docstring)
+            fused += group is not None
+    return fused
+
+
+def _fused_groups(model: nn.Module) -> list[QuantLinear]:
+    return [
+        group
+        for module in model.modules()
+        for attr in ("qkv_int4", "gate_up_int4")
+        if (group := module.__dict__.get(attr)) is not None
+    ]
+
+
+def fuse_int4(layers: list[QuantLinear]) -> QuantLinear | None:
+    """One int4 layer computing `layers` side by side (q/k/v, gate/up: same input),
+    their rows stacked, for the decode kernel of `kernels.int4_cpu`: one call
+    instead of several, each output row the same sum as before. The layers then
+    view the fused tensors (no second copy). None where they can't fuse: not all
+    int4 on a CPU with the kernel prepared, or group sizes, widths or zero points
+    that differ."""
+    first = layers[0]
+    if not all(
+        isinstance(m, QuantLinear)
+        and m.int4_cpu is not None
+        and m.group_size == first.group_size
+        and m.in_features == first.in_features
+        and (m._zero_scale() is None) == (first._zero_scale() is None)
+        for m in layers
+    ):
+        return None
+    names = ["packed", "scale"] + (
+        ["zero_scale"] if first._zero_scale() is not None else []
+    )
+    tensors = {name: torch.cat([getattr(m, name) for m in layers]) for name in names}
+    n = sum(m.out_features for m in layers)
+    fused = QuantLinear("int4", n, first.in_features, tensors, first.group_size)
+    start = 0
+    for m in layers:
+        rows = slice(start, start + m.out_features)
+        for name in names:
+            setattr(m, name, getattr(fused, name)[rows])
+        m.prepare_int4_cpu()
+        start += m.out_features
+    fused.prepare_int4_cpu()
+    return fused
 
 
 def tune_kernels(layers: Iterable[QuantLinear], dtype: torch.dtype) -> int:
@@ -285,13 +413,75 @@ def use_cpu_kernels(model: nn.Module, enabled: bool = True) -> int:
     as `to_model` does at load in bf16) or, with `enabled=False`, through the torch
     reference of `kernels.weight_matmul` (parity checks). The kernels round
     activations to bf16, so in a float32 model they are a mixed arithmetic the
-    engine never runs by itself. Returns how many layers run the CPU kernels."""
+    engine never runs by itself. fp8 layers likewise hold their weight dequantized
+    once (`to_model` does at load) or, disabled, dequantize it per call. Returns
+    how many int8/int4 layers run the CPU kernels."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    for layer in layers:
-        layer.cpu_weight = None
+    for layer in layers + _fused_groups(model):
+        layer.cpu_weight = layer.dense_weight = layer.packed_weight = None
         if enabled and layer.scale.device.type == "cpu":
             layer.prepack_cpu()
+            layer.dequantize_cpu(layer.scale.dtype)
     return sum(layer.cpu_weight is not None for layer in layers)
+
+
+HEAD_FORMATS = ("int4", "bf16")
+
+
+class Bf16Head(nn.Module):
+    """y = x W^T with W held in bfloat16 (packed for oneDNN where it has bf16
+    kernels), x rounded to bfloat16, float32 accumulation, float32 out."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16))
+        self.packed_weight = prepack_weight(self.weight_bf16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xb = x.to(torch.bfloat16)
+        if self.packed_weight is not None:
+            return packed_linear(xb, self.packed_weight).to(x.dtype)
+        return torch.nn.functional.linear(xb, self.weight_bf16).to(x.dtype)
+
+
+def quantize_head(model: nn.Module, fmt: str, group_size: int = 64) -> nn.Module:
+    """Replace `model.lm_head` by its own lower-precision copy (a tied head's
+    embedding stays as it is, so the input embeddings are unchanged):
+
+    - "int4": groups of `group_size` inputs, symmetric round-to-nearest
+      (`kernels.weight_matmul.quantize_weight_int4`), run as every int4 layer is
+      (`kernels.int4_cpu` at decode in a float32 model on a CPU);
+    - "bf16": the weight in bfloat16, activations rounded to bfloat16 (`Bf16Head`).
+
+    An engine option, not a checkpoint format: it trades logits quality (the
+    engine bench prints its KLD and top-1 against the model's own head) for
+    decode speed, the head being the largest matmul of a small model
+    (SmolLM2-135M's 49152 x 576, a fifth of its weights; on the 2-core AVX-512 dev
+    machine, 1 thread: float32 3.8 ms, bf16 2.0 ms, int4-g64 1.0 ms a token).
+    Their cost on SmolLM2 w4a16-g128 (engine bench, eval passages, against the
+    checkpoint's head): bf16 mean KLD 5.4e-4, same top-1 96.3%; int4-g64
+    round-to-nearest 0.27 and 65.7%, too lossy to serve as is.
+    Raises ValueError for another format, a head already replaced, or an int4
+    group that doesn't divide the hidden size."""
+    if fmt not in HEAD_FORMATS:
+        raise ValueError(f"head format {fmt!r} is not supported; known: {HEAD_FORMATS}")
+    head = model.lm_head
+    if not isinstance(head, nn.Linear):
+        raise ValueError("lm_head is already replaced")
+    weight = head.weight.detach()
+    n, k = weight.shape
+    if fmt == "bf16":
+        model.lm_head = Bf16Head(weight)
+        return model.lm_head
+    if group_size % 16 or k % group_size:
+        raise ValueError(
+            f"head group size {group_size} must be a multiple of 16 dividing {k}"
+        )
+    packed, scale = quantize_weight_int4(weight.float(), group_size)
+    layer = QuantLinear("int4", n, k, {"packed": packed, "scale": scale}, group_size)
+    model.lm_head = to_model(layer, weight.dtype, str(weight.device))
+    return model.lm_head
 
 
 def quantized_param_names(layers: dict[str, QuantLinear]) -> set[str]:

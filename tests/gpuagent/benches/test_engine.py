@@ -471,9 +471,35 @@ def test_serving_rows_compare_the_engine_with_transformers_on_useful_tokens(
 
     names = [r.name for r in rows]
     assert names[0].startswith("engine tok/s, batch 1")
-    assert names[1].startswith("engine tok/s, 16 concurrent, mixed lengths 1-4")
-    ratio = the_row(rows, "engine / transformers, 16 concurrent")
-    engine = number(the_row(rows, "engine tok/s, 16 concurrent").value)
+    # equal lengths first, then mixed
+    assert names[1].startswith("engine tok/s, 16 concurrent, equal lengths 4")
+    assert names[2].startswith("engine tok/s, 16 concurrent, mixed lengths 1-4")
+    equal = the_row(rows, "engine / transformers, 16 concurrent equal lengths")
+    assert equal.target == ">= 1.2x"
+    engine = number(the_row(rows, "engine tok/s, 16 concurrent, equal").value)
+    hf = number(the_row(rows, "transformers tok/s, 16 equal lengths").value)
+    assert number(equal.value) == pytest.approx(engine / hf, rel=0.02)
+    assert names.index(equal.name) < names.index(
+        "engine / transformers, 16 concurrent mixed lengths"
+    )
+    ratio = the_row(rows, "engine / transformers, 16 concurrent mixed")
+    engine = number(the_row(rows, "engine tok/s, 16 concurrent, mixed").value)
     hf = number(the_row(rows, "transformers tok/s, 16 padded").value)
     assert number(ratio.value) == pytest.approx(engine / hf, rel=0.02)
     assert_verdicts_match_targets(rows)
+
+
+def test_head_rows_time_each_head_copy_and_print_its_quality_cost():
+    rows = bench.head_rows(bench.DEMO_MODEL_DIR, "cpu", 4, repeats=1, max_len=32)
+
+    names = [r.name for r in rows]
+    assert names[0] == "decode ms/step, batch 1, checkpoint head"
+    for fmt in ("int4", "bf16"):
+        speed = the_row(rows, f"decode ms/step, batch 1, {fmt} head")
+        ms, ratio = speed.value.split()
+        assert number(ratio) == pytest.approx(
+            float(ms) / float(rows[0].value), rel=0.05
+        )
+        kld = float(the_row(rows, f"{fmt} head: mean KLD").value)
+        top1 = number(the_row(rows, f"{fmt} head: same top-1").value)
+        assert 0 < kld < 0.1 and 50 <= top1 <= 100

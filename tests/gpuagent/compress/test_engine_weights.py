@@ -104,20 +104,68 @@ def test_a_float32_int4_model_decodes_through_the_fused_kernel(
     compressed_demo, monkeypatch
 ):
     calls = []
-    fused = int4_cpu.int4_matmul
+    fused = int4_cpu.int4_matmul_prepared
     monkeypatch.setattr(
-        int4_cpu, "int4_matmul", lambda x, *a: calls.append(len(x)) or fused(x, *a)
+        int4_cpu,
+        "int4_matmul_prepared",
+        lambda x, w: calls.append((len(x), w.n)) or fused(x, w),
     )
     engine = LLMEngine.from_model_dir(compressed_demo["w4a16-g128"], num_blocks=32)
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
 
     out = engine.generate(["def add(a, b):"], greedy)[0].token_ids
-    assert len(calls) >= 4 * 7 * 11 and set(calls) == {1}  # each decode step, 1 row
+    # each decode step, 1 row: q/k/v in one call, o, gate/up in one call, down
+    assert len(calls) >= 4 * 4 * 11 and {rows for rows, _ in calls} == {1}
+    config = engine.model.config
+    q_dim = config.num_attention_heads * config.head_dim
+    qkv = q_dim + 2 * config.num_key_value_heads * config.head_dim
+    assert {n for _, n in calls} == {
+        qkv,
+        config.hidden_size,
+        2 * config.intermediate_size,
+    }
     monkeypatch.setattr(int4_cpu, "AVAILABLE", False)  # the torch reference
     calls.clear()
 
     assert engine.generate(["def add(a, b):"], greedy)[0].token_ids == out
     assert calls == []
+
+
+def test_fp8_on_a_cpu_is_dequantized_once_and_decodes_as_the_reference(
+    compressed_demo,
+):
+    engine = LLMEngine.from_model_dir(compressed_demo["fp8"], num_blocks=32)
+    layers = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * 7 and all(m.kind == "fp8" for m in layers)
+    down = layers[0]
+    # exactly the matrix the per-call path makes, held from load
+    per_call = down.codes.float() * down.scale.float()
+    assert torch.equal(down.dense_weight, per_call)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    out = engine.generate(["def add(a, b):"], greedy)[0].token_ids
+
+    use_cpu_kernels(engine.model, enabled=False)  # dequantized per call
+    assert all(m.dense_weight is None for m in layers)
+    assert engine.generate(["def add(a, b):"], greedy)[0].token_ids == out
+
+
+@pytest.mark.parametrize("name", ["w4a16-g128", "w4a16-g64-asym-gptq"])
+def test_fused_int4_projections_give_each_projection_s_own_rows(compressed_demo, name):
+    model = load_model(compressed_demo[name])
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    x = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        qkv = attn.qkv_int4(x)
+        gate_up = mlp.gate_up_int4(x)
+        separate_qkv = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+        separate_gate_up = [mlp.gate_proj(x), mlp.up_proj(x)]
+
+    # the same kernel over the same rows: the same sums, bit for bit
+    assert torch.equal(qkv, torch.cat(separate_qkv, -1))
+    assert torch.equal(gate_up, torch.cat(separate_gate_up, -1))
+    # the projections view the fused tensors: no second copy of the weights
+    assert attn.k_proj.packed.data_ptr() > attn.qkv_int4.packed.data_ptr()
+    assert attn.q_proj.packed.data_ptr() == attn.qkv_int4.packed.data_ptr()
 
 
 @pytest.mark.gpu
