@@ -340,7 +340,10 @@ def fuse_projections(model: nn.Module) -> int:
     for layer in getattr(model, "layers", ()):
         for part, (attr, names) in FUSED_INT4.items():
             parent = getattr(layer, part)
-            group = fuse_int4([getattr(parent, name) for name in names])
+            members = [getattr(parent, name, None) for name in names]
+            if None in members:
+                continue  # another block's shape: MLA attention, an MoE block
+            group = fuse_int4(members)
             parent.__dict__[attr] = group  # not a submodule (docstring)
             fused += group is not None
     return fused
