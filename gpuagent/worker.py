@@ -190,6 +190,11 @@ def make_app(broker_url: str, name: str = "") -> Celery:
             for key in ("unacked", "unacked_index", "unacked_mutex")
         }
     app.conf.update(
+        # The broker given, for reading and writing: Celery lets a
+        # CELERY_BROKER_URL in the environment win over the constructor's broker
+        # (an agent started with --broker rediss://... would go elsewhere).
+        broker_read_url=broker_url,
+        broker_write_url=broker_url,
         task_serializer="json",
         accept_content=["json"],
         task_acks_late=True,

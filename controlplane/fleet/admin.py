@@ -10,7 +10,14 @@ from controlplane.fleet.backend import (
     check_command_template,
     clean_backend,
 )
-from controlplane.fleet.models import Agent, Deployment, Environment, ServingPreset
+from controlplane.fleet.models import (
+    Agent,
+    Deployment,
+    EnrollmentRequest,
+    Environment,
+    SeenMessage,
+    ServingPreset,
+)
 
 
 class EnvironmentForm(forms.ModelForm):
@@ -106,3 +113,30 @@ class ServingPresetAdmin(admin.ModelAdmin):
         except ControlPlaneError as exc:
             raise PermissionDenied(exc.message) from exc
         obj.pk = saved.pk
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Shown, never written here: enrollment goes through its actions (the fleet
+    page and the API, audited); the replay store through the intake."""
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(EnrollmentRequest)
+class EnrollmentRequestAdmin(ReadOnlyAdmin):
+    list_display = ("requested_name", "fingerprint", "state", "agent", "last_seen")
+    list_filter = ("state",)
+    search_fields = ("requested_name", "fingerprint")
+
+
+@admin.register(SeenMessage)
+class SeenMessageAdmin(ReadOnlyAdmin):
+    list_display = ("signer", "nonce", "seen")
+    search_fields = ("signer",)

@@ -136,3 +136,15 @@ def test_it_keeps_its_unacknowledged_messages_under_keys_of_its_own():
         "unacked_mutex_key": "unacked_mutex.agent.gpu-1",
     }
     assert app.conf.worker_enable_remote_control is False
+
+
+def test_it_uses_the_broker_it_is_given_whatever_the_environment_says(monkeypatch):
+    """Celery lets CELERY_BROKER_URL win over the broker a Celery app is made
+    with; an agent started with --broker goes where it was told."""
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://elsewhere.invalid:6379/9")
+    given = "rediss://agent-gpu-1:s3cret@redis.internal:6380/0"
+
+    app = worker.make_app(given, "gpu-1")
+
+    for connection in (app.connection_for_write(), app.connection_for_read()):
+        assert connection.as_uri(include_password=True) == given

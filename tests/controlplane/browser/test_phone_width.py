@@ -214,6 +214,7 @@ def long_scene(
     do_record_agent_heartbeat(agent)
     return {
         "family": family,
+        "production": production,
         "candidate": candidate,
         "failed_verification": failed_verification,
         "quarantined": quarantined,
@@ -278,6 +279,7 @@ def test_it_fits_every_page_in_a_phone_viewport(
     check("environments", "/environments/")
     page.get_by_role("button", name="Roll back to").first.click()
     check("confirm rollback")
+    check("load plan", f"/environments/{long_scene['production'].pk}/load-plan/")
     check("fleet", "/fleet/")
     check("cost", "/cost/")
     check("cost filtered", f"/cost/?model={long_scene['family'].pk}")

@@ -110,6 +110,9 @@ def url(user: str, password: str, port: int, ca: Path | None) -> str:
 def control_plane(broker: str) -> Celery:
     app = Celery("controlplane-test", broker=broker)
     app.conf.broker_use_ssl = redis_tls_options(broker)
+    # this server, not a CELERY_BROKER_URL of the environment (which Celery
+    # lets win over the constructor's broker)
+    app.conf.update(broker_read_url=broker, broker_write_url=broker)
     return app
 
 
