@@ -93,10 +93,15 @@ def test_decode_rows_time_each_format_and_the_int4_folder_without_its_kernel(
         "w4a16-g128 rtn": compressed_demo["w4a16-g128"],
     }
     fused_calls = []
-    kernel = int4_cpu.int4_matmul
-    monkeypatch.setattr(
-        int4_cpu, "int4_matmul", lambda *a: fused_calls.append(1) or kernel(*a)
-    )
+    # the kernel's two entries: per call, and over weights prepared at load (the
+    # engine's)
+    for entry in ("int4_matmul", "int4_matmul_prepared"):
+        kernel = getattr(int4_cpu, entry)
+        monkeypatch.setattr(
+            int4_cpu,
+            entry,
+            lambda *a, kernel=kernel: fused_calls.append(1) or kernel(*a),
+        )
     runs = []  # (kernel on?, fused calls made) per timed generation
     timer = bench.engine_bench.time_engine
 

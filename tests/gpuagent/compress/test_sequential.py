@@ -153,9 +153,11 @@ def test_layerwise_peak_memory_is_bounded_by_layers_not_the_model(tmp_path):
     old = measure(source, recipe, tmp_path / "memory", False)["peak_over_baseline"]
 
     assert old > 1.5 * sizes[64]  # the whole model, in float32 and more
-    # four times the layers, the same peak: one layer in float32, its
-    # quantization's temporaries, a shard of output, and torch's fixed costs
-    assert peaks[64] < peaks[16] + 4 * layer_bytes
+    # four times the layers (48 more, ~66 MB had the peak followed the model),
+    # the same peak: one layer in float32, its quantization's temporaries, a
+    # shard of output, and torch's fixed costs, give or take the allocator's
+    # noise (CI read 4.3 layers more once)
+    assert peaks[64] < peaks[16] + 8 * layer_bytes
     assert peaks[64] < 0.6 * sizes[64]
     assert same_tensors(tmp_path / "memory", tmp_path / "layers-64")
 
