@@ -39,7 +39,6 @@ from gpuagent.integrity import _fs
 from gpuagent.integrity.errors import (
     HashingError,
     IntegrityError,
-    ManifestDigestMismatchError,
     ManifestMismatchError,
 )
 from gpuagent.integrity.inspection import inspect_model
@@ -59,15 +58,12 @@ from gpuagent.integrity.safetensors_header import (
     SafetensorsHeader,
     parse_header,
 )
-from gpuagent.integrity.signing import (
-    _relative_inside,
-    check_statement,
-    read_signed_statement,
-)
 from gpuagent.integrity.verified_load import (
     _check_loadable,
     _read_file,
     _refuse_unread,
+    check_manifest,
+    expectation,
 )
 
 CHUNK_BYTES = 16 << 20
@@ -189,32 +185,12 @@ def open_verified(
     checks. Raises an `IntegrityError` subclass."""
     policy = policy or DEFAULT_POLICY
     model_dir = Path(model_dir)
-    name, _, _hex = expected_manifest_digest.rpartition(":")
-    spec = HashSpec.from_digest_name(name)
-    signed: Manifest | None = None
-    if signature_path is not None:
-        statement = read_signed_statement(signature_path, policy)
-        check_statement(
-            statement, policy, _relative_inside(model_dir, Path(signature_path))
-        )
-        signed = statement.manifest
-        if signed.digest != expected_manifest_digest:
-            raise ManifestDigestMismatchError(expected_manifest_digest, signed.digest)
-        ignore = list(signed.ignore_paths)
-    else:
-        ignore = default_ignore_paths(policy.signature_names, policy.ignore_git_paths)
+    spec, signed, ignore = expectation(
+        model_dir, expected_manifest_digest, signature_path, policy
+    )
 
     def compare(actual: Manifest, uncovered: list[str]) -> None:
-        # verified_load.read_verified_files' checks, in its order
-        if signed is not None:
-            missing, extra, changed = signed.diff(actual)
-            extra = sorted(set(extra) | set(uncovered))
-            if missing or extra or changed:
-                raise ManifestMismatchError(missing, extra, changed)
-        elif uncovered:
-            raise ManifestMismatchError([], uncovered, [])
-        if actual.digest != expected_manifest_digest:
-            raise ManifestDigestMismatchError(expected_manifest_digest, actual.digest)
+        check_manifest(actual, uncovered, signed, expected_manifest_digest)
 
     return _open_checked(model_dir, spec, ignore, policy, signed, compare)
 

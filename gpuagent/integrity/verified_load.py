@@ -82,24 +82,51 @@ def read_verified_files(
     """
     policy = policy or DEFAULT_POLICY
     model_dir = Path(model_dir)
-    name, _, _hex = expected_manifest_digest.rpartition(":")
-    spec = HashSpec.from_digest_name(name)
-    signed: Manifest | None = None
-    if signature_path is not None:
-        statement = read_signed_statement(signature_path, policy)
-        check_statement(
-            statement, policy, _relative_inside(model_dir, Path(signature_path))
-        )
-        signed = statement.manifest
-        if signed.digest != expected_manifest_digest:
-            raise ManifestDigestMismatchError(expected_manifest_digest, signed.digest)
-        ignore = list(signed.ignore_paths)
-    else:
-        ignore = default_ignore_paths(policy.signature_names, policy.ignore_git_paths)
-
+    spec, signed, ignore = expectation(
+        model_dir, expected_manifest_digest, signature_path, policy
+    )
     files, actual = _read_and_hash(model_dir, spec, ignore, policy, signed)
     # An empty file has no shard: it would be loaded without being covered.
     uncovered = sorted(p for p in files if p not in actual.files())
+    check_manifest(actual, uncovered, signed, expected_manifest_digest)
+    _check_loadable(model_dir, files, policy, ignore)
+    return files
+
+
+def expectation(
+    model_dir: Path,
+    expected_manifest_digest: str,
+    signature_path: str | Path | None,
+    policy: Policy,
+) -> tuple[HashSpec, Manifest | None, list[str]]:
+    """What a folder must hash to before anything of it is used: (the hash spec
+    the expected digest names, the signed manifest or None, the paths left out).
+    With `signature_path`, the signature, signer, ignore list and binding are
+    checked first and the signed manifest must be the expected one."""
+    name, _, _hex = expected_manifest_digest.rpartition(":")
+    spec = HashSpec.from_digest_name(name)
+    if signature_path is None:
+        ignore = default_ignore_paths(policy.signature_names, policy.ignore_git_paths)
+        return spec, None, ignore
+    statement = read_signed_statement(signature_path, policy)
+    check_statement(
+        statement, policy, _relative_inside(model_dir, Path(signature_path))
+    )
+    signed = statement.manifest
+    if signed.digest != expected_manifest_digest:
+        raise ManifestDigestMismatchError(expected_manifest_digest, signed.digest)
+    return spec, signed, list(signed.ignore_paths)
+
+
+def check_manifest(
+    actual: Manifest,
+    uncovered: list[str],
+    signed: Manifest | None,
+    expected_manifest_digest: str,
+) -> None:
+    """The folder as hashed (`actual`; `uncovered`: files read that no shard
+    covers) against the signed manifest, naming the missing, extra and changed
+    files, then against the expected digest."""
     if signed is not None:
         missing, extra, changed = signed.diff(actual)
         extra = sorted(set(extra) | set(uncovered))
@@ -109,8 +136,6 @@ def read_verified_files(
         raise ManifestMismatchError([], uncovered, [])
     if actual.digest != expected_manifest_digest:
         raise ManifestDigestMismatchError(expected_manifest_digest, actual.digest)
-    _check_loadable(model_dir, files, policy, ignore)
-    return files
 
 
 def read_inspected_files(
