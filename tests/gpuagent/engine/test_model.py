@@ -20,6 +20,7 @@ from gpuagent.engine.model import (
     allocate_kv_caches,
     rope_inv_freq,
 )
+from tests.gpuagent.engine.paged_driver import run_paged
 
 DENSE_ATOL = 1e-4
 # The paged path stores K/V rounded to 16 bits (fp16: 11 significant bits, bf16: 8).
@@ -70,64 +71,6 @@ def _hf_logits(hf, tokens):
         return hf(torch.tensor([tokens])).logits[0].float()  # [T, V]
 
 
-def _run_paged(model, seqs, prefill_lens, kv_dtype, block_size=4, chunk=None):
-    """Run seqs through the paged path as the engine's scheduler would, all seqs in
-    one batch per step: each prefills its first prefill_lens[b] tokens (in chunks of
-    at most `chunk` tokens, the later chunks reading the earlier ones from the cache),
-    then decodes the rest one token per step. A seq that finished its prefill decodes
-    in the same step as another one's prefill chunk (a mixed batch). Returns per-seq
-    logits [T_b, V]."""
-    cfg = model.config
-    max_blocks = max(-(-len(s) // block_size) for s in seqs)
-    caches = allocate_kv_caches(cfg, kv_dtype, len(seqs) * max_blocks, block_size)
-    # seq b owns blocks b*max_blocks .. (b+1)*max_blocks-1, in reverse order so the
-    # block table is not the identity
-    tables = torch.tensor(
-        [
-            list(range((b + 1) * max_blocks - 1, b * max_blocks - 1, -1))
-            for b in range(len(seqs))
-        ],
-        dtype=torch.int32,
-    )  # [B, max_blocks]
-
-    def slot(b, pos):
-        return tables[b, pos // block_size].item() * block_size + pos % block_size
-
-    out = [[] for _ in seqs]
-    lens = [0] * len(seqs)
-    while any(n < len(s) for s, n in zip(seqs, lens, strict=True)):
-        live = [b for b in range(len(seqs)) if lens[b] < len(seqs[b])]
-        take = {}
-        for b in live:
-            left = prefill_lens[b] - lens[b]
-            take[b] = 1 if left <= 0 else min(left, chunk or left)
-        decode_only = all(lens[b] >= prefill_lens[b] for b in live)
-        ids, positions, slots, qsl = [], [], [], [0]
-        for b in live:
-            span = range(lens[b], lens[b] + take[b])
-            ids += [seqs[b][p] for p in span]
-            positions += list(span)
-            slots += [slot(b, p) for p in span]
-            qsl.append(qsl[-1] + take[b])
-        attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            block_tables=tables[live],
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            context_lens=torch.tensor(
-                [lens[b] + take[b] for b in live], dtype=torch.int32
-            ),
-            decode_only=decode_only,
-        )
-        with torch.no_grad():
-            logits = model(
-                torch.tensor(ids), torch.tensor(positions), caches, attn, True
-            )
-        for i, b in enumerate(live):
-            out[b].append(logits[qsl[i] : qsl[i + 1]])
-            lens[b] += take[b]
-    return [torch.cat(o) for o in out]
-
-
 def _tokens(n, vocab=97, seed=1):
     return torch.randint(
         0, vocab, (n,), generator=torch.Generator().manual_seed(seed)
@@ -152,7 +95,7 @@ def test_it_matches_transformers_paged_prefill_and_decode(tmp_path, kv_dtype):
     model = load_model(tmp_path)
     seqs = [_tokens(19, seed=2), _tokens(13, seed=3)]
 
-    paged = _run_paged(model, seqs, prefill_lens=[11, 6], kv_dtype=kv_dtype)
+    paged = run_paged(model, seqs, prefill_lens=[11, 6], kv_dtype=kv_dtype)
 
     for s, logits in zip(seqs, paged, strict=True):
         diff = (logits - _hf_logits(hf, s)).abs().max().item()
@@ -184,7 +127,7 @@ def test_it_matches_transformers_on_the_paged_path_with_fp32_kv(
     # seqs decode 10 and 11 steps after their prefill, the third only prefills.
     seqs = [_tokens(40, seed=2), _tokens(23, seed=3), _tokens(9, seed=4)]
 
-    paged = _run_paged(model, seqs, [30, 12, 9], kv_dtype="fp32", chunk=chunk)
+    paged = run_paged(model, seqs, [30, 12, 9], kv_dtype="fp32", chunk=chunk)
 
     for s, logits in zip(seqs, paged, strict=True):
         assert logits.shape == (len(s), model.config.vocab_size)
@@ -219,7 +162,7 @@ def test_it_matches_transformers_through_the_triton_kernels_with_fp32_kv(
     model = load_model(tmp_path)
     seqs = [_tokens(40, seed=2), _tokens(23, seed=3)]
 
-    paged = _run_paged(model, seqs, [30, 12], kv_dtype="fp32", chunk=8)
+    paged = run_paged(model, seqs, [30, 12], kv_dtype="fp32", chunk=8)
 
     for s, logits in zip(seqs, paged, strict=True):
         diff = (logits - _hf_logits(hf, s)).abs().max().item()
@@ -236,7 +179,7 @@ def test_it_matches_the_dense_path_given_the_same_kv_rounding(
     _hf_folder(tmp_path)
     model = load_model(tmp_path)
     seqs = [_tokens(19, seed=2), _tokens(13, seed=3)]
-    paged = _run_paged(model, seqs, prefill_lens=[11, 6], kv_dtype=kv_dtype)
+    paged = run_paged(model, seqs, prefill_lens=[11, 6], kv_dtype=kv_dtype)
     storage = {"fp16": torch.float16, "bf16": torch.bfloat16}[kv_dtype]
     for layer in model.layers:
         _round_dense_kv(monkeypatch, layer.self_attn, storage)
@@ -264,7 +207,7 @@ def test_it_matches_transformers_with_llama3_rope_scaling(tmp_path):
     tokens = _tokens(40)  # past original_max_position_embeddings=16
 
     dense = model.forward_dense(torch.tensor([tokens]))[0]
-    (paged,) = _run_paged(model, [tokens], prefill_lens=[30], kv_dtype="fp16")
+    (paged,) = run_paged(model, [tokens], prefill_lens=[30], kv_dtype="fp16")
 
     expected = _hf_logits(hf, tokens)
     assert (dense - expected).abs().max().item() <= DENSE_ATOL
@@ -404,7 +347,7 @@ def test_it_runs_a_bfloat16_model_on_the_paged_path_close_to_fp32(tmp_path):
     fp32, bf16 = load_model(tmp_path), load_model(tmp_path, dtype=torch.bfloat16)
     seqs = [_tokens(12, seed=7)]
 
-    (ours,) = _run_paged(bf16, seqs, prefill_lens=[8], kv_dtype="bf16")
+    (ours,) = run_paged(bf16, seqs, prefill_lens=[8], kv_dtype="bf16")
 
     reference = fp32.forward_dense(torch.tensor(seqs))[0]
     assert ours.dtype == torch.float32

@@ -22,7 +22,7 @@ from gpuagent.engine.arch import MoEConfig, MoETransformer
 from gpuagent.engine.cache import KVCacheManager, kv_bytes_per_token
 from gpuagent.engine.loader import ModelLoadError, load_model
 from gpuagent.engine.mla import MLAAttention
-from gpuagent.engine.model import AttentionMetadata
+from tests.gpuagent.engine.paged_driver import run_paged
 
 ATOL = 1e-4  # float32 weights, float32 cache
 BF16_ATOL = 6e-2  # the latent rounded to bf16 (as model tests' PAGED_ATOL["bf16"])
@@ -128,59 +128,6 @@ def _hf_logits(hf, tokens):
 def _tokens(n, vocab=97, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=gen).tolist()
-
-
-def run_paged(model, seqs, prefill_lens, kv_dtype="fp32", block_size=4, chunk=None):
-    """Seqs through the paged path as the scheduler batches them: each prefills its
-    first prefill_lens[b] tokens (chunks of at most `chunk`, later chunks reading
-    earlier ones from the cache), then decodes one token per step, in mixed batches
-    with the others' prefill chunks. Returns per-seq logits [T_b, V]."""
-    max_blocks = max(-(-len(s) // block_size) for s in seqs)
-    kv = KVCacheManager(model.config, kv_dtype, len(seqs) * max_blocks, block_size)
-    tables = torch.tensor(  # reversed blocks: the table is not the identity
-        [
-            list(range((b + 1) * max_blocks - 1, b * max_blocks - 1, -1))
-            for b in range(len(seqs))
-        ],
-        dtype=torch.int32,
-    )
-
-    def slot(b, pos):
-        return tables[b, pos // block_size].item() * block_size + pos % block_size
-
-    out = [[] for _ in seqs]
-    lens = [0] * len(seqs)
-    while any(n < len(s) for s, n in zip(seqs, lens, strict=True)):
-        live = [b for b in range(len(seqs)) if lens[b] < len(seqs[b])]
-        take = {}
-        for b in live:
-            left = prefill_lens[b] - lens[b]
-            take[b] = 1 if left <= 0 else min(left, chunk or left)
-        decode_only = all(lens[b] >= prefill_lens[b] for b in live)
-        ids, positions, slots, qsl = [], [], [], [0]
-        for b in live:
-            span = range(lens[b], lens[b] + take[b])
-            ids += [seqs[b][p] for p in span]
-            positions += list(span)
-            slots += [slot(b, p) for p in span]
-            qsl.append(qsl[-1] + take[b])
-        attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            block_tables=tables[live],
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            context_lens=torch.tensor(
-                [lens[b] + take[b] for b in live], dtype=torch.int32
-            ),
-            decode_only=decode_only,
-        )
-        with torch.no_grad():
-            logits = model(
-                torch.tensor(ids), torch.tensor(positions), kv.kv_caches, attn, True
-            )
-        for i, b in enumerate(live):
-            out[b].append(logits[qsl[i] : qsl[i + 1]])
-            lens[b] += take[b]
-    return [torch.cat(o) for o in out]
 
 
 def _max_diff(paged, hf, seqs):
