@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 import string
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Literal
 
@@ -591,6 +592,48 @@ def template_fields(word: str) -> list[str]:
             )
         names.append(name)
     return names
+
+
+# The agent's own named presets' templates (gpuagent.serving.templates adds how
+# each maps our KV-cache dtypes): here so that the control plane, which sends
+# them by name, checks an enrolled agent's allowed shapes as the agent does.
+AGENT_PRESET_TEMPLATES: dict[str, str] = {
+    "vllm": (
+        "vllm serve {model_dir} {quantization_args} "
+        "--kv-cache-dtype {kv_cache_dtype} --max-model-len {max_model_len} "
+        "--gpu-memory-utilization {gpu_memory_utilization} --tensor-parallel-size "
+        "{tensor_parallel_size} --host {host} --port {port} "
+        "--served-model-name {served_model_names}"
+    ),
+}
+
+
+def allowed_shape_problem(
+    template: str,
+    allowed_programs: Collection[str],
+    presets: Mapping[str, str],
+    *,
+    holder: str = "this agent allows",
+) -> str:
+    """Why `template` is not one of `allowed_programs` word for word ("" when it
+    is). Each entry is a whole argument shape: the name of one of `presets` (its
+    template) or a command template of its own; words are compared as written,
+    placeholders included. A program is never allowed with free arguments:
+    `{python}` alone allows the bare interpreter and nothing more, so `{python}
+    -c '...'` is refused. `holder` says whose list it is in the reason.
+    ValueError for a template the grammar refuses."""
+    words = command_template_words(template)
+    for entry in allowed_programs:
+        shape = presets.get(entry, entry)
+        try:
+            if command_template_words(shape) == words:
+                return ""
+        except ValueError:
+            continue  # a malformed entry allows nothing
+    return (
+        f"the command {shlex.join(words)!r} is not an argument shape {holder} "
+        f"(allowed: {'; '.join(sorted(allowed_programs)) or 'none'})"
+    )
 
 
 class BackendSpec(_Message):

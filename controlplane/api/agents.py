@@ -85,8 +85,11 @@ def list_enrollments(request: HttpRequest) -> list[dict]:
     summary="Enroll a pending agent key (staff)",
     description="The agent is `name` (default: the name it asked for) from now on, "
     "takes jobs from `pool_queue`, may sign only with `can_sign` (and a signing "
-    "key it presented), and may start only `allowed_programs` (null: its own "
-    "list). 409 when the name belongs to another enrolled agent.",
+    "key it presented), and may start only `allowed_programs` (preset names or "
+    "command templates, each a whole argument shape: deploys of an external "
+    "backend go only to an agent allowed to start its command; `[]`: none; null: "
+    "the agent's own list decides). 409 when the name belongs to another enrolled "
+    "agent.",
 )
 def enroll(request: HttpRequest, enrollment_id: ObjectId, payload: EnrollIn) -> dict:
     principal = principal_of(request)

@@ -21,6 +21,7 @@ from controlplane.accounts.models import ApiToken
 from controlplane.audit.actions import Actor, do_record_event
 from controlplane.errors import Conflict, Forbidden, ValidationFailed
 from controlplane.fleet.models import Agent, EnrollmentRequest, SeenMessage
+from controlplane.fleet.programs import clean_allowed_programs
 from gpuagent.integrity import identity
 from gpuagent.protocol import Heartbeat
 
@@ -133,15 +134,7 @@ def clean_enrollment(request: EnrollmentRequest, fields: dict) -> dict:
             "this agent presented no signing key: it cannot be enrolled to sign",
             field="can_sign",
         )
-    programs = fields.get("allowed_programs")
-    if programs is not None and not (
-        isinstance(programs, list)
-        and all(isinstance(p, str) and p and " " not in p for p in programs)
-    ):
-        raise ValidationFailed(
-            "allowed_programs must be a list of program names, or null",
-            field="allowed_programs",
-        )
+    programs = clean_allowed_programs(fields.get("allowed_programs"))
     return {
         "name": name,
         "pool_queue": pool,

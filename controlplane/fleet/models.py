@@ -116,8 +116,10 @@ class Agent(models.Model):
     # Identity, from the enrollment an operator approved (never from a message):
     # the agent's Ed25519 public key (raw, hex) and its sha256 (hex), the pool it
     # takes jobs from, whether it may sign, the programs an external backend may
-    # start on it (None: the agent's own list), and the release-signing public key
-    # (PEM) its sign results must verify against.
+    # start on it (preset names or command templates, whole argument shapes; the
+    # control plane sends such deploys only to an agent allowed to start them, see
+    # controlplane.fleet.programs; None: the agent's own list decides), and the
+    # release-signing public key (PEM) its sign results must verify against.
     enrollment = models.CharField(max_length=10, blank=True, default="")
     public_key = models.CharField(max_length=64, blank=True)
     fingerprint = models.CharField(max_length=64, blank=True, db_index=True)

@@ -3,7 +3,9 @@ believed only when sealed (gpuagent.integrity.identity) by an enrolled agent's
 key, fresh, never seen before, and bound to the job, attempt, kind and release
 they claim; a result only from the agent that took the job, a sign result only
 with a signature that verifies against the signer's enrolled key, a verify result
-only from another agent than the signer. Everything else is refused and audited
+only from another agent than the signer, a deploy result that starts an external
+backend only from an agent enrolled to start its command
+(controlplane.fleet.programs). Everything else is refused and audited
 (`agent.message_refused`), and changes nothing. What passes goes to the pipeline
 (controlplane.releases.pipeline) with the enrolled agent, never a name a message
 gives itself. A heartbeat of a key no agent holds files a pending enrollment."""
@@ -13,6 +15,7 @@ import logging
 from django.conf import settings
 from django.db import transaction
 
+from controlplane.fleet import programs
 from controlplane.fleet.enrollment import (
     do_accept_message,
     do_record_message_refused,
@@ -21,7 +24,7 @@ from controlplane.fleet.enrollment import (
     enrolled_agent,
 )
 from controlplane.fleet.models import Agent
-from controlplane.releases import evidence, pipeline
+from controlplane.releases import evidence, pipeline, stages
 from controlplane.releases.models import Job
 from controlplane.releases.signature_check import sign_result_problem
 from gpuagent.integrity import identity
@@ -144,6 +147,8 @@ def _check_result(job: Job, result: JobResult, attempt: int, agent, sealed) -> N
             agent,
             sealed.signer,
         )
+    if job.kind == "deploy":
+        _check_programs(job, agent, sealed)
     if not result.ok:
         return
     release = job.release
@@ -179,6 +184,18 @@ def _check_result(job: Job, result: JobResult, attempt: int, agent, sealed) -> N
                 agent,
                 sealed.signer,
             )
+
+
+def _check_programs(job: Job, agent: Agent, sealed: Seal) -> None:
+    """A deploy that starts an external backend counts only from an agent whose
+    enrollment allows its command (controlplane.fleet.programs); another's answer
+    is refused and the job sent to an agent that may run it."""
+    template = programs.external_template(stages.request_for(job).backend)
+    problem = programs.record_problem(agent, template)
+    if problem:
+        refused = Refused(problem, agent, sealed.signer)
+        refused.retry = True
+        raise refused
 
 
 # -- progress --------------------------------------------------------------------

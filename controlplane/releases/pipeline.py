@@ -29,6 +29,7 @@ from django.utils import timezone
 from controlplane.audit.actions import on_behalf_of_agent
 from controlplane.dispatch.actions import do_enqueue_task
 from controlplane.errors import IllegalTransition
+from controlplane.fleet import programs
 from controlplane.fleet.actions import (
     do_record_heartbeat,
     do_set_agent_state,
@@ -90,10 +91,21 @@ def _live_agents():
     return Agent.objects.filter(state="online", last_heartbeat__gte=cutoff)
 
 
+class NoAgentQualifies(Exception):
+    """No live enrolled agent may run the job (`reason` says why)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 def queue_for(job: Job, exclude: Agent | None = None) -> str:
     """Where `job` goes: signing to an agent that holds a signing key; verify to
-    another agent than the one that signed, when one is alive; a live copy's
-    re-verification to the agent that serves it; the rest to the pool."""
+    another agent than the one that signed, when one is alive; a deploy that
+    starts an external backend to an enrolled agent whose record allows its
+    command (controlplane.fleet.programs; NoAgentQualifies when none is live); a
+    live copy's re-verification to the agent that serves it; the rest to the
+    pool."""
     agents = _live_agents()
     if exclude is not None:
         agents = agents.exclude(pk=exclude.pk)
@@ -107,6 +119,10 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
         signer = signed.agent_id if signed else None
         others = [a for a in agents if a.pk != signer]
         return others[0].queue if others else pool
+    if job.kind == "deploy":
+        template = programs.external_template(stages.request_for(job).backend)
+        if template:
+            return _external_deploy_queue(agents, template)
     if job.kind in ("reverify", "undeploy"):
         deployment = stages.deployment_of(job)
         if deployment is not None and deployment.agent is not None:
@@ -114,12 +130,34 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
     return pool
 
 
+def _external_deploy_queue(agents: list[Agent], template: str) -> str:
+    """The queue of the first live enrolled agent allowed to start `template`
+    (never the pool: an agent there may start anything its own list allows)."""
+    enrolled = [a for a in agents if a.is_enrolled]
+    eligible = programs.eligible_agents(enrolled, template)
+    if eligible:
+        return eligible[0].queue
+    why = "; ".join(programs.record_problem(a, template) for a in enrolled)
+    raise NoAgentQualifies(
+        "no live enrolled agent may start this environment's serving backend"
+        + (f": {why}" if why else " (none is online)")
+    )
+
+
 def _send(job: Job, exclude: Agent | None = None) -> None:
+    """Queue `job`'s sealed request; when no agent may run it, the job fails at
+    once with the reason, and what it belongs to moves on (`_after`)."""
+    try:
+        queue = queue_for(job, exclude)
+    except NoAgentQualifies as exc:
+        do_finish_job(job, error=exc.reason)
+        _after(job)
+        return
     request = stages.request_for(job)
     body = request.model_dump(mode="json")
     # Sealed with the control plane's key: agents refuse any other request.
     sealed = seal_job_request(request, body)
-    do_enqueue_task(RUN_JOB, body, sealed, queue=queue_for(job, exclude))
+    do_enqueue_task(RUN_JOB, body, sealed, queue=queue)
 
 
 def dispatch(
@@ -265,6 +303,7 @@ def deploy(release_id: int) -> str:
         sent = release.jobs.filter(kind="deploy", created__gte=deployment.started)
         if not sent.exists():
             dispatch(release, "deploy", deployment=deployment)
+            release.refresh_from_db(fields=["state"])  # no agent may: it failed
         return release.state
 
 
@@ -515,9 +554,9 @@ def retry_or_fail(job: Job, reason: str, *, avoid_agent: bool = True) -> str:
             _after(job)
             return "failed"
         previous = job.agent if avoid_agent else None
-        do_retry_job(job, reason=reason)
+        job = do_retry_job(job, reason=reason)
         _send(job, exclude=previous)
-        return "retried"
+        return "retried" if job.state in OPEN_STATES else job.state
 
 
 def record_heartbeat(beat: Heartbeat) -> Agent:

@@ -14,12 +14,13 @@ refused with a `TemplateError` that names it.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Collection, Mapping, Sequence
 
 from gpuagent.protocol import (
+    AGENT_PRESET_TEMPLATES,
     TEMPLATE_LIST_PLACEHOLDERS,
     TEMPLATE_PLACEHOLDERS,
+    allowed_shape_problem,
     command_template_words,
     template_fields,
 )
@@ -36,16 +37,9 @@ LIST_PLACEHOLDERS = TEMPLATE_LIST_PLACEHOLDERS
 # dtype is the checkpoint's (config.json `dtype`/`torch_dtype`), and fp8 KV scales
 # are read from the checkpoint (`kv_cache_scheme`).
 PRESETS: dict[str, tuple[str, dict[str, str]]] = {
-    "vllm": (
-        "vllm serve {model_dir} {quantization_args} "
-        "--kv-cache-dtype {kv_cache_dtype} --max-model-len {max_model_len} "
-        "--gpu-memory-utilization {gpu_memory_utilization} --tensor-parallel-size "
-        "{tensor_parallel_size} --host {host} --port {port} "
-        "--served-model-name {served_model_names}",
-        # vLLM's "auto" is the checkpoint's dtype (bf16 for compressed-tensors
-        # int4/int8 weight-only checkpoints); it has no int8/int4 KV cache.
-        {"fp8": "fp8", "bf16": "auto"},
-    ),
+    # vLLM's "auto" is the checkpoint's dtype (bf16 for compressed-tensors
+    # int4/int8 weight-only checkpoints); it has no int8/int4 KV cache.
+    "vllm": (AGENT_PRESET_TEMPLATES["vllm"], {"fp8": "fp8", "bf16": "auto"}),
 }
 
 
@@ -70,23 +64,17 @@ def parse_template(template: str) -> list[str]:
 
 def check_allowed_shape(template: str, allowed_programs: Collection[str]) -> None:
     """Raise TemplateError unless `template` is one of `allowed_programs` (an
-    agent's own setting) word for word. Each entry is a whole argument shape: a
-    preset's name (its template) or a command template of its own; words are
-    compared as written, placeholders included. A program is never allowed with
-    free arguments: `{python}` alone allows the bare interpreter and nothing
-    more, so `{python} -c '...'` is refused."""
-    words = parse_template(template)
-    for entry in allowed_programs:
-        shape = PRESETS[entry][0] if entry in PRESETS else entry
-        try:
-            if parse_template(shape) == words:
-                return
-        except TemplateError:
-            continue  # a malformed entry allows nothing
-    raise TemplateError(
-        f"the command {shlex.join(words)!r} is not an argument shape this agent "
-        f"allows (allowed: {'; '.join(sorted(allowed_programs)) or 'none'})"
-    )
+    agent's own setting) word for word: each entry a preset's name (its template)
+    or a command template of its own (gpuagent.protocol.allowed_shape_problem,
+    which the control plane checks an enrolled agent's record with too)."""
+    try:
+        problem = allowed_shape_problem(
+            template, allowed_programs, {n: t for n, (t, _) in PRESETS.items()}
+        )
+    except ValueError as e:
+        raise TemplateError(str(e)) from None
+    if problem:
+        raise TemplateError(problem)
 
 
 def placeholders(template: str) -> set[str]:
