@@ -116,8 +116,9 @@ def reject(request: HttpRequest, enrollment_id: ObjectId) -> dict:
     auth=token_auth("admin"),
     response={200: EnrolledAgentOut, **WRITE_ERRORS},
     summary="Revoke an enrolled agent (staff): refused from now on",
-    description="Its messages are refused at once and the jobs it holds are sent "
-    "to another agent.",
+    description="Its messages are refused at once and, in the same transaction, "
+    "the jobs it holds (running, or waiting on its own queue) are sent to another "
+    "agent with a new attempt.",
 )
 def revoke(request: HttpRequest, name: PathText) -> dict:
     principal = principal_of(request)

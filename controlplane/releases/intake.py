@@ -304,11 +304,19 @@ def _pending(beat: Heartbeat, body: dict, sealed: Seal) -> str:
 
 
 def revoke_agent(agent: Agent, *, actor) -> Agent:
-    """Revoke `agent` (its messages refused from now on) and send the jobs it
-    holds to another agent at once."""
+    """Revoke `agent` (its messages refused from now on) and, in the same
+    transaction, send every job it holds to another agent with a new attempt:
+    those it runs (by its progress reports or its last heartbeat) and those
+    waiting on its own queue (pipeline.resend_from_revoked). Nothing is revoked
+    when a job cannot be sent."""
     with transaction.atomic():
-        agent = do_revoke_agent(agent, actor=actor)
+        # Its last heartbeat's jobs count as held only while it is not offline:
+        # read them before the revocation takes it offline.
+        locked = Agent.objects.select_for_update().get(pk=agent.pk)
+        held = {job.pk for job in pipeline.jobs_held_by(locked)}
+        held |= {job.pk for job in pipeline.jobs_sent_to(locked)}
+        agent = do_revoke_agent(locked, actor=actor)
         reason = f"agent {agent.name} was revoked"
-        for job in pipeline.jobs_held_by(agent):
-            pipeline.retry_or_fail(job, reason)
+        for job in Job.objects.filter(pk__in=held).order_by("pk"):
+            pipeline.resend_from_revoked(job, agent, reason)
     return agent

@@ -28,6 +28,7 @@ from django.utils import timezone
 
 from controlplane.audit.actions import on_behalf_of_agent
 from controlplane.dispatch.actions import do_enqueue_task
+from controlplane.dispatch.models import OutboxMessage
 from controlplane.errors import IllegalTransition
 from controlplane.fleet import programs
 from controlplane.fleet.actions import (
@@ -422,6 +423,8 @@ def reverify(deployment_id: int) -> str:
             return "missing"
         if deployment.state != "live":
             return deployment.state
+        if deployment.agent is not None and deployment.agent.enrollment == "revoked":
+            return "agent-revoked"  # nothing it says is believed any more
         release = deployment.release
         if release.jobs.filter(kind="reverify", state__in=OPEN_STATES).exists():
             return "busy"
@@ -553,10 +556,32 @@ def retry_or_fail(job: Job, reason: str, *, avoid_agent: bool = True) -> str:
             )
             _after(job)
             return "failed"
-        previous = job.agent if avoid_agent else None
-        job = do_retry_job(job, reason=reason)
-        _send(job, exclude=previous)
-        return "retried" if job.state in OPEN_STATES else job.state
+        return _resend(job, reason, exclude=job.agent if avoid_agent else None)
+
+
+def _resend(job: Job, reason: str, *, exclude: Agent | None) -> str:
+    job = do_retry_job(job, reason=reason)
+    _send(job, exclude=exclude)
+    return "retried" if job.state in OPEN_STATES else job.state
+
+
+def resend_from_revoked(job: Job, agent: Agent, reason: str) -> str:
+    """Send `job`, which revoked `agent` held or had waiting on its queue, to
+    another agent at once with a new attempt (whatever attempts it had: the
+    revocation is no fault of the job's); the old attempt's result no longer
+    counts. A re-verification or undeploy of a copy that `agent` serves can go
+    nowhere else: it fails with `reason`, and the deployment is left as it is
+    (the control plane learnt nothing of the copy)."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update(of=("self",)).get(pk=job.pk)
+        if job.state not in OPEN_STATES:
+            return job.state
+        if job.kind in ("reverify", "undeploy"):
+            deployment = stages.deployment_of(job)
+            if deployment is not None and deployment.agent_id == agent.pk:
+                why = f"{reason}; only it serves this copy"
+                return do_finish_job(job, error=why).state
+        return _resend(job, reason, exclude=agent)
 
 
 def record_heartbeat(beat: Heartbeat) -> Agent:
@@ -593,6 +618,25 @@ def jobs_held_by(agent: Agent):
     if agent.state != "offline":
         held |= Q(pk__in=agent.running_jobs or [], agent__isnull=True)
     return open_jobs.filter(held).order_by("pk")
+
+
+def jobs_sent_to(agent: Agent):
+    """The open agent jobs no agent has taken yet whose request for the attempt in
+    force went to `agent`'s own queue (the outbox keeps where each went)."""
+    waiting = dict(
+        Job.objects.filter(
+            kind__in=AGENT_KINDS, state="queued", agent__isnull=True
+        ).values_list("pk", "attempts")
+    )
+    sent = OutboxMessage.objects.filter(
+        task=RUN_JOB, queue=agent.queue, args__0__job_id__in=list(waiting)
+    )
+    ids = [
+        body["job_id"]
+        for body in (message.args[0] for message in sent)
+        if waiting.get(body["job_id"]) == body.get("attempt")
+    ]
+    return Job.objects.filter(pk__in=ids).order_by("pk")
 
 
 def watch_jobs() -> dict[str, int]:
