@@ -288,6 +288,10 @@ CELERY_BEAT_SCHEDULE["chain-audit-events"] = {
     "task": "controlplane.audit.chain_pending",
     "schedule": RELEASEGATE_AUDIT_CHAIN_S,
 }
+CELERY_BEAT_SCHEDULE["close-audit-windows"] = {
+    "task": "controlplane.audit.close_event_windows",
+    "schedule": RELEASEGATE_AUDIT_CHAIN_S,
+}
 CELERY_BEAT_SCHEDULE["watch-agent-jobs"] = {
     "task": "controlplane.releases.watch_jobs",
     "schedule": RELEASEGATE_AGENT_CHECK_S,
@@ -309,6 +313,15 @@ RELEASEGATE_MAX_PENDING_ENROLLMENTS = envint(
     "RELEASEGATE_MAX_PENDING_ENROLLMENTS", "100"
 )
 RELEASEGATE_ALLOW_VERIFY_ON_SIGNER = envbool("RELEASEGATE_ALLOW_VERIFY_ON_SIGNER")
+# Refused messages are audited bounded (a flood of forged ones must not grow the
+# log without end): per source (an enrolled agent, else all unenrolled senders
+# together) and kind of reason, the first in each window in full, the rest as one
+# counted event when the window has passed; at most so many reasons per source
+# and window, the rest counted together.
+RELEASEGATE_REFUSAL_WINDOW_S = envfloat("RELEASEGATE_REFUSAL_WINDOW_S", "60")
+RELEASEGATE_REFUSAL_REASONS_PER_WINDOW = envint(
+    "RELEASEGATE_REFUSAL_REASONS_PER_WINDOW", "20"
+)
 
 # How long a control-plane job (the gate) holds its row while it runs: while held, a
 # repeated task for the same stage steps aside.

@@ -16,13 +16,17 @@ head and waited for the job)."""
 import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
 
 from controlplane.accounts.models import ApiToken
 from controlplane.audit import chain
-from controlplane.audit.models import AuditChainHead, AuditEvent
+from controlplane.audit.models import AuditChainHead, AuditEvent, EventWindow
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +128,132 @@ def chain_pending() -> int:
     if pending:
         logger.debug("chained %d audit events, up to seq %d", len(pending), seq)
     return len(pending)
+
+
+# Where a source's reasons in one window pass the cap: counted together.
+OTHER_REASONS = "(other reasons)"
+
+
+def window_start(now: datetime, window_s: float) -> datetime:
+    """The start of the `window_s`-long window `now` falls in (windows are laid
+    from the Unix epoch, so every process agrees on them)."""
+    seconds = now.timestamp()
+    return datetime.fromtimestamp(seconds - seconds % window_s, tz=UTC)
+
+
+def do_record_bounded_event(
+    actor: Actor,
+    verb: str,
+    obj,
+    *,
+    source: str,
+    reason: str,
+    summary_verb: str,
+    after: dict,
+    window_s: float,
+    max_reasons: int,
+) -> AuditEvent | None:
+    """Record an event that may come in a flood: the first of `verb` from
+    `source` for `reason` in this window (`window_s`) in full, as do_record_event
+    would, and every later one only as a count (EventWindow); the count is
+    recorded (`summary_verb`) once the window has passed. A source's reasons
+    past `max_reasons` in one window are counted together (OTHER_REASONS), so
+    a source that varies its reason gains nothing. `source` and `reason` must
+    come from a bounded set (an enrolled identity, not a name a message gives
+    itself). Returns the event written, or None when it was only counted. Closes
+    the windows that have passed (do_close_event_windows) first."""
+    now = timezone.now()
+    start = window_start(now, window_s)
+    reason, source = reason[:200], source[:200]
+    do_close_event_windows(now=now)
+    with transaction.atomic():
+        windows = EventWindow.objects.filter(
+            verb=verb, source=source, window_start=start
+        )
+        if (
+            not windows.filter(reason=reason).exists()
+            and windows.count() >= max_reasons
+        ):
+            reason = OTHER_REASONS
+        if _count(windows.filter(reason=reason), now):
+            return None
+        try:
+            with transaction.atomic():
+                window = EventWindow.objects.create(
+                    verb=verb,
+                    summary_verb=summary_verb,
+                    source=source,
+                    reason=reason,
+                    window_start=start,
+                    window_s=window_s,
+                    last_seen=now,
+                )
+        except IntegrityError:  # another writer opened it meanwhile
+            _count(windows.filter(reason=reason), now)
+            return None
+        event = do_record_event(
+            actor,
+            verb,
+            obj,
+            after={
+                **after,
+                "window": {
+                    "source": source,
+                    "reason": reason,
+                    "start": start.isoformat(),
+                    "seconds": window_s,
+                },
+            },
+        )
+        EventWindow.objects.filter(pk=window.pk).update(first_event=event)
+    return event
+
+
+def _count(windows, now: datetime) -> bool:
+    return bool(windows.update(count=F("count") + 1, last_seen=now))
+
+
+def do_close_event_windows(*, now: datetime | None = None) -> int:
+    """Record the count of every window that has passed by `now` (default: now)
+    and more than its first event came in: one event each (its summary verb,
+    naming the first event), in the same transaction as the window's removal,
+    so each count is recorded once. Returns how many were recorded."""
+    now = now or timezone.now()
+    recorded = 0
+    started = EventWindow.objects.filter(window_start__lt=now).order_by("id")
+    for window_id, start, window_s in started.values_list(
+        "id", "window_start", "window_s"
+    ):
+        if start + timedelta(seconds=window_s) > now:
+            continue  # still open
+        with transaction.atomic():
+            window = (
+                EventWindow.objects.select_for_update(skip_locked=True)
+                .filter(pk=window_id)
+                .first()
+            )
+            if window is None:
+                continue  # another closer has it
+            end = window.window_start + timedelta(seconds=window.window_s)
+            if window.count > 1:
+                do_record_event(
+                    "system:audit",
+                    window.summary_verb,
+                    SimpleNamespace(
+                        _meta=SimpleNamespace(model_name="eventwindow"),
+                        pk=window.first_event_id,
+                    ),
+                    after={
+                        "verb": window.verb,
+                        "source": window.source,
+                        "reason": window.reason,
+                        "window_start": window.window_start.isoformat(),
+                        "window_end": end.isoformat(),
+                        "count": window.count,
+                        "first_event": window.first_event_id,
+                        "last_seen": window.last_seen.isoformat(),
+                    },
+                )
+                recorded += 1
+            window.delete()
+    return recorded

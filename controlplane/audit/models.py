@@ -100,3 +100,51 @@ class AuditChainHead(models.Model):
 
     def __str__(self) -> str:
         return f"audit chain head at event {self.last_event_id}"
+
+
+class EventWindow(models.Model):
+    """An open window of events of one verb from one source for one reason, kept
+    where events may come in floods (refused agent messages: anyone who reaches
+    the broker can send them). The first is an AuditEvent in full
+    (`first_event`); the rest only add to `count` here; once the window has
+    passed, one AuditEvent (`summary_verb`) records the count and the row goes.
+    The log so grows by at most two events a window per source and reason,
+    however many come. Written only by audit.actions (do_record_bounded_event,
+    do_close_event_windows). Not chained itself: its count is, through the
+    summary event."""
+
+    verb = models.CharField(max_length=100)
+    summary_verb = models.CharField(max_length=100)
+    source = models.CharField(max_length=200)
+    reason = models.CharField(max_length=200)
+    window_start = models.DateTimeField(db_index=True)
+    window_s = models.FloatField()
+    count = models.PositiveBigIntegerField(default=1)
+    last_seen = models.DateTimeField(default=timezone.now)
+    first_event = models.ForeignKey(
+        AuditEvent, models.PROTECT, null=True, blank=True, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["window_start", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["verb", "source", "reason", "window_start"],
+                name="unique_event_window",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.verb} from {self.source} ({self.reason}): {self.count}"
+
+    def to_dict(self) -> dict:
+        return {
+            "verb": self.verb,
+            "source": self.source,
+            "reason": self.reason,
+            "window_start": self.window_start.isoformat(),
+            "window_s": self.window_s,
+            "count": self.count,
+            "last_seen": self.last_seen.isoformat(),
+            "first_event": self.first_event_id,
+        }

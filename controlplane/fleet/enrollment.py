@@ -5,7 +5,8 @@ A sealed heartbeat from a key no agent holds files an EnrollmentRequest, nothing
 more; a platform operator (staff) enrolls it, giving its name, pool and
 capabilities, or rejects it; revoking an enrolled agent refuses its messages from
 then on. `do_accept_message` is the replay check of every sealed message, and
-`do_record_message_refused` audits each refusal."""
+`do_record_message_refused` audits refusals, bounded per
+source, kind of reason and time window."""
 
 import logging
 import re
@@ -18,7 +19,11 @@ from django.utils import timezone
 
 from controlplane.accounts.actions import is_system, user_of
 from controlplane.accounts.models import ApiToken
-from controlplane.audit.actions import Actor, do_record_event
+from controlplane.audit.actions import (
+    Actor,
+    do_record_bounded_event,
+    do_record_event,
+)
 from controlplane.errors import Conflict, Forbidden, ValidationFailed
 from controlplane.fleet.models import Agent, EnrollmentRequest, SeenMessage
 from controlplane.fleet.programs import clean_allowed_programs
@@ -275,7 +280,14 @@ def do_record_message_refused(
     job_id: int | None = None,
     agent: Agent | None = None,
 ):
-    """Audit a refused agent message (never silently dropped)."""
+    """Audit a refused agent message (never silently dropped), bounded: per
+    source (the enrolled agent whose key sealed it, else everyone unenrolled
+    together: a forger picks any name and key) and kind of reason
+    (`reason_class`), the first in each RELEASEGATE_REFUSAL_WINDOW_S is recorded
+    in full and the rest counted, the count recorded as one
+    `agent.messages_refused` event once the window has passed
+    (controlplane.audit.actions.do_record_bounded_event). Returns the event
+    written, or None when the refusal was only counted."""
     if agent is not None:
         actor = f"agent:{agent.name}"
     elif signer:
@@ -286,10 +298,13 @@ def do_record_message_refused(
         _meta=SimpleNamespace(model_name="message"),
         pk=f"{type}:{job_id if job_id is not None else '-'}",
     )
-    return do_record_event(
+    return do_record_bounded_event(
         actor,
         "agent.message_refused",
         obj,
+        source=f"agent:{agent.name}" if agent is not None else "unenrolled",
+        reason=f"{type}: {reason_class(reason)}",
+        summary_verb="agent.messages_refused",
         after={
             "type": type,
             "job_id": job_id,
@@ -297,4 +312,18 @@ def do_record_message_refused(
             "agent": agent.name if agent else None,
             "reason": reason[:500],
         },
+        window_s=settings.RELEASEGATE_REFUSAL_WINDOW_S,
+        max_reasons=settings.RELEASEGATE_REFUSAL_REASONS_PER_WINDOW,
     )
+
+
+def reason_class(reason: str) -> str:
+    """What kind of refusal `reason` is, without what a message put in it: the
+    words before the first colon, quoted values, numbers and hex strings
+    replaced (so "stale: sealed +900 s from now" and "the seal binds job_id=3,
+    the message 4" each stay one kind however many come)."""
+    head = reason.split(":", 1)[0]
+    head = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", head)
+    head = re.sub(r"\b[0-9a-fA-F]{8,}\b", "…", head)
+    head = re.sub(r"[+-]?\d+(\.\d+)?", "N", head)
+    return head[:120]
