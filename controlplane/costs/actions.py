@@ -6,6 +6,7 @@ whole models and the dotted keys that changed."""
 
 from typing import Any
 
+from django.db import transaction
 from pydantic import ValidationError
 
 from controlplane.accounts.actions import check_manage_team
@@ -15,9 +16,12 @@ from controlplane.costs.spec import CostModel
 from controlplane.errors import ValidationFailed, validation_failed
 from controlplane.fleet.models import Environment
 from controlplane.releases.actions.gate_policies import (
+    do_bump_gate_policy_version,
+    gate_policy_for,
     merged,
     save_environment_spec,
 )
+from controlplane.releases.gates import prices_with_cost_model
 
 
 def cost_model_of(environment: Environment) -> tuple[CostModel, bool]:
@@ -71,13 +75,29 @@ def do_update_cost_model(
 
 
 def _save(environment: Environment, new_model, *, actor: Actor):
-    return save_environment_spec(
-        environment,
-        current=cost_model_for,
-        new_spec=new_model,
-        row_model=EnvironmentCostModel,
-        field="spec_json",
-        verb="environment.cost_model_set",
-        key="cost_model",
-        actor=actor,
-    )
+    """Write the model; when its pricing changed and the gate policy in force
+    prices a check with it, that counts as a gate-policy change (its version is
+    bumped in the same transaction), so an approval re-checks the stored
+    evidence against the new prices."""
+    with transaction.atomic():
+        Environment.objects.select_for_update().get(pk=environment.pk)
+        before = cost_model_for(environment).pricing
+        row = save_environment_spec(
+            environment,
+            current=cost_model_for,
+            new_spec=new_model,
+            row_model=EnvironmentCostModel,
+            field="spec_json",
+            verb="environment.cost_model_set",
+            key="cost_model",
+            actor=actor,
+        )
+        if row.spec.pricing != before and prices_with_cost_model(
+            gate_policy_for(environment)
+        ):
+            do_bump_gate_policy_version(
+                environment,
+                actor=actor,
+                why="the cost model its cost checks price with changed",
+            )
+    return row

@@ -296,6 +296,19 @@ class GatePolicy(_Policy):
         return Slo(workload.slo_ttft_p99_ms, workload.slo_tpot_p99_ms)
 
 
+def prices_with_cost_model(policy: GatePolicy) -> bool:
+    """Whether a check of `policy` is priced with the environment's cost model (a
+    cost limit, or a cost rise over live's, on any workload): a change of the
+    model's pricing can then change its outcome."""
+    if policy.load is None:
+        return False
+    return any(
+        t.max_cost_per_1m_output_tokens is not None
+        or t.max_cost_increase_pct is not None
+        for t in (policy.load.thresholds, *policy.load.per_workload.values())
+    )
+
+
 def evaluate_policy(
     policy: GatePolicy,
     quality: QualityReport | None,

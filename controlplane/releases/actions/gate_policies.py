@@ -117,6 +117,32 @@ def _save(environment: Environment, new_policy, *, actor: Actor):
     return row
 
 
+def do_bump_gate_policy_version(
+    environment: Environment, *, actor: Actor, why: str
+) -> EnvironmentGatePolicy:
+    """Count a change outside the policy that can change its outcomes (`why`: the
+    cost model its cost checks price with) as a policy change: its version goes
+    up, so an approval holds the stored evidence against it again
+    (gate_results.do_recheck_release_gates). An environment on the default
+    policy gets a row holding it. Call under the environment's row lock, in the
+    transaction of that change."""
+    with transaction.atomic():
+        row, _ = EnvironmentGatePolicy.objects.get_or_create(
+            environment=environment,
+            defaults={"policy": GatePolicy().model_dump(mode="json")},
+        )
+        EnvironmentGatePolicy.objects.filter(pk=row.pk).update(version=F("version") + 1)
+        row.refresh_from_db(fields=["version"])
+        do_record_event(
+            actor,
+            "environment.gate_policy_version_bumped",
+            environment,
+            after={"version": row.version, "why": why},
+            team=environment.team,
+        )
+    return row
+
+
 def save_environment_spec(
     environment: Environment,
     *,

@@ -130,9 +130,12 @@ def do_recheck_release_gates(release: Release, *, actor: Actor) -> GateDecision 
     versions = sorted({r.policy_version for r in recorded})
     if versions == [version]:
         return evaluate_gates(recorded)
+    # A change of the cost model that prices the policy's cost checks bumps
+    # the version too (costs.actions).
     changed = (
-        f"the gate policy of {release.target_environment} changed since the gate "
-        f"ran (version {', '.join(map(str, versions))} -> {version})"
+        f"the gate policy of {release.target_environment} (or the cost model its "
+        f"cost checks price with) changed since the gate ran (version "
+        f"{', '.join(map(str, versions))} -> {version})"
     )
     try:
         quality = evidence.quality_report(release)

@@ -1,11 +1,13 @@
 """Decisions that race with what changes meanwhile: a digest quarantined while its
 deploy runs, a re-verification answered after its copy stopped being live, and a
-gate policy changed between the gate and the approval. The agent's answers come
+gate policy (or the cost model its cost checks price with) changed between the
+gate and the approval. The agent's answers come
 through conftest.LocalAgent."""
 
 import pytest
 
 from controlplane.audit.models import AuditEvent
+from controlplane.costs.actions import do_set_cost_model, do_update_cost_model
 from controlplane.errors import GatesNoLongerPass
 from controlplane.fleet.models import Deployment
 from controlplane.releases.actions.approvals import do_approve_release
@@ -239,3 +241,97 @@ def test_an_approval_under_a_changed_policy_that_still_passes_goes_through(
     assert {r.policy_version for r in gated.gate_results.all()} == {2}
     evaluated = AuditEvent.objects.filter(verb="gate.evaluated").order_by("-id")[0]
     assert "version 1 -> 2" in evaluated.after["why"]
+
+
+# -- a cost model changed between the gate and the approval ---------------------------
+
+COST_POLICY = {
+    "quality": None,
+    "load": {"per_workload": {"chat": {"max_cost_per_1m_output_tokens": 1000}}},
+}
+
+
+@pytest.fixture
+def cost_gated(make_release, environment, owner):
+    """A release awaiting approval whose chat cost passed its limit (1000 per 1M
+    output tokens) at 2 USD a device-hour."""
+    do_set_cost_model(
+        environment, {"currency": "USD", "device_hourly_price": "2"}, actor=owner
+    )
+    do_set_gate_policy(environment, COST_POLICY, actor=owner)
+    release = make_release(
+        state="awaiting_approval", manifest_digest=DIGEST, signature="{}"
+    )
+    for kind in ("verify_source", "sign", "verify"):
+        do_finish_job(do_dispatch_job(release, kind), result={})
+    do_finish_job(
+        do_dispatch_job(release, "load_test"), result=load_report().model_dump()
+    )
+    decision = do_evaluate_release_gates(
+        release, quality=None, load=load_report(), integrity_ok=True
+    )
+    assert decision.ok, decision
+    assert chat_cost(release) < 1000
+    return release
+
+
+def chat_cost(release) -> float:
+    """The chat cost per 1M output tokens its gate result observed (failing the
+    gate above 1000)."""
+    result = release.gate_results.get(
+        gate="load:chat", metric="cost_per_1m_output_tokens"
+    )
+    assert result.outcome == ("pass" if result.observed <= 1000 else "fail")
+    return result.observed
+
+
+def test_an_approval_after_a_price_rise_fails_the_cost_gate_with_the_reason(
+    cost_gated, environment, owner, teammate, queued
+):
+    # a device-hour so dear that chat now costs more than its limit
+    price = f"{2 * 2000 / chat_cost(cost_gated):.2f}"
+    do_update_cost_model(environment, {"device_hourly_price": price}, actor=owner)
+
+    with pytest.raises(GatesNoLongerPass) as refused:
+        do_approve_release(cost_gated, teammate)
+
+    message = refused.value.message
+    assert "(or the cost model its cost checks price with) changed" in message
+    assert "since the gate ran (version 1 -> 2)" in message
+    assert "load:chat (cost_per_1m_output_tokens)" in message
+    assert state(cost_gated) == "awaiting_approval"
+    assert queued("run_deployment") == []
+    assert chat_cost(cost_gated) > 1000
+    bumped = AuditEvent.objects.get(verb="environment.gate_policy_version_bumped")
+    assert bumped.after == {
+        "version": 2,
+        "why": "the cost model its cost checks price with changed",
+    }
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"currency": "USD"},  # the same prices
+        {"target_requests_per_s": {"chat": 5.0}, "note": "peak"},  # no price
+    ],
+)
+def test_a_cost_model_change_that_prices_nothing_new_is_no_policy_change(
+    cost_gated, environment, owner, teammate, change
+):
+    do_update_cost_model(environment, change, actor=owner)
+
+    do_approve_release(cost_gated, teammate)
+
+    assert state(cost_gated) == "approved"
+    assert EnvironmentGatePolicy.objects.get(environment=environment).version == 1
+
+
+def test_a_price_change_under_a_policy_without_cost_checks_is_no_policy_change(
+    gated, environment, owner
+):
+    do_set_cost_model(
+        environment, {"currency": "USD", "device_hourly_price": "9"}, actor=owner
+    )
+
+    assert EnvironmentGatePolicy.objects.get(environment=environment).version == 1
