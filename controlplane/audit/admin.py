@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from controlplane.audit.models import AuditChainHead, AuditEvent
+from controlplane.audit.models import AuditChainHead, AuditEvent, EventWindow
 
 
 @admin.register(AuditEvent)
@@ -23,6 +23,22 @@ class AuditEventAdmin(admin.ModelAdmin):
 class AuditChainHeadAdmin(admin.ModelAdmin):
     # Moved only by chain_pending; shown so an operator can copy the head hash.
     list_display = ("last_event_id", "last_seq", "last_hash")
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(EventWindow)
+class EventWindowAdmin(admin.ModelAdmin):
+    # Refusals being counted now (written only by audit.actions): read-only.
+    list_display = ("window_start", "verb", "source", "reason", "count", "last_seen")
+    list_filter = ("verb", "source")
 
     def has_add_permission(self, request):
         return False

@@ -17,8 +17,7 @@ operator who wants the control plane to decide enrolls the agent with a list
 (`[]`: no external backend at all)."""
 
 from controlplane.errors import ValidationFailed
-from controlplane.fleet.backend import job_backend
-from controlplane.fleet.models import Agent, Environment, ServingPreset
+from controlplane.fleet.models import Agent, ServingPreset
 from gpuagent.protocol import (
     AGENT_PRESET_TEMPLATES,
     BackendSpec,
@@ -35,12 +34,6 @@ def external_template(spec: BackendSpec) -> str:
     if spec.command_template:
         return spec.command_template
     return AGENT_PRESET_TEMPLATES.get(spec.preset, spec.preset)
-
-
-def environment_template(environment: Environment) -> str:
-    """The command template `environment`'s deploy jobs start now ("" for the
-    engine), as its deploy jobs carry it (controlplane.fleet.backend.job_backend)."""
-    return external_template(job_backend(environment.serving_backend))
 
 
 def preset_templates() -> dict[str, str]:

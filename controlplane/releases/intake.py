@@ -41,10 +41,13 @@ class Refused(Exception):
 
 
 def _refuse(exc: Refused, *, type: str, job_id=None) -> str:
-    log.warning("refused %s message (job %s): %s", type, job_id, exc.reason)
-    do_record_message_refused(
+    recorded = do_record_message_refused(
         exc.reason, type=type, signer=exc.signer, job_id=job_id, agent=exc.agent
     )
+    # Logged as audited: a flood's first refusal of a kind in full, the rest
+    # counted (debug only, so a flood does not flood the log either).
+    level = logging.WARNING if recorded is not None else logging.DEBUG
+    log.log(level, "refused %s message (job %s): %s", type, job_id, exc.reason)
     return "refused"
 
 
@@ -190,7 +193,7 @@ def _check_programs(job: Job, agent: Agent, sealed: Seal) -> None:
     """A deploy that starts an external backend counts only from an agent whose
     enrollment allows its command (controlplane.fleet.programs); another's answer
     is refused and the job sent to an agent that may run it."""
-    template = programs.external_template(stages.request_for(job).backend)
+    template = programs.external_template(stages.backend_for(job))
     problem = programs.record_problem(agent, template)
     if problem:
         refused = Refused(problem, agent, sealed.signer)

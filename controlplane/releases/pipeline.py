@@ -121,7 +121,7 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
         others = [a for a in agents if a.pk != signer]
         return others[0].queue if others else pool
     if job.kind == "deploy":
-        template = programs.external_template(stages.request_for(job).backend)
+        template = programs.external_template(stages.backend_for(job))
         if template:
             return _external_deploy_queue(agents, template)
     if job.kind in ("reverify", "undeploy"):

@@ -15,7 +15,7 @@ from controlplane.releases import evidence
 from controlplane.releases.actions.jobs import do_finish_job
 from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.models import Job, Release
-from gpuagent.protocol import HashResult, JobRequest, JobResult, Recipe
+from gpuagent.protocol import BackendSpec, HashResult, JobRequest, JobResult, Recipe
 
 
 def approved_digest(release: Release) -> str:
@@ -66,6 +66,17 @@ def untrusted_now(release: Release) -> str:
     )
 
 
+def backend_for(job: Job, deployment: Deployment | None = None) -> BackendSpec:
+    """The serving backend `job`'s request carries: that of the environment of
+    the deployment it acts on (`deployment`, else deployment_of(job)), else of
+    its release's target environment."""
+    deployment = deployment or (
+        deployment_of(job) if job.kind in ("deploy", "undeploy", "reverify") else None
+    )
+    environment = deployment.environment if deployment else None
+    return job_backend((environment or job.release.target_environment).serving_backend)
+
+
 def request_for(job: Job) -> JobRequest:
     """The request for `job`'s current attempt."""
     release = job.release
@@ -92,11 +103,7 @@ def request_for(job: Job) -> JobRequest:
         signature=release.signature,
         deployment_id=deployment.pk if deployment else None,
         serving_id=deployment.serving_id if deployment else "",
-        backend=job_backend(
-            deployment.environment.serving_backend
-            if deployment
-            else release.target_environment.serving_backend
-        ),
+        backend=backend_for(job, deployment),
         quarantined_digests=quarantined_digests() if job.kind == "deploy" else [],
         load_plan=(
             load_plan_for(release.target_environment)
