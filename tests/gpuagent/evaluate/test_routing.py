@@ -13,8 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpuagent.engine.engine import LLMEngine
+from gpuagent.engine.loader import load_model
 from gpuagent.engine.routing import RoutingRecorder
-from gpuagent.evaluate import EngineModel, Settings, evaluate_quality
+from gpuagent.engine.tokenizer import load_tokenizer
+from gpuagent.evaluate import Endpoint, EngineModel, Settings, evaluate_quality
 from gpuagent.evaluate.__main__ import main
 from gpuagent.evaluate.evalsets import load_text_slices
 from gpuagent.evaluate.routing import (
@@ -28,6 +31,7 @@ from gpuagent.evaluate.routing import (
 from gpuagent.protocol import LayerRouting, RoutingReport
 from tests.gpuagent.conftest import DEMO_MODEL
 from tests.gpuagent.engine.test_moe_archs import deepseek_folder
+from tests.gpuagent.serving import serve
 
 NUM_EXPERTS, TOP_K = 16, 4
 QUICK = Settings(
@@ -272,6 +276,21 @@ def test_a_dense_model_is_marked_not_applicable():
 
     assert routing.status == "not_applicable"
     assert "dense" in routing.reason and routing.min_router_agreement is None
+
+
+def test_over_http_a_moe_models_routing_is_unknown_never_measured(folders, parent):
+    model = load_model(folders["bias"])
+    engine = LLMEngine(model, load_tokenizer(folders["bias"]), num_blocks=40)
+    settings = Settings(
+        continuation_tokens=1, passage_tokens=32, slices=("english",), max_items=1
+    )
+
+    with serve(engine, "moe") as (url, _):
+        report = evaluate_quality(Endpoint(url), parent, settings)
+
+    assert report.method == "http_top_n"
+    assert report.routing.status == "unknown" and not report.routing.layers
+    assert "not visible" in report.routing.reason
 
 
 def test_the_cli_prints_each_layer_and_writes_them(folders, tmp_path, capsys):
