@@ -791,6 +791,9 @@ class LayerRouting(_Message):
     router_agreement: float = Field(
         ge=0, le=1, description="share of tokens whose top-k expert set is the same"
     )
+    router_agreement_ci95: Interval | None = Field(
+        None, description="block-bootstrap interval, as the slices' (None: too few)"
+    )
     mean_jaccard: float = Field(
         ge=0, le=1, description="mean |A and B| / |A or B| of the two expert sets"
     )

@@ -448,18 +448,28 @@ def _routing(t: RoutingThresholds, report: RoutingReport | None) -> list[GateOut
             )
             for metric, limit, _ in checks
         ]
+    worst = next(e for e in report.layers if e.layer == report.worst_agreement_layer)
     observed = {
-        "router_agreement": (report.min_router_agreement, report.worst_agreement_layer),
-        "expert_load_shift": (report.max_load_shift, report.worst_load_shift_layer),
+        "router_agreement": (
+            report.min_router_agreement,
+            report.worst_agreement_layer,
+            worst.router_agreement_ci95,
+        ),
+        "expert_load_shift": (
+            report.max_load_shift,
+            report.worst_load_shift_layer,
+            None,
+        ),
         "expert_load_change": (
             report.max_load_change,
             max(report.layers, key=lambda e: e.max_load_change).layer,
+            None,
         ),
     }
     outcomes = []
     for metric, limit, bound in checks:
-        value, layer = observed[metric]
-        outcome = compare(ROUTING_GATE, metric, value, limit, bound)
+        value, layer, ci95 = observed[metric]
+        outcome = compare(ROUTING_GATE, metric, value, limit, bound, ci95=ci95)
         outcomes.append(
             GateOutcome(
                 ROUTING_GATE,

@@ -258,5 +258,5 @@ def evaluate_quality(
         slices=results,
         candidate_kv_cache_dtype=getattr(candidate, "kv_cache_dtype", None),
         reference_kv_cache_dtype=getattr(reference, "kv_cache_dtype", None),
-        routing=tally.report() if tally is not None else routing,
+        routing=tally.report(rng) if tally is not None else routing,
     )

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from gpuagent.engine.routing import RoutingRecorder
+from gpuagent.evaluate.metrics import bootstrap_ci
 from gpuagent.protocol import LayerRouting, RoutingReport
 
 DENSE_REASON = "dense model: no routed experts, so no router to compare"
@@ -85,7 +87,7 @@ def max_load_change(
 class _Layer:
     num_experts: int
     tokens: int = 0
-    same: int = 0
+    same: list[np.ndarray] = field(default_factory=list)  # [T] bool per sequence
     jaccard_sum: float = 0.0
     candidate_load: Tensor | None = None
     reference_load: Tensor | None = None
@@ -93,7 +95,7 @@ class _Layer:
     def add(self, candidate: Tensor, reference: Tensor) -> None:
         e = self.num_experts
         self.tokens += candidate.shape[0]
-        self.same += int(same_expert_set(candidate, reference).sum())
+        self.same.append(same_expert_set(candidate, reference).numpy())
         self.jaccard_sum += float(expert_set_jaccard(candidate, reference, e).sum())
         load_c, load_r = expert_load(candidate, e), expert_load(reference, e)
         if self.candidate_load is None:
@@ -102,12 +104,17 @@ class _Layer:
             self.candidate_load += load_c
             self.reference_load += load_r
 
-    def result(self, layer: int) -> LayerRouting:
+    def result(self, layer: int, rng: np.random.Generator | None) -> LayerRouting:
         change, expert = max_load_change(self.candidate_load, self.reference_load)
+        same = np.concatenate(self.same).astype(float)
+        starts = np.cumsum([0, *(len(s) for s in self.same[:-1])]).tolist()
         return LayerRouting(
             layer=layer,
             num_tokens=self.tokens,
-            router_agreement=self.same / self.tokens,
+            router_agreement=float(same.mean()),
+            router_agreement_ci95=(
+                bootstrap_ci(same, starts, rng) if rng is not None else None
+            ),
             mean_jaccard=min(1.0, self.jaccard_sum / self.tokens),
             load_shift=min(1.0, load_shift(self.candidate_load, self.reference_load)),
             max_load_change=change,
@@ -142,13 +149,15 @@ class RoutingTally:
             entry = self.layers.setdefault(layer, _Layer(self.num_experts))
             entry.add(ids_c, ids_r)
 
-    def report(self) -> RoutingReport:
-        """The measured RoutingReport; `unknown` when no token was routed."""
+    def report(self, rng: np.random.Generator | None = None) -> RoutingReport:
+        """The measured RoutingReport; `unknown` when no token was routed. `rng`:
+        for each layer's agreement interval, resampling blocks of tokens within
+        each sequence as the slices' intervals do (None: no intervals)."""
         measured = {i: e for i, e in sorted(self.layers.items()) if e.tokens}
         if not measured:
             return RoutingReport(status="unknown", reason="no token was routed")
         return RoutingReport.measured(
-            [entry.result(layer) for layer, entry in measured.items()],
+            [entry.result(layer, rng) for layer, entry in measured.items()],
             self.num_experts,
             self.top_k,
         )

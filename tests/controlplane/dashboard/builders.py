@@ -193,6 +193,9 @@ def moe_routing(*agreements: float, shift: float = 0.01) -> RoutingReport:
             layer=index,
             num_tokens=4096,
             router_agreement=agreement,
+            router_agreement_ci95=Interval(
+                low=agreement - 0.02, high=min(1.0, agreement + 0.02)
+            ),
             mean_jaccard=min(1.0, agreement + 0.04),
             load_shift=shift * index,
             max_load_change=0.1 * index,

@@ -244,8 +244,15 @@ def test_it_shows_a_moe_releases_routing_per_layer_against_the_policy(
     body = client.get(f"/releases/{release.pk}/").content.decode()
 
     rows = _routing_rows(body)
-    assert rows["1"] == ["1", "4096", "95.0%", "0.9900", "0.01", "0.1 (expert 8)"]
-    assert rows["2"][2] == "71.0%" and rows["3"][4] == "0.03"
+    assert rows["1"] == [
+        "1",
+        "4096",
+        "95.0% [93.0%, 97.0%]",
+        "0.9900",
+        "0.01",
+        "0.1 (expert 8)",
+    ]
+    assert rows["2"][2] == "71.0% [69.0%, 73.0%]" and rows["3"][4] == "0.03"
     # the layer under the policy's 90% is marked, the others not
     table = re.search(r'<table id="routing">(.*?)</table>', body, re.S).group(1)
     assert table.count("state-fail") == 1

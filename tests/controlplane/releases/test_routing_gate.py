@@ -12,15 +12,16 @@ from controlplane.releases.gates import (
     evaluate_gates,
     evaluate_policy,
 )
-from gpuagent.protocol import LayerRouting, RoutingReport
+from gpuagent.protocol import Interval, LayerRouting, RoutingReport
 from tests.controlplane.releases.test_evaluate_policy import quality_report
 
 
-def layer(index, agreement=0.9, shift=0.01, change=0.2):
+def layer(index, agreement=0.9, shift=0.01, change=0.2, ci95=None):
     return LayerRouting(
         layer=index,
         num_tokens=2048,
         router_agreement=agreement,
+        router_agreement_ci95=ci95,
         mean_jaccard=min(1.0, agreement + 0.05),
         load_shift=shift,
         max_load_change=change,
@@ -67,6 +68,18 @@ def test_the_worst_layer_fails_the_release_and_is_named():
     assert (
         decision.outcome == "fail" and "routing (router_agreement)" in decision.reason
     )
+
+
+def test_an_interval_across_the_threshold_is_too_few_tokens_to_tell():
+    unsure = layer(2, agreement=0.58, ci95=Interval(low=0.52, high=0.64))
+    sure = layer(2, agreement=0.58, ci95=Interval(low=0.55, high=0.59))
+
+    found, outcomes = routing_outcomes(moe(layer(1), unsure))
+    assert found["router_agreement"].outcome == "inconclusive"
+    assert "too few tokens to tell" in found["router_agreement"].reason
+    assert evaluate_gates(outcomes).outcome == "inconclusive"
+    found, _ = routing_outcomes(moe(layer(1), sure))
+    assert found["router_agreement"].outcome == "fail"
 
 
 @pytest.mark.parametrize(

@@ -261,6 +261,8 @@ def test_a_changed_router_agrees_less_as_computed_by_hand(
     assert measured.router_agreement == pytest.approx(agreement, abs=1e-9)
     assert measured.load_shift == pytest.approx(shift, abs=1e-9)
     assert measured.mean_jaccard < 1 and measured.max_load_change > 0
+    ci = measured.router_agreement_ci95
+    assert ci.low < measured.router_agreement < ci.high
     assert routing.min_router_agreement == measured.router_agreement
     # the layers before the changed router route as the parent does
     assert all(e.router_agreement == 1 for e in routing.layers if e.layer < layer)
