@@ -212,6 +212,22 @@ def test_it_shows_the_gate_policy_outcomes_with_missing_evidence(
     ]
 
 
+def test_it_compares_a_moe_releases_routing_with_live(
+    client, teammate, make_live, awaiting
+):
+    make_live("0.9.0", routing=moe_routing(0.93, 0.88))
+    candidate = awaiting("1.0.0", routing=moe_routing(0.9, 0.72, shift=0.02))
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{candidate.pk}/")
+
+    differing = {d.what: d for d in response.context["evidence"].comparison.differences}
+    agreement = differing["router agreement vs its reference (worst MoE layer)"]
+    assert (agreement.candidate, agreement.live) == ("0.72", "0.88")
+    shift = differing["expert-load shift vs its reference (worst MoE layer)"]
+    assert (shift.candidate, shift.live) == ("0.04", "0.02")
+
+
 def _routing_rows(body: str) -> dict[str, list[str]]:
     table = re.search(r'<table id="routing">(.*?)</table>', body, re.S).group(1)
     rows = re.findall(r'<tr data-layer="(\d+)">(.*?)</tr>', table, re.S)
