@@ -824,6 +824,117 @@ class SliceQuality(_Message):
     )
 
 
+class LayerRouting(_Message):
+    """Router agreement and expert-load shift of one MoE layer: the candidate's
+    expert choices against the reference's on the same tokens (teacher-forced,
+    the same inputs on both sides)."""
+
+    layer: int = Field(ge=0, description="decoder layer index")
+    num_tokens: int = Field(ge=1, description="tokens routed on both sides")
+    router_agreement: float = Field(
+        ge=0, le=1, description="share of tokens whose top-k expert set is the same"
+    )
+    router_agreement_ci95: Interval | None = Field(
+        None, description="block-bootstrap interval, as the slices' (None: too few)"
+    )
+    mean_jaccard: float = Field(
+        ge=0, le=1, description="mean |A and B| / |A or B| of the two expert sets"
+    )
+    load_shift: float = Field(
+        ge=0,
+        le=1,
+        description="total-variation distance between the two per-expert load "
+        "distributions (shares of the routed token-slots)",
+    )
+    max_load_change: float = Field(
+        ge=0,
+        description="largest |candidate - reference| load of one expert, relative "
+        "to the reference's load of it, or to the mean load where that is smaller",
+    )
+    max_load_change_expert: int = Field(ge=0, description="the expert it is")
+
+
+ROUTING_STATUSES = ("measured", "not_applicable", "unknown")
+
+
+class RoutingReport(_Message):
+    """The MoE regression of a quality report: per MoE layer, how often the
+    candidate's router picks the reference's top-k expert set, and how far the
+    load over experts moved; the worst layer of each. `not_applicable`: a dense
+    model (no router). `unknown`: routing could not be seen (an HTTP endpoint
+    returns no routing): `reason` says why. Only `measured` is evidence."""
+
+    status: Literal["measured", "not_applicable", "unknown"]
+    reason: str = ""
+    num_experts: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=1)
+    layers: list[LayerRouting] = []
+    min_router_agreement: float | None = Field(None, ge=0, le=1)
+    worst_agreement_layer: int | None = None
+    max_load_shift: float | None = Field(None, ge=0, le=1)
+    worst_load_shift_layer: int | None = None
+    max_load_change: float | None = Field(None, ge=0)
+
+    @classmethod
+    def measured(
+        cls, layers: list[LayerRouting], num_experts: int, top_k: int
+    ) -> RoutingReport:
+        """A measured report over `layers`, its worst-layer summary filled in."""
+        worst = min(layers, key=lambda e: e.router_agreement)
+        shifted = max(layers, key=lambda e: e.load_shift)
+        return cls(
+            status="measured",
+            num_experts=num_experts,
+            top_k=top_k,
+            layers=layers,
+            min_router_agreement=worst.router_agreement,
+            worst_agreement_layer=worst.layer,
+            max_load_shift=shifted.load_shift,
+            worst_load_shift_layer=shifted.layer,
+            max_load_change=max(e.max_load_change for e in layers),
+        )
+
+    @model_validator(mode="after")
+    def _summary_matches_layers(self) -> RoutingReport:
+        if self.status != "measured":
+            filled = [
+                name
+                for name in (
+                    "num_experts",
+                    "top_k",
+                    "min_router_agreement",
+                    "worst_agreement_layer",
+                    "max_load_shift",
+                    "worst_load_shift_layer",
+                    "max_load_change",
+                )
+                if getattr(self, name) is not None
+            ]
+            if self.layers or filled:
+                raise ValueError(f"a {self.status} routing report carries no numbers")
+            if not self.reason:
+                raise ValueError(f"a {self.status} routing report says why")
+            return self
+        if not self.layers or self.num_experts is None or self.top_k is None:
+            raise ValueError("a measured routing report has layers, experts and top_k")
+        indices = [entry.layer for entry in self.layers]
+        if indices != sorted(set(indices)):
+            raise ValueError("routing layers must be distinct and in layer order")
+        worst = min(self.layers, key=lambda e: e.router_agreement)
+        shifted = max(self.layers, key=lambda e: e.load_shift)
+        expected = {
+            "min_router_agreement": worst.router_agreement,
+            "worst_agreement_layer": worst.layer,
+            "max_load_shift": shifted.load_shift,
+            "worst_load_shift_layer": shifted.layer,
+            "max_load_change": max(e.max_load_change for e in self.layers),
+        }
+        wrong = [name for name, v in expected.items() if getattr(self, name) != v]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} must be the worst over the layers")
+        return self
+
+
 class QualityReport(_Message):
     """Quality regression of a candidate against its reference (the uncompressed parent
     with bf16 KV). `method` says how the KL divergence was measured: over the full
@@ -840,6 +951,11 @@ class QualityReport(_Message):
         None, description="in-process only (an endpoint's is its own)"
     )
     reference_kv_cache_dtype: str | None = None
+    routing: RoutingReport | None = Field(
+        None,
+        description="router agreement and expert-load shift (MoE); None in reports "
+        "made before routing was measured, which the gate can't read as dense",
+    )
 
 
 class Percentiles(_Message):

@@ -101,6 +101,20 @@ def compare_with_live(
                         other.mean_kld,
                     )
                 )
+        mine, theirs = candidate_quality.routing, live_quality.routing
+        if mine and theirs and mine.status == theirs.status == "measured":
+            rows += [
+                (
+                    "router agreement vs its reference (worst MoE layer)",
+                    mine.min_router_agreement,
+                    theirs.min_router_agreement,
+                ),
+                (
+                    "expert-load shift vs its reference (worst MoE layer)",
+                    mine.max_load_shift,
+                    theirs.max_load_shift,
+                ),
+            ]
     differences = [
         Difference(what, _fmt(mine), _fmt(theirs))
         for what, mine, theirs in rows

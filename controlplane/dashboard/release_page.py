@@ -1,7 +1,8 @@
 """Everything the release detail page shows about one release's evidence, gathered in
 one place: its reports and those of its parent and of the release live in its target
-environment, the charts drawn from them, what differs from live, and its money and
-capacity (controlplane.costs.report) against live."""
+environment, the charts drawn from them, what differs from live, its money and
+capacity (controlplane.costs.report) against live, and (MoE) its routing against
+its parent per layer with the gate policy's routing thresholds."""
 
 from dataclasses import dataclass, field
 
@@ -9,8 +10,9 @@ from controlplane.costs.report import ReleaseCosts, economics, release_costs
 from controlplane.dashboard import charts
 from controlplane.dashboard.comparison import LiveComparison, compare_with_live
 from controlplane.releases import evidence
+from controlplane.releases.gates import RoutingThresholds
 from controlplane.releases.models import Release
-from gpuagent.protocol import LoadTestReport, QualityReport
+from gpuagent.protocol import LoadTestReport, QualityReport, RoutingReport
 
 PERFORMANCE_CHARTS = (
     "memory",
@@ -38,6 +40,13 @@ class ReleaseEvidence:
     charts: dict[str, dict] = field(default_factory=dict)
     # Reports that were recorded but don't validate: shown, never taken as evidence.
     problems: list[str] = field(default_factory=list)
+    # the environment's routing thresholds (None: not gated on routing)
+    routing_thresholds: RoutingThresholds | None = None
+
+    @property
+    def routing(self) -> RoutingReport | None:
+        """The quality report's routing section (None: none reported)."""
+        return self.quality.routing if self.quality is not None else None
 
     @property
     def performance_charts(self) -> list[tuple[str, dict]]:
@@ -80,6 +89,8 @@ def release_evidence(
     page.costs = costs = release_costs(release, targets=targets, load=page.load)
     problems += costs.env.problems
     page.live_release = costs.live_release
+    quality_policy = costs.env.policy.quality
+    page.routing_thresholds = quality_policy.routing if quality_policy else None
     parent = release.parent
     parent_load = _read(problems, evidence.load_report, parent)
     live_load = costs.env.live_load if page.live_release else None

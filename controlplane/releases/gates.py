@@ -11,10 +11,14 @@ Default policy (GatePolicy()): every quality slice of gpuagent.protocol.QUALITY_
 and every workload of LOAD_PROFILES must be reported; per slice mean KLD <= 0.03,
 same-top-1 >= 0.92, perplexity ratio <= 1.05, flip rate <= 0.25 and the long-context
 fact retrieved (the "good 4-bit" grade: lossless KLD <= 0.002 / top-1 >= 0.975 would
-fail every int4 recipe); per workload TTFT p99 <= 2000 ms and TPOT p99 <= 100 ms (the
-workload's SLO), and against the release live in the environment max concurrency at
-the SLO and goodput each down by at most 10%; sessions, cost and prefix-cache limits
-off until a team sets them; integrity must pass, always.
+fail every int4 recipe); for a MoE candidate, at its worst MoE layer, router
+agreement (tokens whose top-k expert set is the parent's) >= 0.6 and expert-load
+shift (total variation) <= 0.05, a dense one not subject to them (skipped) and a
+report without routing evidence inconclusive; per workload TTFT p99 <= 2000 ms
+and TPOT p99 <= 100 ms (the workload's SLO), and against the release live in the
+environment max concurrency at the SLO and goodput each down by at most 10%;
+sessions, cost and prefix-cache limits off until a team sets them; integrity must
+pass, always.
 
 Comparisons with live need a live release: where none is (the first release of an
 environment) one "live" outcome says so as `skipped`, which neither passes nor holds
@@ -56,6 +60,7 @@ from gpuagent.protocol import (
     QUALITY_SLICES,
     LoadTestReport,
     QualityReport,
+    RoutingReport,
     SliceQuality,
     WorkloadReport,
 )
@@ -198,6 +203,34 @@ def _overrides(entries: dict, base: _Policy) -> dict:
     return merged
 
 
+class RoutingThresholds(_Policy):
+    """MoE routing of the candidate against its parent on the same tokens (the
+    quality report's `routing`), judged at the worst MoE layer. A key left out
+    takes its default; null turns that check off. A dense release is not subject
+    to it; a MoE release with no routing evidence is inconclusive."""
+
+    min_router_agreement: float | None = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="the worst MoE layer's share of tokens whose top-k expert set "
+        "is the parent's",
+    )
+    max_expert_load_shift: float | None = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="the worst MoE layer's total-variation distance between the "
+        "candidate's and the parent's per-expert load shares",
+    )
+    max_expert_load_change: float | None = Field(
+        None,
+        ge=0,
+        description="the largest change of one expert's load, relative to the "
+        "parent's load of it (or to the mean load, where that is larger)",
+    )
+
+
 class QualityPolicy(_Policy):
     slices: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=lambda: list(QUALITY_SLICES),
@@ -213,6 +246,11 @@ class QualityPolicy(_Policy):
     )
     require_retrieval: bool = Field(
         True, description="long_context: the planted fact must be retrieved"
+    )
+    routing: RoutingThresholds | None = Field(
+        default_factory=RoutingThresholds,
+        description="MoE router agreement and expert-load shift against the parent "
+        "(null: not gated on routing)",
     )
 
     @field_validator("slices")
@@ -389,6 +427,73 @@ def _quality(policy: QualityPolicy, report: QualityReport | None) -> list[GateOu
     for name, entry in by_name.items():
         thresholds = policy.per_slice.get(name, policy.thresholds)
         outcomes += _slice(entry, thresholds, policy.require_retrieval)
+    if policy.routing is not None:
+        outcomes += _routing(policy.routing, report.routing)
+    return outcomes
+
+
+ROUTING_GATE = "routing"
+
+
+def _routing(t: RoutingThresholds, report: RoutingReport | None) -> list[GateOutcome]:
+    checks = [
+        ("router_agreement", t.min_router_agreement, "min"),
+        ("expert_load_shift", t.max_expert_load_shift, "max"),
+        ("expert_load_change", t.max_expert_load_change, "max"),
+    ]
+    checks = [check for check in checks if check[1] is not None]
+    if not checks:
+        return []
+    if report is not None and report.status == "not_applicable":
+        # dense: not subject to it. One skipped outcome, so the page says why.
+        reason = f"not applicable: {report.reason}"
+        return [GateOutcome(ROUTING_GATE, "router", None, None, SKIPPED, reason)]
+    if report is None or report.status != "measured":
+        why = (
+            report.reason
+            if report is not None
+            else "the quality report doesn't say how the model routes experts "
+            "(evaluated before routing was measured)"
+        )
+        return [
+            GateOutcome(
+                ROUTING_GATE, metric, None, limit, INCONCLUSIVE, f"no evidence: {why}"
+            )
+            for metric, limit, _ in checks
+        ]
+    worst = next(e for e in report.layers if e.layer == report.worst_agreement_layer)
+    observed = {
+        "router_agreement": (
+            report.min_router_agreement,
+            report.worst_agreement_layer,
+            worst.router_agreement_ci95,
+        ),
+        "expert_load_shift": (
+            report.max_load_shift,
+            report.worst_load_shift_layer,
+            None,
+        ),
+        "expert_load_change": (
+            report.max_load_change,
+            max(report.layers, key=lambda e: e.max_load_change).layer,
+            None,
+        ),
+    }
+    outcomes = []
+    for metric, limit, bound in checks:
+        value, layer, ci95 = observed[metric]
+        outcome = compare(ROUTING_GATE, metric, value, limit, bound, ci95=ci95)
+        outcomes.append(
+            GateOutcome(
+                ROUTING_GATE,
+                metric,
+                value,
+                limit,
+                outcome.outcome,
+                f"{outcome.reason} (worst of {len(report.layers)} MoE layers: "
+                f"layer {layer})",
+            )
+        )
     return outcomes
 
 

@@ -35,6 +35,7 @@ from gpuagent.engine.model import (
 from gpuagent.engine.moe import MoE, RouterConfig, swiglu
 
 if TYPE_CHECKING:
+    from gpuagent.engine.routing import RoutingRecorder
     from kernels.kv_quant import PagedKVCache
 
 MOE_MODEL_TYPES = {
@@ -368,6 +369,7 @@ class MoEBlock(nn.Module):
 
     def __init__(self, config: MoEConfig, index: int) -> None:
         super().__init__()
+        self.index = index
         hidden = config.hidden_size
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.self_attn = MLAAttention(config) if config.is_mla else GLMAttention(config)
@@ -390,6 +392,7 @@ class MoEBlock(nn.Module):
         cache: PagedKVCache,
         attn: AttentionMetadata,
         out_rows: Tensor | None = None,
+        routing: RoutingRecorder | None = None,
     ) -> Tensor:
         attn_out = self.self_attn(
             self.input_layernorm(x), cos, sin, cache, attn, out_rows
@@ -397,11 +400,22 @@ class MoEBlock(nn.Module):
         if out_rows is not None:
             x = x[out_rows]
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._mlp(self.post_attention_layernorm(x), routing)
 
-    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward_dense(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        routing: RoutingRecorder | None = None,
+    ) -> Tensor:
         x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._mlp(self.post_attention_layernorm(x), routing)
+
+    def _mlp(self, x: Tensor, routing: RoutingRecorder | None) -> Tensor:
+        if routing is None or not isinstance(self.mlp, MoE):
+            return self.mlp(x)
+        return self.mlp(x, lambda ids: routing.record(self.index, ids))
 
 
 class MoETransformer(nn.Module):
@@ -442,8 +456,13 @@ class MoETransformer(nn.Module):
         kv_caches: list[PagedKVCache],
         attn: AttentionMetadata,
         all_logits: bool = False,
+        routing: RoutingRecorder | None = None,
     ) -> Tensor:
-        """Logits float32 [B, vocab] for each seq's last new token, or [T, vocab]."""
+        """Logits float32 [B, vocab] for each seq's last new token, or [T, vocab].
+
+        `routing`: where each MoE layer records its router's expert ids (None:
+        nothing recorded). With `all_logits` every token's; without, the last
+        layer routes (and records) only each sequence's last new token."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} caches, got {len(kv_caches)}")
         h = self.embed_tokens(input_ids)
@@ -453,17 +472,26 @@ class MoETransformer(nn.Module):
             last = attn.query_start_loc[1:].long() - 1
         final = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            h = layer(h, cos, sin, cache, attn, last if i == final else None)
+            h = layer(h, cos, sin, cache, attn, last if i == final else None, routing)
         return self.lm_head(self.norm(h)).float()
 
-    def forward_dense(self, tokens: Tensor) -> Tensor:
-        """Causal logits float32 [B, T, vocab] for tokens [B, T], positions 0..T-1."""
+    def forward_dense(
+        self, tokens: Tensor, routing: RoutingRecorder | None = None
+    ) -> Tensor:
+        """Causal logits float32 [B, T, vocab] for tokens [B, T], positions 0..T-1;
+        `routing` records each MoE layer's expert ids of the B * T tokens, row
+        b * T + t for token t of sequence b."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = self._rope(positions)
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h = layer.forward_dense(h, cos, sin)
+            h = layer.forward_dense(h, cos, sin, routing)
         return self.lm_head(self.norm(h)).float()
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP routes experts (after first_k_dense_replace)."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
 
     def prepack_cpu_weights(self) -> bool:
         """Pack the dense projections for oneDNN (see `model.prepack_weight`)."""

@@ -15,6 +15,7 @@ Submodule names follow the Hugging Face checkpoints (`mlp.gate.weight`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,10 +161,16 @@ class MoE(nn.Module):
             ok = self.shared_experts.prepack() and ok
         return ok
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, on_route: Callable[[Tensor], None] | None = None
+    ) -> Tensor:
+        """`on_route`: given the router's expert ids [T, k] of every token (the
+        evaluator's `routing.RoutingRecorder`); None on the serving path."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         weights, ids = self.gate(flat)
+        if on_route is not None:
+            on_route(ids)
         out = self.experts(flat, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

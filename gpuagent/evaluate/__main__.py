@@ -4,7 +4,9 @@
 [--passage-tokens N] [--continuation-tokens N] [--max-items N] [--threads N]
 [--json OUT]`
 
-Prints one row per slice (and overall) and writes the QualityReport as JSON. A side
+Prints one row per slice (and overall), then for a MoE candidate one row per MoE
+layer (router agreement, expert-load shift) and the worst layer, and writes the
+QualityReport as JSON. A side
 given as a folder is loaded by the project's engine with its own KV dtype
 (`--kv-cache-dtype` for the candidate; the reference defaults to bf16, the
 uncompressed parent's); a side given as http(s)://... is scored over the
@@ -30,7 +32,7 @@ from gpuagent.evaluate.regression import (
     evaluate_quality,
 )
 from gpuagent.evaluate.remote import Endpoint, EndpointError
-from gpuagent.protocol import KV_CACHE_DTYPES, QualityReport
+from gpuagent.protocol import KV_CACHE_DTYPES, QualityReport, RoutingReport
 
 ALL_SLICES = (*TEXT_SLICES, LONG_CONTEXT)
 
@@ -120,7 +122,34 @@ def render(report: QualityReport) -> str:
             f"{s.p99_kld:>9.4f}{s.max_kld:>8.3f}{100 * s.same_top1:>7.2f}%"
             f"{s.ppl_ratio:>10.4f}{100 * s.exact_match:>6.0f}%{s.flips:>6}  {retrieval}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + render_routing(report.routing))
+
+
+def render_routing(routing: RoutingReport | None) -> list[str]:
+    """The MoE regression: one row per MoE layer and the worst layer's numbers."""
+    if routing is None:
+        return ["routing: not reported"]
+    if routing.status != "measured":
+        return [f"routing: {routing.status.replace('_', ' ')} ({routing.reason})"]
+    lines = [
+        f"routing: top-{routing.top_k} of {routing.num_experts} experts, "
+        "candidate vs reference on the same tokens",
+        f"{'layer':<7}{'tokens':>8}{'agreement':>11}{'jaccard':>9}"
+        f"{'load shift':>12}{'max load change':>17}",
+    ]
+    for e in routing.layers:
+        lines.append(
+            f"{e.layer:<7}{e.num_tokens:>8}{100 * e.router_agreement:>10.2f}%"
+            f"{e.mean_jaccard:>9.4f}{e.load_shift:>12.4f}"
+            f"{e.max_load_change:>9.3f} (e{e.max_load_change_expert})"
+        )
+    lines.append(
+        f"worst: agreement {100 * routing.min_router_agreement:.2f}% (layer "
+        f"{routing.worst_agreement_layer}), load shift {routing.max_load_shift:.4f} "
+        f"(layer {routing.worst_load_shift_layer}), max load change "
+        f"{routing.max_load_change:.3f}"
+    )
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> QualityReport:

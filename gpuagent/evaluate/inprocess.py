@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
+from gpuagent.engine.arch import MoETransformer
 from gpuagent.engine.cache import blocks_needed
 from gpuagent.engine.engine import LLMEngine, prepare_inputs
 from gpuagent.engine.loader import load_model
+from gpuagent.engine.routing import RoutingRecorder
 from gpuagent.engine.sampling import SamplingParams
 from gpuagent.engine.scheduler import ScheduledChunk
 from gpuagent.engine.scheduler import Sequence as Seq
@@ -75,10 +77,26 @@ class EngineModel:
         """A token as an OpenAI server names it in logprobs (to compare with one)."""
         return bytes_text(self._token_bytes(token_id))
 
-    def logprobs_chunks(self, ids: list[int]) -> Iterator[torch.Tensor]:
+    @property
+    def routes_experts(self) -> bool:
+        """Whether the model has MoE layers (a router to compare)."""
+        model = self.engine.model
+        return isinstance(model, MoETransformer) and bool(model.moe_layers)
+
+    @property
+    def router_shape(self) -> tuple[int, int]:
+        """(routed experts, experts per token) of a model that routes experts."""
+        config = self.engine.model.config
+        return config.n_routed_experts, config.num_experts_per_tok
+
+    def logprobs_chunks(
+        self, ids: list[int], routing: RoutingRecorder | None = None
+    ) -> Iterator[torch.Tensor]:
         """Log-probs [n, vocab] of the next token at each position of `ids`, chunk
         by chunk as the scheduler prefills a lone prompt, the K/V of every earlier
-        token read back from the engine's cache."""
+        token read back from the engine's cache. `routing` (a model that routes
+        experts only) records every MoE layer's expert ids of every token."""
+        extra = {} if routing is None else {"routing": routing}
         engine, blocks = self.engine, self.engine.kv.blocks
         chunk_tokens = engine.scheduler.max_num_batched_tokens
         seq_id = f"evaluate-{uuid.uuid4().hex}"
@@ -102,7 +120,7 @@ class EngineModel:
                         [chunk], blocks, engine.device
                     )
                     logits = engine.model(
-                        input_ids, positions, engine.kv.kv_caches, attn, True
+                        input_ids, positions, engine.kv.kv_caches, attn, True, **extra
                     )  # [n, vocab]
                     logprobs = torch.log_softmax(logits.float(), dim=-1)
                 yield logprobs

@@ -7,6 +7,12 @@ logprobs, the KL estimate of `metrics.top_n_kld`). Token ids come from the
 reference's tokenizer and are sent as ids to both, so the positions are the same;
 a side that echoes other tokens is an error. Deterministic given the seed: the
 long-context prompts and the bootstrap intervals draw from it.
+
+For a candidate that routes experts (MoE), both sides in-process also record
+every MoE layer's expert choice of every teacher-forced token, and the report's
+`routing` compares them (`evaluate.routing`: router agreement, expert-load
+shift). A dense candidate's is `not_applicable`; with an endpoint on either side
+routing can't be seen and it is `unknown`, which no gate takes for a pass.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from gpuagent.engine.routing import RoutingRecorder
 from gpuagent.evaluate.evalsets import (
     LONG_CONTEXT,
     EvalSlice,
@@ -34,7 +41,8 @@ from gpuagent.evaluate.metrics import (
     slice_quality,
     top_n_position_stats,
 )
-from gpuagent.protocol import QualityReport, SliceQuality
+from gpuagent.evaluate.routing import RoutingTally, not_applicable, not_visible
+from gpuagent.protocol import QualityReport, RoutingReport, SliceQuality
 
 DEFAULT_TOP_N = 20
 DEFAULT_CONTINUATION_TOKENS = 16
@@ -70,17 +78,32 @@ class Settings:
 
 
 def compare_positions(
-    candidate: Side, reference: Side, ids: list[int], top_n: int
+    candidate: Side,
+    reference: Side,
+    ids: list[int],
+    top_n: int,
+    routing: RoutingTally | None = None,
 ) -> PositionStats:
     """Stats of positions 1.. of `ids`: exact when both sides run in-process, else
-    from top-N (both sides must report the same tokens)."""
+    from top-N (both sides must report the same tokens). `routing` (both sides
+    in-process and routing experts): where the two sides' expert choices of every
+    token of `ids` are compared."""
     if isinstance(candidate, EngineModel) and isinstance(reference, EngineModel):
+        seen_c = RoutingRecorder() if routing is not None else None
+        seen_r = RoutingRecorder() if routing is not None else None
         if candidate is reference:  # one engine, one cache: score once
-            chunks = list(reference.logprobs_chunks(ids))
-            return exact_position_stats(chunks, chunks, ids)
-        return exact_position_stats(
-            reference.logprobs_chunks(ids), candidate.logprobs_chunks(ids), ids
-        )
+            chunks = list(reference.logprobs_chunks(ids, seen_r))
+            stats = exact_position_stats(chunks, chunks, ids)
+            seen_c = seen_r
+        else:
+            stats = exact_position_stats(
+                reference.logprobs_chunks(ids, seen_r),
+                candidate.logprobs_chunks(ids, seen_c),
+                ids,
+            )
+        if routing is not None:
+            routing.add(seen_c, seen_r)
+        return stats
     refs = reference.top_n(ids, top_n)
     cands = candidate.top_n(ids, top_n)
     mismatch = next(
@@ -120,6 +143,28 @@ def exact_position_stats(
     return PositionStats.concat(parts)
 
 
+def routing_tally(candidate: Side, reference: Side) -> RoutingTally | RoutingReport:
+    """A tally to fill when the candidate's routing can be compared with the
+    reference's; else the RoutingReport saying why it isn't measured."""
+    if isinstance(candidate, EngineModel) and not candidate.routes_experts:
+        return not_applicable()
+    if not (isinstance(candidate, EngineModel) and isinstance(reference, EngineModel)):
+        return not_visible()
+    if not reference.routes_experts:
+        return not_visible(
+            "the candidate routes experts and the reference has no router to "
+            "compare it with"
+        )
+    if candidate.router_shape != reference.router_shape:
+        return not_visible(
+            f"the candidate routes top-{candidate.router_shape[1]} of "
+            f"{candidate.router_shape[0]} experts, the reference top-"
+            f"{reference.router_shape[1]} of {reference.router_shape[0]}: their "
+            "choices can't be compared"
+        )
+    return RoutingTally(*candidate.router_shape)
+
+
 def continue_both(
     candidate: Side, reference: Side, ids: list[int], answer: str, max_tokens: int
 ) -> Continuation:
@@ -152,6 +197,8 @@ def evaluate_quality(
             )
         )
     both = isinstance(candidate, EngineModel) and isinstance(reference, EngineModel)
+    routing = routing_tally(candidate, reference)
+    tally = routing if isinstance(routing, RoutingTally) else None
     results: list[SliceQuality] = []
     all_stats: list[PositionStats] = []
     all_continuations: list[Continuation] = []
@@ -163,7 +210,11 @@ def evaluate_quality(
         limit = None if is_long else settings.passage_tokens
         stats = [
             compare_positions(
-                candidate, reference, reference.encode(p)[:limit], settings.top_n
+                candidate,
+                reference,
+                reference.encode(p)[:limit],
+                settings.top_n,
+                tally,
             )
             for p in passages
         ]
@@ -207,4 +258,5 @@ def evaluate_quality(
         slices=results,
         candidate_kv_cache_dtype=getattr(candidate, "kv_cache_dtype", None),
         reference_kv_cache_dtype=getattr(reference, "kv_cache_dtype", None),
+        routing=tally.report(rng) if tally is not None else routing,
     )

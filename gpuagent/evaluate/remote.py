@@ -2,7 +2,9 @@
 `/v1/completions` with `echo=true, logprobs=N` (as lm-evaluation-harness does),
 token ids through `/tokenize` (ours and vLLM's), greedy continuations with
 `temperature=0`. Only the top-N logprobs of each position come back (N <= 20 on
-OpenAI-style servers), so KL against it is the estimate in `metrics.top_n_kld`."""
+OpenAI-style servers), so KL against it is the estimate in `metrics.top_n_kld`.
+No routing comes back either: a report with an endpoint on either side says its
+router agreement is unknown (`evaluate.routing.not_visible`), never measured."""
 
 from __future__ import annotations
 

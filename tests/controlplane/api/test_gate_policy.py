@@ -142,6 +142,64 @@ def test_a_patch_changes_only_the_keys_it_names(api, admin_token, environment):
     ]
 
 
+def test_a_patch_of_one_routing_threshold_keeps_the_others(
+    api, admin_token, environment
+):
+    default = GatePolicy().quality.routing
+    assert (default.min_router_agreement, default.max_expert_load_shift) == (0.6, 0.05)
+    put(
+        api,
+        environment,
+        {"quality": {"routing": {"max_expert_load_change": 0.5}}, "load": None},
+        admin_token,
+    )
+
+    response = patch(
+        api,
+        environment,
+        {"quality": {"routing": {"min_router_agreement": 0.9}}},
+        admin_token,
+    )
+
+    assert response.status_code == 200, response.content
+    routing = gate_policy_for(environment).quality.routing
+    assert routing.min_router_agreement == 0.9
+    assert routing.max_expert_load_shift == default.max_expert_load_shift
+    assert routing.max_expert_load_change == 0.5  # what the put set, kept
+    assert response.json()["policy"]["quality"]["routing"] == routing.model_dump()
+    event = AuditEvent.objects.filter(verb="environment.gate_policy_set").first()
+    assert event.after["changed"] == ["quality.routing.min_router_agreement"]
+
+
+def test_switching_routing_off_is_explicit(api, admin_token, environment):
+    moe = quality_report(routing=None)  # no routing evidence: inconclusive
+
+    one_off = patch(
+        api,
+        environment,
+        {"quality": {"routing": {"min_router_agreement": None}}},
+        admin_token,
+    )
+    assert one_off.status_code == 200, one_off.content
+    policy = gate_policy_for(environment)
+    metrics = {
+        o.metric
+        for o in evaluate_policy(policy, moe, None, True)
+        if o.gate == "routing"
+    }
+    assert metrics == {"expert_load_shift"}
+    assert policy.quality.thresholds == GatePolicy().quality.thresholds
+
+    all_off = patch(api, environment, {"quality": {"routing": None}}, admin_token)
+    assert all_off.status_code == 200, all_off.content
+    policy = gate_policy_for(environment)
+    assert policy.quality.routing is None
+    assert not [
+        o for o in evaluate_policy(policy, moe, None, True) if o.gate == "routing"
+    ]
+    assert policy.quality.slices == GatePolicy().quality.slices
+
+
 def test_a_patch_starts_from_the_default_and_names_a_bad_key(
     api, admin_token, environment
 ):
@@ -175,6 +233,14 @@ def test_a_patch_starts_from_the_default_and_names_a_bad_key(
         (
             {"quality": {"thresholds": {"max_mean_kld": "0.03"}}},
             "quality.thresholds.max_mean_kld",
+        ),
+        (
+            {"quality": {"routing": {"min_router_agreement": 1.2}}},
+            "quality.routing.min_router_agreement",
+        ),
+        (
+            {"quality": {"routing": {"max_load_shift": 0.1}}},
+            "quality.routing.max_load_shift",
         ),
         ({"load": {"workloads": [], "capacity": None}}, "load.workloads"),
         (

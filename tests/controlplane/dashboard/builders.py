@@ -26,10 +26,12 @@ from controlplane.releases.actions.transitions import do_transition_release
 from gpuagent.protocol import (
     FileDigest,
     Interval,
+    LayerRouting,
     LoadRun,
     LoadTestReport,
     Percentiles,
     QualityReport,
+    RoutingReport,
     SliceQuality,
     WorkloadReport,
 )
@@ -179,7 +181,34 @@ def load_test_report(
     )
 
 
-def quality_report(release, *, kld: float = 0.004) -> QualityReport:
+DENSE_ROUTING = RoutingReport(
+    status="not_applicable", reason="dense model: no routed experts"
+)
+
+
+def moe_routing(*agreements: float, shift: float = 0.01) -> RoutingReport:
+    """A measured routing report: one MoE layer (1, 2, ...) per agreement."""
+    layers = [
+        LayerRouting(
+            layer=index,
+            num_tokens=4096,
+            router_agreement=agreement,
+            router_agreement_ci95=Interval(
+                low=agreement - 0.02, high=min(1.0, agreement + 0.02)
+            ),
+            mean_jaccard=min(1.0, agreement + 0.04),
+            load_shift=shift * index,
+            max_load_change=0.1 * index,
+            max_load_change_expert=index + 7,
+        )
+        for index, agreement in enumerate(agreements or (0.93, 0.88), start=1)
+    ]
+    return RoutingReport.measured(layers, num_experts=256, top_k=8)
+
+
+def quality_report(
+    release, *, kld: float = 0.004, routing: RoutingReport | None = DENSE_ROUTING
+) -> QualityReport:
     slices = []
     for name, hardness in QUALITY_SLICES.items():
         mean = kld * hardness
@@ -207,6 +236,7 @@ def quality_report(release, *, kld: float = 0.004) -> QualityReport:
         method="in_process",
         seed=0,
         slices=slices,
+        routing=routing,
     )
 
 
@@ -239,7 +269,13 @@ def record_manifest(release, salt: str = ""):
 
 
 def to_awaiting_approval(
-    release, *, agent=None, speed: float = 1.0, kld: float = 0.004, salt=None
+    release,
+    *,
+    agent=None,
+    speed: float = 1.0,
+    kld: float = 0.004,
+    salt=None,
+    routing: RoutingReport | None = DENSE_ROUTING,
 ):
     """registered -> awaiting_approval with every stage's job, the manifest, a
     quality and a load report and passing gates recorded as the worker would."""
@@ -261,7 +297,7 @@ def to_awaiting_approval(
         agent=agent,
     )
     do_transition_release(release, "evaluating", actor=WORKER)
-    quality = quality_report(release, kld=kld)
+    quality = quality_report(release, kld=kld, routing=routing)
     load = load_test_report(release.recipe, speed=speed)
     record_job(release, "evaluate", quality.model_dump(mode="json"), agent=agent)
     record_job(release, "load_test", load.model_dump(mode="json"), agent=agent)

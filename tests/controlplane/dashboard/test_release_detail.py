@@ -14,6 +14,7 @@ from controlplane.releases.models import Job
 from gpuagent.protocol import FileDigest, default_load_plan
 from tests.controlplane.dashboard.builders import (
     load_test_report,
+    moe_routing,
     quality_report,
     set_price,
 )
@@ -209,6 +210,96 @@ def test_it_shows_the_gate_policy_outcomes_with_missing_evidence(
         '<span class="state state-inconclusive">inconclusive</span>',
         "no evidence: the load-test job produced no report",
     ]
+
+
+def test_it_compares_a_moe_releases_routing_with_live(
+    client, teammate, make_live, awaiting
+):
+    make_live("0.9.0", routing=moe_routing(0.93, 0.88))
+    candidate = awaiting("1.0.0", routing=moe_routing(0.9, 0.72, shift=0.02))
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{candidate.pk}/")
+
+    differing = {d.what: d for d in response.context["evidence"].comparison.differences}
+    agreement = differing["router agreement vs its reference (worst MoE layer)"]
+    assert (agreement.candidate, agreement.live) == ("0.72", "0.88")
+    shift = differing["expert-load shift vs its reference (worst MoE layer)"]
+    assert (shift.candidate, shift.live) == ("0.04", "0.02")
+
+
+def _routing_rows(body: str) -> dict[str, list[str]]:
+    table = re.search(r'<table id="routing">(.*?)</table>', body, re.S).group(1)
+    rows = re.findall(r'<tr data-layer="(\d+)">(.*?)</tr>', table, re.S)
+    return {
+        layer: [
+            re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", c)).strip()
+            for c in re.findall(r"<td[^>]*>(.*?)</td>", cells, re.S)
+        ]
+        for layer, cells in rows
+    }
+
+
+def test_it_shows_a_moe_releases_routing_per_layer_against_the_policy(
+    client, owner, teammate, awaiting, environment
+):
+    do_update_gate_policy(
+        environment,
+        {"quality": {"routing": {"min_router_agreement": 0.9}}},
+        actor=owner,
+    )
+    release = awaiting("2.0.0", routing=moe_routing(0.95, 0.71, 0.92))
+    do_evaluate_release_gates(
+        release,
+        quality=quality_report(release, routing=moe_routing(0.95, 0.71, 0.92)),
+        load=None,
+        integrity_ok=True,
+    )
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    rows = _routing_rows(body)
+    assert rows["1"] == [
+        "1",
+        "4096",
+        "95.0% [93.0%, 97.0%]",
+        "0.9900",
+        "0.01",
+        "0.1 (expert 8)",
+    ]
+    assert rows["2"][2] == "71.0% [69.0%, 73.0%]" and rows["3"][4] == "0.03"
+    # the layer under the policy's 90% is marked, the others not
+    table = re.search(r'<table id="routing">(.*?)</table>', body, re.S).group(1)
+    assert table.count("state-fail") == 1
+    assert re.search(r'data-layer="2">.*?state-fail">71.0%', table, re.S)
+    worst = re.search(r'<p id="routing-worst">(.*?)</p>', body, re.S).group(1)
+    assert "<strong>71.0%</strong> (layer 2)" in worst
+    assert "agreement &ge; 90.0%" in body
+    gate = re.search(
+        r"<td>routing</td><td>router_agreement</td>(.*?)</tr>", body, re.S
+    ).group(1)
+    assert "state-fail" in gate and "layer 2" in gate
+
+
+@pytest.mark.parametrize(
+    ("routing", "says"),
+    [
+        (None, "The quality report has no routing evidence"),
+        ("dense", "Not applicable: dense model: no routed experts."),
+    ],
+)
+def test_it_says_when_routing_does_not_apply_or_is_missing(
+    client, teammate, awaiting, routing, says
+):
+    options = {} if routing == "dense" else {"routing": None}
+    release = awaiting("3.0.0", **options)
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    assert says in body
+    assert '<table id="routing">' not in body
 
 
 def test_it_shows_an_unreadable_report_as_a_problem(client, teammate, release):

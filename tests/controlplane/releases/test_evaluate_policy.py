@@ -25,9 +25,12 @@ from gpuagent.protocol import (
     LoadTestReport,
     Percentiles,
     QualityReport,
+    RoutingReport,
     SliceQuality,
     WorkloadReport,
 )
+
+DENSE = RoutingReport(status="not_applicable", reason="dense model: no routed experts")
 
 
 def quality_slice(name: str, **overrides) -> SliceQuality:
@@ -50,13 +53,16 @@ def quality_slice(name: str, **overrides) -> SliceQuality:
     return SliceQuality(**fields)
 
 
-def quality_report(*slices: SliceQuality) -> QualityReport:
+def quality_report(
+    *slices: SliceQuality, routing: RoutingReport | None = DENSE
+) -> QualityReport:
     return QualityReport(
         candidate="llama@int4",
         reference="llama@bf16",
         method="in_process",
         seed=0,
         slices=list(slices) or [quality_slice(name) for name in QUALITY_SLICES],
+        routing=routing,
     )
 
 
@@ -142,7 +148,10 @@ def test_it_passes_complete_good_evidence_under_the_default_policy():
         GatePolicy(), quality_report(), load_report(), True, live=live
     )
 
-    assert all(o.outcome == "pass" for o in outcomes), [
+    # a dense model: the routing gate says it doesn't apply, everything else passes
+    routing = [o for o in outcomes if o.gate == "routing"]
+    assert [(o.outcome, o.metric) for o in routing] == [("skipped", "router")]
+    assert all(o.outcome == "pass" for o in outcomes if o not in routing), [
         o for o in outcomes if o.outcome != "pass"
     ]
     keys = by_key(outcomes)

@@ -126,4 +126,7 @@ def test_the_first_release_of_an_environment_records_why_it_was_not_compared(
     assert (baseline.outcome, baseline.metric) == ("skipped", "baseline")
     assert "nothing is live" in baseline.reason
     assert decision.outcome == "pass"
-    assert AuditEvent.objects.get(verb="gate.evaluated").after["counts"]["skipped"] == 1
+    # skipped: the live comparison and (a dense model) the routing gate
+    routing = release.gate_results.get(gate="routing")
+    assert routing.outcome == "skipped" and "not applicable" in routing.reason
+    assert AuditEvent.objects.get(verb="gate.evaluated").after["counts"]["skipped"] == 2

@@ -126,7 +126,9 @@ def test_it_gates_on_the_recorded_evidence_then_waits_for_approval(
     assert ("quality:korean", "pass") in gates
     assert ("load:rag-ko", "pass") in gates
     assert ("live", "skipped") in gates  # its environment's first: no baseline
-    assert {outcome for gate, outcome in gates if gate != "live"} == {"pass"}
+    assert ("routing", "skipped") in gates  # the demo model is dense
+    skippable = ("live", "routing")
+    assert {outcome for gate, outcome in gates if gate not in skippable} == {"pass"}
     timings = stage_timings(bf16_release)
     assert timings["time_to_deploy_s"] > 0
     assert 0 <= timings["integrity_pct"] <= 100

@@ -82,6 +82,7 @@ def test_a_model_against_itself_loses_nothing(in_process):
         assert s.same_top1 == 1 and s.ppl_ratio == 1
         assert s.exact_match == 1 and s.flips == 0
         assert s.num_tokens > 0 and s.num_continuations > 0
+    assert report.routing.status == "not_applicable"  # the demo model is dense
     overall = by_name(report)["overall"]
     assert overall.num_tokens == sum(s.num_tokens for s in report.slices[:-1])
 
@@ -182,6 +183,9 @@ def test_over_http_a_model_against_itself_loses_nothing(servers):
 
     code = by_name(report)["code"]
     assert code.mean_kld == pytest.approx(0, abs=1e-9) and code.same_top1 == 1
+    # no routing comes back over HTTP: unknown, whatever the model is
+    assert report.routing.status == "unknown"
+    assert "not visible over the OpenAI-compatible API" in report.routing.reason
 
 
 def test_an_endpoint_that_is_not_there_is_a_named_error():
@@ -218,6 +222,9 @@ def test_the_cli_prints_a_table_and_writes_the_report(servers, tmp_path, capsys)
     assert report.method == "http_top_n"  # one side over HTTP: top-N on both
     assert [s.name for s in report.slices] == ["code", "overall"]
     assert "code" in table and "overall" in table
+    # the candidate is the dense demo model, loaded here: known not to route
+    assert report.routing.status == "not_applicable"
+    assert "routing: not applicable (dense model" in table
     with pytest.raises(SystemExit, match="neither a URL nor a model folder"):
         main(["--candidate", "/nope", "--reference", DEMO.as_posix()])
     with pytest.raises(SystemExit, match="unknown slices"):
