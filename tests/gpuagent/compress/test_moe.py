@@ -1,0 +1,433 @@
+"""Compression of DeepSeek-V3 (MLA + MoE) and GLM-4.5 (GQA + MoE) checkpoints on
+random tiny configs: the compressed-tensors layout and `ignore` list (read back
+by the compressed-tensors package), GPTQ's per-expert Hessians from exactly the
+tokens the router sends each expert, the RTN fallback named in the result, the
+engine's logits on the compressed folder against the dequantized reference, and
+the MoE size classes.
+
+`python -m pytest -q -s tests/gpuagent/compress/test_moe.py` prints the parity
+diffs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from compressed_tensors.quantization import QuantizationConfig
+from safetensors.torch import load_file
+
+from gpuagent.compress import compress
+from gpuagent.compress.moe import expert_hessians, layer_groups
+from gpuagent.compress.pipeline import CompressError
+from gpuagent.compress.quantize import quantize_rtn
+from gpuagent.compress.recipes import RecipeError, weight_scheme
+from gpuagent.engine.loader import load_model
+from gpuagent.engine.tokenizer import save_byte_tokenizer
+from kernels.weight_matmul import pack_int32
+from tests.gpuagent.compress.conftest import DEMO_MODEL
+from tests.gpuagent.compress.test_oracle import _decompressed
+from tests.gpuagent.engine.paged_driver import run_paged
+from tests.gpuagent.engine.test_moe_archs import deepseek_folder, glm_folder
+
+CALIBRATION = (6, 64)
+ATOL = 1e-4  # float32 on both sides, the same weights
+# int4 groups of 32 divide every input width here (the published configs' widths
+# are multiples of 128); the byte tokenizer's 264 ids
+SHAPES = {
+    "deepseek_v3": dict(
+        vocab_size=264, moe_intermediate_size=32, q_lora_rank=64, v_head_dim=16
+    ),
+    "glm4_moe": dict(vocab_size=264, moe_intermediate_size=32),
+}
+BUILDERS = {"deepseek_v3": deepseek_folder, "glm4_moe": glm_folder}
+RECIPES = {
+    "w8a16": {"weights": "w8a16", "kv_cache_dtype": "bf16"},
+    "w4a16-g32-gptq": {
+        "weights": "w4a16-g32",
+        "kv_cache_dtype": "bf16",
+        "method": "gptq",
+    },
+    "fp8": {"weights": "fp8", "kv_cache_dtype": "bf16"},
+}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """One tiny random folder per architecture, with the byte tokenizer."""
+    out = {}
+    for arch, build in BUILDERS.items():
+        folder = tmp_path_factory.mktemp(arch)
+        build(folder, **SHAPES[arch])
+        save_byte_tokenizer(folder)
+        out[arch] = folder
+    return out
+
+
+@pytest.fixture(scope="module")
+def compressed(sources, tmp_path_factory):
+    """(folder, CompressResult) per (arch, recipe name), compressed once."""
+    root = tmp_path_factory.mktemp("compressed")
+    cache = {}
+
+    def get(arch, name):
+        if (arch, name) not in cache:
+            out = root / f"{arch}-{name}"
+            result = compress(
+                sources[arch], RECIPES[name], out, calibration_size=CALIBRATION
+            )
+            cache[arch, name] = (out, result)
+        return cache[arch, name]
+
+    return get
+
+
+def _config(folder):
+    return json.loads((folder / "config.json").read_text())
+
+
+def _reference_weights(tensors, modules):
+    """module -> float32 W, decoded here from the stored codes and scales with the
+    compressed-tensors package's own unpacking (not our kernels')."""
+    out = {}
+    for module in modules:
+        scale = tensors[f"{module}.weight_scale"].float()
+        if f"{module}.weight" in tensors:  # fp8
+            out[module] = tensors[f"{module}.weight"].float() * scale
+            continue
+        n, k = tensors[f"{module}.weight_shape"].tolist()
+        bits = 32 * tensors[f"{module}.weight_packed"].shape[1] // k
+        codes = unpack_from_int32(
+            tensors[f"{module}.weight_packed"], bits, torch.Size([n, k])
+        ).float()
+        groups = scale.shape[1]
+        out[module] = (codes.view(n, groups, -1) * scale[..., None]).view(n, k)
+    return out
+
+
+# ----------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+@pytest.mark.parametrize("name", RECIPES)
+def test_layout_and_ignore_list(compressed, arch, name):
+    folder, result = compressed(arch, name)
+    tensors = load_file(folder / "model.safetensors")
+    qc = _config(folder)["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)  # compressed-tensors' own model
+    config = _config(folder)
+    layers, experts = config["num_hidden_layers"], config["n_routed_experts"]
+    dense = config["first_k_dense_replace"]
+    fp8 = name == "fp8"
+    weight_key = "weight" if fp8 else "weight_packed"
+
+    # every routed expert of every MoE layer, its own tensors
+    for i in range(dense, layers):
+        for e in range(experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                module = f"model.layers.{i}.mlp.experts.{e}.{proj}"
+                assert f"{module}.{weight_key}" in tensors, module
+                assert f"{module}.weight_scale" in tensors, module
+                assert f"{module}.weight" not in tensors or fp8
+                if fp8:
+                    assert tensors[f"{module}.weight"].dtype == torch.float8_e4m3fn
+        # the router: weight bf16, correction bias float32, in `ignore`
+        gate = f"model.layers.{i}.mlp.gate"
+        assert tensors[f"{gate}.weight"].dtype == torch.bfloat16
+        assert tensors[f"{gate}.e_score_correction_bias"].dtype == torch.float32
+    assert r"re:.*mlp\.gate$" in parsed.ignore and "lm_head" in parsed.ignore
+    assert tensors["lm_head.weight"].dtype == torch.bfloat16
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    for key, t in tensors.items():  # norms untouched (MLA's and GLM's q/k included)
+        if key.rsplit(".", 2)[-2].endswith("norm"):
+            assert t.dtype == torch.bfloat16 and key.endswith(".weight"), key
+    for i in range(layers):
+        if arch == "deepseek_v3":
+            prefix = f"model.layers.{i}.self_attn"
+            for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+                assert f"{prefix}.{proj}.weight_scale" in tensors
+            # kv_b_proj: bf16 by rule (the absorbed decode dequantizes it anyway)
+            assert tensors[f"{prefix}.kv_b_proj.weight"].dtype == torch.bfloat16
+            assert f"{prefix}.kv_b_proj" in parsed.ignore
+            for norm in ("q_a_layernorm", "kv_a_layernorm"):
+                assert tensors[f"{prefix}.{norm}.weight"].dtype == torch.bfloat16
+        else:  # GLM's q/k/v keep their biases dense beside the codes
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                module = f"model.layers.{i}.self_attn.{proj}"
+                assert f"{module}.weight_scale" in tensors
+                assert tensors[f"{module}.bias"].dtype == torch.bfloat16
+    # every quantized module is targeted and not ignored; every dense Linear
+    # weight is either targeted by nothing or ignored
+    quantized = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale")}
+    assert result.quantized_layers == len(quantized)
+
+    def targeted(module):
+        return any(
+            re.match(t[3:], module)
+            for g in parsed.config_groups.values()
+            for t in g.targets
+        )
+
+    def ignored(module):
+        return any(
+            (i.startswith("re:") and re.match(i[3:], module)) or i == module
+            for i in parsed.ignore
+        )
+
+    for module in quantized:
+        assert targeted(module) and not ignored(module), module
+    for key in tensors:
+        module = key.removesuffix(".weight")
+        if key.endswith(".weight") and module not in quantized and targeted(module):
+            assert ignored(module), module
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_shared_experts_and_dense_layers_are_recipe_options(sources, tmp_path, arch):
+    recipe = {
+        "weights": "w8a16",
+        "kv_cache_dtype": "bf16",
+        "quantize_shared_experts": False,
+        "quantize_dense_layers": False,
+    }
+    result = compress(sources[arch], recipe, tmp_path / "out")
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    ignore = _config(tmp_path / "out")["quantization_config"]["ignore"]
+    dense_mlp = [k for k in tensors if k.startswith("model.layers.0.mlp.")]
+    shared = [k for k in tensors if ".shared_experts." in k]
+    assert dense_mlp and shared
+    for key in dense_mlp + shared:
+        assert key.endswith(".weight") and tensors[key].dtype == torch.bfloat16, key
+        assert key.removesuffix(".weight") in ignore
+    assert any(".experts.0.gate_proj.weight_packed" in k for k in tensors)
+    sizes = {s.tensor_class: s for s in result.sizes}
+    assert sizes["shared_experts"].bytes_after == sizes["shared_experts"].bytes_bf16
+    assert sizes["dense_mlp"].bytes_after == sizes["dense_mlp"].bytes_bf16
+    assert (
+        sizes["routed_experts"].bytes_after < sizes["routed_experts"].bytes_bf16 / 1.9
+    )
+
+
+def test_it_refuses_what_it_does_not_do_for_moe(sources, tmp_path):
+    src = sources["deepseek_v3"]
+    with pytest.raises(RecipeError, match="kv_cache_dtype 'fp8'"):
+        compress(src, {"weights": "w8a16", "kv_cache_dtype": "fp8"}, tmp_path / "a")
+    with pytest.raises(RecipeError, match="awq is not implemented for MoE"):
+        compress(
+            src,
+            {"weights": "w8a16", "kv_cache_dtype": "bf16", "awq": True},
+            tmp_path / "b",
+        )
+    with pytest.raises(CompressError, match="layer by layer only"):
+        compress(
+            src,
+            {"weights": "w8a16", "kv_cache_dtype": "bf16"},
+            tmp_path / "c",
+            sequential=False,
+        )
+    with pytest.raises(RecipeError, match="apply to MoE models"):
+        compress(
+            DEMO_MODEL,
+            {
+                "weights": "w8a16",
+                "kv_cache_dtype": "bf16",
+                "quantize_dense_layers": False,
+            },
+            tmp_path / "d",
+        )
+    assert not any(tmp_path.iterdir())  # nothing written, no temporary left
+
+
+# ------------------------------------------------------------ per-expert GPTQ
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_each_expert_hessian_sees_only_its_routed_tokens(sources, arch):
+    model = load_model(sources[arch])
+    layer = model.layers[1]  # the first MoE layer
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 264, (3, 40), generator=gen)
+    cos, sin = model._rope(torch.arange(40))
+    with torch.no_grad():
+        hidden = model.layers[0].forward_dense(model.embed_tokens(tokens), cos, sin)
+        # the router run by hand on the MLP's input
+        x = hidden + layer.self_attn.forward_dense(
+            layer.input_layernorm(hidden), cos, sin
+        )
+        mlp_in = layer.post_attention_layernorm(x).reshape(-1, x.shape[-1])
+        _, ids = layer.mlp.gate(mlp_in)  # [T, k]
+    scheme = weight_scheme({"weights": "w8a16", "kv_cache_dtype": "bf16"})
+    gate_up = layer_groups(layer, scheme)[-2]
+    accs = expert_hessians(layer, hidden, cos, sin, gate_up)
+
+    experts = len(layer.mlp.experts)
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert int(counts.sum()) == tokens.numel() * ids.shape[1]
+    assert (counts > 0).sum() >= 2  # the routing spreads the tokens
+    for e in range(experts):
+        acc = accs[f"mlp.experts.{e}.gate_proj"]
+        assert acc.num_rows == int(counts[e]), e
+        if acc.num_rows:
+            rows = mlp_in[(ids == e).any(dim=-1)].double()
+            expected = 2 * rows.t() @ rows / rows.shape[0]
+            torch.testing.assert_close(acc.hessian, expected, rtol=1e-5, atol=1e-7)
+    shared = accs["mlp.shared_experts.gate_proj"]  # every token
+    assert shared.num_rows == tokens.numel()
+
+
+def _fallback_run(sources, tmp_path, min_tokens, name="out"):
+    recipe = RECIPES["w4a16-g32-gptq"]
+    return compress(
+        sources["deepseek_v3"],
+        recipe,
+        tmp_path / name,
+        calibration_size=CALIBRATION,
+        min_expert_tokens=min_tokens,
+    )
+
+
+def test_experts_with_too_few_tokens_fall_back_to_rtn_and_are_named(sources, tmp_path):
+    # a threshold no expert meets: every routed expert of every MoE layer is
+    # named, with the tokens it saw (each token goes to top_k distinct experts)
+    everyone = _fallback_run(sources, tmp_path, 10**9, "all")
+    config = _config(sources["deepseek_v3"])
+    layers = range(config["first_k_dense_replace"], config["num_hidden_layers"])
+    named = {(f.layer, f.expert) for f in everyone.rtn_fallback_experts}
+    assert named == {(i, e) for i in layers for e in range(config["n_routed_experts"])}
+    tokens = CALIBRATION[0] * CALIBRATION[1] * config["num_experts_per_tok"]
+    for i in layers:
+        assert sum(f.tokens for f in everyone.rtn_fallback_experts if f.layer == i) == (
+            tokens
+        )
+    assert everyone.min_expert_tokens == 10**9
+    # ... and their codes are the round-to-nearest codes of the source weights
+    source = load_file(sources["deepseek_v3"] / "model.safetensors")
+    out = load_file(tmp_path / "all" / "model.safetensors")
+    scheme = weight_scheme(RECIPES["w4a16-g32-gptq"])
+    module = "model.layers.2.mlp.experts.3.down_proj"
+    rtn = quantize_rtn(source[f"{module}.weight"], scheme)
+    assert torch.equal(out[f"{module}.weight_packed"], pack_int32(rtn.codes, 4))
+
+    # a threshold between the counts: exactly the experts under it in layer 1,
+    # whose routing (after the same dense layer and GPTQ'd attention) is the same
+    seen = {f.expert: f.tokens for f in everyone.rtn_fallback_experts if f.layer == 1}
+    threshold = sorted(seen.values())[len(seen) // 2]
+    some = _fallback_run(sources, tmp_path, threshold, "some")
+    first = {f.expert: f.tokens for f in some.rtn_fallback_experts if f.layer == 1}
+    assert first == {e: n for e, n in seen.items() if n < threshold}
+    assert 0 < len(first) < len(seen)
+    # a GPTQ'd expert's codes are not RTN's
+    calibrated = next(e for e in seen if e not in first)
+    module = f"model.layers.1.mlp.experts.{calibrated}.gate_proj"
+    rtn = quantize_rtn(source[f"{module}.weight"], scheme)
+    packed = load_file(tmp_path / "some" / "model.safetensors")[
+        f"{module}.weight_packed"
+    ]
+    assert not torch.equal(packed, pack_int32(rtn.codes, 4))
+
+
+# -------------------------------------------------------------- engine parity
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+@pytest.mark.parametrize("name", RECIPES)
+def test_engine_runs_the_compressed_folder_as_its_dequantized_reference(
+    compressed, sources, arch, name
+):
+    folder, _ = compressed(arch, name)
+    engine = load_model(folder)  # float32, the quantized layers' torch reference
+    tensors = load_file(folder / "model.safetensors")
+    modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale")}
+    reference = load_model(sources[arch])
+    state = dict(reference.state_dict())
+    with torch.no_grad():
+        for module, w in _reference_weights(tensors, modules).items():
+            state[module.removeprefix("model.") + ".weight"].copy_(w)
+        for key, t in tensors.items():  # the dense tensors as written (bf16)
+            name_in_model = key.removeprefix("model.")
+            if name_in_model in state and key.removesuffix(".weight") not in modules:
+                state[name_in_model].copy_(t.float())
+    quantized = [m for m in engine.modules() if type(m).__name__ == "QuantLinear"]
+    assert len(quantized) == len(modules)
+
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 264, (2, 17), generator=gen)
+    with torch.no_grad():
+        diff = (engine.forward_dense(tokens) - reference.forward_dense(tokens)).abs()
+    seqs = [tokens[0].tolist(), tokens[1, :9].tolist()]
+    paged = run_paged(engine, seqs, [6, 3], chunk=5)
+    with torch.no_grad():
+        want = [reference.forward_dense(torch.tensor([s]))[0] for s in seqs]
+    paged_diff = max(
+        (p - w).abs().max().item() for p, w in zip(paged, want, strict=True)
+    )
+    print(f"{arch} {name}: dense {diff.max():.2e}, paged {paged_diff:.2e}")
+    assert diff.max() <= ATOL and paged_diff <= ATOL
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_compressed_tensors_decompresses_every_expert(compressed, arch):
+    # the package's decompressor gives our reference weights (it rounds its
+    # product to bf16, relative 2^-8)
+    folder, _ = compressed(arch, "w4a16-g32-gptq")
+    _, modules = _decompressed(folder)
+    tensors = load_file(folder / "model.safetensors")
+    ours = _reference_weights(tensors, modules)
+    assert any(".experts." in m for m in modules)
+    for module, (weight, _) in modules.items():
+        torch.testing.assert_close(weight.float(), ours[module], atol=1e-6, rtol=2**-8)
+
+
+# ----------------------------------------------------------------- size report
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_size_classes_sum_to_the_total_and_count_active_parameters(
+    compressed, sources, arch
+):
+    folder, result = compressed(arch, "w4a16-g32-gptq")
+    sizes = {s.tensor_class: s for s in result.sizes}
+    assert set(sizes) == {
+        "attention",
+        "routed_experts",
+        "shared_experts",
+        "router",
+        "dense_mlp",
+        "embeddings",
+        "norms",
+        "other",
+    }
+    written = load_file(folder / "model.safetensors")
+    source = load_file(sources[arch] / "model.safetensors")
+    nbytes = sum(t.numel() * t.element_size() for t in written.values())
+    assert sum(s.bytes_after for s in sizes.values()) == result.total_bytes_after
+    assert result.total_bytes_after == nbytes
+    assert sum(s.bytes_before for s in sizes.values()) == result.total_bytes_before
+    assert result.total_bytes_before == sum(
+        t.numel() * t.element_size() for t in source.values()
+    )
+    assert sizes["other"].bytes_before == sizes["other"].bytes_after == 0
+
+    def class_bytes(tensors, test):
+        return sum(t.numel() * t.element_size() for k, t in tensors.items() if test(k))
+
+    assert sizes["routed_experts"].bytes_after == class_bytes(
+        written, lambda k: ".mlp.experts." in k
+    )
+    assert sizes["router"].bytes_after == class_bytes(
+        written, lambda k: ".mlp.gate." in k
+    )
+    assert sizes["norms"].bytes_after == class_bytes(written, lambda k: "norm." in k)
+    # parameters, by hand from the config
+    c = _config(sources[arch])
+    total = sum(t.numel() for t in source.values())
+    moe_layers = c["num_hidden_layers"] - c["first_k_dense_replace"]
+    expert = 3 * c["hidden_size"] * c["moe_intermediate_size"]
+    routed = moe_layers * c["n_routed_experts"] * expert
+    assert result.total_parameters == total
+    assert result.active_parameters == (
+        total - routed + moe_layers * c["num_experts_per_tok"] * expert
+    )
