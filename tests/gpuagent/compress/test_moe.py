@@ -431,3 +431,29 @@ def test_size_classes_sum_to_the_total_and_count_active_parameters(
     assert result.active_parameters == (
         total - routed + moe_layers * c["num_experts_per_tok"] * expert
     )
+
+
+def test_a_kimi_k2_folder_with_its_head_quantized(sources, tmp_path):
+    # Kimi K2's model_type (DeepSeek-V3's architecture), lm_head quantized as the
+    # dense recipe's option does it: no longer in `ignore`, targeted by name
+    src = tmp_path / "kimi"
+    src.mkdir()
+    for f in sources["deepseek_v3"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    config = _config(src)
+    config["model_type"] = "kimi_k2"
+    (src / "config.json").write_text(json.dumps(config))
+    recipe = {"weights": "w8a16", "kv_cache_dtype": "bf16", "quantize_lm_head": True}
+
+    result = compress(src, recipe, tmp_path / "out")
+
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    qc = QuantizationConfig.model_validate(
+        _config(tmp_path / "out")["quantization_config"]
+    )
+    assert "lm_head.weight_packed" in tensors and "lm_head.weight" not in tensors
+    assert "lm_head" not in qc.ignore and r"re:.*mlp\.gate$" in qc.ignore
+    assert result.total_parameters and result.active_parameters
+    model = load_model(tmp_path / "out")
+    assert type(model.lm_head).__name__ == "QuantLinear"
+    assert model.config.model_type == "kimi_k2"
