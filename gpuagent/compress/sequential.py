@@ -23,6 +23,10 @@ tensor, with memory bounded by a decoder layer or two, not by the model.
   expert, GPTQ on the tokens routed to each), sized by the MoE tensor classes
   (`size_report`); the multi-token-prediction layers after the decoder are not
   carried (serving does not run them; transformers drops them on load too).
+- A source in DeepSeek's published block fp8 (DeepSeek-V3, Kimi K2 as released:
+  `engine.fp8_blocks`) is read tensor by tensor too, each fp8 weight dequantized
+  with its `weight_scale_inv` blocks to float32 when its layer is built; the
+  output's `quantization_config` is the recipe's (none for bf16 weights).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from gpuagent.compress.size_report import (
     tensor_class,
     tensor_classes,
 )
-from gpuagent.engine import arch
+from gpuagent.engine import arch, fp8_blocks
 from gpuagent.engine.kv_calibration import FP8_MAX
 from gpuagent.engine.loader import (
     CONFIG_FILE,
@@ -166,8 +170,9 @@ def check_source(
     ValueError for a checkpoint that does not match its config."""
     from gpuagent.engine import weights
 
-    if weights.is_quantized(hf_config):
+    if weights.is_quantized(hf_config) and not fp8_blocks.is_block_fp8(hf_config):
         raise SequentialUnsupported("the source is already quantized")
+    block = source_block(hf_config)
     if not src.headers:
         raise SequentialUnsupported("the source has no .safetensors checkpoint")
     check_supported_config(hf_config)
@@ -198,6 +203,28 @@ def check_source(
     }
     if config.tie_word_embeddings:
         present.pop("lm_head.weight", None)
+    problems = []
+    if block is not None:  # each fp8 weight with its block scales, read together
+        scales = {n for n in present if n.endswith(fp8_blocks.SCALE_SUFFIX)}
+        for n in sorted(scales):
+            weight = n.removesuffix(fp8_blocks.SCALE_SUFFIX) + ".weight"
+            ref = present.get(weight)
+            if ref is None or ref.dtype != "F8_E4M3":
+                problems.append(f"{n} has no fp8 weight {weight}")
+                continue
+            want = tuple(-(-d // b) for d, b in zip(ref.shape, block, strict=True))
+            if tuple(present[n].shape) != want:
+                problems.append(f"{n}: shape {present[n].shape}, expected {want}")
+        for n in scales:
+            present.pop(n)
+        fp8 = {
+            n
+            for n, r in present.items()
+            if r.dtype == "F8_E4M3"
+            and n.removesuffix(".weight") + fp8_blocks.SCALE_SUFFIX in scales
+        }
+    else:
+        fp8 = set()
     missing = sorted(set(expected) - set(present))
     unexpected = sorted(set(present) - set(expected))
     misshapen = [
@@ -206,9 +233,10 @@ def check_source(
         if n in present and present[n].shape != expected[n]
     ]
     bad_dtypes = {
-        n: r.dtype for n, r in present.items() if r.dtype not in SOURCE_DTYPES
+        n: r.dtype
+        for n, r in present.items()
+        if r.dtype not in SOURCE_DTYPES and n not in fp8
     }
-    problems = []
     if missing:
         problems.append(f"missing tensors {missing}")
     if unexpected:
@@ -220,6 +248,17 @@ def check_source(
     if problems:
         raise ModelLoadError("checkpoint does not match config: " + "; ".join(problems))
     return config
+
+
+def source_block(hf_config: dict[str, Any]) -> tuple[int, int] | None:
+    """The (rows, columns) scale block of a block-fp8 source; None for a plain one.
+    ModelLoadError for a block-fp8 config `engine.fp8_blocks` does not read."""
+    if not fp8_blocks.is_block_fp8(hf_config):
+        return None
+    try:
+        return fp8_blocks.block_size(hf_config["quantization_config"])
+    except fp8_blocks.BlockFp8Error as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def default_shard_bytes(config: LlamaConfig | arch.MoEConfig) -> int:
@@ -275,8 +314,10 @@ class SequentialCompressor:
         max_shard_bytes: int,
         spill_bytes: int,
         min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
+        block: tuple[int, int] | None = None,
     ) -> None:
         self.src, self.config, self.recipe, self.scheme = src, config, recipe, scheme
+        self.block = block  # a block-fp8 source's scale block
         self.moe = isinstance(config, arch.MoEConfig)
         self.min_expert_tokens = min_expert_tokens
         self.fallbacks: list[ExpertFallback] = []
@@ -295,7 +336,18 @@ class SequentialCompressor:
 
     # -- tensors
     def _f32(self, name: str) -> torch.Tensor:
-        return self.src.tensor(name).to(torch.float32)
+        tensor = self.src.tensor(name)
+        if tensor.dtype != torch.float8_e4m3fn:
+            return tensor.to(torch.float32)
+        # block fp8 (check_source paired it with its scales): W = codes * scale
+        scale = name.removesuffix(".weight") + fp8_blocks.SCALE_SUFFIX
+        rows, cols = self.block
+        qc = {"weight_block_size": [rows, cols]}
+        both = {name: tensor, scale: self.src.tensor(scale)}
+        try:
+            return fp8_blocks.dequantize(both, qc)[name]
+        except fp8_blocks.BlockFp8Error as exc:
+            raise ModelLoadError(str(exc)) from exc
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
@@ -550,7 +602,8 @@ def source_sizes(
             if moe and arch.extra_checkpoint_layer(entry.name, config):
                 continue
             before[tensor_class(entry.name, moe)] += entry.end - entry.begin
-            bf16[tensor_class(entry.name, moe)] += math.prod(entry.shape) * 2
+            if not entry.name.endswith(fp8_blocks.SCALE_SUFFIX):  # not a weight
+                bf16[tensor_class(entry.name, moe)] += math.prod(entry.shape) * 2
     return before, bf16
 
 
@@ -601,6 +654,7 @@ def compress_sequential(
             max_shard_bytes=max_shard_bytes,
             spill_bytes=spill_bytes,
             min_expert_tokens=min_expert_tokens,
+            block=source_block(hf_config),
         )
         run.run()
         for spilled in tmp.glob(".activations-*"):
@@ -614,6 +668,8 @@ def compress_sequential(
             )
         elif kv_scheme:
             hf_config["quantization_config"] = kv_cache_only_config(kv_scheme)
+        else:  # dense weights out (a block-fp8 source's config goes with its fp8)
+            hf_config.pop("quantization_config", None)
         hf_config["dtype"] = hf_config["torch_dtype"] = (
             "float16" if recipe.weights == "fp16" else "bfloat16"
         )

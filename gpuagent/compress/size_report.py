@@ -124,7 +124,9 @@ def moe_parameters(src, config) -> tuple[int, int]:
     total = routed = 0
     for header in src.headers.values():
         for entry in header.tensors.values():
-            if extra_checkpoint_layer(entry.name, config):
+            if extra_checkpoint_layer(entry.name, config) or entry.name.endswith(
+                "_scale_inv"  # a block-fp8 source's scales: not parameters
+            ):
                 continue
             count = math.prod(entry.shape)
             total += count

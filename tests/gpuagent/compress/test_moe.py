@@ -457,3 +457,44 @@ def test_a_kimi_k2_folder_with_its_head_quantized(sources, tmp_path):
     model = load_model(tmp_path / "out")
     assert type(model.lm_head).__name__ == "QuantLinear"
     assert model.config.model_type == "kimi_k2"
+
+
+def test_a_published_block_fp8_source_is_dequantized_layer_by_layer(tmp_path):
+    # DeepSeek-V3 / Kimi K2 as released: fp8 weights with 128x128 (here 16x16)
+    # block scales. Each weight is read with its scales and dequantized when its
+    # layer is built; the recipe then sees the same float32 weights the engine's
+    # loader makes of that folder.
+    from tests.gpuagent.engine.test_moe_archs import _to_block_fp8
+
+    src = tmp_path / "fp8-source"
+    deepseek_folder(src, **SHAPES["deepseek_v3"])
+    save_byte_tokenizer(src)
+    dequantized = _to_block_fp8(src, block=16)
+    recipe = RECIPES["w4a16-g32-gptq"] | {"method": "rtn"}
+
+    result = compress(src, recipe, tmp_path / "int4")
+    dense = compress(
+        src, {"weights": "bf16", "kv_cache_dtype": "bf16"}, tmp_path / "bf16"
+    )
+
+    tensors = load_file(tmp_path / "int4" / "model.safetensors")
+    scheme = weight_scheme(recipe)
+    for module in (
+        "model.layers.1.mlp.experts.5.down_proj",
+        "model.layers.2.self_attn.q_b_proj",
+    ):
+        rtn = quantize_rtn(dequantized[f"{module}.weight"], scheme)
+        assert torch.equal(tensors[f"{module}.weight_packed"], pack_int32(rtn.codes, 4))
+    assert not any(k.endswith("_scale_inv") for k in tensors)
+    qc = _config(tmp_path / "int4")["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    QuantizationConfig.model_validate(qc)
+    load_model(tmp_path / "int4")
+    # bf16 out: no quantization_config left, the dequantized weights in bf16
+    assert "quantization_config" not in _config(tmp_path / "bf16")
+    bf16 = load_file(tmp_path / "bf16" / "model.safetensors")
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    assert torch.equal(bf16[name], dequantized[name].to(torch.bfloat16))
+    # sizes: the source's fp8 bytes and scales before; parameters without scales
+    assert result.total_parameters == dense.total_parameters
+    assert result.total_parameters == sum(t.numel() for k, t in bf16.items())
