@@ -20,19 +20,24 @@ llm-compressor writes these models: `lm_head`, `re:.*mlp\\.gate$`):
   (`quantize_shared_experts`, `quantize_dense_layers`, default both).
 
 GPTQ goes through the layer in the order it runs (true sequential, as the dense
-path): q/kv down-projections, q_b, o_proj, then the MLP's gate/up, then down. For
-the MoE MLP one forward over the calibration states runs the block's own router
-and its grouping of tokens per expert (`engine.moe.Experts`: sorted by expert,
-one slice each, no loop over tokens), so a hook on expert E's gate_proj (down_proj)
-sees exactly the rows routed to E: its Hessian is accumulated from those tokens
-only. An expert that received fewer than `min_expert_tokens` falls back to
-round-to-nearest (its Hessian would be nearly singular) and is reported as
-(layer, expert, tokens seen). Hessians are float64 [K, K] per expert: the experts
-of a group are calibrated in passes holding at most `hessian_budget_bytes` of them.
+path): q/kv down-projections, q_b, o_proj, then the MLP's gate/up, then down. Once
+the attention is quantized the MLP's inputs are fixed: they are taken once
+(`mlp_inputs`) and the MLP groups run the MLP alone on them. Each such forward
+runs the block's own router and its grouping of tokens per expert
+(`engine.moe.Experts`: sorted by expert, one slice each, no loop over tokens), so
+a hook on expert E's gate_proj (down_proj) sees exactly the rows routed to E: its
+Hessian is accumulated from those tokens only. An expert that received fewer than
+`min_expert_tokens` falls back to round-to-nearest (its Hessian would be nearly
+singular) and is reported as (layer, expert, tokens seen). Hessians are float64
+[K, K] per expert: the experts of a group are calibrated in passes holding at most
+`hessian_budget_bytes` of them (DeepSeek-V3's hidden 7168: 411 MB each, 5 experts
+a pass under the default 2 GiB), each pass the MLP alone over its inputs.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,21 +130,48 @@ def dense_linears(layer: torch.nn.Module, scheme: WeightScheme) -> list[str]:
     ]
 
 
-def expert_hessians(
-    layer: torch.nn.Module,
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    sets: list[InputSet],
+# MLP input rows per forward when the MLP runs alone
+MLP_ROWS = 4096
+
+
+def mlp_inputs(
+    layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The layer's MLP inputs [B * T, hidden] (post-attention norm of the
+    residual) over the calibration states [B, T, hidden]."""
+    seen: list[torch.Tensor] = []
+    run_layer(layer, hidden, cos, sin, {"mlp": seen.append})
+    return torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
+
+
+def run_mlp(layer: torch.nn.Module, inputs: torch.Tensor) -> None:
+    """The layer's MLP alone over its inputs [N, hidden] (outputs dropped)."""
+    with torch.no_grad():
+        for rows in inputs.split(MLP_ROWS):
+            layer.mlp(rows)
+
+
+def input_hessians(
+    layer: torch.nn.Module, sets: list[InputSet], run: Callable[[], object]
 ) -> dict[str, HessianAccumulator]:
-    """One pass of the layer over the calibration states [B, T, hidden]: the input
-    Hessian of each set's hooked module from the rows it receives (a routed
-    expert: only the tokens the router sends it; `num_rows` counts them)."""
+    """The input Hessian of each set's hooked module from the rows it receives
+    while `run()` runs (a routed expert: only the tokens the router sends it;
+    `num_rows` counts them)."""
     accs = {
         s.hook: HessianAccumulator(layer.get_submodule(s.hook).in_features)
         for s in sets
     }
-    run_layer(layer, hidden, cos, sin, {h: a.add for h, a in accs.items()})
+    hooks = [
+        layer.get_submodule(h).register_forward_pre_hook(
+            lambda _m, args, add=acc.add: add(args[0])
+        )
+        for h, acc in accs.items()
+    ]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
     return accs
 
 
@@ -176,14 +208,22 @@ def quantize_moe_layer(
     routed experts rounded to nearest for lack of tokens are appended to
     `fallbacks`."""
     fell_back: set[int] = set()
+    inputs = None  # the MLP's inputs, once the attention is quantized
     for group in layer_groups(layer, scheme):
         passes = [group]
         if calibration is not None:
             passes = list(_passes(layer, group, hessian_budget_bytes))
         for sets in passes:
             accs = {}
-            if calibration is not None:
-                accs = expert_hessians(layer, *calibration, sets)
+            if calibration is not None and sets[0].hook.startswith("mlp."):
+                if inputs is None:
+                    inputs = mlp_inputs(layer, *calibration)
+                run = functools.partial(run_mlp, layer, inputs)
+                accs = input_hessians(layer, sets, run)
+            elif calibration is not None:
+                accs = input_hessians(
+                    layer, sets, lambda: run_layer(layer, *calibration)
+                )
             for s in sets:
                 acc = accs.get(s.hook)
                 rtn = acc is None or s.expert in fell_back

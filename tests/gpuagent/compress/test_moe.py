@@ -21,7 +21,7 @@ from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file
 
 from gpuagent.compress import compress
-from gpuagent.compress.moe import expert_hessians, layer_groups
+from gpuagent.compress.moe import input_hessians, layer_groups, mlp_inputs, run_mlp
 from gpuagent.compress.pipeline import CompressError
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import RecipeError, weight_scheme
@@ -261,7 +261,10 @@ def test_each_expert_hessian_sees_only_its_routed_tokens(sources, arch):
         _, ids = layer.mlp.gate(mlp_in)  # [T, k]
     scheme = weight_scheme({"weights": "w8a16", "kv_cache_dtype": "bf16"})
     gate_up = layer_groups(layer, scheme)[-2]
-    accs = expert_hessians(layer, hidden, cos, sin, gate_up)
+    # what quantize_moe_layer runs: the MLP's inputs taken once, the MLP alone
+    inputs = mlp_inputs(layer, hidden, cos, sin)
+    torch.testing.assert_close(inputs, mlp_in, rtol=0, atol=0)
+    accs = input_hessians(layer, gate_up, lambda: run_mlp(layer, inputs))
 
     experts = len(layer.mlp.experts)
     counts = torch.bincount(ids.reshape(-1), minlength=experts)
@@ -498,3 +501,41 @@ def test_a_published_block_fp8_source_is_dequantized_layer_by_layer(tmp_path):
     # sizes: the source's fp8 bytes and scales before; parameters without scales
     assert result.total_parameters == dense.total_parameters
     assert result.total_parameters == sum(t.numel() for k, t in bf16.items())
+
+
+def test_experts_calibrated_in_bounded_passes_get_the_same_codes(sources):
+    # one expert's Hessian per pass (a 1-byte budget) or all at once: the same
+    # Hessians, the same GPTQ codes, the same fallbacks
+    import copy
+
+    from gpuagent.compress.moe import quantize_moe_layer
+
+    model = load_model(sources["glm4_moe"])
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 264, (2, 48), generator=gen)
+    cos, sin = model._rope(torch.arange(48))
+    with torch.no_grad():
+        hidden = model.layers[0].forward_dense(model.embed_tokens(tokens), cos, sin)
+    scheme = weight_scheme(RECIPES["w4a16-g32-gptq"])
+    runs = []
+    for budget in (1, 1 << 40):
+        layer, quantized, fallbacks = copy.deepcopy(model.layers[1]), {}, []
+        with torch.no_grad():
+            quantize_moe_layer(
+                1,
+                layer,
+                scheme,
+                quantized,
+                (hidden, cos, sin),
+                min_expert_tokens=12,
+                hessian_budget_bytes=budget,
+                fallbacks=fallbacks,
+            )
+        runs.append((quantized, fallbacks))
+    (one, fell_one), (all_, fell_all) = runs
+    # 192 (token, expert) pairs over 8 experts: some get fewer than 12
+    assert fell_one == fell_all and fell_one
+    assert one.keys() == all_.keys()
+    assert len([k for k in one if ".experts." in k]) == 8 * 3
+    for name in one:
+        assert torch.equal(one[name].codes, all_[name].codes), name
