@@ -539,3 +539,27 @@ def test_experts_calibrated_in_bounded_passes_get_the_same_codes(sources):
     assert len([k for k in one if ".experts." in k]) == 8 * 3
     for name in one:
         assert torch.equal(one[name].codes, all_[name].codes), name
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_transformers_loads_the_compressed_experts(compressed, arch):
+    # transformers (with compressed-tensors) decompresses each expert's codes into
+    # its fused expert tensors: the weights are the engine's up to the bf16
+    # rounding of compressed-tensors' product (it keeps them in bf16 whatever the
+    # dtype asked), and so are the logits (random experts would be off by the
+    # logits' own scale). Its "Could not match re:.*mlp\.experts\.\d+..." warning
+    # is about its fused expert modules; the per-expert tensors are read anyway.
+    import transformers
+
+    folder, _ = compressed(arch, "w4a16-g32-gptq")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    engine = load_model(folder)
+    q = engine.layers[1].mlp.experts[3].down_proj
+    ours = q(torch.eye(q.in_features)).t()  # [N, K]
+    theirs = hf.model.layers[1].mlp.experts.down_proj[3].float()
+    torch.testing.assert_close(theirs, ours, atol=1e-6, rtol=2**-8)
+    tokens = torch.tensor([[5, 17, 33, 99, 120, 7, 200, 42]])
+    with torch.no_grad():
+        diff = (hf(tokens).logits[0] - engine.forward_dense(tokens)[0]).abs().max()
+    print(f"{arch}: transformers vs engine logits max abs diff {diff:.2e}")
+    assert diff < 0.05
