@@ -85,6 +85,16 @@ class Recipe(_Message):
     quantize_lm_head: bool = Field(
         False, description="quantize lm_head too (untied heads only)"
     )
+    quantize_shared_experts: bool = Field(
+        True,
+        description="MoE models (deepseek_v3, kimi_k2, glm4_moe): quantize the "
+        "shared experts too (False: kept in bf16, listed in `ignore`)",
+    )
+    quantize_dense_layers: bool = Field(
+        True,
+        description="MoE models: quantize the dense MLPs of the first "
+        "first_k_dense_replace layers too (False: kept in bf16, listed in `ignore`)",
+    )
 
     @field_validator("weights")
     @classmethod
@@ -117,6 +127,15 @@ class TensorClassSize(_Message):
     bytes_bf16: int = Field(ge=0, description="the same tensors in bf16")
 
 
+class ExpertFallback(_Message):
+    """A routed expert GPTQ could not calibrate: too few calibration tokens were
+    routed to it, so its projections were rounded to nearest instead."""
+
+    layer: int = Field(ge=0)
+    expert: int = Field(ge=0)
+    tokens: int = Field(ge=0, description="calibration tokens the router sent it")
+
+
 class CompressResult(_Message):
     """What `gpuagent.compress.compress` wrote: the folder, the recipe, per-class
     sizes and the GPU memory its weights take loaded by the engine."""
@@ -136,6 +155,23 @@ class CompressResult(_Message):
     )
     group_sizes: dict[str, int] = Field(
         default={}, description="int4: group size per projection kind"
+    )
+    rtn_fallback_experts: list[ExpertFallback] = Field(
+        default=[],
+        description="MoE + gptq: routed experts that got too few calibration "
+        "tokens and were rounded to nearest (layer, expert, tokens seen)",
+    )
+    min_expert_tokens: int | None = Field(
+        None, description="MoE + gptq: the token count below which an expert falls back"
+    )
+    total_parameters: int | None = Field(
+        None, ge=0, description="parameters in the checkpoint (MoE models)"
+    )
+    active_parameters: int | None = Field(
+        None,
+        ge=0,
+        description="MoE models: parameters one token runs through (everything "
+        "but the routed experts, plus top-k routed experts per MoE layer)",
     )
     seconds: float = Field(ge=0)
 

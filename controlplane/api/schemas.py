@@ -182,6 +182,13 @@ class RecipeIn(RequestBody):
     observer: Literal["minmax", "mse"] = "minmax"
     awq: bool = False
     quantize_lm_head: bool = False
+    quantize_shared_experts: bool = Field(
+        True, description="MoE models: quantize the shared experts too"
+    )
+    quantize_dense_layers: bool = Field(
+        True,
+        description="MoE models: quantize the first_k_dense_replace layers' MLPs too",
+    )
 
 
 class ReleaseIn(RequestBody):

@@ -113,5 +113,9 @@ def _key(item: tuple[int | None, list[str]]) -> int:
 
 
 def projection_target(projection: str) -> str:
-    """Regex target matching one projection in every layer."""
-    return "re:.*" + projection.replace(".", r"\.") + "$"
+    """Regex target matching one projection in every layer; a routed expert's
+    kind ("mlp.experts.gate_proj") matches it in every expert."""
+    pattern = projection.replace(".", r"\.")
+    if projection.startswith("mlp.experts."):
+        pattern = pattern.replace(r"experts\.", r"experts\.\d+\.", 1)
+    return "re:.*" + pattern + "$"

@@ -12,7 +12,9 @@ the bytes inspected. Two paths, the same output tensor for tensor:
 - in memory (`sequential=False`, and for sources the layer path does not take:
   an already quantized or a lossless source, which `load_model` decodes as a
   whole): every file read (`read_inspected_files`), the whole model built in
-  float32, one `model.safetensors` written.
+  float32, one `model.safetensors` written. Llama only: MoE models
+  (deepseek_v3, kimi_k2, glm4_moe; `gpuagent.compress.moe`) are compressed layer
+  by layer, and a source that path refuses is refused with its reason.
 
 The output is written to a temporary folder beside `out_dir` and renamed into
 place only when complete: a crash or an error leaves nothing at `out_dir`.
@@ -48,6 +50,7 @@ from gpuagent.compress.kv_scales import (
     kv_cache_scheme,
     kv_scale_tensors,
 )
+from gpuagent.compress.moe import DEFAULT_MIN_EXPERT_TOKENS
 from gpuagent.compress.quantize import QuantizedWeight, quantize_rtn
 from gpuagent.compress.recipes import (
     RecipeError,
@@ -58,10 +61,13 @@ from gpuagent.compress.recipes import (
 from gpuagent.compress.sequential import (
     DEFAULT_SPILL_BYTES,
     SequentialUnsupported,
+    check_moe_recipe,
     compress_sequential,
+    projection_kind,
 )
 from gpuagent.compress.signround import tune_layer
 from gpuagent.compress.size_report import size_report
+from gpuagent.engine.arch import MOE_MODEL_TYPES, MoEConfig
 from gpuagent.engine.loader import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -101,6 +107,7 @@ def compress(
     sequential: bool = True,
     max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
+    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
 ) -> CompressResult:
     """Compress `source_dir` under `recipe` into `out_dir` (which must not exist).
 
@@ -109,7 +116,9 @@ def compress(
     "attn_head", gpuagent.compress.kv_scales). `sequential` picks the layer-by-layer
     path (module docstring), whose output shards hold at most `max_shard_bytes`
     (None: one layer in bf16, at least 128 MiB) and
-    whose calibration hidden states go to a file over `spill_bytes`. Raises
+    whose calibration hidden states go to a file over `spill_bytes`. MoE models:
+    GPTQ rounds an expert routed fewer than `min_expert_tokens` calibration
+    tokens to nearest instead (named in the result). Raises
     RecipeError for recipes that can't be applied, CompressError for a refused
     source or an existing output."""
     started = time.monotonic()
@@ -123,6 +132,8 @@ def compress(
     if out_dir.exists():
         raise CompressError(f"{out_dir} already exists; refusing to overwrite it")
     progress = progress or (lambda done, total, what: None)
+    if min_expert_tokens < 1:
+        raise RecipeError(f"min_expert_tokens={min_expert_tokens} must be >= 1")
     if sequential:
         try:
             src = open_inspected(source_dir)
@@ -150,15 +161,27 @@ def compress(
                     kv_scale_strategy=kv_scale_strategy,
                     max_shard_bytes=max_shard_bytes,
                     spill_bytes=spill_bytes,
+                    min_expert_tokens=min_expert_tokens,
                     started=started,
                 )
-            except SequentialUnsupported:
-                pass  # the in-memory path below takes it
+            except SequentialUnsupported as exc:
+                if hf_config.get("model_type") in MOE_MODEL_TYPES:
+                    raise CompressError(
+                        f"{hf_config['model_type']} sources are compressed layer by "
+                        f"layer only, and this one can't be: {exc}"
+                    ) from exc
+                # the in-memory path below takes it
     try:
         files, _digest = read_inspected_files(source_dir)
     except IntegrityError as exc:
         raise CompressError(f"source {source_dir} failed inspection: {exc}") from exc
     model = load_model(source_dir, files=files, dtype=torch.float32)
+    if isinstance(model.config, MoEConfig):
+        raise CompressError(
+            f"{model.config.model_type} models are compressed layer by layer only "
+            "(sequential=True)"
+        )
+    check_moe_recipe(model.config, recipe, scheme)
     tokenizer = load_tokenizer(source_dir, files=files)
     if scheme and scheme.quantize_lm_head and model.config.tie_word_embeddings:
         raise RecipeError(
@@ -322,18 +345,21 @@ def _output_tensors(model, quantized, recipe: Recipe) -> dict[str, torch.Tensor]
 
 
 def _by_projection(quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-    # one example per projection kind ("mlp.down_proj", "lm_head")
+    # one example per projection kind ("mlp.down_proj", "mlp.experts.up_proj")
     out = {}
     for name, qw in quantized.items():
-        kind = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-        out.setdefault(kind, qw)
+        out.setdefault(projection_kind(name), qw)
     return out
 
 
-def _quant_config(scheme, quantized, kv_scheme: dict | None) -> dict[str, Any]:
+def _quant_config(
+    scheme, quantized, kv_scheme: dict | None, extra_ignore: list[str] = ()
+) -> dict[str, Any]:
     group_targets: dict[int | None, list[str]] = {}
     for kind, qw in _by_projection(quantized).items():
         target = "re:^lm_head$" if kind == "lm_head" else projection_target(kind)
         group_targets.setdefault(qw.group_size, []).append(target)
     ignore = [] if scheme.quantize_lm_head else ["lm_head"]
-    return quantization_config(scheme, group_targets, ignore, kv_scheme)
+    return quantization_config(
+        scheme, group_targets, ignore + list(extra_ignore), kv_scheme
+    )

@@ -6,7 +6,9 @@ sign-gradient rounding: gpuagent.compress.signround),
 `symmetric` whether int4 groups carry a zero point, `observer` how int scales are
 chosen (absmax, or the least-error shrink: gpuagent.compress.quantize), `awq`
 whether activation-aware input-channel scales are folded in first
-(gpuagent.compress.awq), `quantize_lm_head` whether an untied head is quantized too.
+(gpuagent.compress.awq), `quantize_lm_head` whether an untied head is quantized too,
+and for MoE models `quantize_shared_experts` / `quantize_dense_layers` whether the
+shared experts and the first_k_dense_replace layers' MLPs are (gpuagent.compress.moe).
 Anything else in a recipe is refused by name.
 
 Group size for layers whose input width is not a multiple of the recipe's group
@@ -57,6 +59,8 @@ class WeightScheme:
     observer: str  # "minmax" or "mse" (gpuagent.compress.quantize)
     awq: bool
     quantize_lm_head: bool
+    quantize_shared_experts: bool = True
+    quantize_dense_layers: bool = True
 
     @property
     def name(self) -> str:
@@ -115,10 +119,12 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
             or recipe.method != "rtn"
             or recipe.act_order
             or recipe.observer != "minmax"
+            or not recipe.quantize_shared_experts
+            or not recipe.quantize_dense_layers
         ):
             raise RecipeError(
-                f"weights {fmt!r} are not quantized: method, act_order, observer "
-                "and awq do not apply"
+                f"weights {fmt!r} are not quantized: method, act_order, observer, "
+                "awq, quantize_shared_experts and quantize_dense_layers do not apply"
             )
         return None
     if fmt.startswith(("int4-g", "w4a16-g")):
@@ -149,4 +155,6 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         observer=recipe.observer,
         awq=recipe.awq,
         quantize_lm_head=recipe.quantize_lm_head,
+        quantize_shared_experts=recipe.quantize_shared_experts,
+        quantize_dense_layers=recipe.quantize_dense_layers,
     )

@@ -18,6 +18,15 @@ tensor, with memory bounded by a decoder layer or two, not by the model.
   in a temporary folder renamed into place at the end;
   several shards get `model.safetensors.index.json`, a single one is written as
   `model.safetensors`, byte for byte the in-memory path's file.
+- DeepSeek-V3 / Kimi K2 / GLM-4.5 MoE sources (`engine.arch`) take this path only:
+  each layer is an `arch.MoEBlock`, quantized by `gpuagent.compress.moe` (per
+  expert, GPTQ on the tokens routed to each), sized by the MoE tensor classes
+  (`size_report`); the multi-token-prediction layers after the decoder are not
+  carried (serving does not run them; transformers drops them on load too).
+- A source in DeepSeek's published block fp8 (DeepSeek-V3, Kimi K2 as released:
+  `engine.fp8_blocks`) is read tensor by tensor too, each fp8 weight dequantized
+  with its `weight_scale_inv` blocks to float32 when its layer is built; the
+  output's `quantization_config` is the recipe's (none for bf16 weights).
 """
 
 from __future__ import annotations
@@ -39,11 +48,22 @@ from gpuagent.compress.awq import scale_layer
 from gpuagent.compress.calibration import calibration_sequences, run_layer
 from gpuagent.compress.checkpoint import DENSE_DTYPE, kv_cache_only_config
 from gpuagent.compress.kv_scales import _SHAPES, kv_cache_scheme
+from gpuagent.compress.moe import (
+    DEFAULT_MIN_EXPERT_TOKENS,
+    ROUTER_IGNORE,
+    dense_linears,
+    quantize_moe_layer,
+)
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import RecipeError, WeightScheme
 from gpuagent.compress.shard_writer import ShardWriter
 from gpuagent.compress.signround import tune_layer
-from gpuagent.compress.size_report import TENSOR_CLASSES, tensor_class
+from gpuagent.compress.size_report import (
+    moe_parameters,
+    tensor_class,
+    tensor_classes,
+)
+from gpuagent.engine import arch, fp8_blocks
 from gpuagent.engine.kv_calibration import FP8_MAX
 from gpuagent.engine.loader import (
     CONFIG_FILE,
@@ -62,7 +82,7 @@ from gpuagent.engine.model import (
 )
 from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.integrity.streamed_load import StreamedModel
-from gpuagent.protocol import CompressResult, Recipe, TensorClassSize
+from gpuagent.protocol import CompressResult, ExpertFallback, Recipe, TensorClassSize
 
 # Output shards (`max_shard_bytes=None`): one decoder layer in bf16, at least 128
 # MiB. The shard being filled is held in memory, so it is sized like the layer
@@ -128,18 +148,40 @@ class Activations:
         return mapped.view(shape)
 
 
-def check_source(src: StreamedModel, hf_config: dict[str, Any]) -> LlamaConfig:
+def _block(config: LlamaConfig | arch.MoEConfig, index: int) -> torch.nn.Module:
+    # decoder layer `index` of the config's architecture (on the current device)
+    if isinstance(config, arch.MoEConfig):
+        return arch.MoEBlock(config, index)
+    return TransformerBlock(config)
+
+
+def _rope(config: LlamaConfig | arch.MoEConfig) -> tuple[torch.Tensor, float]:
+    # (inverse frequencies, cos/sin scale) as the engine's model computes them
+    if isinstance(config, arch.MoEConfig):
+        return arch.rope_parameters(config)
+    return rope_inv_freq(config), 1.0
+
+
+def check_source(
+    src: StreamedModel, hf_config: dict[str, Any]
+) -> LlamaConfig | arch.MoEConfig:
     """The source's config, if this path takes it; SequentialUnsupported naming
     why not (a quantized or lossless source goes through the in-memory path),
     ValueError for a checkpoint that does not match its config."""
     from gpuagent.engine import weights
 
-    if weights.is_quantized(hf_config):
+    if weights.is_quantized(hf_config) and not fp8_blocks.is_block_fp8(hf_config):
         raise SequentialUnsupported("the source is already quantized")
+    block = source_block(hf_config)
     if not src.headers:
         raise SequentialUnsupported("the source has no .safetensors checkpoint")
     check_supported_config(hf_config)
-    config = LlamaConfig.from_hf_config(hf_config)
+    try:
+        config = arch.config_for(hf_config)
+    except KeyError as exc:
+        raise ModelLoadError(f"{CONFIG_FILE} lacks {exc}") from exc
+    except (ArithmeticError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{CONFIG_FILE}: {exc}") from exc
     if INDEX_FILE in src.files:
         index = json.loads(src.files[INDEX_FILE])
         listed = set(index.get("weight_map", {}).values())
@@ -153,9 +195,36 @@ def check_source(src: StreamedModel, hf_config: dict[str, Any]) -> LlamaConfig:
     elif set(src.headers) != {WEIGHTS_FILE}:
         raise SequentialUnsupported(f"shards without {INDEX_FILE}")
     expected = _expected_shapes(config)
-    present = {n: r for n, r in src.refs.items() if not n.endswith(IGNORED_SUFFIXES)}
+    present = {
+        n: r
+        for n, r in src.refs.items()
+        if not n.endswith(IGNORED_SUFFIXES)
+        and not arch.extra_checkpoint_layer(n, config)
+    }
     if config.tie_word_embeddings:
         present.pop("lm_head.weight", None)
+    problems = []
+    if block is not None:  # each fp8 weight with its block scales, read together
+        scales = {n for n in present if n.endswith(fp8_blocks.SCALE_SUFFIX)}
+        for n in sorted(scales):
+            weight = n.removesuffix(fp8_blocks.SCALE_SUFFIX) + ".weight"
+            ref = present.get(weight)
+            if ref is None or ref.dtype != "F8_E4M3":
+                problems.append(f"{n} has no fp8 weight {weight}")
+                continue
+            want = tuple(-(-d // b) for d, b in zip(ref.shape, block, strict=True))
+            if tuple(present[n].shape) != want:
+                problems.append(f"{n}: shape {present[n].shape}, expected {want}")
+        for n in scales:
+            present.pop(n)
+        fp8 = {
+            n
+            for n, r in present.items()
+            if r.dtype == "F8_E4M3"
+            and n.removesuffix(".weight") + fp8_blocks.SCALE_SUFFIX in scales
+        }
+    else:
+        fp8 = set()
     missing = sorted(set(expected) - set(present))
     unexpected = sorted(set(present) - set(expected))
     misshapen = [
@@ -164,9 +233,10 @@ def check_source(src: StreamedModel, hf_config: dict[str, Any]) -> LlamaConfig:
         if n in present and present[n].shape != expected[n]
     ]
     bad_dtypes = {
-        n: r.dtype for n, r in present.items() if r.dtype not in SOURCE_DTYPES
+        n: r.dtype
+        for n, r in present.items()
+        if r.dtype not in SOURCE_DTYPES and n not in fp8
     }
-    problems = []
     if missing:
         problems.append(f"missing tensors {missing}")
     if unexpected:
@@ -180,26 +250,43 @@ def check_source(src: StreamedModel, hf_config: dict[str, Any]) -> LlamaConfig:
     return config
 
 
-def default_shard_bytes(config: LlamaConfig) -> int:
-    """Output shard size for `max_shard_bytes=None`: one layer in bf16, at least
-    MIN_SHARD_BYTES."""
+def source_block(hf_config: dict[str, Any]) -> tuple[int, int] | None:
+    """The (rows, columns) scale block of a block-fp8 source; None for a plain one.
+    ModelLoadError for a block-fp8 config `engine.fp8_blocks` does not read."""
+    if not fp8_blocks.is_block_fp8(hf_config):
+        return None
+    try:
+        return fp8_blocks.block_size(hf_config["quantization_config"])
+    except fp8_blocks.BlockFp8Error as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def default_shard_bytes(config: LlamaConfig | arch.MoEConfig) -> int:
+    """Output shard size for `max_shard_bytes=None`: one (the last) layer in bf16,
+    at least MIN_SHARD_BYTES."""
     with torch.device("meta"):
-        block = TransformerBlock(config)
+        block = _block(config, config.num_hidden_layers - 1)
     layer = sum(p.numel() for p in block.parameters()) * 2
     return max(MIN_SHARD_BYTES, layer)
 
 
-def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor names and shapes, as `Transformer(config)`'s state
-    dict has them (built a layer at a time: a whole model on the meta device first
-    costs torch ~80 MB of imports for its embedding)."""
-    with torch.device("meta"):
-        block = TransformerBlock(config)
-    expected = {
-        f"model.layers.{i}.{n}": tuple(p.shape)
-        for i in range(config.num_hidden_layers)
-        for n, p in block.state_dict().items()
-    }
+def _expected_shapes(
+    config: LlamaConfig | arch.MoEConfig,
+) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensor names and shapes, as the model's state dict has
+    them (built a layer at a time: a whole model on the meta device first costs
+    torch ~80 MB of imports for its embedding; an MoE model's dense and MoE layers
+    each built once)."""
+    shapes: dict[bool, dict[str, tuple[int, ...]]] = {}
+    expected = {}
+    for i in range(config.num_hidden_layers):
+        kind = i < getattr(config, "first_k_dense_replace", 0)
+        if kind not in shapes:
+            with torch.device("meta"):
+                block = _block(config, i)
+            shapes[kind] = {n: tuple(p.shape) for n, p in block.state_dict().items()}
+        for n, shape in shapes[kind].items():
+            expected[f"model.layers.{i}.{n}"] = shape
     v, h = config.vocab_size, config.hidden_size
     expected["model.embed_tokens.weight"] = (v, h)
     expected["model.norm.weight"] = (h,)
@@ -216,7 +303,7 @@ class SequentialCompressor:
         self,
         src: StreamedModel,
         src_dir: Path,
-        config: LlamaConfig,
+        config: LlamaConfig | arch.MoEConfig,
         recipe: Recipe,
         scheme: WeightScheme | None,
         tmp: Path,
@@ -226,8 +313,15 @@ class SequentialCompressor:
         kv_scale_strategy: str,
         max_shard_bytes: int,
         spill_bytes: int,
+        min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
+        block: tuple[int, int] | None = None,
     ) -> None:
         self.src, self.config, self.recipe, self.scheme = src, config, recipe, scheme
+        self.block = block  # a block-fp8 source's scale block
+        self.moe = isinstance(config, arch.MoEConfig)
+        self.min_expert_tokens = min_expert_tokens
+        self.fallbacks: list[ExpertFallback] = []
+        self.ignore: list[str] = []  # MoE: Linears left dense, by full name
         self.src_dir = src_dir
         self.tmp, self.progress = tmp, progress
         self.calibration_size = calibration_size
@@ -235,18 +329,29 @@ class SequentialCompressor:
         self.writer = ShardWriter(tmp, max_shard_bytes)
         self.spill_bytes = spill_bytes
         self.dense = torch.float16 if recipe.weights == "fp16" else DENSE_DTYPE
-        self.after = dict.fromkeys(TENSOR_CLASSES, 0)
+        self.after = dict.fromkeys(tensor_classes(self.moe), 0)
         self.examples: dict[str, Any] = {}  # one QuantizedWeight per projection kind
         self.quantized_count = 0
         self.kv_written = False
 
     # -- tensors
     def _f32(self, name: str) -> torch.Tensor:
-        return self.src.tensor(name).to(torch.float32)
+        tensor = self.src.tensor(name)
+        if tensor.dtype != torch.float8_e4m3fn:
+            return tensor.to(torch.float32)
+        # block fp8 (check_source paired it with its scales): W = codes * scale
+        scale = name.removesuffix(".weight") + fp8_blocks.SCALE_SUFFIX
+        rows, cols = self.block
+        qc = {"weight_block_size": [rows, cols]}
+        both = {name: tensor, scale: self.src.tensor(scale)}
+        try:
+            return fp8_blocks.dequantize(both, qc)[name]
+        except fp8_blocks.BlockFp8Error as exc:
+            raise ModelLoadError(str(exc)) from exc
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
-            self.after[tensor_class(name)] += t.numel() * t.element_size()
+            self.after[tensor_class(name, self.moe)] += t.numel() * t.element_size()
         self.writer.add(tensors)
 
     def _write_quantized(self, quantized: dict) -> None:
@@ -254,18 +359,14 @@ class SequentialCompressor:
 
         for module, qw in quantized.items():
             self._write(quantized_tensors(module, qw))
-            kind = (
-                module.split(".", 3)[-1]
-                if module.startswith("model.layers.")
-                else module
-            )
+            kind = projection_kind(module)
             if kind not in self.examples:
                 self.examples[kind] = _GroupOnly(qw.group_size)
             self.quantized_count += 1
 
-    def _layer(self, i: int) -> TransformerBlock:
+    def _layer(self, i: int) -> torch.nn.Module:
         with torch.device("meta"):
-            block = TransformerBlock(self.config)
+            block = _block(self.config, i)
         state = {n: self._f32(f"model.layers.{i}.{n}") for n in block.state_dict()}
         block.load_state_dict(state, assign=True)
         return block.eval()
@@ -288,13 +389,13 @@ class SequentialCompressor:
         if calibrated or kv:
             tokenizer = load_tokenizer(self.src_dir, files=self.src.files)
             sequences = calibration_sequences(tokenizer, *(self.calibration_size or ()))
-        inv_freq = rope_inv_freq(config)
+        inv_freq, rope_scale = _rope(config)
         hidden = unquantized = kv_hidden = None
         acts = Activations(self.tmp, self.spill_bytes, "hidden")
         ref_acts = Activations(self.tmp, self.spill_bytes, "reference")
         if calibrated:
             tokens = torch.tensor(sequences)
-            cos, sin = _cos_sin(inv_freq, tokens.shape[1])
+            cos, sin = _cos_sin(inv_freq, tokens.shape[1], rope_scale)
             hidden = acts.keep(F.embedding(tokens, embed))
             if scheme.method == "signround":
                 unquantized = hidden
@@ -310,7 +411,23 @@ class SequentialCompressor:
         for i in range(config.num_hidden_layers):
             layer = self._layer(i)
             quantized: dict = {}
-            if scheme is not None and not calibrated:
+            if scheme is not None and self.moe:
+                gptq = scheme.method == "gptq"
+                with torch.no_grad():
+                    quantize_moe_layer(
+                        i,
+                        layer,
+                        scheme,
+                        quantized,
+                        (hidden, cos, sin) if gptq else None,
+                        min_expert_tokens=self.min_expert_tokens,
+                        fallbacks=self.fallbacks,
+                    )
+                    if gptq:
+                        hidden = acts.keep(run_layer(layer, hidden, cos, sin))
+                prefix = f"model.layers.{i}."
+                self.ignore += [prefix + n for n in dense_linears(layer, scheme)]
+            elif scheme is not None and not calibrated:
                 _quantize_layer(i, layer, scheme, quantized)
             elif calibrated:
                 with torch.no_grad():
@@ -362,11 +479,50 @@ class SequentialCompressor:
         for name, param in layer.state_dict().items():
             module = f"model.layers.{i}.{name}".removesuffix(".weight")
             if module not in quantized:
+                # the router's correction bias stays float32, as published: a
+                # rounded bias can change which experts a token gets
+                keep = self.moe and name.endswith("e_score_correction_bias")
+                dtype = torch.float32 if keep else self.dense
                 tensors[f"model.layers.{i}.{name}"] = (
-                    param.detach().to(self.dense).contiguous()
+                    param.detach().to(dtype).contiguous()
                 )
         self._write(tensors)
         self._write_quantized(quantized)
+
+
+def check_moe_recipe(
+    config: LlamaConfig | arch.MoEConfig, recipe: Recipe, scheme: WeightScheme | None
+) -> None:
+    """Refuse, by name, what this path does not do for the config's architecture."""
+    if not isinstance(config, arch.MoEConfig):
+        if not (recipe.quantize_shared_experts and recipe.quantize_dense_layers):
+            raise RecipeError(
+                "quantize_shared_experts / quantize_dense_layers apply to MoE models "
+                f"(deepseek_v3, kimi_k2, glm4_moe) only, not {type(config).__name__}"
+            )
+        return
+    if recipe.kv_cache_dtype == "fp8":
+        raise RecipeError(
+            "kv_cache_dtype 'fp8' (static checkpoint KV scales) is not offered for "
+            f"{config.model_type}: the engine quantizes MoE models' caches at run "
+            "time (bf16 or a per-token dtype in the recipe)"
+        )
+    if scheme is not None and (scheme.awq or scheme.method == "signround"):
+        raise RecipeError(
+            f"{'awq' if scheme.awq else 'signround'} is not implemented for MoE "
+            f"models ({config.model_type}); use method 'rtn' or 'gptq'"
+        )
+
+
+def projection_kind(module: str) -> str:
+    """A quantized module's kind: its name within the layer, the expert index
+    dropped ("mlp.experts.gate_proj"), or the module itself ("lm_head")."""
+    if not module.startswith("model.layers."):
+        return module
+    kind = module.split(".", 3)[-1]
+    if kind.startswith("mlp.experts."):
+        kind = "mlp.experts." + kind.split(".", 3)[-1]
+    return kind
 
 
 class _GroupOnly:
@@ -376,9 +532,13 @@ class _GroupOnly:
         self.group_size = group_size
 
 
-def _cos_sin(inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # as Transformer._rope for a float32 model
+def _cos_sin(
+    inv_freq: torch.Tensor, length: int, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # as Transformer._rope (MoETransformer._rope: YaRN's scale) for a float32 model
     cos, sin = rope_cos_sin(inv_freq, torch.arange(length))
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     return cos.to(torch.float32), sin.to(torch.float32)
 
 
@@ -426,17 +586,24 @@ def _kv_tensors(absmax: list[torch.Tensor], strategy: str) -> dict[str, torch.Te
     return tensors
 
 
-def source_sizes(src: StreamedModel) -> tuple[dict[str, int], dict[str, int]]:
+def source_sizes(
+    src: StreamedModel, config: LlamaConfig | arch.MoEConfig | None = None
+) -> tuple[dict[str, int], dict[str, int]]:
     """(bytes as stored, bytes in bf16) per tensor class of the source's headers,
-    as size_report counts them."""
+    as size_report counts them (an MoE model's classes, its multi-token-prediction
+    layers left out as the output leaves them out)."""
     import math
 
-    before = dict.fromkeys(TENSOR_CLASSES, 0)
-    bf16 = dict.fromkeys(TENSOR_CLASSES, 0)
+    moe = isinstance(config, arch.MoEConfig)
+    before = dict.fromkeys(tensor_classes(moe), 0)
+    bf16 = dict.fromkeys(tensor_classes(moe), 0)
     for header in src.headers.values():
         for entry in header.tensors.values():
-            before[tensor_class(entry.name)] += entry.end - entry.begin
-            bf16[tensor_class(entry.name)] += math.prod(entry.shape) * 2
+            if moe and arch.extra_checkpoint_layer(entry.name, config):
+                continue
+            before[tensor_class(entry.name, moe)] += entry.end - entry.begin
+            if not entry.name.endswith(fp8_blocks.SCALE_SUFFIX):  # not a weight
+                bf16[tensor_class(entry.name, moe)] += math.prod(entry.shape) * 2
     return before, bf16
 
 
@@ -453,6 +620,7 @@ def compress_sequential(
     kv_scale_strategy: str,
     max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
+    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
     started: float,
 ) -> CompressResult:
     """The layer-by-layer path of `pipeline.compress` on an opened source (module
@@ -461,6 +629,8 @@ def compress_sequential(
     from gpuagent.compress.pipeline import _by_projection, _quant_config
 
     config = check_source(src, hf_config)
+    moe = isinstance(config, arch.MoEConfig)
+    check_moe_recipe(config, recipe, scheme)
     if max_shard_bytes is None:
         max_shard_bytes = default_shard_bytes(config)
     if scheme and scheme.quantize_lm_head and config.tie_word_embeddings:
@@ -483,6 +653,8 @@ def compress_sequential(
             kv_scale_strategy=kv_scale_strategy,
             max_shard_bytes=max_shard_bytes,
             spill_bytes=spill_bytes,
+            min_expert_tokens=min_expert_tokens,
+            block=source_block(hf_config),
         )
         run.run()
         for spilled in tmp.glob(".activations-*"):
@@ -490,11 +662,14 @@ def compress_sequential(
         run.writer.finish()
         kv_scheme = kv_cache_scheme(kv_scale_strategy) if run.kv_written else None
         if scheme:
+            extra_ignore = [ROUTER_IGNORE, *run.ignore] if moe else []
             hf_config["quantization_config"] = _quant_config(
-                scheme, run.examples, kv_scheme
+                scheme, run.examples, kv_scheme, extra_ignore
             )
         elif kv_scheme:
             hf_config["quantization_config"] = kv_cache_only_config(kv_scheme)
+        else:  # dense weights out (a block-fp8 source's config goes with its fp8)
+            hf_config.pop("quantization_config", None)
         hf_config["dtype"] = hf_config["torch_dtype"] = (
             "float16" if recipe.weights == "fp16" else "bfloat16"
         )
@@ -513,7 +688,7 @@ def compress_sequential(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    before, bf16 = source_sizes(src)
+    before, bf16 = source_sizes(src, config)
     sizes = [
         TensorClassSize(
             tensor_class=c,
@@ -521,8 +696,9 @@ def compress_sequential(
             bytes_after=run.after[c],
             bytes_bf16=bf16[c],
         )
-        for c in TENSOR_CLASSES
+        for c in tensor_classes(moe)
     ]
+    total, active = moe_parameters(src, config) if moe else (None, None)
     total_after = sum(run.after.values())
     return CompressResult(
         out_dir=str(out_dir),
@@ -539,5 +715,11 @@ def compress_sequential(
             for p, q in _by_projection(run.examples).items()
             if q.group_size is not None
         },
+        rtn_fallback_experts=run.fallbacks,
+        min_expert_tokens=(
+            min_expert_tokens if moe and scheme and scheme.method == "gptq" else None
+        ),
+        total_parameters=total,
+        active_parameters=active,
         seconds=time.monotonic() - started,
     )

@@ -107,6 +107,9 @@ class QuantLinear(nn.Module):
         # int4 in a float32 model on a CPU: the arrays `kernels.int4_cpu` reads,
         # made once (`prepare_int4_cpu`)
         self.int4_cpu: int4_cpu.PreparedInt4 | None = None
+        # the replaced Linear's bias (GLM-4.5's q/k/v), a dense parameter of the
+        # state dict as the checkpoint stores it beside the codes; None: no bias
+        self.register_parameter("bias", None)
 
     def prepack_cpu(self) -> bool:
         """Lay the weight out once for torch's CPU weight-only kernels; False where
@@ -168,7 +171,8 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.runs_int4_cpu(x):  # decode: the same kernel, no per-call setup
             y = int4_cpu.int4_matmul_prepared(x2.contiguous(), self.int4_cpu)
-            return y.reshape(*shape[:-1], self.out_features)
+            y = y.reshape(*shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.kind == "int8":
             y = weight_int8_matmul(
                 x2, self.codes, self.scale.to(x.dtype), cpu_weight=self.cpu_weight
@@ -190,7 +194,8 @@ class QuantLinear(nn.Module):
         else:
             w = self.codes.to(x.dtype) * self.scale.to(x.dtype)  # [N, K]
             y = x2 @ w.t()
-        return y.reshape(*shape[:-1], self.out_features)
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def is_quantized(hf_config: dict[str, Any]) -> bool:
@@ -306,6 +311,8 @@ def install(model: nn.Module, layers: dict[str, QuantLinear]) -> None:
                 f"{hf}: quantized shape {(layer.out_features, layer.in_features)} "
                 f"vs config {(old.out_features, old.in_features)}"
             )
+        if old.bias is not None:  # filled from the checkpoint's `.bias` tensor
+            layer.bias = nn.Parameter(old.bias.detach(), requires_grad=False)
         setattr(parent, child, layer)
 
 
@@ -368,6 +375,7 @@ def fuse_int4(layers: list[QuantLinear]) -> QuantLinear | None:
     first = layers[0]
     if not all(
         isinstance(m, QuantLinear)
+        and m.bias is None
         and m.int4_cpu is not None
         and m.group_size == first.group_size
         and m.in_features == first.in_features

@@ -1,0 +1,249 @@
+"""Quantizing one DeepSeek-V3 / Kimi K2 / GLM-4.5 decoder layer
+(`engine.arch.MoEBlock`): which Linears are quantized, in which order, and GPTQ
+per routed expert on the calibration tokens the router sends to it.
+
+What is quantized (the rest is written in bf16 and listed in `ignore`, as
+llm-compressor writes these models: `lm_head`, `re:.*mlp\\.gate$`):
+
+- attention: GLM's q/k/v/o (their biases stay dense beside the codes); MLA's
+  q_a_proj, q_b_proj (or q_proj without a q LoRA), kv_a_proj_with_mqa and o_proj.
+  MLA's kv_b_proj is kept in bf16 by rule: the absorbed decode needs W_UK and W_UV
+  themselves (folded into the query and the output), so the engine
+  (`engine.mla.MLAAttention._kv_b`) and vLLM dequantize it once at load and hold it
+  dense; quantized it would save disk only, and add its rounding error to every
+  key and value. The layernorms inside MLA (q_a_layernorm, kv_a_layernorm) are
+  norms, never touched;
+- the router (`mlp.gate`: weight in bf16, e_score_correction_bias in float32 as
+  published, since a rounded bias can change the top-k) is never quantized;
+- every routed expert's gate/up/down; the shared experts and the dense MLPs of the
+  first `first_k_dense_replace` layers when the recipe says so
+  (`quantize_shared_experts`, `quantize_dense_layers`, default both).
+
+GPTQ goes through the layer in the order it runs (true sequential, as the dense
+path): q/kv down-projections, q_b, o_proj, then the MLP's gate/up, then down. Once
+the attention is quantized the MLP's inputs are fixed: they are taken once
+(`mlp_inputs`) and the MLP groups run the MLP alone on them. Each such forward
+runs the block's own router and its grouping of tokens per expert
+(`engine.moe.Experts`: sorted by expert, one slice each, no loop over tokens), so
+a hook on expert E's gate_proj (down_proj) sees exactly the rows routed to E: its
+Hessian is accumulated from those tokens only. An expert that received fewer than
+`min_expert_tokens` falls back to round-to-nearest (its Hessian would be nearly
+singular) and is reported as (layer, expert, tokens seen). Hessians are float64
+[K, K] per expert: the experts of a group are calibrated in passes holding at most
+`hessian_budget_bytes` of them (DeepSeek-V3's hidden 7168: 411 MB each, 5 experts
+a pass under the default 2 GiB), each pass the MLP alone over its inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpuagent.compress.calibration import run_layer
+from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq
+from gpuagent.compress.quantize import QuantizedWeight, quantize_rtn
+from gpuagent.compress.recipes import WeightScheme
+from gpuagent.protocol import ExpertFallback
+
+# An expert seeing fewer calibration tokens than this is rounded to nearest.
+DEFAULT_MIN_EXPERT_TOKENS = 32
+# float64 Hessians held at once while calibrating one group of experts
+DEFAULT_HESSIAN_BUDGET = 2 << 30
+ROUTER_IGNORE = r"re:.*mlp\.gate$"
+
+
+@dataclass(frozen=True)
+class InputSet:
+    """Projections sharing one input: the module whose input is hooked, the
+    projections (names within the layer) quantized on that input's Hessian, and
+    the routed expert they belong to (None: not a routed expert)."""
+
+    hook: str
+    projections: tuple[str, ...]
+    expert: int | None = None
+
+
+def is_moe_layer(layer: torch.nn.Module) -> bool:
+    return hasattr(layer.mlp, "experts")
+
+
+def layer_groups(layer: torch.nn.Module, scheme: WeightScheme) -> list[list[InputSet]]:
+    """The layer's quantized projections as groups of input sets, in the order
+    GPTQ takes them (module docstring); a group's sets are calibrated in one pass."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups: list[list[InputSet]] = []
+    if hasattr(attn, "kv_a_proj_with_mqa"):  # MLA
+        q = "self_attn.q_a_proj" if hasattr(attn, "q_a_proj") else "self_attn.q_proj"
+        groups.append([InputSet(q, (q, "self_attn.kv_a_proj_with_mqa"))])
+        if hasattr(attn, "q_b_proj"):
+            groups.append([InputSet("self_attn.q_b_proj", ("self_attn.q_b_proj",))])
+    else:
+        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        groups.append([InputSet(qkv[0], qkv)])
+    groups.append([InputSet("self_attn.o_proj", ("self_attn.o_proj",))])
+    if not is_moe_layer(layer):
+        if scheme.quantize_dense_layers:
+            groups.append([InputSet("mlp.gate_proj", ("mlp.gate_proj", "mlp.up_proj"))])
+            groups.append([InputSet("mlp.down_proj", ("mlp.down_proj",))])
+        return groups
+    gate_up = [
+        InputSet(f"mlp.experts.{e}.gate_proj", _proj(f"mlp.experts.{e}", "gate_up"), e)
+        for e in range(len(mlp.experts))
+    ]
+    down = [
+        InputSet(f"mlp.experts.{e}.down_proj", _proj(f"mlp.experts.{e}", "down"), e)
+        for e in range(len(mlp.experts))
+    ]
+    if mlp.shared_experts is not None and scheme.quantize_shared_experts:
+        gate_up.append(
+            InputSet(
+                "mlp.shared_experts.gate_proj", _proj("mlp.shared_experts", "gate_up")
+            )
+        )
+        down.append(
+            InputSet(
+                "mlp.shared_experts.down_proj", _proj("mlp.shared_experts", "down")
+            )
+        )
+    return groups + [gate_up, down]
+
+
+def _proj(prefix: str, which: str) -> tuple[str, ...]:
+    if which == "down":
+        return (f"{prefix}.down_proj",)
+    return (f"{prefix}.gate_proj", f"{prefix}.up_proj")
+
+
+def dense_linears(layer: torch.nn.Module, scheme: WeightScheme) -> list[str]:
+    """The layer's Linears (names within it) this recipe leaves in bf16, the
+    router aside (it is not a Linear): what `ignore` must name."""
+    quantized = {
+        p for g in layer_groups(layer, scheme) for s in g for p in s.projections
+    }
+    return [
+        name
+        for name, m in layer.named_modules()
+        if isinstance(m, torch.nn.Linear) and name not in quantized
+    ]
+
+
+# MLP input rows per forward when the MLP runs alone
+MLP_ROWS = 4096
+
+
+def mlp_inputs(
+    layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The layer's MLP inputs [B * T, hidden] (post-attention norm of the
+    residual) over the calibration states [B, T, hidden]."""
+    seen: list[torch.Tensor] = []
+    run_layer(layer, hidden, cos, sin, {"mlp": seen.append})
+    return torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
+
+
+def run_mlp(layer: torch.nn.Module, inputs: torch.Tensor) -> None:
+    """The layer's MLP alone over its inputs [N, hidden] (outputs dropped)."""
+    with torch.no_grad():
+        for rows in inputs.split(MLP_ROWS):
+            layer.mlp(rows)
+
+
+def input_hessians(
+    layer: torch.nn.Module, sets: list[InputSet], run: Callable[[], object]
+) -> dict[str, HessianAccumulator]:
+    """The input Hessian of each set's hooked module from the rows it receives
+    while `run()` runs (a routed expert: only the tokens the router sends it;
+    `num_rows` counts them)."""
+    accs = {
+        s.hook: HessianAccumulator(layer.get_submodule(s.hook).in_features)
+        for s in sets
+    }
+    hooks = [
+        layer.get_submodule(h).register_forward_pre_hook(
+            lambda _m, args, add=acc.add: add(args[0])
+        )
+        for h, acc in accs.items()
+    ]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return accs
+
+
+def _passes(layer: torch.nn.Module, group: list[InputSet], budget: int):
+    # the group split so that one pass holds at most `budget` bytes of Hessians
+    chunk, held = [], 0
+    for s in group:
+        k = layer.get_submodule(s.hook).in_features
+        size = k * k * 8
+        if chunk and held + size > budget:
+            yield chunk
+            chunk, held = [], 0
+        chunk.append(s)
+        held += size
+    if chunk:
+        yield chunk
+
+
+def quantize_moe_layer(
+    index: int,
+    layer: torch.nn.Module,
+    scheme: WeightScheme,
+    quantized: dict[str, QuantizedWeight],
+    calibration: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
+    hessian_budget_bytes: int = DEFAULT_HESSIAN_BUDGET,
+    fallbacks: list[ExpertFallback] | None = None,
+) -> None:
+    """Quantize layer `index` (module docstring): RTN, or GPTQ when `calibration`
+    (hidden [B, T, hidden], cos, sin) is given, each group's Hessians from the
+    outputs of the groups before it already quantized. Weights are replaced by
+    their dequantized values; codes go to `quantized` under HF module names;
+    routed experts rounded to nearest for lack of tokens are appended to
+    `fallbacks`."""
+    fell_back: set[int] = set()
+    inputs = None  # the MLP's inputs, once the attention is quantized
+    for group in layer_groups(layer, scheme):
+        passes = [group]
+        if calibration is not None:
+            passes = list(_passes(layer, group, hessian_budget_bytes))
+        for sets in passes:
+            accs = {}
+            if calibration is not None and sets[0].hook.startswith("mlp."):
+                if inputs is None:
+                    inputs = mlp_inputs(layer, *calibration)
+                run = functools.partial(run_mlp, layer, inputs)
+                accs = input_hessians(layer, sets, run)
+            elif calibration is not None:
+                accs = input_hessians(
+                    layer, sets, lambda: run_layer(layer, *calibration)
+                )
+            for s in sets:
+                acc = accs.get(s.hook)
+                rtn = acc is None or s.expert in fell_back
+                if acc is not None and s.expert is not None and not rtn:
+                    if acc.num_rows < min_expert_tokens:
+                        fell_back.add(s.expert)
+                        if fallbacks is not None:
+                            fallbacks.append(
+                                ExpertFallback(
+                                    layer=index, expert=s.expert, tokens=acc.num_rows
+                                )
+                            )
+                        rtn = True
+                for p in s.projections:
+                    module = layer.get_submodule(p)
+                    if rtn:
+                        qw = quantize_rtn(module.weight, scheme)
+                    else:
+                        qw = quantize_gptq(module.weight, acc.hessian, scheme)
+                    with torch.no_grad():
+                        module.weight.copy_(qw.dequantize())
+                    quantized[f"model.layers.{index}.{p}"] = qw
+            del accs
