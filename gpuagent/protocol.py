@@ -608,7 +608,10 @@ class BackendSpec(_Message):
     the engine, 1800 s for an external engine, whose cold start loads, compiles and
     captures graphs); `kv_scale_strategy`, the fp8 KV-scale layout compression
     writes for releases aimed at this environment (attn_head only where the
-    engine's attention backend reads per-head scales)."""
+    engine's attention backend reads per-head scales); `gate_evidence`, whether the
+    evaluate and load_test jobs score in the agent's process (in_process, the
+    default) or start the candidate and its parent on this backend and measure them
+    over HTTP (serving_backend: the engine that will serve)."""
 
     kind: Literal["engine", "external"] = "engine"
     preset: str = ""
@@ -631,6 +634,10 @@ class BackendSpec(_Message):
     # Both kinds.
     health_timeout_s: float | None = Field(None, ge=1, le=4 * 3600)
     kv_scale_strategy: Literal["tensor", "attn_head"] = "tensor"
+    # Where the gate's quality and load evidence comes from (the agent's evaluate
+    # and load_test jobs; deploy does not read it): the project's engine in the
+    # agent's process (small models), or this backend's own servers over HTTP.
+    gate_evidence: Literal["in_process", "serving_backend"] = "in_process"
 
 
 class DeploySpec(_Message):
@@ -680,6 +687,17 @@ VERIFICATION_ERROR_CODES = (
 )
 
 
+class ServingEngine(_Message):
+    """The server that produced a piece of evidence: the engine's name and version
+    as it reports them (`/v1/models` owned_by, `/version`), and its command line
+    as the agent rendered it, secrets replaced by "***"."""
+
+    name: str
+    version: str = ""
+    backend: Literal["engine", "external"]
+    command: list[str] = []
+
+
 class DeployResult(_Message):
     ok: bool
     endpoint: str = ""
@@ -694,6 +712,9 @@ class DeployResult(_Message):
     extra: list[str] = []
     changed: list[str] = []
     pid: int | None = None
+    command: list[str] = Field(
+        default=[], description="the server's command line, secrets as ***"
+    )
 
 
 class DeploymentInfo(_Message):
@@ -779,6 +800,16 @@ class SliceQuality(_Message):
         description="long_context only: the reference retrieved it (a candidate "
         "miss is a regression only where the reference didn't miss)",
     )
+    tail_mass_mean: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="http_top_n only: the reference's probability outside its "
+        "top-N and the actual token, mean over positions. The KL is measured with "
+        "that tail as one bucket, a lower bound of the true KL; what it leaves out "
+        "is the divergence between the two tails' shapes, weighted by this mass",
+    )
+    tail_mass_max: float | None = Field(None, ge=0, le=1)
 
 
 class QualityReport(_Message):
@@ -797,6 +828,15 @@ class QualityReport(_Message):
         None, description="in-process only (an endpoint's is its own)"
     )
     reference_kv_cache_dtype: str | None = None
+    candidate_engine: ServingEngine | None = Field(
+        None, description="the server that scored the candidate (None: in-process)"
+    )
+    reference_engine: ServingEngine | None = None
+    servers: Literal["side_by_side", "one_after_other"] | None = Field(
+        None,
+        description="how the agent ran the two servers: at once where memory "
+        "allowed both, else the reference's first",
+    )
 
 
 class Percentiles(_Message):
@@ -954,6 +994,9 @@ class LoadTestReport(_Message):
     # (controlplane.releases.evidence).
     unmeasured: list[str] = Field(
         default=[], description="points not run for another reason, with it"
+    )
+    engine: ServingEngine | None = Field(
+        None, description="the server under load, as the agent started it"
     )
 
 

@@ -20,8 +20,12 @@ only the top-N logprobs of each position (plus the actual token's):
 
 With exact q on S this is the KL of a coarsened distribution, which by the
 data-processing inequality is <= the true KL: the estimate errs low, by the
-divergence hidden inside the rest bucket. `tests/gpuagent/evaluate` measures it
-against the exact in-process value on the same positions.
+divergence hidden inside the rest bucket, which is exactly p_rest x KL(p's tail
+shape || q's tail shape). So p_rest, the reference's mass the top-N left out
+(`top_n_tail_mass`), is reported beside the estimate as the bound on what it
+neglects: where it is small, so is the weight of the one term not measured.
+`tests/gpuagent/evaluate` measures the estimate against the exact in-process value
+on the same positions.
 
 That bound holds for the same two distributions only. The in-process path prefills
 in the chunks our server gives a lone request (`inprocess`), so the two paths return
@@ -60,17 +64,22 @@ class PositionStats:
     same_top1: np.ndarray  # bool
     logprob_candidate: np.ndarray  # log p of the actual next token
     logprob_reference: np.ndarray
+    # top-N only: the reference's mass outside the tokens KL was measured on
+    tail_mass: np.ndarray | None = None
 
     @classmethod
     def concat(cls, parts: Sequence[PositionStats]) -> PositionStats:
-        """All positions of `parts`, in order."""
+        """All positions of `parts`, in order (tail masses only when every part
+        has them)."""
         if not parts:
             return cls(*(np.zeros(0) for _ in range(4)))
+        tails = [p.tail_mass for p in parts]
         return cls(
             np.concatenate([p.kld for p in parts]),
             np.concatenate([p.same_top1 for p in parts]),
             np.concatenate([p.logprob_candidate for p in parts]),
             np.concatenate([p.logprob_reference for p in parts]),
+            None if any(t is None for t in tails) else np.concatenate(tails),
         )
 
     def __len__(self) -> int:
@@ -138,6 +147,13 @@ def top_n_kld(ref: TopN, cand: TopN) -> float:
     return max(kld, 0.0)
 
 
+def top_n_tail_mass(ref: TopN) -> float:
+    """The reference's probability outside its top-N and the actual token: the
+    weight of the one term `top_n_kld` cannot measure (see the module docstring)."""
+    listed = {**ref.top, ref.token: ref.logprob}
+    return min(max(1.0 - sum(math.exp(v) for v in listed.values()), 0.0), 1.0)
+
+
 def top_n_position_stats(refs: Sequence[TopN], cands: Sequence[TopN]) -> PositionStats:
     """Stats of positions reported as top-N by both sides (same positions, same
     actual tokens)."""
@@ -148,6 +164,7 @@ def top_n_position_stats(refs: Sequence[TopN], cands: Sequence[TopN]) -> Positio
         ),
         logprob_candidate=np.array([c.logprob for c in cands], float),
         logprob_reference=np.array([r.logprob for r in refs], float),
+        tail_mass=np.array([top_n_tail_mass(r) for r in refs], float),
     )
 
 
@@ -227,6 +244,7 @@ def slice_quality(
     ppl_cand = perplexity(all_stats.logprob_candidate)
     ppl_ref = perplexity(all_stats.logprob_reference)
     same = all_stats.same_top1.astype(float)
+    tail = all_stats.tail_mass
     return SliceQuality(
         name=name,
         num_tokens=len(all_stats),
@@ -248,4 +266,6 @@ def slice_quality(
         flips=sum(c.flipped for c in continuations),
         retrieval_ok=retrieval_ok,
         reference_retrieval_ok=reference_retrieval_ok,
+        tail_mass_mean=None if tail is None else float(tail.mean()),
+        tail_mass_max=None if tail is None else float(tail.max()),
     )
