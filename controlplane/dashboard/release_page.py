@@ -10,7 +10,7 @@ from controlplane.dashboard import charts
 from controlplane.dashboard.comparison import LiveComparison, compare_with_live
 from controlplane.releases import evidence
 from controlplane.releases.models import Release
-from gpuagent.protocol import LoadTestReport, QualityReport
+from gpuagent.protocol import LoadTestReport, QualityReport, ServingEngine
 
 PERFORMANCE_CHARTS = (
     "memory",
@@ -51,6 +51,17 @@ class ReleaseEvidence:
             for name, figure in self.charts.items()
             if name.startswith(WORKLOAD_CHART_PREFIX)
         ]
+
+    @property
+    def quality_engines(self) -> list[tuple[str, ServingEngine]]:
+        """The servers that scored each side over HTTP (none in-process)."""
+        if self.quality is None:
+            return []
+        sides = (
+            ("candidate", self.quality.candidate_engine),
+            ("reference", self.quality.reference_engine),
+        )
+        return [(side, engine) for side, engine in sides if engine is not None]
 
     @property
     def quality_charts(self) -> list[tuple[str, dict]]:
