@@ -51,9 +51,11 @@ PRESETS: dict[str, tuple[str, dict[str, str]]] = {
 
 
 # Flag or variable names whose value is a secret (`--api-key X`, `--hf-token=X`,
-# `HF_TOKEN=X`): their values never leave the agent in a report.
+# `HF_TOKEN=X`): their values never leave the agent in a report. A public key's
+# path is no secret.
 SECRET_NAME = re.compile(
-    r"(token|secret|passw|credential|private|api[-_]?key|(^|[-_])key$)", re.I
+    r"(token|secret|passw|credential|private|api[-_]?key|^key$|(?<!public)[-_]key$)",
+    re.I,
 )
 REDACTED = "***"
 
