@@ -800,14 +800,21 @@ class SliceQuality(_Message):
         description="long_context only: the reference retrieved it (a candidate "
         "miss is a regression only where the reference didn't miss)",
     )
+    mean_kld_lower: float | None = Field(
+        None,
+        ge=0,
+        description="http_top_n only: the KL with the reference's tail (outside "
+        "its top-N and the actual token) as one bucket, a lower bound of the true "
+        "KL; mean_kld adds the divergence inside the tail as estimated "
+        "(gpuagent.evaluate.metrics)",
+    )
     tail_mass_mean: float | None = Field(
         None,
         ge=0,
         le=1,
         description="http_top_n only: the reference's probability outside its "
-        "top-N and the actual token, mean over positions. The KL is measured with "
-        "that tail as one bucket, a lower bound of the true KL; what it leaves out "
-        "is the divergence between the two tails' shapes, weighted by this mass",
+        "top-N and the actual token, mean over positions: the weight of the one "
+        "term of KL the lower bound leaves out",
     )
     tail_mass_max: float | None = Field(None, ge=0, le=1)
 

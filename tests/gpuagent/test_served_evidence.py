@@ -132,11 +132,14 @@ def test_it_agrees_with_the_in_process_evaluation(
         assert served.mean_kld == pytest.approx(top_n[name].mean_kld, rel=1e-6)
         assert served.same_top1 == top_n[name].same_top1
         assert served.flips == top_n[name].flips
-        # Against the exact KL: a coarsening errs low, within the 5%
-        # here, and the top-1 agreement within half a point.
+        # Against the exact KL: the bucketed KL is a lower bound; with the tail's
+        # estimated term the whole within the 5% (a slice within 15%), and
+        # the top-1 agreement within half a point.
         assert exact[name].mean_kld > 0
-        assert 0.95 * exact[name].mean_kld <= served.mean_kld
-        assert served.mean_kld <= exact[name].mean_kld * 1.001 + 1e-9
+        assert served.mean_kld_lower <= exact[name].mean_kld * 1.001 + 1e-9
+        assert served.mean_kld == pytest.approx(
+            exact[name].mean_kld, rel=0.05 if name == "overall" else 0.15
+        )
         assert served.same_top1 == pytest.approx(exact[name].same_top1, abs=0.005)
         assert 0 <= served.tail_mass_mean <= served.tail_mass_max < 1
         assert exact[name].tail_mass_mean is None

@@ -496,7 +496,13 @@ def test_it_names_the_engines_that_measured_the_evidence(client, teammate, await
             "reference_engine": parent,
             "servers": "one_after_other",
             "slices": [
-                s.model_copy(update={"tail_mass_mean": 0.0374, "tail_mass_max": 0.41})
+                s.model_copy(
+                    update={
+                        "mean_kld_lower": 0.00321,
+                        "tail_mass_mean": 0.0374,
+                        "tail_mass_max": 0.41,
+                    }
+                )
                 for s in quality.slices
             ],
         }
@@ -517,7 +523,8 @@ def test_it_names_the_engines_that_measured_the_evidence(client, teammate, await
     assert "reference: <strong>vllm 0.33.0</strong>" in engines
     assert "vllm serve /parent" in engines
     assert "0.0374 / 0.4100" in body  # the tail mass beside the KL
-    assert "a lower bound of the true KL" in body
+    assert '<td class="num">0.0032</td>' in body  # and the lower bound
+    assert "which is a lower bound of the true KL" in body
     load_engine = body[body.index('id="load-engine"') :]
     assert "Served by <strong>vllm 0.33.0</strong>" in load_engine
 
