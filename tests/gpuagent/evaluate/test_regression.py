@@ -223,6 +223,7 @@ def test_the_cli_prints_a_table_and_writes_the_report(servers, tmp_path, capsys)
     assert report.method == "http_top_n"  # one side over HTTP: top-N on both
     assert [s.name for s in report.slices] == ["code", "overall"]
     assert "code" in table and "overall" in table
+    assert "KLD lower" in table and "tail mass" in table
     with pytest.raises(SystemExit, match="neither a URL nor a model folder"):
         main(["--candidate", "/nope", "--reference", DEMO.as_posix()])
     with pytest.raises(SystemExit, match="unknown slices"):
