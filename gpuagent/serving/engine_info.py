@@ -15,11 +15,17 @@ from gpuagent.protocol import ServingEngine
 
 
 def program_name(command: Sequence[str]) -> str:
-    """The program a command line runs: `python -m pkg` -> pkg, else argv[0]'s
-    file name ("" for an empty command)."""
-    if len(command) >= 3 and command[1] == "-m":
-        return command[2]
-    return PurePath(command[0]).name if command else ""
+    """The program a command line runs: `python -m pkg` -> pkg, `python x.py` ->
+    x.py, else argv[0]'s file name ("" for an empty command)."""
+    if not command:
+        return ""
+    program = PurePath(command[0]).name
+    if program.startswith("python") and len(command) >= 2:
+        if command[1] == "-m" and len(command) >= 3:
+            return command[2]
+        if not command[1].startswith("-"):
+            return PurePath(command[1]).name
+    return program
 
 
 def describe_server(

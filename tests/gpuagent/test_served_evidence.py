@@ -19,14 +19,16 @@ from gpuagent.served_evidence import (
     evaluate_served,
     fits_side_by_side,
     parent_spec,
+    served,
 )
-from gpuagent.serving import Registry, loaded_deployments
+from gpuagent.serving import Registry, deploy, loaded_deployments, undeploy
 from tests.gpuagent.serving_backends.conftest import (
     DEMO_MODEL,
     REPO,
     free_port,
     new_marker,
     processes_with,
+    stand_in_backend,
 )
 
 TEMPLATE = (
@@ -125,23 +127,23 @@ def test_it_agrees_with_the_in_process_evaluation(
     assert "int8" in report.candidate_engine.command
     assert "bf16" in report.reference_engine.command
     exact, top_n = by_name(in_process["exact"]), by_name(in_process["top_n"])
-    for name, served in by_name(report).items():
+    for name, measured in by_name(report).items():
         # Like for like: the same estimator over the same logprobs, which the
         # server returns bit for bit as the engine computes them in process.
-        assert served.num_tokens == top_n[name].num_tokens == exact[name].num_tokens
-        assert served.mean_kld == pytest.approx(top_n[name].mean_kld, rel=1e-6)
-        assert served.same_top1 == top_n[name].same_top1
-        assert served.flips == top_n[name].flips
+        assert measured.num_tokens == top_n[name].num_tokens == exact[name].num_tokens
+        assert measured.mean_kld == pytest.approx(top_n[name].mean_kld, rel=1e-6)
+        assert measured.same_top1 == top_n[name].same_top1
+        assert measured.flips == top_n[name].flips
         # Against the exact KL: the bucketed KL is a lower bound; with the tail's
         # estimated term the whole within the 5% (a slice within 15%), and
         # the top-1 agreement within half a point.
         assert exact[name].mean_kld > 0
-        assert served.mean_kld_lower <= exact[name].mean_kld * 1.001 + 1e-9
-        assert served.mean_kld == pytest.approx(
+        assert measured.mean_kld_lower <= exact[name].mean_kld * 1.001 + 1e-9
+        assert measured.mean_kld == pytest.approx(
             exact[name].mean_kld, rel=0.05 if name == "overall" else 0.15
         )
-        assert served.same_top1 == pytest.approx(exact[name].same_top1, abs=0.005)
-        assert 0 <= served.tail_mass_mean <= served.tail_mass_max < 1
+        assert measured.same_top1 == pytest.approx(exact[name].same_top1, abs=0.005)
+        assert 0 <= measured.tail_mass_mean <= measured.tail_mass_max < 1
         assert exact[name].tail_mass_mean is None
     assert loaded_deployments(registry) == []
     assert processes_with(marker) == []
@@ -206,3 +208,44 @@ def test_the_parent_is_served_from_its_own_digest_with_a_bf16_cache(folders):
     assert parent.spec.served_model_name == "x-parent"
     assert parent.spec.backend == candidate.spec.backend
     assert Path(parent.folder) == folders["parent"][0]
+
+
+def stand_in(folders, marker: str) -> Server:
+    folder, digest = folders["candidate"]
+    spec = DeploySpec(
+        manifest_digest=digest,
+        recipe=Recipe(weights="bf16", kv_cache_dtype="int8"),
+        backend=stand_in_backend(),
+        served_model_name=marker,
+        port_range=(free_port(), 65000),
+        health_timeout_s=30,
+    )
+    return Server(folder, spec)
+
+
+def test_a_server_it_started_is_stopped_even_when_the_block_raises(folders, registry):
+    marker = new_marker()
+
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        with served(stand_in(folders, marker), registry=registry) as running:
+            assert processes_with(marker) and running.engine.name == "health_server.py"
+            raise RuntimeError("scoring failed")
+
+    assert processes_with(marker) == [] and loaded_deployments(registry) == []
+
+
+def test_a_deployment_running_before_is_left_running(folders, registry):
+    marker = new_marker()
+    server = stand_in(folders, marker)
+    live = deploy(server.folder, server.spec, registry=registry)
+    assert live.ok, live.error
+    try:
+        with served(server, registry=registry) as running:
+            assert running.deploy.deployment_id == live.deployment_id
+
+        assert [d.deployment_id for d in loaded_deployments(registry)] == [
+            live.deployment_id
+        ]
+        assert processes_with(marker)
+    finally:
+        undeploy(live.deployment_id, registry=registry, grace_s=2)

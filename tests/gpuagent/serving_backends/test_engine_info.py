@@ -9,6 +9,8 @@ def test_the_program_is_the_module_a_python_command_runs():
         "gpuagent.engine"
     )
     assert program_name(["/opt/venv/bin/vllm", "serve", "/m"]) == "vllm"
+    assert program_name(["python3.11", "/srv/server.py", "--port", "1"]) == "server.py"
+    assert program_name(["python3", "-u"]) == "python3"
     assert program_name([]) == ""
 
 
