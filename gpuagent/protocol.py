@@ -687,7 +687,10 @@ class BackendSpec(_Message):
     the engine, 1800 s for an external engine, whose cold start loads, compiles and
     captures graphs); `kv_scale_strategy`, the fp8 KV-scale layout compression
     writes for releases aimed at this environment (attn_head only where the
-    engine's attention backend reads per-head scales)."""
+    engine's attention backend reads per-head scales); `gate_evidence`, whether the
+    evaluate and load_test jobs score in the agent's process (in_process, the
+    default) or start the candidate and its parent on this backend and measure them
+    over HTTP (serving_backend: the engine that will serve)."""
 
     kind: Literal["engine", "external"] = "engine"
     preset: str = ""
@@ -710,6 +713,10 @@ class BackendSpec(_Message):
     # Both kinds.
     health_timeout_s: float | None = Field(None, ge=1, le=4 * 3600)
     kv_scale_strategy: Literal["tensor", "attn_head"] = "tensor"
+    # Where the gate's quality and load evidence comes from (the agent's evaluate
+    # and load_test jobs; deploy does not read it): the project's engine in the
+    # agent's process (small models), or this backend's own servers over HTTP.
+    gate_evidence: Literal["in_process", "serving_backend"] = "in_process"
 
 
 class DeploySpec(_Message):
@@ -759,6 +766,17 @@ VERIFICATION_ERROR_CODES = (
 )
 
 
+class ServingEngine(_Message):
+    """The server that produced a piece of evidence: the engine's name and version
+    as it reports them (`/v1/models` owned_by, `/version`), and its command line
+    as the agent rendered it, secrets replaced by "***"."""
+
+    name: str
+    version: str = ""
+    backend: Literal["engine", "external"]
+    command: list[str] = []
+
+
 class DeployResult(_Message):
     ok: bool
     endpoint: str = ""
@@ -773,6 +791,9 @@ class DeployResult(_Message):
     extra: list[str] = []
     changed: list[str] = []
     pid: int | None = None
+    command: list[str] = Field(
+        default=[], description="the server's command line, secrets as ***"
+    )
 
 
 class DeploymentInfo(_Message):
@@ -858,6 +879,23 @@ class SliceQuality(_Message):
         description="long_context only: the reference retrieved it (a candidate "
         "miss is a regression only where the reference didn't miss)",
     )
+    mean_kld_lower: float | None = Field(
+        None,
+        ge=0,
+        description="http_top_n only: the KL with the reference's tail (outside "
+        "its top-N and the actual token) as one bucket, a lower bound of the true "
+        "KL; mean_kld adds the divergence inside the tail as estimated "
+        "(gpuagent.evaluate.metrics)",
+    )
+    tail_mass_mean: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="http_top_n only: the reference's probability outside its "
+        "top-N and the actual token, mean over positions: the weight of the one "
+        "term of KL the lower bound leaves out",
+    )
+    tail_mass_max: float | None = Field(None, ge=0, le=1)
 
 
 class LayerRouting(_Message):
@@ -991,6 +1029,15 @@ class QualityReport(_Message):
         None,
         description="router agreement and expert-load shift (MoE); None in reports "
         "made before routing was measured, which the gate can't read as dense",
+    )
+    candidate_engine: ServingEngine | None = Field(
+        None, description="the server that scored the candidate (None: in-process)"
+    )
+    reference_engine: ServingEngine | None = None
+    servers: Literal["side_by_side", "one_after_other"] | None = Field(
+        None,
+        description="how the agent ran the two servers: at once where memory "
+        "allowed both, else the reference's first",
     )
 
 
@@ -1149,6 +1196,9 @@ class LoadTestReport(_Message):
     # (controlplane.releases.evidence).
     unmeasured: list[str] = Field(
         default=[], description="points not run for another reason, with it"
+    )
+    engine: ServingEngine | None = Field(
+        None, description="the server under load, as the agent started it"
     )
 
 

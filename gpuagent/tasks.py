@@ -11,7 +11,8 @@ logged, and not answered. Results and progress reports leave sealed with this
 agent's key.
 
 Handlers call the real packages: gpuagent.integrity (inspect, hash, sign, verify),
-gpuagent.evaluate (in-process quality regression of candidate vs parent),
+gpuagent.evaluate (quality regression of candidate vs parent: in-process, or over
+HTTP against both served on the environment's backend, gpuagent.served_evidence),
 gpuagent.loadtest (against a server gpuagent.serving starts for the candidate)
 and gpuagent.serving (deploy: verify, then serve; undeploy; re-verify a deployed
 copy), whose Registry (`<artifacts>/serving`) is this agent's record of what it
@@ -401,25 +402,34 @@ def verify(req: JobRequest, me: Agent) -> VerifyResult:
     return verify_candidate(_candidate(req, me), req, me)
 
 
-def evaluate(req: JobRequest, me: Agent):
-    """QualityReport of the candidate (recipe's KV dtype) vs the source (bf16 KV),
-    in-process, on a bounded slice of the shipped eval sets."""
-    import torch
+def eval_settings(req: JobRequest):
+    """The bounded evaluation every evaluate job runs (seeded by the release)."""
+    from gpuagent.evaluate import Settings
 
-    from gpuagent.evaluate import EngineModel, Settings, evaluate_quality
-
-    torch.set_num_threads(me.threads)
-    candidate = EngineModel(_candidate(req, me), req.recipe.kv_cache_dtype, 512)
-    report_progress(req, 0.1)
-    reference = EngineModel(source_folder(req.source_uri), "bf16", 512)
-    settings = Settings(
+    return Settings(
         seed=req.release_id,
         continuation_tokens=4,
         passage_tokens=96,
         long_context_tokens=480,
         max_items=EVAL_ITEMS_PER_SLICE,
     )
-    report = evaluate_quality(candidate, reference, settings)
+
+
+def evaluate(req: JobRequest, me: Agent):
+    """QualityReport of the candidate (recipe's KV dtype) vs the source (bf16 KV)
+    on a bounded slice of the shipped eval sets: in-process, or on the
+    environment's serving backend when it asks for that (`evaluate_on_backend`)."""
+    import torch
+
+    from gpuagent.evaluate import EngineModel, evaluate_quality
+
+    if req.backend.gate_evidence == "serving_backend":
+        return evaluate_on_backend(req, me)
+    torch.set_num_threads(me.threads)
+    candidate = EngineModel(_candidate(req, me), req.recipe.kv_cache_dtype, 512)
+    report_progress(req, 0.1)
+    reference = EngineModel(source_folder(req.source_uri), "bf16", 512)
+    report = evaluate_quality(candidate, reference, eval_settings(req))
     # The labels hold host paths: name the sides by what they are instead.
     return report.model_copy(
         update={
@@ -429,32 +439,74 @@ def evaluate(req: JobRequest, me: Agent):
     )
 
 
+def evaluate_on_backend(req: JobRequest, me: Agent):
+    """QualityReport of the candidate against the source, both started on the
+    environment's serving backend (the candidate verified against its signature
+    and digest, the source against the digest it hashes to now) side by side or
+    one after the other as memory allows, scored over HTTP, then stopped."""
+    from gpuagent.served_evidence import (
+        ServedError,
+        Server,
+        evaluate_served,
+        parent_spec,
+    )
+
+    source = source_folder(req.source_uri)
+    parent_manifest, _files = hashed(source)
+    report_progress(req, 0.05)
+    spec = deploy_spec(req, me, req.backend)
+    candidate = Server(
+        _candidate(req, me), spec, trust(req, me) if req.signature else None
+    )
+    parent = Server(
+        source, parent_spec(spec, parent_manifest.digest, f"{req.model}-parent")
+    )
+    try:
+        ran = evaluate_served(
+            candidate,
+            parent,
+            eval_settings(req),
+            registry=me.registry,
+            allowed_programs=me.allowed_programs,
+            progress=lambda fraction: report_progress(req, fraction),
+        )
+    except ServedError as exc:
+        raise JobFailed(f"evaluate: {exc}") from exc
+    return ran.report.model_copy(
+        update={
+            "candidate": f"candidate ({recipe_text(req)})",
+            "reference": "source (kv bf16)",
+        }
+    )
+
+
 def load_test(req: JobRequest, me: Agent):
-    """LoadTestReport of an engine server started for the candidate (through
+    """LoadTestReport of a server started for the candidate (through
     gpuagent.serving, verified against its digest first) with the recipe's KV
-    dtype, under the request's load plan (the environment's; the default plan
-    when it sends none), stopped at the plan's budget. The report carries the
-    plan that ran."""
+    dtype: the project's engine, or the environment's serving backend when it
+    takes the gate's evidence from there; under the request's load plan (the
+    environment's; the default plan when it sends none), stopped at the plan's
+    budget, the server stopped after. The report carries the plan that ran and
+    the engine that served it."""
     from gpuagent.loadtest.plan_runner import run_plan
+    from gpuagent.served_evidence import ServedError, Server, served
 
     plan = req.load_plan or default_load_plan()
-    before = {info.deployment_id for info in serving.loaded_deployments(me.registry)}
-    spec = deploy_spec(req, me, BackendSpec())
-    server = serving.deploy(_candidate(req, me), spec, registry=me.registry)
-    if not server.ok:
-        raise JobFailed(f"load test: no server for the candidate: {server.error}")
-    report_progress(req, 0.2)
+    on_backend = req.backend.gate_evidence == "serving_backend"
+    spec = deploy_spec(req, me, req.backend if on_backend else BackendSpec())
     try:
-        return asyncio.run(
-            run_plan(
-                server.endpoint,
-                plan,
-                model=spec.served_model_name or None,
+        with served(
+            Server(_candidate(req, me), spec),
+            registry=me.registry,
+            allowed_programs=me.allowed_programs,
+        ) as server:
+            report_progress(req, 0.2)
+            report = asyncio.run(
+                run_plan(server.endpoint, plan, model=spec.served_model_name or None)
             )
-        )
-    finally:
-        if server.deployment_id not in before:  # never stop a live deployment
-            serving.undeploy(server.deployment_id, registry=me.registry)
+            return report.model_copy(update={"engine": server.engine})
+    except ServedError as exc:
+        raise JobFailed(f"load test: {exc}") from exc
 
 
 def health_timeout_s(backend: BackendSpec) -> float:

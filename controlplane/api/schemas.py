@@ -427,6 +427,29 @@ class ServingBackendIn(RequestBody):
         "(every vLLM attention backend) or attn_head (per kv head: only vLLM's "
         "FlashAttention 3/4, i.e. Hopper and newer)",
     )
+    gate_evidence: Literal["in_process", "serving_backend"] = Field(
+        "in_process",
+        description="where the gate's quality and load evidence is measured: "
+        "in_process (the agent's own engine in its process; small models) or "
+        "serving_backend (the candidate and its parent started on this backend, "
+        "side by side where memory allows, and measured over HTTP)",
+    )
+
+
+class ServingBackendChangeIn(ServingBackendIn):
+    """The keys of the serving backend to change; every key left out keeps its
+    current value (null puts a nullable one back to its default). The result is
+    checked whole, as a PUT's body is."""
+
+    kind: Literal["engine", "external"] = "engine"
+
+    @model_validator(mode="after")
+    def _names_a_change(self) -> "ServingBackendChangeIn":
+        if not self.model_fields_set:
+            raise ValueError(
+                "name at least one key to change: " + ", ".join(type(self).model_fields)
+            )
+        return self
 
 
 class ServingBackendOut(Schema):

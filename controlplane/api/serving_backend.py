@@ -6,12 +6,16 @@ from controlplane.api.schemas import (
     READ_ERRORS,
     WRITE_ERRORS,
     ObjectId,
+    ServingBackendChangeIn,
     ServingBackendIn,
     ServingBackendOut,
     ServingPresetsOut,
 )
 from controlplane.api.scoping import get_environment, principal_of
-from controlplane.fleet.actions import do_set_serving_backend
+from controlplane.fleet.actions import (
+    do_set_serving_backend,
+    do_update_serving_backend,
+)
 from controlplane.fleet.backend import AGENT_PRESETS, backend_spec
 from controlplane.fleet.models import Environment, ServingPreset
 
@@ -54,6 +58,28 @@ def put_serving_backend(
     environment = get_environment(principal, environment_id)
     environment = do_set_serving_backend(
         environment, payload.model_dump(), actor=principal.token
+    )
+    return backend_dict(environment)
+
+
+@router.patch(
+    "/environments/{environment_id}/serving-backend",
+    auth=token_auth("admin"),
+    response={200: ServingBackendOut, **WRITE_ERRORS},
+    summary="Change keys of the environment's serving backend (admin role)",
+    description="Only the keys the body names change; every other keeps its "
+    'current value: `{"gate_evidence": "serving_backend"}` makes the gate\'s '
+    "quality and load tests run on this backend over HTTP and leaves the engine, "
+    "preset and limits as they are. The result is checked whole, as a PUT's "
+    "body; answers the setting now in force.",
+)
+def patch_serving_backend(
+    request: HttpRequest, environment_id: ObjectId, payload: ServingBackendChangeIn
+) -> dict:
+    principal = principal_of(request)
+    environment = get_environment(principal, environment_id)
+    environment = do_update_serving_backend(
+        environment, payload.model_dump(exclude_unset=True), actor=principal.token
     )
     return backend_dict(environment)
 

@@ -12,7 +12,12 @@ from controlplane.dashboard.comparison import LiveComparison, compare_with_live
 from controlplane.releases import evidence
 from controlplane.releases.gates import RoutingThresholds
 from controlplane.releases.models import Release
-from gpuagent.protocol import LoadTestReport, QualityReport, RoutingReport
+from gpuagent.protocol import (
+    LoadTestReport,
+    QualityReport,
+    RoutingReport,
+    ServingEngine,
+)
 
 PERFORMANCE_CHARTS = (
     "memory",
@@ -60,6 +65,17 @@ class ReleaseEvidence:
             for name, figure in self.charts.items()
             if name.startswith(WORKLOAD_CHART_PREFIX)
         ]
+
+    @property
+    def quality_engines(self) -> list[tuple[str, ServingEngine]]:
+        """The servers that scored each side over HTTP (none in-process)."""
+        if self.quality is None:
+            return []
+        sides = (
+            ("candidate", self.quality.candidate_engine),
+            ("reference", self.quality.reference_engine),
+        )
+        return [(side, engine) for side, engine in sides if engine is not None]
 
     @property
     def quality_charts(self) -> list[tuple[str, dict]]:

@@ -171,18 +171,48 @@ def do_set_serving_backend(
     cleaned = clean_backend(backend, operator=is_platform_operator(actor))
     with transaction.atomic():
         environment = Environment.objects.select_for_update().get(pk=environment.pk)
-        before = environment.serving_backend
-        environment.serving_backend = cleaned
-        environment.save(update_fields=["serving_backend"])
-        do_record_event(
-            actor,
-            "environment.serving_backend_set",
-            environment,
-            before={"serving_backend": before},
-            after={"serving_backend": cleaned},
-            team=environment.team,
-        )
+        _write_serving_backend(environment, cleaned, actor)
     return environment
+
+
+def do_update_serving_backend(
+    environment: Environment, changes: dict, *, actor: Actor
+) -> Environment:
+    """Change the keys of the environment's serving backend that `changes` names
+    (admin role); the others keep their stored values, and the result is checked
+    whole (ValidationFailed naming the key). A command template the change leaves
+    as it is may stay under a team admin's change of another key: only writing
+    one is an operator's."""
+    check_actor_in_team(actor, environment.team, scope="admin", roles=("admin",))
+    with transaction.atomic():
+        environment = Environment.objects.select_for_update().get(pk=environment.pk)
+        stored = environment.serving_backend or {}
+        merged = {**stored, **changes}
+        same_template = merged.get("command_template", "") == stored.get(
+            "command_template", ""
+        )
+        cleaned = clean_backend(
+            merged, operator=is_platform_operator(actor) or same_template
+        )
+        _write_serving_backend(environment, cleaned, actor)
+    return environment
+
+
+def _write_serving_backend(
+    environment: Environment, cleaned: dict, actor: Actor
+) -> None:
+    """Store a cleaned setting on a locked environment, with its audit event."""
+    before = environment.serving_backend
+    environment.serving_backend = cleaned
+    environment.save(update_fields=["serving_backend"])
+    do_record_event(
+        actor,
+        "environment.serving_backend_set",
+        environment,
+        before={"serving_backend": before},
+        after={"serving_backend": cleaned},
+        team=environment.team,
+    )
 
 
 def do_create_environment(team: Team, name: str, *, actor: Actor) -> Environment:

@@ -4,9 +4,12 @@ The setting is the part of `gpuagent.protocol.BackendSpec` an operator chooses p
 environment: `kind` (engine | external), `preset` (e.g. "vllm") or
 `command_template`, `tensor_parallel_size`, an external engine's `max_model_len`
 and `gpu_memory_utilization` (null: the agent's defaults), `health_timeout_s` (null:
-120 s for the engine, 1800 s for an external engine) and `kv_scale_strategy` (the
+120 s for the engine, 1800 s for an external engine), `kv_scale_strategy` (the
 fp8 KV-scale layout releases for this environment are compressed with: tensor, or
-attn_head where the engine reads per-head scales). Everything else of a BackendSpec
+attn_head where the engine reads per-head scales) and `gate_evidence` (where the
+evaluate and load_test jobs measure: in_process, the default, for small models, or
+serving_backend: the candidate and its parent started on this backend and measured
+over HTTP, the engine that will serve). Everything else of a BackendSpec
 (host, the engine's thread and memory knobs) is the agent's. Validated here, where
 it is set (admin and API), so a deploy never starts with a setting the backend
 would not read; unknown keys are refused by name. Stored in the environment's JSON
@@ -33,6 +36,7 @@ BACKEND_KEYS = (
     "gpu_memory_utilization",
     "health_timeout_s",
     "kv_scale_strategy",
+    "gate_evidence",
 )
 # Settings only an external engine reads (passed as its flags).
 EXTERNAL_KEYS = ("max_model_len", "gpu_memory_utilization")

@@ -9,7 +9,9 @@ side by side; each is a script, `python -m gpuagent.benches.<name>`:
 - `lossless`: the lossless checkpoint coding vs zipnn;
 - `integrity`: verify speed vs model_signing and plain reads, hostile inputs;
 - `serving`: what the agent's check and the engine's verify-on-load add to a deploy;
-- `load_plan`: the default load plan's wall time, knee and goodput per workload.
+- `load_plan`: the default load plan's wall time, knee and goodput per workload;
+- `http_eval`: the gate's quality evidence over HTTP (servers started through the
+  environment's backend) vs in process, agreement and time.
 
 They live above the layers they drive, so that no serving module imports the
 evaluator or the compressor because a bench sits beside it; nothing outside this

@@ -2,7 +2,8 @@
 
 Routes: /v1/completions, /v1/chat/completions (SSE streaming or not, usage in the
 stream with `stream_options.include_usage`, logprobs with each token's exact bytes),
-/v1/models (and /v1/models/ID), /tokenize, /health, /metrics (Prometheus). Errors
+/v1/models (and /v1/models/ID), /tokenize, /health, /version (vLLM's shape:
+{"version": ...}, the releasegate package's), /metrics (Prometheus). Errors
 have OpenAI's body `{"error": {"message", "type", "param", "code"}}`; bad input
 (wrong JSON types included: fields are strict) is a 400, a body past MAX_BODY_BYTES
 a 413, and the server keeps serving. A client that disconnects mid-stream has its
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import time
@@ -448,6 +450,18 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+async def version(request: Request) -> dict[str, str]:
+    return {"version": package_version()}
+
+
+def package_version() -> str:
+    """The releasegate package's version ("" when it is not installed)."""
+    try:
+        return importlib.metadata.version("releasegate")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
 async def metrics(request: Request) -> Response:
     server = server_of(request)
     body = generate_latest(server.llm.metrics.registry)
@@ -555,6 +569,7 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
     app.get("/health")(health)
+    app.get("/version")(version)
     app.get("/metrics")(metrics)
     app.get("/v1/models")(models)
     app.get("/v1/models/{model_id:path}")(model_by_id)

@@ -10,8 +10,9 @@ QualityReport as JSON. A side
 given as a folder is loaded by the project's engine with its own KV dtype
 (`--kv-cache-dtype` for the candidate; the reference defaults to bf16, the
 uncompressed parent's); a side given as http(s)://... is scored over the
-OpenAI-compatible API, and then KL is the top-N estimate. Exit status 1 with the
-reason on stderr when a side can't be loaded or reached.
+OpenAI-compatible API, and then KL is the top-N estimate (with its bucketed lower
+bound and the reference's tail mass beside it). Exit status 1 with the reason on
+stderr when a side can't be loaded or reached.
 """
 
 from __future__ import annotations
@@ -96,9 +97,12 @@ def open_side(
 
 def render(report: QualityReport) -> str:
     """The report as a table, one row per slice."""
+    top_n = report.method == "http_top_n"
     header = (
         f"{'slice':<13}{'tokens':>7}{'mean KLD':>11}{'95% CI':>21}{'p99':>9}"
-        f"{'max':>8}{'top-1':>8}{'ppl ratio':>10}{'exact':>7}{'flips':>6}  retrieval"
+        f"{'max':>8}{'top-1':>8}{'ppl ratio':>10}{'exact':>7}{'flips':>6}"
+        + (f"{'KLD lower':>11}{'tail mass':>10}" if top_n else "")
+        + "  retrieval"
     )
     lines = [
         f"candidate {report.candidate} vs reference {report.reference} "
@@ -117,10 +121,16 @@ def render(report: QualityReport) -> str:
                 f"{'ok' if s.reference_retrieval_ok else 'missed'})"
             )
         )
+        bound = (
+            f"{s.mean_kld_lower or 0:>11.5f}{s.tail_mass_mean or 0:>10.4f}"
+            if top_n
+            else ""
+        )
         lines.append(
             f"{s.name:<13}{s.num_tokens:>7}{s.mean_kld:>11.5f}{ci_text:>21}"
             f"{s.p99_kld:>9.4f}{s.max_kld:>8.3f}{100 * s.same_top1:>7.2f}%"
-            f"{s.ppl_ratio:>10.4f}{100 * s.exact_match:>6.0f}%{s.flips:>6}  {retrieval}"
+            f"{s.ppl_ratio:>10.4f}{100 * s.exact_match:>6.0f}%{s.flips:>6}{bound}"
+            f"  {retrieval}"
         )
     return "\n".join(lines + render_routing(report.routing))
 

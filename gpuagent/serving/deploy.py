@@ -40,6 +40,7 @@ from gpuagent.serving.templates import (
     placeholders,
     preset_template,
     quantization_args,
+    redacted_command,
     render_command,
 )
 from gpuagent.serving.verify import (
@@ -222,6 +223,7 @@ def deploy(
                     log_path=str(log_path),
                     local_url=local_url,
                     approved_files=approved,
+                    command=redacted_command(argv),
                 )
             )
         except BaseException:
@@ -245,6 +247,7 @@ def deploy(
         manifest_digest=spec.manifest_digest,
         deployment_id=deployment_id,
         backend=backend,
+        command=redacted_command(argv),
     )
 
 
@@ -448,6 +451,7 @@ def _reuse(
             manifest_digest=spec.manifest_digest,
             deployment_id=deployment_id,
             backend=record.info.backend,
+            command=record.command,
         )
     if check.verify is not None and not check.verify.ok:
         why = describe_mismatch(check.verify) or check.verify.error

@@ -40,6 +40,8 @@ class DeploymentRecord(BaseModel):
     # Per-file digests of the bytes verified at deploy: re-verification names
     # the files that changed since.
     approved_files: list[FileDigest] = []
+    # The server's command line, secrets as *** (templates.redacted_command).
+    command: list[str] = []
 
     def running(self) -> bool:
         return process.is_running(self.info.pid, self.process_start_time)

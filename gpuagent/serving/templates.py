@@ -14,6 +14,7 @@ refused with a `TemplateError` that names it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 
 from gpuagent.protocol import (
@@ -41,6 +42,36 @@ PRESETS: dict[str, tuple[str, dict[str, str]]] = {
     # int4/int8 weight-only checkpoints); it has no int8/int4 KV cache.
     "vllm": (AGENT_PRESET_TEMPLATES["vllm"], {"fp8": "fp8", "bf16": "auto"}),
 }
+
+
+# Flag or variable names whose value is a secret (`--api-key X`, `--hf-token=X`,
+# `HF_TOKEN=X`): their values never leave the agent in a report. A public key's
+# path is no secret.
+SECRET_NAME = re.compile(
+    r"(token|secret|passw|credential|private|api[-_]?key|^key$|(?<!public)[-_]key$)",
+    re.I,
+)
+REDACTED = "***"
+
+
+def redacted_command(argv: Sequence[str]) -> list[str]:
+    """`argv` as a report may show it: the value of every flag or NAME=value word
+    whose name says secret (SECRET_NAME) replaced by ***."""
+    out: list[str] = []
+    hide_next = False
+    for word in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        name, eq, _value = word.partition("=")
+        bare = name.lstrip("-")
+        if eq and SECRET_NAME.search(bare):
+            out.append(f"{name}={REDACTED}")
+            continue
+        out.append(word)
+        hide_next = word.startswith("-") and not eq and bool(SECRET_NAME.search(bare))
+    return out
 
 
 def quantization_args(quantized: bool) -> list[str]:

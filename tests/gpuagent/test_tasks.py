@@ -13,7 +13,19 @@ import gpuagent.engine
 from gpuagent import tasks
 from gpuagent.artifacts import ArtifactStore
 from gpuagent.integrity.keys import ensure_key_pair
-from gpuagent.protocol import BackendSpec, CompressJobResult, JobRequest, Recipe
+from gpuagent.protocol import (
+    BackendSpec,
+    CompressJobResult,
+    ConcurrencySweep,
+    JobRequest,
+    Lengths,
+    LoadPlan,
+    LoadTestReport,
+    QualityReport,
+    Recipe,
+    Sweeps,
+    WorkloadPlan,
+)
 from gpuagent.serving import loaded_deployments
 
 DEMO = Path(gpuagent.engine.__file__).parent / "demo_model"
@@ -309,3 +321,89 @@ def test_an_fp8_kv_candidate_is_compressed_in_the_target_environments_layout(set
         )
         kv = config["quantization_config"]["kv_cache_scheme"]
         assert kv["strategy"] == result.report.kv_scale_strategy == strategy
+
+
+# The project's engine, small, as an environment that takes the gate's evidence
+# from its serving backend sets it.
+EVIDENCE_BACKEND = BackendSpec(
+    kv_memory_gb=0.005,
+    max_num_seqs=2,
+    threads=1,
+    device="cpu",
+    gate_evidence="serving_backend",
+)
+
+
+@pytest.mark.timeout(300)
+def test_it_evaluates_on_the_serving_backend_and_stops_its_servers(setup, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the children's torch refs
+    source, signer, checker = setup
+    _made, fields = deploy_fields(source, signer)
+    fields.pop("deployment_id")
+    req = request("evaluate", source, backend=EVIDENCE_BACKEND, **fields)
+
+    result = tasks.execute(req, checker, None)
+
+    assert result.ok, result.error
+    report = QualityReport.model_validate(result.payload)
+    assert report.method == "http_top_n" and report.servers == "side_by_side"
+    candidate, parent = report.candidate_engine, report.reference_engine
+    assert candidate.name == parent.name == "releasegate"
+    assert candidate.backend == "engine"
+    assert candidate.command[candidate.command.index("--kv-cache-dtype") + 1] == "int8"
+    assert parent.command[parent.command.index("--kv-cache-dtype") + 1] == "bf16"
+    assert "--signature" in candidate.command  # verified on load, signature and all
+    overall = report.slices[-1]
+    assert overall.name == "overall" and overall.num_tokens > 0
+    assert overall.tail_mass_mean is not None
+    assert loaded_deployments(checker.registry) == []
+
+
+def test_a_server_that_does_not_start_fails_the_evaluation_by_name(setup):
+    source, signer, checker = setup
+    _made, fields = deploy_fields(source, signer)
+    fields.pop("deployment_id")
+    stale = fields | {"manifest_digest": "sha256:" + "0" * 64}
+    req = request("evaluate", source, backend=EVIDENCE_BACKEND, **stale)
+
+    result = tasks.execute(req, checker, None)
+
+    assert not result.ok
+    assert result.error.startswith("evaluate: no server for demo")
+    assert loaded_deployments(checker.registry) == []
+
+
+@pytest.mark.timeout(300)
+def test_it_load_tests_on_the_serving_backend_and_names_the_engine(setup, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    source, signer, checker = setup
+    _made, fields = deploy_fields(source, signer)
+    fields.pop("deployment_id")
+    chat = WorkloadPlan(
+        name="chat",
+        task="chat",
+        language="en",
+        prompt=Lengths(tokens=128),
+        output=Lengths(tokens=4),
+    )
+    plan = LoadPlan(
+        workloads=[chat],
+        sweeps=Sweeps(
+            concurrency=ConcurrencySweep(levels=[1], mode="stepped"), context=None
+        ),
+        budget_s=30,
+    )
+    backend = EVIDENCE_BACKEND.model_copy(update={"kv_memory_gb": 0.02})
+    req = request("load_test", source, backend=backend, load_plan=plan, **fields)
+
+    result = tasks.execute(req, checker, None)
+
+    assert result.ok, result.error
+    report = LoadTestReport.model_validate(result.payload)
+    assert report.engine.name == "releasegate" and report.engine.backend == "engine"
+    assert "--kv-memory-gb" in report.engine.command
+    memory = report.engine.command[report.engine.command.index("--kv-memory-gb") + 1]
+    assert float(memory) == 0.02  # the environment's backend, not the default
+    assert report.workloads, (report.unmeasured, report.skipped_for_budget)
+    assert report.workloads[0].runs[0].num_requests > 0
+    assert loaded_deployments(checker.registry) == []

@@ -3,7 +3,7 @@ import pytest
 from controlplane.audit.models import AuditEvent
 from controlplane.fleet.actions import do_set_serving_preset
 from controlplane.fleet.admin import EnvironmentForm
-from controlplane.fleet.backend import backend_spec
+from controlplane.fleet.backend import backend_spec, clean_backend
 from tests.controlplane.api.helpers import error_of, field_names, put_json
 
 VLLM = {"kind": "external", "preset": "vllm", "tensor_parallel_size": 2}
@@ -22,6 +22,15 @@ def put(api, environment, body, token):
     return put_json(api, url(environment.pk), body, token)
 
 
+def patch(api, environment, body, token):
+    return api.client.patch(
+        url(environment.pk),
+        body,
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+
+
 def test_the_engine_is_the_default(api, owner_token, environment):
     response = api.get(url(environment.pk), token=owner_token)
 
@@ -35,6 +44,7 @@ def test_the_engine_is_the_default(api, owner_token, environment):
         "gpu_memory_utilization": None,
         "health_timeout_s": None,
         "kv_scale_strategy": "tensor",
+        "gate_evidence": "in_process",
     }
 
 
@@ -113,6 +123,7 @@ def test_an_external_engines_context_memory_health_and_kv_layout_are_stored(
         "gpu_memory_utilization": 0.45,
         "health_timeout_s": 3600,
         "kv_scale_strategy": "attn_head",
+        "gate_evidence": "serving_backend",
     }
 
     response = put(api, environment, body, admin_token)
@@ -205,3 +216,77 @@ def test_a_team_lists_the_presets_it_may_choose(api, owner_token, operator):
     assert response.status_code == 200, response.content
     names = [p["name"] for p in response.json()["presets"]]
     assert names == ["vllm", "own-engine"]
+
+
+def test_a_patch_changes_the_gate_evidence_and_keeps_the_rest(
+    api, admin_token, environment
+):
+    put(api, environment, {**VLLM, "max_model_len": 4096}, admin_token)
+
+    response = patch(
+        api, environment, {"gate_evidence": "serving_backend"}, admin_token
+    )
+
+    assert response.status_code == 200, response.content
+    backend = response.json()["backend"]
+    assert backend["gate_evidence"] == "serving_backend"
+    assert backend["preset"] == "vllm" and backend["kind"] == "external"
+    assert backend["tensor_parallel_size"] == 2 and backend["max_model_len"] == 4096
+    environment.refresh_from_db()
+    assert environment.serving_backend["gate_evidence"] == "serving_backend"
+    assert environment.serving_backend["max_model_len"] == 4096
+    assert backend_spec(environment.serving_backend).gate_evidence == (
+        "serving_backend"
+    )
+
+
+def test_a_patch_of_another_key_keeps_the_gate_evidence(api, admin_token, environment):
+    patch(api, environment, {"gate_evidence": "serving_backend"}, admin_token)
+
+    response = patch(api, environment, {"health_timeout_s": 600.0}, admin_token)
+
+    assert response.status_code == 200, response.content
+    assert response.json()["backend"]["gate_evidence"] == "serving_backend"
+    assert response.json()["backend"]["health_timeout_s"] == 600.0
+
+
+def test_a_patch_is_checked_whole_and_names_the_bad_key(api, admin_token, environment):
+    put(api, environment, VLLM, admin_token)
+
+    bad_value = patch(api, environment, {"gate_evidence": "somewhere"}, admin_token)
+    engine_with_preset = patch(api, environment, {"kind": "engine"}, admin_token)
+    unknown = patch(api, environment, {"evidence": "http"}, admin_token)
+    nothing = patch(api, environment, {}, admin_token)
+
+    assert field_names(error_of(bad_value, 422, "validation_error")) == {
+        "gate_evidence"
+    }
+    assert field_names(error_of(engine_with_preset, 422, "validation_failed")) == {
+        "backend.preset"
+    }
+    assert field_names(error_of(unknown, 422, "validation_error")) == {"evidence"}
+    assert "name at least one key" in str(error_of(nothing, 422, "validation_error"))
+    environment.refresh_from_db()
+    assert environment.serving_backend["gate_evidence"] == "in_process"
+    assert environment.serving_backend["preset"] == "vllm"
+
+
+def test_a_team_admin_patches_an_environment_whose_template_an_operator_set(
+    api, admin_token, environment
+):
+    # as the admin site stores an operator's template
+    template = {"kind": "external", "command_template": "vllm serve {model_dir}"}
+    environment.serving_backend = clean_backend(template, operator=True)
+    environment.save(update_fields=["serving_backend"])
+
+    kept = patch(api, environment, {"gate_evidence": "serving_backend"}, admin_token)
+    rewritten = patch(
+        api, environment, {"command_template": "{python} -c 'x'"}, admin_token
+    )
+
+    assert kept.status_code == 200, kept.content
+    assert kept.json()["backend"]["command_template"] == "vllm serve {model_dir}"
+    error_of(rewritten, 403, "forbidden")
+    environment.refresh_from_db()
+    assert environment.serving_backend["command_template"] == "vllm serve {model_dir}"
+    assert environment.serving_backend["gate_evidence"] == "serving_backend"

@@ -11,7 +11,7 @@ from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job
-from gpuagent.protocol import FileDigest, default_load_plan
+from gpuagent.protocol import FileDigest, ServingEngine, default_load_plan
 from tests.controlplane.dashboard.builders import (
     load_test_report,
     moe_routing,
@@ -567,3 +567,67 @@ def test_it_says_which_points_the_load_plan_left_out(client, teammate, awaiting)
     assert "6 workloads within a budget of 80 s; ran 79.6 s." in body
     assert "Skipped for the budget: rag c=8, code-ko 2/s." in body
     assert "rag 4096 tok: over the server&#x27;s max_model_len" in body
+
+
+def test_it_names_the_engines_that_measured_the_evidence(client, teammate, awaiting):
+    release = awaiting("1.0.0")
+    vllm = ServingEngine(
+        name="vllm",
+        version="0.33.0",
+        backend="external",
+        command=["vllm", "serve", "/m", "--api-key", "***", "--kv-cache-dtype", "fp8"],
+    )
+    parent = vllm.model_copy(update={"command": ["vllm", "serve", "/parent"]})
+    quality = quality_report(release)
+    quality = quality.model_copy(
+        update={
+            "method": "http_top_n",
+            "top_n": 20,
+            "candidate_engine": vllm,
+            "reference_engine": parent,
+            "servers": "one_after_other",
+            "slices": [
+                s.model_copy(
+                    update={
+                        "mean_kld_lower": 0.00321,
+                        "tail_mass_mean": 0.0374,
+                        "tail_mass_max": 0.41,
+                    }
+                )
+                for s in quality.slices
+            ],
+        }
+    )
+    load = load_test_report(release.recipe).model_copy(update={"engine": vllm})
+    for kind, report in (("evaluate", quality), ("load_test", load)):
+        Job.objects.filter(release=release, kind=kind).update(
+            result=report.model_dump(mode="json")
+        )
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    engines = body[body.index('id="quality-engines"') :]
+    assert "run one after the other" in engines
+    assert "candidate: <strong>vllm 0.33.0</strong> (external backend)" in engines
+    assert "vllm serve /m --api-key *** --kv-cache-dtype fp8" in engines
+    assert "reference: <strong>vllm 0.33.0</strong>" in engines
+    assert "vllm serve /parent" in engines
+    assert "0.0374 / 0.4100" in body  # the tail mass beside the KL
+    assert '<td class="num">0.0032</td>' in body  # and the lower bound
+    assert "which is a lower bound of the true KL" in body
+    load_engine = body[body.index('id="load-engine"') :]
+    assert "Served by <strong>vllm 0.33.0</strong>" in load_engine
+
+
+def test_it_says_in_process_evidence_came_from_the_agents_engine(
+    client, teammate, awaiting
+):
+    release = awaiting("1.0.0")
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    assert "Measured in the agent's process by the project's engine" in body
+    assert "Tail mass" not in body
+    assert 'id="load-engine"' not in body

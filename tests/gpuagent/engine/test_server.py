@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import socket
 import time
@@ -978,11 +979,13 @@ def test_it_routes_to_module_level_functions_that_find_the_server_on_the_app(
             [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
             for url in (one, two)
         ]
+        version = httpx.get(f"{one}/version", timeout=10).json()
     app = server_module.build_app(async_two, "x")
     endpoints = [r.endpoint for r in app.routes if isinstance(r, APIRoute)]
 
     assert listed == [["first"], ["second"]]
-    assert len(endpoints) == 7
+    assert version == {"version": importlib.metadata.version("releasegate")}
+    assert len(endpoints) == 8
     for endpoint in endpoints:  # the same function for every app, not a closure
         assert getattr(server_module, endpoint.__name__) is endpoint
 

@@ -9,6 +9,7 @@ from gpuagent.serving.templates import (
     check_allowed_shape,
     preset_template,
     quantization_args,
+    redacted_command,
 )
 
 VALUES = {name: f"<{name}>" for name in PLACEHOLDERS}
@@ -161,3 +162,40 @@ def test_an_allowed_shape_admits_its_own_words(template):
     allowed = ["vllm", "{python} -m gpuagent.engine serve {model_dir}"]
 
     check_allowed_shape(template, allowed)
+
+
+def test_a_reported_command_line_hides_the_values_of_secret_flags():
+    argv = [
+        "vllm",
+        "serve",
+        "/models/m",
+        "--api-key",
+        "sk-123",
+        "--hf-token=hf_abc",
+        "HF_TOKEN=hf_def",
+        "--key",
+        "k",
+        "--kv-cache-dtype",
+        "fp8",
+        "--public-key",
+        "/keys/signer.pub",
+    ]
+
+    shown = redacted_command(argv)
+
+    assert shown == [
+        "vllm",
+        "serve",
+        "/models/m",
+        "--api-key",
+        "***",
+        "--hf-token=***",
+        "HF_TOKEN=***",
+        "--key",
+        "***",
+        "--kv-cache-dtype",
+        "fp8",
+        "--public-key",
+        "/keys/signer.pub",
+    ]
+    assert not {"sk-123", "hf_abc", "hf_def", "k"} & set(" ".join(shown).split())
