@@ -36,10 +36,11 @@ from controlplane.fleet.actions import (
 )
 from controlplane.fleet.keys import seal_job_request
 from controlplane.fleet.models import Agent, Deployment
-from controlplane.releases import evidence, stages
+from controlplane.releases import evidence, placing, stages
 from controlplane.releases.actions.deployments import (
     do_complete_deployment,
     do_fail_deployment,
+    do_mark_unloaded,
     do_quarantine_release,
     do_record_stray_server,
     do_refuse_deployment,
@@ -110,6 +111,10 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
     if job.kind in ("reverify", "undeploy"):
         deployment = stages.deployment_of(job)
         if deployment is not None and deployment.agent is not None:
+            return deployment.agent.queue
+    if job.kind == "deploy":  # placed on an agent's devices: that agent
+        deployment = stages.deployment_of(job)
+        if deployment is not None and deployment.placement and deployment.agent:
             return deployment.agent.queue
     return pool
 
@@ -264,8 +269,21 @@ def deploy(release_id: int) -> str:
             )
         sent = release.jobs.filter(kind="deploy", created__gte=deployment.started)
         if not sent.exists():
+            refused = placing.place_deployment(deployment, _live_agents())
+            if refused:
+                _unplaceable(deployment, refused)
+                release.refresh_from_db()
+                return release.state
             dispatch(release, "deploy", deployment=deployment)
         return release.state
+
+
+def _unplaceable(deployment: Deployment, why: str) -> None:
+    """No agent has room for `deployment`: it fails with `why` (no job sent),
+    and a rollback goes on to its next candidate."""
+    deployment = do_fail_deployment(deployment, actor=WORKER, reason=why)
+    if deployment.rollback_tried is not None:
+        do_continue_rollback(deployment, why=why)
 
 
 def _deployment_done(job: Job) -> None:
@@ -367,9 +385,13 @@ def undeploy_older(environment) -> list[Job]:
         last = release.deployments.order_by("-started", "-id").first()
         if last is None or last.ended is None or not last.serving_id:
             continue  # deploying again (a rollback), or never loaded
+        if last.unloaded is not None:
+            continue  # stopped already (a placement made room with it)
         if release.jobs.filter(kind="undeploy", created__gte=last.ended).exists():
             continue
         sent.append(dispatch(release, "undeploy"))
+        same_server = release.deployments.filter(serving_id=last.serving_id)
+        do_mark_unloaded(same_server, actor=WORKER)
     return sent
 
 
