@@ -274,6 +274,7 @@ def deploy(release_id: int) -> str:
                 _unplaceable(deployment, refused)
                 release.refresh_from_db()
                 return release.state
+            deployment.refresh_from_db()  # the placement recorded
             dispatch(release, "deploy", deployment=deployment)
         return release.state
 
