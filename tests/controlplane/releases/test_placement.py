@@ -4,17 +4,27 @@ agent was enrolled with, beside the servers warm there (controlplane.releases
 doesn't fit beside the previous one makes it cold, and a rollback to it
 restarts it; one that fits keeps it warm and a rollback reuses its server."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 from django.urls import reverse
 
 from controlplane.fleet.models import Deployment
 from controlplane.fleet.placement import GIB, USABLE_FRACTION
 from controlplane.releases import tasks
+from controlplane.releases.actions.approvals import do_approve_release
 from controlplane.releases.actions.rollbacks import do_rollback_environment
 from controlplane.releases.models import Artifact, Release
 from controlplane.releases.timings import rollback_readiness
 from gpuagent.protocol import DeployResult
+from gpuagent.serving import undeploy
 from tests.controlplane.conftest import LocalAgent
+from tests.controlplane.releases.test_pipeline import (
+    BF16,
+    DEMO_MODEL,
+    promote_to_approval,
+)
 
 ENGINE_KV = int(0.05 * GIB)
 
@@ -33,8 +43,14 @@ def h100s(count: int) -> list[dict]:
 
 @pytest.fixture
 def agent_with(db, tmp_path, queued, controlplane_key):
-    """agent_with(n): "local" enrolled with the n H100s it reported."""
-    return lambda count: LocalAgent(tmp_path, controlplane_key, devices=h100s(count))
+    """agent_with(n): "local" enrolled with the n H100s it reported (or with the
+    device dicts of a list)."""
+
+    def make(devices: int | list[dict]) -> LocalAgent:
+        reported = h100s(devices) if isinstance(devices, int) else devices
+        return LocalAgent(tmp_path, controlplane_key, devices=reported)
+
+    return make
 
 
 @pytest.fixture
@@ -53,6 +69,16 @@ def release_of(make_release):
         return release
 
     return make
+
+
+@pytest.fixture
+def demo_release(make_release, make_source):
+    """A release of a copy of the demo model, compressed for real by the agent."""
+    folder = make_source("model")
+    for path in DEMO_MODEL.iterdir():
+        if path.is_file():
+            shutil.copyfile(path, folder / path.name)
+    return make_release(source_uri=folder.as_uri(), recipe=BF16)
 
 
 def engine_need(weights_bytes: int) -> int:
@@ -206,3 +232,39 @@ def test_the_environments_page_says_warm_or_cold_and_how_long(
     assert "Cold</strong>: a rollback takes about" in page
     assert "restarted from its verified copy on disk" in page
     assert "devices 0, 40.0 GiB each" in page
+
+
+@pytest.mark.timeout(300)
+def test_the_agents_engine_is_started_on_the_placed_device_and_budget(
+    agent_with, demo_release, teammate, monkeypatch
+):
+    """The whole path on a CPU: the control plane places the deploy job, the
+    agent's deploy (gpuagent.tasks, the task's own code) starts the engine, and
+    the started process sees the placement's device and budget."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch references
+    gpu3 = {**h100s(1)[0], "index": 3}
+    agent = agent_with([gpu3])
+    promote_to_approval(demo_release, agent)
+    do_approve_release(demo_release, teammate)
+    assert tasks.run_deployment(demo_release.pk) == "deploying"
+    registry = agent.agent.registry
+    try:
+        (result,) = agent.work(kinds=("deploy",))
+
+        assert result.ok, result.error
+        deployment = demo_release.deployments.get()
+        assert deployment.state == "live"
+        assert deployment.devices == [3]
+        weights = demo_release.jobs.get(kind="compress").result["report"][
+            "expected_gpu_weight_bytes"
+        ]
+        assert deployment.memory_budget_bytes == engine_need(weights)
+        (record,) = registry.records()
+        environ = Path(f"/proc/{record.info.pid}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=3" in environ
+        argv = Path(f"/proc/{record.info.pid}/cmdline").read_bytes().split(b"\0")
+        budget = argv[argv.index(b"--memory-budget-bytes") + 1]
+        assert int(budget) == deployment.memory_budget_bytes
+    finally:
+        for record in registry.records():
+            undeploy(record.info.deployment_id, registry=registry, grace_s=5)
