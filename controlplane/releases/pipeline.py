@@ -314,11 +314,23 @@ def _deployment_done(job: Job) -> None:
         do_fail_deployment(
             deployment,
             actor=WORKER,
-            reason=job.error,
+            reason=job.error + _stopped_for_room(deployment),
             verification=failed_verification(job),
         )
         if deployment.rollback_tried is not None:
             do_continue_rollback(deployment, why=why_refused(job))
+
+
+def _stopped_for_room(deployment: Deployment) -> str:
+    """What a failed deploy leaves stopped: the servers its placement stopped
+    first (cold, kept verified on disk; a rollback or a redeploy restarts them)."""
+    stopped = (deployment.placement or {}).get("stop_first") or []
+    if not stopped:
+        return ""
+    return (
+        f" (its placement stopped {', '.join(stopped)} first to make room: cold "
+        "until a rollback or a redeploy restarts them)"
+    )
 
 
 def _refuse_deployment(deployment: Deployment, job: Job, why: str) -> None:

@@ -175,6 +175,20 @@ def test_one_that_does_not_fit_makes_the_previous_cold_and_a_rollback_restarts_i
     assert Release.objects.get(pk=first.pk).state == "live"
 
 
+def test_a_failed_cold_swap_says_what_it_stopped(agent_with, release_of):
+    agent = agent_with(1)
+    first, second = release_of(20 * GIB), release_of(20 * GIB)
+    go_live(first, agent, "srv-1")
+    send_deploy(second, agent)
+
+    agent.answer("deploy", error="the server did not answer /health")
+
+    failed = second.deployments.get()
+    assert failed.state == "failed"
+    assert "stopped srv-1 first to make room" in failed.reason
+    assert not first.deployments.get().warm  # the page shows it cold
+
+
 def test_a_rollback_to_a_warm_target_goes_back_to_its_server(
     agent_with, release_of, environment, teammate
 ):
