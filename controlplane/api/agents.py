@@ -36,7 +36,9 @@ class DeviceOut(Schema):
 
 
 class DeviceStateOut(DeviceOut):
-    memory_free_bytes: int = Field(description="as its latest heartbeat reported")
+    memory_free_bytes: int | None = Field(
+        description="as its latest heartbeat reported (null: not reported)"
+    )
 
 
 class EnrollmentOut(Schema):

@@ -30,7 +30,7 @@ def _label(key: str) -> str:
 def device_text(device: dict) -> str:
     """One device as "#1 NVIDIA H100 (80.0 GiB, 70.0 GiB free)"."""
     memory = binary_size(device.get("memory_total_bytes", 0))
-    if "memory_free_bytes" in device:
+    if device.get("memory_free_bytes") is not None:
         memory += f", {binary_size(device['memory_free_bytes'])} free"
     return f"#{device.get('index')} {device.get('model', '')} ({memory})"
 

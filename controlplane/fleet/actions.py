@@ -94,12 +94,13 @@ def enrolled_device_state(agent: Agent, beat: Heartbeat) -> tuple[list, list]:
     """(the enrolled devices with the free memory `beat` reports of each, the
     indices it names outside the enrollment). Model and total memory stay the
     enrollment's; a free figure above the enrolled total is cut to it; an
-    enrolled device the beat leaves out reports no free memory."""
+    enrolled device the beat leaves out has None (not reported)."""
     reported = {d.index: d for d in beat.devices}
     state = []
     for device in agent.enrolled_devices:
         seen = reported.get(device["index"])
-        free = min(seen.memory_free_bytes, device["memory_total_bytes"]) if seen else 0
+        total = device["memory_total_bytes"]
+        free = min(seen.memory_free_bytes, total) if seen else None
         state.append({**device, "memory_free_bytes": free})
     enrolled = set(agent.device_indices)
     return state, sorted(i for i in reported if i not in enrolled)

@@ -3,7 +3,10 @@ agent is enrolled to use, the servers already on it, and the release's memory
 need. No database, no agent: controlplane.releases.placing gathers the inputs.
 
 A device hands out USABLE_FRACTION of its enrolled memory (the rest is the CUDA
-context and the allocator's); each server on it holds its budget. A deployment
+context and the allocator's); each server on it holds its budget. Nor more than
+the device's free memory in its agent's latest beat plus what the servers the
+placement stops free there (vLLM refuses to start with less free memory than its
+share; another process may hold some). A deployment
 gets `device_count` devices (1 for the project's engine, the tensor-parallel size
 for an external one) each with room for its need, preferring devices no server
 uses (disjoint from the warm ones), then the emptiest. When none fits, the
@@ -42,9 +45,13 @@ EXTERNAL_ACTIVATION_HEADROOM_BYTES = 4 * GIB
 
 @dataclass(frozen=True)
 class Device:
+    """An enrolled device: its total memory (the enrollment's) and the free
+    memory its agent's latest beat reported (None: not reported)."""
+
     index: int
     memory_total_bytes: int
     model: str = ""
+    memory_free_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -145,14 +152,18 @@ def _choose(
     stopped: tuple[Resident, ...],
 ) -> Placement | None:
     used = {i for r in kept for i in r.devices}
-    fitting = [d for d in devices if _capacity(d, kept) >= _need_on(need, d)]
+
+    def room(d: Device) -> int:
+        return _capacity(d, kept, stopped)
+
+    fitting = [d for d in devices if room(d) >= _need_on(need, d)]
     # Disjoint from the warm servers first, then the most room, then by index.
-    fitting.sort(key=lambda d: (d.index in used, -_capacity(d, kept), d.index))
+    fitting.sort(key=lambda d: (d.index in used, -room(d), d.index))
     chosen = sorted(fitting[: need.device_count], key=lambda d: d.index)
     if len(chosen) < need.device_count:
         return None
     budget = max(_need_on(need, d) for d in chosen)
-    if any(budget > _capacity(d, kept) for d in chosen):
+    if any(budget > room(d) for d in chosen):
         return None  # devices of unequal size: the largest need fits not all
     return Placement(
         devices=[d.index for d in chosen],
@@ -162,9 +173,15 @@ def _choose(
     )
 
 
-def _capacity(device: Device, kept: Sequence[Resident]) -> int:
+def _capacity(
+    device: Device, kept: Sequence[Resident], stopped: Sequence[Resident] = ()
+) -> int:
     usable = math.floor(device.memory_total_bytes * USABLE_FRACTION)
-    return usable - sum(r.budget_bytes for r in kept if device.index in r.devices)
+    room = usable - sum(r.budget_bytes for r in kept if device.index in r.devices)
+    if device.memory_free_bytes is None:
+        return room
+    freed = sum(r.budget_bytes for r in stopped if device.index in r.devices)
+    return min(room, device.memory_free_bytes + freed)
 
 
 def _need_on(need: Need, device: Device) -> int:

@@ -174,8 +174,15 @@ def place_deployment(deployment: Deployment, agents: QuerySet[Agent]) -> str:
 
 
 def _devices(agent: Agent) -> list[Device]:
+    """The enrolled devices, each with the free memory the latest beat reported."""
+    free = {d["index"]: d.get("memory_free_bytes") for d in agent.devices}
     return [
-        Device(d["index"], d["memory_total_bytes"], d.get("model", ""))
+        Device(
+            d["index"],
+            d["memory_total_bytes"],
+            d.get("model", ""),
+            free.get(d["index"]),
+        )
         for d in agent.enrolled_devices
     ]
 

@@ -89,6 +89,19 @@ def test_a_tensor_parallel_need_takes_as_many_devices():
     assert not too_many.ok and "needs 4 devices" in too_many.reason
 
 
+def test_it_takes_no_more_than_the_free_memory_the_agent_reported():
+    # Something outside the control plane holds 50 GiB of the device.
+    busy = Device(0, H100, "NVIDIA H100", memory_free_bytes=30 * GIB - 1)
+    live = resident(1, [0], 10 * GIB)
+
+    placed = place([busy], [live], Need(30 * GIB))
+
+    # Not beside the live one (72 - 10 GiB would hold it by budgets alone);
+    # stopping it frees its 10 GiB.
+    assert placed.ok and placed.stopped == (live,)
+    assert not place([busy], [], Need(40 * GIB)).ok
+
+
 def test_no_enrolled_devices_places_nothing():
     placed = place([], [], Need(GIB))
 

@@ -12,6 +12,7 @@ from django.urls import reverse
 
 from controlplane.fleet.models import Deployment
 from controlplane.fleet.placement import GIB, USABLE_FRACTION
+from controlplane.fleet.tasks import record_heartbeat
 from controlplane.releases import tasks
 from controlplane.releases.actions.approvals import do_approve_release
 from controlplane.releases.actions.rollbacks import do_rollback_environment
@@ -19,7 +20,7 @@ from controlplane.releases.models import Artifact, Release
 from controlplane.releases.timings import rollback_readiness
 from gpuagent.protocol import DeployResult
 from gpuagent.serving import undeploy
-from tests.controlplane.conftest import LocalAgent
+from tests.controlplane.conftest import LocalAgent, sealed_beat
 from tests.controlplane.releases.test_pipeline import (
     BF16,
     DEMO_MODEL,
@@ -219,6 +220,17 @@ def test_a_release_no_agent_has_room_for_fails_without_a_job(
     assert "no agent has room for it" in deployment.reason
     assert "other environments' servers hold" in deployment.reason
     assert agent.pending("deploy") == []
+
+
+def test_the_free_memory_the_agent_reports_bounds_its_placement(agent_with, release_of):
+    agent = agent_with(2)
+    # Something else holds most of device 0: its beat says so.
+    busy = [{**h100s(2)[0], "memory_free_bytes": 10 * GIB}, h100s(2)[1]]
+    assert record_heartbeat(*sealed_beat(agent.agent, devices=busy)) == "online"
+
+    _, request = send_deploy(release_of(10 * GIB), agent)
+
+    assert request.placement.devices == [1]
 
 
 def test_an_unplaceable_release_is_deployed_on_the_whole_machine_as_before(
