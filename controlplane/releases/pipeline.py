@@ -120,11 +120,28 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
 
 
 def _send(job: Job, exclude: Agent | None = None) -> None:
+    if job.kind == "deploy" and exclude is not None:
+        _place_elsewhere(job, exclude)
     request = stages.request_for(job)
     body = request.model_dump(mode="json")
     # Sealed with the control plane's key: agents refuse any other request.
     sealed = seal_job_request(request, body)
     do_enqueue_task(RUN_JOB, body, sealed, queue=queue_for(job, exclude))
+
+
+def _place_elsewhere(job: Job, exclude: Agent) -> None:
+    """A deploy resent away from the agent it was placed on is placed again on
+    the other live agents (left as it was when none of them has room)."""
+    deployment = stages.deployment_of(job)
+    if (
+        deployment is None
+        or deployment.state != "deploying"
+        or not deployment.placement
+        or deployment.agent_id != exclude.pk
+    ):
+        return
+    placing.place_deployment(deployment, _live_agents().exclude(pk=exclude.pk))
+    deployment.refresh_from_db()  # what request_for reads
 
 
 def dispatch(

@@ -10,17 +10,18 @@ from pathlib import Path
 import pytest
 from django.urls import reverse
 
-from controlplane.fleet.models import Deployment
+from controlplane.fleet.models import Agent, Deployment
 from controlplane.fleet.placement import GIB, USABLE_FRACTION
 from controlplane.fleet.tasks import record_heartbeat
-from controlplane.releases import tasks
+from controlplane.releases import pipeline, tasks
 from controlplane.releases.actions.approvals import do_approve_release
 from controlplane.releases.actions.rollbacks import do_rollback_environment
-from controlplane.releases.models import Artifact, Release
+from controlplane.releases.models import Artifact, Job, Release
 from controlplane.releases.timings import rollback_readiness
+from gpuagent import tasks as tasks_module
 from gpuagent.protocol import DeployResult
 from gpuagent.serving import undeploy
-from tests.controlplane.conftest import LocalAgent, sealed_beat
+from tests.controlplane.conftest import LocalAgent, enroll, sealed_beat
 from tests.controlplane.releases.test_pipeline import (
     BF16,
     DEMO_MODEL,
@@ -231,6 +232,38 @@ def test_the_free_memory_the_agent_reports_bounds_its_placement(agent_with, rele
     _, request = send_deploy(release_of(10 * GIB), agent)
 
     assert request.placement.devices == [1]
+
+
+def test_a_deploy_resent_away_from_its_agent_is_placed_again(
+    agent_with, release_of, tmp_path
+):
+    local = agent_with(1)
+    other = tasks_module.Agent(
+        name="gpu-2",
+        store=local.agent.store,
+        signing_key=None,
+        trusted_keys=(),
+        controlplane_queue="celery",
+        pool_queue="agents",
+        threads=1,
+        controlplane_keys=local.agent.controlplane_keys,
+    )
+    gpu2 = enroll(other, reported_devices=h100s(1))
+    release = release_of(20 * GIB)
+    message, request = send_deploy(release, local)
+    assert message.queue == "agent.gpu-2"  # first by name
+    job = release.jobs.get(kind="deploy")
+    Job.objects.filter(pk=job.pk).update(agent=gpu2)
+    Agent.objects.filter(pk=gpu2.pk).update(state="offline")
+
+    assert pipeline.retry_or_fail(job, "agent gpu-2 stopped sending heartbeats") == (
+        "retried"
+    )
+
+    (message, resent), *_ = local.pending("deploy")[1:]
+    assert message.queue == "agent.local"
+    assert resent.attempt == 2 and resent.placement.devices == [0]
+    assert release.deployments.get().agent.name == "local"
 
 
 def test_an_unplaceable_release_is_deployed_on_the_whole_machine_as_before(
