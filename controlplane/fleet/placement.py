@@ -3,11 +3,11 @@ agent is enrolled to use, the servers already on it, and the release's memory
 need. No database, no agent: controlplane.releases.placing gathers the inputs.
 
 A device hands out USABLE_FRACTION of its enrolled memory (the rest is the CUDA
-context and the allocator's); each server on it holds its budget. Nor more than
-the device's free memory in its agent's latest beat plus what the servers the
-placement stops free there (vLLM refuses to start with less free memory than its
-share; another process may hold some). A deployment
-gets `device_count` devices (1 for the project's engine, the tensor-parallel size
+context and the allocator's); each server on it holds its budget; and never
+more than the device's free memory in its agent's latest beat plus what the
+servers the placement stops free there (vLLM refuses to start with less free
+memory than its share; another process may hold some). A deployment gets
+`device_count` devices (1 for the project's engine, the tensor-parallel size
 for an external one) each with room for its need, preferring devices no server
 uses (disjoint from the warm ones), then the emptiest. When none fits, the
 placement makes room, fewest servers stopped first: the environment's earlier
@@ -134,7 +134,11 @@ def place(
         kept = [r for r in residents if r not in stopped]
         placement = _choose(devices, kept, need, stopped)
         if placement is not None:
-            return Placed(placement, stopped)
+            # A server stopped on none of the chosen devices made no room: kept.
+            chosen = set(placement.devices)
+            needed = tuple(r for r in stopped if chosen & set(r.devices))
+            update = {"stop_first": [r.serving_id for r in needed]}
+            return Placed(placement.model_copy(update=update), needed)
     room = ", ".join(f"#{d.index} {_gib(_capacity(d, []))} usable" for d in devices)
     others = [r for r in residents if r.role == "other"]
     held = f"; other environments' servers hold {_gib(_held(others))}" if others else ""

@@ -69,6 +69,18 @@ def test_it_stops_the_rollback_target_before_the_live_one():
     assert placed.placement.stop_first == ["srv-1"]
 
 
+def test_it_stops_only_servers_on_the_devices_it_takes():
+    older = resident(1, [1], 30 * GIB, role="rollback")  # on the other device
+    live = resident(2, [0], 50 * GIB)
+    other = resident(3, [1], 50 * GIB, role="other")
+
+    placed = place(devices(2), [older, live, other], Need(50 * GIB))
+
+    assert placed.placement.devices == [0]
+    assert placed.stopped == (live,)
+    assert placed.placement.stop_first == ["srv-2"]
+
+
 def test_it_never_stops_another_environments_server_and_says_why():
     other = resident(1, [0], 60 * GIB, role="other")
 
