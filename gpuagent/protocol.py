@@ -430,6 +430,60 @@ class JobRequest(_Message):
     load_plan: LoadPlan | None = Field(
         None, description="load_test: the environment's plan (None: the default)"
     )
+    placement: Placement | None = Field(
+        None,
+        description="deploy: the devices and memory budget the control plane "
+        "gave it (None: the agent's whole machine, as before placement)",
+    )
+
+
+class DeviceInfo(_Message):
+    """One device of an agent as its heartbeat reports it: a GPU by its CUDA index
+    (as CUDA_VISIBLE_DEVICES names it), or on a CPU agent the one "cpu" device
+    with the host's memory. Only the free memory of a device the agent's
+    enrollment records is believed (controlplane.fleet.enrollment)."""
+
+    index: int = Field(ge=0, le=1023)
+    model: str = Field(max_length=100)
+    memory_total_bytes: int = Field(ge=0)
+    memory_free_bytes: int = Field(ge=0)
+
+
+class Placement(_Message):
+    """Where on its agent a deployment runs (controlplane.fleet.placement): the
+    devices it may use (the server's CUDA_VISIBLE_DEVICES, in this order; an
+    external engine's tensor_parallel_size must equal their count) and the memory
+    it may take on each of them (`memory_budget_bytes`; the engine caps its
+    weights + KV pool to it, an external engine gets it as
+    --gpu-memory-utilization = budget / `device_memory_total_bytes`, the smallest
+    enrolled total of the set). `stop_first`: this agent's servers (serving ids)
+    to stop before the new one starts, because the budget does not hold both (a
+    rollback target gone cold: kept verified on disk, restarted on rollback)."""
+
+    devices: list[int] = Field(min_length=1, max_length=1024)
+    memory_budget_bytes: int = Field(gt=0)
+    device_memory_total_bytes: int = Field(gt=0)
+    stop_first: list[str] = []
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: list[int]) -> list[int]:
+        if any(i < 0 for i in value) or len(set(value)) != len(value):
+            raise ValueError(f"devices {value} must be distinct indices >= 0")
+        return value
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> Placement:
+        if self.memory_budget_bytes > self.device_memory_total_bytes:
+            raise ValueError(
+                f"memory_budget_bytes {self.memory_budget_bytes} exceeds the "
+                f"device's memory ({self.device_memory_total_bytes} bytes)"
+            )
+        return self
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(str(i) for i in self.devices)
 
 
 class Heartbeat(_Message):
@@ -454,6 +508,12 @@ class Heartbeat(_Message):
     running_jobs: list[int] = []
     deployments: list[DeploymentInfo] = Field(
         default=[], description="the servers this agent runs now"
+    )
+    devices: list[DeviceInfo] = Field(
+        default=[],
+        max_length=1024,
+        description="every device it sees, with its free memory now (empty: an "
+        "agent from before per-device reports)",
     )
     can_sign: bool = False
     public_key: str = Field(
@@ -550,6 +610,12 @@ class EvaluateResult(_Message):
 
 
 SERVING_BACKENDS = ("engine", "external")
+# Defaults both sides size with: the KV pool the agent gives the project's engine
+# when the environment sets none, and an external engine's planned context and
+# share of the GPU (gpuagent.serving.deploy; controlplane.fleet.placement).
+ENGINE_KV_MEMORY_GB = 0.05
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 # Command templates (BackendSpec.command_template, a ServingPreset's template): the
@@ -742,6 +808,7 @@ class DeploySpec(_Message):
     release_parent_digest: str = ""
     approved_files: list[FileDigest] = []
     quarantined_digests: list[str] = []
+    placement: Placement | None = None
 
     @field_validator("port_range")
     @classmethod

@@ -43,6 +43,7 @@ from gpuagent.artifacts import candidate_key
 from gpuagent.integrity import identity
 from gpuagent.integrity.keys import public_key_pem
 from gpuagent.protocol import (
+    ENGINE_KV_MEMORY_GB,
     BackendSpec,
     CompressJobResult,
     CompressResult,
@@ -71,11 +72,11 @@ EVAL_ITEMS_PER_SLICE = 2
 # backend sets no health_timeout_s: the project's engine loads in seconds; an
 # external engine's cold start (worker spawn, tens of GB of weights, compile, CUDA
 # graph capture) can take many minutes. And the engine's KV budget when the
-# environment's backend sets none. (A server answers to the release's model name and
-# `model@version`: gpuagent.serving.deploy.served_model_names.)
+# environment's backend sets none is gpuagent.protocol.ENGINE_KV_MEMORY_GB (the
+# control plane's placement sizes with it too). (A server answers to the release's
+# model name and `model@version`: gpuagent.serving.deploy.served_model_names.)
 HEALTH_TIMEOUT_S = 120.0
 EXTERNAL_HEALTH_TIMEOUT_S = 1800.0
-ENGINE_KV_MEMORY_GB = 0.05
 
 
 class JobFailed(Exception):
@@ -519,7 +520,8 @@ def health_timeout_s(backend: BackendSpec) -> float:
 def deploy_spec(req: JobRequest, me: Agent, backend: BackendSpec) -> DeploySpec:
     """The DeploySpec of `req`: its approved digest, recipe and release binding, on
     `backend` (the environment's; the project's engine gets this agent's threads
-    and a small KV budget when the environment sets none)."""
+    and a small KV budget when the environment sets none), on the devices and
+    memory budget of the request's placement (deploy)."""
     assert req.recipe is not None, f"{req.kind} needs a recipe"
     if backend.kind == "engine":
         backend = backend.model_copy(
@@ -538,6 +540,7 @@ def deploy_spec(req: JobRequest, me: Agent, backend: BackendSpec) -> DeploySpec:
         release_version=req.version,
         release_recipe=recipe_text(req),
         quarantined_digests=req.quarantined_digests,
+        placement=req.placement if req.kind == "deploy" else None,
     )
 
 

@@ -52,7 +52,7 @@ from gpuagent import serving
 from gpuagent.artifacts import ArtifactStore
 from gpuagent.integrity import identity
 from gpuagent.integrity.keys import public_key_pem
-from gpuagent.protocol import Heartbeat
+from gpuagent.protocol import DeviceInfo, Heartbeat
 from gpuagent.serving import Registry
 
 log = logging.getLogger(__name__)
@@ -251,6 +251,29 @@ def memory() -> tuple[str, str, int, int]:
     return "cpu", f"CPU {model}", info["MemTotal"], info.get("MemAvailable", 0)
 
 
+def devices() -> list[DeviceInfo]:
+    """Every device this agent sees, by CUDA index, with its memory now; on a CPU
+    agent one device (index 0) with the host's memory, as `memory` reports it."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            found = []
+            for index in range(torch.cuda.device_count()):
+                free, total = torch.cuda.mem_get_info(index)
+                name = torch.cuda.get_device_name(index)[:100]
+                found.append(DeviceInfo(index=index, model=name, **_bytes(total, free)))
+            return found
+    except Exception:  # no torch, a broken driver: report the CPU instead
+        log.warning("no GPU readable; reporting the CPU", exc_info=True)
+    _device, model, total, free = memory()
+    return [DeviceInfo(index=0, model=model[:100], **_bytes(total, free))]
+
+
+def _bytes(total: int, free: int) -> dict:
+    return {"memory_total_bytes": int(total), "memory_free_bytes": int(free)}
+
+
 def heartbeat() -> Heartbeat:
     """What this agent says about itself now."""
     me = agent()
@@ -269,6 +292,7 @@ def heartbeat() -> Heartbeat:
         memory_free_bytes=free,
         running_jobs=running,
         deployments=serving.loaded_deployments(me.registry),
+        devices=devices(),
         can_sign=me.signing_key is not None,
         public_key=identity.public_raw(me.identity).hex(),
         signing_public_key=(

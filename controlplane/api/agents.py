@@ -29,6 +29,18 @@ from controlplane.releases.intake import revoke_agent
 router = Router(tags=["agents"])
 
 
+class DeviceOut(Schema):
+    index: int = Field(description="CUDA index (CUDA_VISIBLE_DEVICES); 0 on a CPU")
+    model: str
+    memory_total_bytes: int
+
+
+class DeviceStateOut(DeviceOut):
+    memory_free_bytes: int | None = Field(
+        description="as its latest heartbeat reported (null: not reported)"
+    )
+
+
 class EnrollmentOut(Schema):
     id: int
     fingerprint: str = Field(description="sha256 of the raw Ed25519 public key, hex")
@@ -38,6 +50,7 @@ class EnrollmentOut(Schema):
     can_sign: bool = Field(description="it presented a release-signing key")
     device: str
     gpu_model: str
+    devices: list[DeviceOut] = Field(description="every device it reported")
     state: str
     first_seen: str | None
     last_seen: str | None
@@ -49,6 +62,11 @@ class EnrollIn(RequestBody):
     pool_queue: str | None = Field(None, max_length=100)
     can_sign: bool = False
     allowed_programs: list[str] | None = None
+    devices: list[int] | None = Field(
+        None,
+        description="indices of the devices it may use (default: every one it "
+        "reported)",
+    )
 
 
 class EnrolledAgentOut(Schema):
@@ -60,6 +78,14 @@ class EnrolledAgentOut(Schema):
     fingerprint: str
     can_sign: bool
     allowed_programs: list[str] | None
+    enrolled_devices: list[DeviceOut]
+    devices: list[DeviceStateOut] = Field(
+        description="the enrolled devices' state in its latest heartbeat"
+    )
+    devices_outside_enrollment: list[int] = Field(
+        description="devices a heartbeat named that the enrollment does not hold "
+        "(never used)"
+    )
     state: str
     enrolled_at: str | None
 
@@ -85,11 +111,11 @@ def list_enrollments(request: HttpRequest) -> list[dict]:
     summary="Enroll a pending agent key (staff)",
     description="The agent is `name` (default: the name it asked for) from now on, "
     "takes jobs from `pool_queue`, may sign only with `can_sign` (and a signing "
-    "key it presented), and may start only `allowed_programs` (preset names or "
+    "key it presented), may start only `allowed_programs` (preset names or "
     "command templates, each a whole argument shape: deploys of an external "
     "backend go only to an agent allowed to start its command; `[]`: none; null: "
-    "the agent's own list decides). 409 when the name belongs to another enrolled "
-    "agent.",
+    "the agent's own list decides), and may serve on `devices` (default: every "
+    "device it reported). 409 when the name belongs to another enrolled agent.",
 )
 def enroll(request: HttpRequest, enrollment_id: ObjectId, payload: EnrollIn) -> dict:
     principal = principal_of(request)

@@ -21,16 +21,28 @@ from controlplane.api.scoping import (
 )
 from controlplane.fleet.actions import do_create_environment
 from controlplane.fleet.models import Environment
-from controlplane.releases.actions.rollbacks import do_rollback_environment
+from controlplane.releases.actions.rollbacks import (
+    do_rollback_environment,
+    previous_verified_deployment,
+)
+from controlplane.releases.timings import rollback_readiness
 
 router = Router(tags=["environments"])
 
 
 def environment_dict(environment: Environment) -> dict:
     live = environment.live_deployment
+    target = (
+        previous_verified_deployment(environment, live.release_id) if live else None
+    )
     return {
         **environment.to_dict(),
         "live_release_id": live.release_id if live else None,
+        "rollback_target": (
+            {"release_id": target.release_id, **rollback_readiness(target)}
+            if target
+            else None
+        ),
     }
 
 

@@ -258,6 +258,28 @@ class ApprovalOut(Schema):
     created: datetime
 
 
+class PlacementOut(Schema):
+    devices: list[int] | None = Field(
+        description="CUDA indices it runs on (its CUDA_VISIBLE_DEVICES); null: not "
+        "placed, the agent's whole machine"
+    )
+    memory_budget_bytes: int = Field(description="what it may take on each device")
+    memory_need_bytes: int = Field(description="what the release needs on each")
+    note: str = Field(description="why so: what was stopped to make room, or why not")
+    warm: bool = Field(description="a server it started may still run")
+    unloaded: datetime | None = Field(description="when its server was stopped")
+
+
+class RollbackReadinessOut(Schema):
+    release_id: int
+    warm: bool = Field(
+        description="its server still runs (no restart); false: cold, kept verified "
+        "on disk and restarted"
+    )
+    estimate_s: float | None = Field(description="about how long a rollback takes")
+    basis: str
+
+
 class DeploymentOut(Schema):
     id: int
     release_id: int
@@ -273,6 +295,7 @@ class DeploymentOut(Schema):
         "still verifying, each release tried and why"
     )
     rollback: bool = Field(description="started by a rollback")
+    placement: PlacementOut
 
 
 class ReleaseOut(Schema):
@@ -387,6 +410,10 @@ class EnvironmentOut(Schema):
     team: str
     name: str
     live_release_id: int | None
+    rollback_target: RollbackReadinessOut | None = Field(
+        description="the release a rollback would bring back, warm or cold, and "
+        "about how long it would take"
+    )
 
 
 class ServingBackendIn(RequestBody):

@@ -27,7 +27,18 @@ def _label(key: str) -> str:
     return key.removesuffix("_bytes").replace("_", " ")
 
 
+def device_text(device: dict) -> str:
+    """One device as "#1 NVIDIA H100 (80.0 GiB, 70.0 GiB free)"."""
+    memory = binary_size(device.get("memory_total_bytes", 0))
+    if device.get("memory_free_bytes") is not None:
+        memory += f", {binary_size(device['memory_free_bytes'])} free"
+    return f"#{device.get('index')} {device.get('model', '')} ({memory})"
+
+
 def _text(key: str, value) -> str:
+    if key.endswith("devices") and isinstance(value, list):
+        items = [device_text(d) if isinstance(d, dict) else str(d) for d in value]
+        return "; ".join(items) or "none"
     if key.endswith("_bytes") and isinstance(value, int | float):
         return binary_size(value)
     if isinstance(value, bool):

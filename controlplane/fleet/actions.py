@@ -70,13 +70,40 @@ def do_record_agent_heartbeat(agent: Agent, beat: Heartbeat | None = None) -> Ag
             loaded_deployments=[d.model_dump(mode="json") for d in beat.deployments],
             capabilities={"can_sign": beat.can_sign, "pool_queue": beat.pool_queue},
         )
+        fields["devices"] = [d.model_dump() for d in beat.devices]
         if agent.enrollment:  # who it is comes from its enrollment, never a beat
             fields.update(queue=agent.queue, capabilities=agent.enrolled_capabilities())
+            fields["devices"], outside = enrolled_device_state(agent, beat)
+            if outside != agent.devices_outside_enrollment:
+                fields["devices_outside_enrollment"] = outside
+                do_record_event(
+                    f"agent:{agent.name}",
+                    "agent.devices_outside_enrollment",
+                    agent,
+                    before={"devices": agent.devices_outside_enrollment},
+                    after={"devices": outside},
+                )
     Agent.objects.filter(pk=agent.pk).update(**fields)
     for name, value in fields.items():
         setattr(agent, name, value)
     agent.state = Agent.objects.values_list("state", flat=True).get(pk=agent.pk)
     return agent
+
+
+def enrolled_device_state(agent: Agent, beat: Heartbeat) -> tuple[list, list]:
+    """(the enrolled devices with the free memory `beat` reports of each, the
+    indices it names outside the enrollment). Model and total memory stay the
+    enrollment's; a free figure above the enrolled total is cut to it; an
+    enrolled device the beat leaves out has None (not reported)."""
+    reported = {d.index: d for d in beat.devices}
+    state = []
+    for device in agent.enrolled_devices:
+        seen = reported.get(device["index"])
+        total = device["memory_total_bytes"]
+        free = min(seen.memory_free_bytes, total) if seen else None
+        state.append({**device, "memory_free_bytes": free})
+    enrolled = set(agent.device_indices)
+    return state, sorted(i for i in reported if i not in enrolled)
 
 
 def do_record_heartbeat(beat: Heartbeat) -> Agent:

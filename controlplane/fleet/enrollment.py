@@ -3,10 +3,11 @@ never from what its messages say (as Kubernetes approves a node's bootstrap CSR)
 
 A sealed heartbeat from a key no agent holds files an EnrollmentRequest, nothing
 more; a platform operator (staff) enrolls it, giving its name, pool and
-capabilities, or rejects it; revoking an enrolled agent refuses its messages from
-then on. `do_accept_message` is the replay check of every sealed message, and
-`do_record_message_refused` audits refusals, bounded per
-source, kind of reason and time window."""
+capabilities (may sign, allowed programs, the devices it may use: by default
+those it reported when it asked), or rejects it; revoking an enrolled agent
+refuses its messages from then on. `do_accept_message` is the replay check of
+every sealed message, and `do_record_message_refused` audits refusals, bounded
+per source, kind of reason and time window."""
 
 import logging
 import re
@@ -32,7 +33,7 @@ from gpuagent.protocol import Heartbeat
 
 log = logging.getLogger(__name__)
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-ENROLL_FIELDS = ("name", "pool_queue", "can_sign", "allowed_programs")
+ENROLL_FIELDS = ("name", "pool_queue", "can_sign", "allowed_programs", "devices")
 
 
 def check_operator(actor: Actor) -> None:
@@ -85,6 +86,7 @@ def do_request_enrollment(beat: Heartbeat) -> EnrollmentRequest | None:
         "signing_public_key": beat.signing_public_key,
         "device": beat.device,
         "gpu_model": beat.gpu_model[:100],
+        "devices": [d.model_dump(exclude={"memory_free_bytes"}) for d in beat.devices],
         "last_seen": timezone.now(),
     }
     with transaction.atomic():
@@ -145,7 +147,33 @@ def clean_enrollment(request: EnrollmentRequest, fields: dict) -> dict:
         "pool_queue": pool,
         "can_sign": can_sign,
         "allowed_programs": programs,
+        "devices": clean_devices(request, fields.get("devices")),
     }
+
+
+def clean_devices(request: EnrollmentRequest, indices: object) -> list[dict]:
+    """The devices the agent is enrolled to use: those of `indices` (None: every
+    device it reported when it asked), each as it reported it (index, model,
+    total memory). ValidationFailed for an index it did not report."""
+    reported = {d["index"]: d for d in request.devices}
+    if indices is None:
+        return [reported[i] for i in sorted(reported)]
+    if not (
+        isinstance(indices, list)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
+        and len(set(indices)) == len(indices)
+    ):
+        raise ValidationFailed(
+            "devices must be a list of distinct device indices", field="devices"
+        )
+    unknown = sorted(set(indices) - set(reported))
+    if unknown:
+        raise ValidationFailed(
+            f"devices: the agent reported no device {', '.join(map(str, unknown))} "
+            f"(it reported {', '.join(map(str, sorted(reported))) or 'none'})",
+            field="devices",
+        )
+    return [reported[i] for i in sorted(indices)]
 
 
 def do_enroll_agent(request: EnrollmentRequest, *, actor: Actor, **fields) -> Agent:
@@ -173,6 +201,8 @@ def do_enroll_agent(request: EnrollmentRequest, *, actor: Actor, **fields) -> Ag
         agent.pool_queue = cleaned["pool_queue"]
         agent.can_sign = cleaned["can_sign"]
         agent.allowed_programs = cleaned["allowed_programs"]
+        agent.enrolled_devices = cleaned["devices"]
+        agent.devices, agent.devices_outside_enrollment = [], []
         agent.signing_public_key = (
             request.signing_public_key if cleaned["can_sign"] else ""
         )

@@ -128,6 +128,14 @@ class Agent(models.Model):
     allowed_programs = models.JSONField(null=True, blank=True)
     signing_public_key = models.TextField(blank=True)
     enrolled_at = models.DateTimeField(null=True, blank=True)
+    # The devices the operator enrolled it to use ([{index, model,
+    # memory_total_bytes}], as it reported them when it asked): what placement
+    # plans over. `devices`: their state in the latest beat (each with
+    # memory_free_bytes); `devices_outside_enrollment`: indices a beat named that
+    # the enrollment does not hold (noted, never used).
+    enrolled_devices = models.JSONField(default=list, blank=True)
+    devices = models.JSONField(default=list, blank=True)
+    devices_outside_enrollment = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -141,6 +149,10 @@ class Agent(models.Model):
 
     def enrolled_capabilities(self) -> dict:
         return {"can_sign": self.can_sign, "pool_queue": self.pool_queue}
+
+    @property
+    def device_indices(self) -> list[int]:
+        return [d["index"] for d in self.enrolled_devices]
 
     def to_dict(self) -> dict:
         return {
@@ -164,6 +176,9 @@ class Agent(models.Model):
             "can_sign": self.can_sign,
             "allowed_programs": self.allowed_programs,
             "enrolled_at": _iso(self.enrolled_at),
+            "enrolled_devices": self.enrolled_devices,
+            "devices": self.devices,
+            "devices_outside_enrollment": self.devices_outside_enrollment,
         }
 
 
@@ -182,6 +197,9 @@ class EnrollmentRequest(models.Model):
     signing_public_key = models.TextField(blank=True)
     device = models.CharField(max_length=10, blank=True)
     gpu_model = models.CharField(max_length=100, blank=True)
+    # Every device it reported ([{index, model, memory_total_bytes}]): what an
+    # operator enrolls it to use (all of them unless told otherwise).
+    devices = models.JSONField(default=list, blank=True)
     state = models.CharField(max_length=10, choices=STATE_CHOICES, default="pending")
     first_seen = models.DateTimeField(default=timezone.now)
     last_seen = models.DateTimeField(default=timezone.now)
@@ -205,6 +223,7 @@ class EnrollmentRequest(models.Model):
             "can_sign": bool(self.signing_public_key),
             "device": self.device,
             "gpu_model": self.gpu_model,
+            "devices": self.devices,
             "state": self.state,
             "first_seen": _iso(self.first_seen),
             "last_seen": _iso(self.last_seen),
@@ -261,6 +280,18 @@ class Deployment(models.Model):
     # None: not a rollback's deployment; else the releases this rollback tried
     # before it, "model@version (why)" each.
     rollback_tried = models.JSONField(null=True, blank=True)
+    # Its placement on its agent (controlplane.fleet.placement), as its deploy
+    # job carries it (gpuagent.protocol.Placement: devices, memory budget per
+    # device, the servers stopped first; None: not placed, the agent's whole
+    # machine as before placement), what the release needs on each device
+    # (bytes), and why it was placed so or not placed.
+    placement = models.JSONField(null=True, blank=True)
+    memory_need_bytes = models.BigIntegerField(default=0)
+    placement_note = models.TextField(blank=True)
+    # When its server was stopped (undeployed, or to make room for another): a
+    # rollback to it then restarts it cold from its verified copy on disk. None
+    # while a server it started may still run (warm).
+    unloaded = models.DateTimeField(null=True, blank=True)
 
     objects = DeploymentQuerySet.as_manager()
 
@@ -269,6 +300,29 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return f"{self.release} in {self.environment} ({self.state})"
+
+    @property
+    def warm(self) -> bool:
+        """Whether a server it started may still run on its agent."""
+        return bool(self.serving_id) and self.unloaded is None
+
+    @property
+    def devices(self) -> list[int] | None:
+        return self.placement["devices"] if self.placement else None
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return self.placement["memory_budget_bytes"] if self.placement else 0
+
+    def placement_dict(self) -> dict:
+        return {
+            "devices": self.devices,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "memory_need_bytes": self.memory_need_bytes,
+            "note": self.placement_note,
+            "warm": self.warm,
+            "unloaded": _iso(self.unloaded),
+        }
 
     def to_dict(self) -> dict:
         return {
@@ -283,4 +337,5 @@ class Deployment(models.Model):
             "ended": _iso(self.ended),
             "reason": self.reason,
             "rollback": self.rollback_tried is not None,
+            "placement": self.placement_dict(),
         }

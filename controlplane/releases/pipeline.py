@@ -38,10 +38,11 @@ from controlplane.fleet.actions import (
 )
 from controlplane.fleet.keys import seal_job_request
 from controlplane.fleet.models import Agent, Deployment
-from controlplane.releases import evidence, stages
+from controlplane.releases import evidence, placing, stages
 from controlplane.releases.actions.deployments import (
     do_complete_deployment,
     do_fail_deployment,
+    do_mark_unloaded,
     do_quarantine_release,
     do_record_stray_server,
     do_refuse_deployment,
@@ -121,7 +122,18 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
         others = [a for a in agents if a.pk != signer]
         return others[0].queue if others else pool
     if job.kind == "deploy":
-        template = programs.external_template(stages.backend_for(job))
+        deployment = stages.deployment_of(job)
+        template = programs.external_template(stages.backend_for(job, deployment))
+        placed = (
+            deployment.agent
+            if deployment is not None and deployment.placement
+            else None
+        )
+        # Placed on an agent's devices: that agent, which placement chose among
+        # those whose record allows the backend's command (deploy_agents).
+        if placed is not None and placed in agents:
+            if not template or programs.eligible_agents([placed], template):
+                return placed.queue
         if template:
             return _external_deploy_queue(agents, template)
     if job.kind in ("reverify", "undeploy"):
@@ -129,6 +141,19 @@ def queue_for(job: Job, exclude: Agent | None = None) -> str:
         if deployment is not None and deployment.agent is not None:
             return deployment.agent.queue
     return pool
+
+
+def deploy_agents(deployment: Deployment):
+    """The live agents `deployment` may be placed on: for an external backend,
+    only enrolled agents whose record allows its command."""
+    agents = _live_agents()
+    template = programs.external_template(
+        stages.job_backend(deployment.environment.serving_backend)
+    )
+    if not template:
+        return agents
+    eligible = programs.eligible_agents(agents.filter(enrollment="enrolled"), template)
+    return agents.filter(pk__in=[a.pk for a in eligible])
 
 
 def _external_deploy_queue(agents: list[Agent], template: str) -> str:
@@ -148,6 +173,8 @@ def _external_deploy_queue(agents: list[Agent], template: str) -> str:
 def _send(job: Job, exclude: Agent | None = None) -> None:
     """Queue `job`'s sealed request; when no agent may run it, the job fails at
     once with the reason, and what it belongs to moves on (`_after`)."""
+    if job.kind == "deploy" and exclude is not None:
+        _place_elsewhere(job, exclude)
     try:
         queue = queue_for(job, exclude)
     except NoAgentQualifies as exc:
@@ -159,6 +186,23 @@ def _send(job: Job, exclude: Agent | None = None) -> None:
     # Sealed with the control plane's key: agents refuse any other request.
     sealed = seal_job_request(request, body)
     do_enqueue_task(RUN_JOB, body, sealed, queue=queue)
+
+
+def _place_elsewhere(job: Job, exclude: Agent) -> None:
+    """A deploy resent away from the agent it was placed on is placed again on
+    the other live agents (left as it was when none of them has room)."""
+    deployment = stages.deployment_of(job)
+    if (
+        deployment is None
+        or deployment.state != "deploying"
+        or not deployment.placement
+        or deployment.agent_id != exclude.pk
+    ):
+        return
+    placing.place_deployment(
+        deployment, deploy_agents(deployment).exclude(pk=exclude.pk)
+    )
+    deployment.refresh_from_db()  # what request_for reads
 
 
 def dispatch(
@@ -303,9 +347,23 @@ def deploy(release_id: int) -> str:
             )
         sent = release.jobs.filter(kind="deploy", created__gte=deployment.started)
         if not sent.exists():
+            refused = placing.place_deployment(deployment, deploy_agents(deployment))
+            if refused:
+                _unplaceable(deployment, refused)
+                release.refresh_from_db()
+                return release.state
+            deployment.refresh_from_db()  # the placement recorded
             dispatch(release, "deploy", deployment=deployment)
             release.refresh_from_db(fields=["state"])  # no agent may: it failed
         return release.state
+
+
+def _unplaceable(deployment: Deployment, why: str) -> None:
+    """No agent has room for `deployment`: it fails with `why` (no job sent),
+    and a rollback goes on to its next candidate."""
+    deployment = do_fail_deployment(deployment, actor=WORKER, reason=why)
+    if deployment.rollback_tried is not None:
+        do_continue_rollback(deployment, why=why)
 
 
 def _deployment_done(job: Job) -> None:
@@ -335,11 +393,23 @@ def _deployment_done(job: Job) -> None:
         do_fail_deployment(
             deployment,
             actor=WORKER,
-            reason=job.error,
+            reason=job.error + _stopped_for_room(deployment),
             verification=failed_verification(job),
         )
         if deployment.rollback_tried is not None:
             do_continue_rollback(deployment, why=why_refused(job))
+
+
+def _stopped_for_room(deployment: Deployment) -> str:
+    """What a failed deploy leaves stopped: the servers its placement stopped
+    first (cold, kept verified on disk; a rollback or a redeploy restarts them)."""
+    stopped = (deployment.placement or {}).get("stop_first") or []
+    if not stopped:
+        return ""
+    return (
+        f" (its placement stopped {', '.join(stopped)} first to make room: cold "
+        "until a rollback or a redeploy restarts them)"
+    )
 
 
 def _refuse_deployment(deployment: Deployment, job: Job, why: str) -> None:
@@ -407,9 +477,13 @@ def undeploy_older(environment) -> list[Job]:
         last = release.deployments.order_by("-started", "-id").first()
         if last is None or last.ended is None or not last.serving_id:
             continue  # deploying again (a rollback), or never loaded
+        if last.unloaded is not None:
+            continue  # stopped already (a placement made room with it)
         if release.jobs.filter(kind="undeploy", created__gte=last.ended).exists():
             continue
         sent.append(dispatch(release, "undeploy"))
+        same_server = release.deployments.filter(serving_id=last.serving_id)
+        do_mark_unloaded(same_server, actor=WORKER)
     return sent
 
 

@@ -15,7 +15,14 @@ from controlplane.releases import evidence
 from controlplane.releases.actions.jobs import do_finish_job
 from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.models import Job, Release
-from gpuagent.protocol import BackendSpec, HashResult, JobRequest, JobResult, Recipe
+from gpuagent.protocol import (
+    BackendSpec,
+    HashResult,
+    JobRequest,
+    JobResult,
+    Placement,
+    Recipe,
+)
 
 
 def approved_digest(release: Release) -> str:
@@ -108,6 +115,11 @@ def request_for(job: Job) -> JobRequest:
         load_plan=(
             load_plan_for(release.target_environment)
             if job.kind == "load_test"
+            else None
+        ),
+        placement=(
+            Placement.model_validate(deployment.placement)
+            if job.kind == "deploy" and deployment and deployment.placement
             else None
         ),
     )

@@ -19,7 +19,11 @@ from datetime import datetime
 
 from django.utils import timezone
 
-from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, INTEGRITY_JOB_KINDS
+from controlplane.releases.models import (
+    AFTER_DEPLOY_JOB_KINDS,
+    INTEGRITY_JOB_KINDS,
+    Job,
+)
 from gpuagent.protocol import LOAD_TEST_JOB_KIND, QUALITY_JOB_KIND
 
 TEST_KINDS = (QUALITY_JOB_KIND, LOAD_TEST_JOB_KIND)
@@ -130,3 +134,54 @@ def stage_timings(release) -> dict:
         "quality_load_s": round(spent.tests_s, 3),
         "quality_load_pct": _pct(spent.tests_s, spent.time_to_deploy_s),
     }
+
+
+def rollback_readiness(target) -> dict:
+    """How a rollback to the Deployment `target` would go: {"warm": whether its
+    server still runs (traffic goes back after a re-hash and a health check) or
+    it is cold (kept verified on disk, restarted), "estimate_s": about how long
+    (None: nothing measured), "basis": what the estimate is}. Cold: the time its
+    release's last deploy that started a server took, else the environment's last
+    measured one; warm: its copy's last re-hash (re-verification or verify)."""
+    release = target.release
+    done = Job.objects.filter(state="succeeded", finished__isnull=False)
+    if target.warm:
+        hashed = (
+            done.filter(release=release, kind__in=("reverify", "verify"))
+            .order_by("-finished", "-id")
+            .first()
+        )
+        measured = f"its last {hashed.kind} job" if hashed else "nothing measured"
+        return {
+            "warm": True,
+            "estimate_s": _rounded(hashed.duration_s) if hashed else None,
+            "basis": "warm: its server still runs; a re-hash of its copy and a "
+            f"health check, no restart (estimate: {measured})",
+        }
+    # A deploy that went back to a warm server started nothing: not a start time.
+    starts = done.filter(kind="deploy").exclude(
+        deployment__placement_note__startswith="warm"
+    )
+    own = starts.filter(release=release).order_by("-finished", "-id").first()
+    last = (
+        own
+        or starts.filter(deployment__environment_id=target.environment_id)
+        .order_by("-finished", "-id")
+        .first()
+    )
+    if last is None:
+        measured = "no deploy measured yet"
+    elif own is not None:
+        measured = "its own last deploy"
+    else:
+        measured = f"the last deploy measured here, {last.release}"
+    return {
+        "warm": False,
+        "estimate_s": _rounded(last.duration_s) if last else None,
+        "basis": "cold: its server was stopped; restarted from its verified copy "
+        f"on disk (estimate: {measured})",
+    }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return round(seconds, 1) if seconds is not None else None

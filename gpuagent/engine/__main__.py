@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 18 for int4, 16 for fp8, none for the others)",
     )
     serve.add_argument("--kv-memory-gb", type=float, default=2.0)
+    serve.add_argument(
+        "--memory-budget-bytes",
+        type=int,
+        default=None,
+        help="the most this server's weights and KV pool may take on its device "
+        "(the control plane's placement): the KV pool is cut to what the loaded "
+        "weights leave of it, and the server refuses to start when they leave none",
+    )
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8100)
@@ -199,14 +207,24 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
             digest,
             digest,
         )
-    return LLMEngine.from_model_dir(
+    from gpuagent.engine.loader import load_model
+    from gpuagent.engine.tokenizer import load_tokenizer
+
+    model = load_model(
         args.model_dir,
-        files=files,
         dtype=getattr(torch, dtype_name),
         device=args.device,
+        files=files,
+    )
+    kv_memory_bytes = kv_pool_bytes(
+        int(args.kv_memory_gb * 2**30), args.memory_budget_bytes, weight_bytes(model)
+    )
+    return LLMEngine(
+        model,
+        load_tokenizer(args.model_dir, files=files),
         kv_cache_dtype=args.kv_cache_dtype,
         kv_window=args.kv_window,
-        kv_memory_bytes=int(args.kv_memory_gb * 2**30),
+        kv_memory_bytes=kv_memory_bytes,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -214,6 +232,27 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         enable_prefix_caching=args.enable_prefix_caching,
         quantize_head=args.quantize_head,
     )
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the loaded model's parameters and buffers take on its device."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_pool_bytes(kv_memory_bytes: int, budget_bytes: int | None, weights: int) -> int:
+    """The KV pool a server sizes: `kv_memory_bytes`, cut to what `weights` leave
+    of the placement's `budget_bytes` (None: no budget). ValueError when the
+    weights leave nothing of the budget."""
+    if budget_bytes is None:
+        return kv_memory_bytes
+    left = budget_bytes - weights
+    if left <= 0:
+        raise ValueError(
+            f"the memory budget of {budget_bytes} bytes does not hold the loaded "
+            f"weights ({weights} bytes) and a KV cache"
+        )
+    return min(kv_memory_bytes, left)
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:

@@ -9,6 +9,7 @@ recorded. Any failure after the start stops the whole process group: no orphans.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -19,10 +20,13 @@ from pathlib import Path
 
 from gpuagent.integrity import Policy
 from gpuagent.protocol import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_MODEL_LEN,
     BackendSpec,
     DeploymentInfo,
     DeployResult,
     DeploySpec,
+    Placement,
     RollbackCheck,
     VerifyResult,
 )
@@ -57,11 +61,10 @@ from gpuagent.serving.verify import (
 # Fields of BackendSpec only the project's engine reads, and only an external one.
 ENGINE_ONLY_FIELDS = ("kv_memory_gb", "max_num_seqs", "threads", "device")
 EXTERNAL_ONLY_FIELDS = ("max_model_len", "gpu_memory_utilization")
-# An external engine's defaults: the context it plans its KV cache for (capped at
-# the model's max_position_embeddings: a full 128k+ context would not fit beside
-# big weights, and vLLM refuses to start when it can't), and its share of the GPU.
-DEFAULT_MAX_MODEL_LEN = 8192
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# An external engine's defaults (gpuagent.protocol): the context it plans its KV
+# cache for (capped at the model's max_position_embeddings: a full 128k+ context
+# would not fit beside big weights, and vLLM refuses to start when it can't), and
+# its share of the GPU when no placement gives it a budget.
 
 
 # Ports tried when the one found free is taken before the server binds it.
@@ -113,6 +116,7 @@ def deploy(
         template, kv_value = _backend_template(spec)  # refused before any hashing
         if template and allowed_programs is not None:
             check_allowed_shape(template, allowed_programs)
+        check_placement(spec)
         quarantined = registry.quarantined()
         check_not_quarantined(spec.manifest_digest, spec, quarantined)
         same = _running_copy(model_dir, spec, name, registry)
@@ -126,6 +130,11 @@ def deploy(
         folder = check_weight_format(model_dir, spec.recipe.weights)
         if backend == "external":
             check_kv_scale_strategy(folder, spec.backend)
+        if spec.placement is not None:
+            # Room the control plane made: servers the budget doesn't hold beside
+            # this one stop now, after the checks (a refusal stops nothing).
+            for serving_id in spec.placement.stop_first:
+                undeploy(serving_id, registry=registry, grace_s=stop_grace_s)
         host = spec.backend.host
         log_path = registry.log_path(deployment_id)
         # A port found free can be taken before the child binds it (another agent
@@ -149,12 +158,14 @@ def deploy(
                         "served_model_names": names,
                         "tensor_parallel_size": str(spec.backend.tensor_parallel_size),
                         "manifest_digest": spec.manifest_digest,
-                        **external_settings(spec.backend, folder),
+                        **external_settings(spec.backend, folder, spec.placement),
                     },
                 )
                 named = ("{served_model_name}", "{served_model_names}")
                 check_name = name if any(p in template for p in named) else None
-            pid, started = process.spawn(argv, log_path, server_env(env))
+            pid, started = process.spawn(
+                argv, log_path, placed_env(server_env(env), spec.placement)
+            )
             local_url = f"http://{_local_host(host)}:{port}"
             try:
                 process.wait_healthy(
@@ -251,11 +262,14 @@ def deploy(
     )
 
 
-def external_settings(backend: BackendSpec, folder: FolderFormat) -> dict:
+def external_settings(
+    backend: BackendSpec, folder: FolderFormat, placement: Placement | None = None
+) -> dict:
     """The values of an external template's format and memory placeholders for a
     verified folder: `{quantization_args}` from its quantization_config,
     `{max_model_len}` (the backend's, else DEFAULT_MAX_MODEL_LEN capped at the
-    model's max_position_embeddings), `{gpu_memory_utilization}`."""
+    model's max_position_embeddings), `{gpu_memory_utilization}` (the placement's
+    budget over its devices' memory, else the backend's, else the default)."""
     max_len = backend.max_model_len
     if max_len is None:
         max_len = min(
@@ -263,11 +277,45 @@ def external_settings(backend: BackendSpec, folder: FolderFormat) -> dict:
             folder.max_position_embeddings or DEFAULT_MAX_MODEL_LEN,
         )
     memory = backend.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    if placement is not None:
+        memory = placement_utilization(placement)
     return {
         "quantization_args": quantization_args(folder.quantized),
         "max_model_len": str(max_len),
         "gpu_memory_utilization": f"{memory:g}",
     }
+
+
+def placement_utilization(placement: Placement) -> float:
+    """The share of each device's memory an engine may claim for `placement`'s
+    budget, rounded down to 1/1000 (never above the budget)."""
+    share = placement.memory_budget_bytes / placement.device_memory_total_bytes
+    return max(math.floor(share * 1000) / 1000, 0.001)
+
+
+def check_placement(spec: DeploySpec) -> None:
+    """DeployRefusedError (code "placement") for a placement the backend can't
+    keep: an external engine shards over exactly its tensor_parallel_size
+    devices, and the project's engine runs on one."""
+    placement = spec.placement
+    if placement is None:
+        return
+    wanted = spec.backend.tensor_parallel_size
+    if len(placement.devices) != wanted:
+        raise DeployRefusedError(
+            f"the placement gives devices {placement.cuda_visible_devices} but the "
+            f"backend's tensor_parallel_size is {wanted}: they must agree",
+            code="placement",
+        )
+
+
+def placed_env(env: dict[str, str], placement: Placement | None) -> dict[str, str]:
+    """A server's environment on its placement: CUDA_VISIBLE_DEVICES names its
+    devices (it sees them as cuda:0.. in that order), whatever the agent's own
+    environment said."""
+    if placement is None:
+        return env
+    return {**env, "CUDA_VISIBLE_DEVICES": placement.cuda_visible_devices}
 
 
 def check_kv_scale_strategy(folder: FolderFormat, backend: BackendSpec) -> None:
@@ -540,6 +588,8 @@ def _engine_argv(
     argv += ["--dtype", engine_dtype(spec.recipe.weights)]
     argv += ["--served-model-name", *names]
     argv += ["--manifest-digest", spec.manifest_digest]
+    if spec.placement is not None:
+        argv += ["--memory-budget-bytes", str(spec.placement.memory_budget_bytes)]
     for flag, value in (
         ("--kv-memory-gb", backend.kv_memory_gb),
         ("--max-num-seqs", backend.max_num_seqs),

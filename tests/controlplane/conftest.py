@@ -329,15 +329,17 @@ def sealed_beat(agent, /, **fields) -> tuple[dict, dict]:
     return body, sealed.model_dump(mode="json")
 
 
-def enroll(agent, *, can_sign: bool = False, **fields):
+def enroll(agent, *, can_sign: bool = False, reported_devices=(), **fields):
     """Enroll the gpuagent.worker.Agent `agent` as an operator would: its first
-    sealed beat files a pending request, the operator approves it (name, pool
-    and may-sign as given), its next beat finds it enrolled and online."""
+    sealed beat files a pending request (reporting `reported_devices`, DeviceInfo
+    dicts), the operator approves it (name, pool and may-sign as given), its next
+    beat finds it enrolled and online."""
     from controlplane.fleet.enrollment import do_enroll_agent
     from controlplane.fleet.models import Agent, EnrollmentRequest
     from controlplane.fleet.tasks import record_heartbeat
 
-    assert record_heartbeat(*sealed_beat(agent)) == "pending"
+    first = sealed_beat(agent, devices=list(reported_devices))
+    assert record_heartbeat(*first) == "pending"
     request = EnrollmentRequest.objects.get(fingerprint=agent.fingerprint)
     do_enroll_agent(
         request,
@@ -374,7 +376,7 @@ class LocalAgent:
     as an agent would send it (for the evaluate and load-test jobs, whose real
     runs the process tests do)."""
 
-    def __init__(self, tmp_path: Path, controlplane_key: bytes):
+    def __init__(self, tmp_path: Path, controlplane_key: bytes, devices=()):
         from gpuagent import tasks
         from gpuagent.artifacts import ArtifactStore
         from gpuagent.integrity.keys import ensure_key_pair
@@ -396,7 +398,9 @@ class LocalAgent:
         self.checker = tasks.Agent(
             name="checker", signing_key=None, trusted_keys=(public,), **common
         )
-        self.row = enroll(self.agent, can_sign=True)
+        # `devices`: what "local" reports when it asks to be enrolled (DeviceInfo
+        # dicts), every one of them enrolled.
+        self.row = enroll(self.agent, can_sign=True, reported_devices=devices)
         self.checker_row = enroll(self.checker)
         self.taken: set[int] = set()
 

@@ -53,6 +53,19 @@ def test_it_beats_with_its_incarnation(me):
     assert beat.running_jobs == [41]
 
 
+def test_it_reports_each_device_and_on_a_cpu_the_host_as_one(me, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(worker, "memory", lambda: ("cpu", "CPU test", 64, 48))
+
+    beat = worker.heartbeat()
+
+    (device,) = beat.devices
+    assert (device.index, device.model) == (0, "CPU test")
+    assert (device.memory_total_bytes, device.memory_free_bytes) == (64, 48)
+    assert (beat.device, beat.memory_total_bytes) == ("cpu", 64)  # as before
+
+
 def test_it_sends_the_first_beat_before_it_returns(me, tmp_path):
     app = worker.make_app(f"sqla+sqlite:///{tmp_path / 'broker.sqlite3'}")
 

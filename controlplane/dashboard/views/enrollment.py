@@ -1,6 +1,7 @@
 """Agent enrollment from the fleet page, for the platform's operators (staff):
-enroll a pending key (fingerprint shown beside it) under a name, pool and
-may-sign; reject it; revoke an enrolled agent. The same actions as the API's
+enroll a pending key (fingerprint shown beside it) under a name, pool, may-sign
+and the devices it may use (those it reported, all ticked by default); reject
+it; revoke an enrolled agent. The same actions as the API's
 (controlplane.api.agents), the same rule on who may."""
 
 from django.contrib.auth.decorators import login_required
@@ -22,6 +23,11 @@ def enroll_agent(request, enrollment_id: int):
         "pool_queue": request.POST.get("pool_queue", "").strip() or None,
         "can_sign": request.POST.get("can_sign") == "on",
     }
+    if request.POST.get("devices_shown"):  # the form listed them: those ticked
+        try:
+            fields["devices"] = [int(i) for i in request.POST.getlist("devices")]
+        except ValueError:
+            fields["devices"] = request.POST.getlist("devices")  # refused by name
     return answer(
         request,
         lambda: do_enroll_agent(pending, actor=request.user, **fields),

@@ -18,6 +18,7 @@ from controlplane.releases.actions.rollbacks import (
     do_rollback_environment,
     previous_verified_deployment,
 )
+from controlplane.releases.timings import rollback_readiness
 
 RECENT_DEPLOYMENTS = 5
 
@@ -41,6 +42,7 @@ def environment_row(environment, user, now) -> dict:
         "target_verification": evidence.verification(target.release)
         if target
         else None,
+        "target_readiness": rollback_readiness(target) if target else None,
         "rollback_refusal": access.rollback_refusal(environment, user),
         "recent": environment.deployments.select_related("release__model", "agent")[
             :RECENT_DEPLOYMENTS

@@ -174,3 +174,61 @@ def do_quarantine_release(release: Release, *, actor: Actor, reason: str) -> boo
             team=locked.team,
         )
     return False
+
+
+def do_place_deployment(
+    deployment: Deployment,
+    *,
+    actor: Actor,
+    agent: Agent | None,
+    placement: dict | None,
+    need_bytes: int,
+    note: str,
+    stopped: list[int] = (),
+) -> Deployment:
+    """Record where `deployment` runs (controlplane.releases.placing): its agent,
+    its placement as the deploy job carries it (None: not placed), the release's
+    need per device, why; the deployments whose servers its deploy stops first
+    become cold (`unloaded`), kept verified on disk for a rollback."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        if deployment.state != "deploying":
+            raise Conflict(f"deployment {deployment.pk} is {deployment.state}")
+        deployment.agent = agent
+        deployment.placement = placement
+        deployment.memory_need_bytes = need_bytes
+        deployment.placement_note = note
+        deployment.save(
+            update_fields=["agent", "placement", "memory_need_bytes", "placement_note"]
+        )
+        do_mark_unloaded(Deployment.objects.filter(pk__in=stopped), actor=actor)
+        do_record_event(
+            actor,
+            "deployment.placed",
+            deployment,
+            after={
+                "agent": agent.name if agent else None,
+                **deployment.placement_dict(),
+            },
+            team=deployment.environment.team,
+        )
+    return deployment
+
+
+def do_mark_unloaded(deployments, *, actor: Actor) -> list[Deployment]:
+    """Their servers are being stopped (an undeploy job, or a deploy that stops
+    them first): a rollback to one of them restarts it cold."""
+    marked = []
+    with transaction.atomic():
+        for deployment in deployments.select_for_update().filter(unloaded=None):
+            deployment.unloaded = timezone.now()
+            deployment.save(update_fields=["unloaded"])
+            do_record_event(
+                actor,
+                "deployment.unloaded",
+                deployment,
+                after={"serving_id": deployment.serving_id, "warm": False},
+                team=deployment.environment.team,
+            )
+            marked.append(deployment)
+    return marked

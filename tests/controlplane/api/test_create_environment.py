@@ -19,6 +19,7 @@ def test_it_creates_an_environment_in_the_tokens_team(api, admin_token, team):
         "team": "acme",
         "name": "production",
         "live_release_id": None,
+        "rollback_target": None,
     }
     assert AuditEvent.objects.get(verb="environment.created").team == team
     listed = api.get(URL, token=admin_token).json()["items"]
