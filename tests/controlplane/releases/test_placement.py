@@ -327,3 +327,36 @@ def test_the_agents_engine_is_started_on_the_placed_device_and_budget(
     finally:
         for record in registry.records():
             undeploy(record.info.deployment_id, registry=registry, grace_s=5)
+
+
+@pytest.mark.parametrize("allowed", [["own-engine"], []])
+def test_an_external_deploy_is_placed_only_on_an_agent_enrolled_for_its_command(
+    agent_with, release_of, environment, owner, operator, allowed
+):
+    from controlplane.fleet.actions import do_set_serving_backend, do_set_serving_preset
+    from tests.controlplane.releases.test_serving_backend import ENGINE_TEMPLATE
+
+    do_set_serving_preset("own-engine", ENGINE_TEMPLATE, actor=operator)
+    do_set_serving_backend(
+        environment, {"kind": "external", "preset": "own-engine"}, actor=owner
+    )
+    agent = agent_with(2)
+    Agent.objects.filter(name="local").update(allowed_programs=allowed)
+    # "checker" has no devices enrolled and may start no external backend
+    Agent.objects.filter(name="checker").update(allowed_programs=[])
+    release = release_of(20 * GIB)
+
+    state = tasks.run_deployment(release.pk)
+
+    deployment = Deployment.objects.get(release=release)
+    if allowed:
+        assert state == "deploying"
+        (message, request), *_ = agent.pending("deploy")
+        assert message.queue == "agent.local"
+        assert deployment.agent.name == "local"
+        assert request.placement.devices == [0]
+    else:  # no agent may start it: nothing placed or sent
+        assert state == "failed"
+        assert agent.pending("deploy") == []
+        assert deployment.placement is None
+        assert deployment.state == "failed"
