@@ -1,6 +1,7 @@
 """Agent enrollment from the fleet page, for the platform's operators (staff):
-enroll a pending key (fingerprint shown beside it) under a name, pool, may-sign
-and the devices it may use (those it reported, all ticked by default); reject
+enroll a pending key (fingerprint shown beside it) under a name, pool, may-sign,
+the external backends it may start (its own list, none, or only those named) and
+the devices it may use (those it reported, all ticked by default); reject
 it; revoke an enrolled agent. The same actions as the API's
 (controlplane.api.agents), the same rule on who may."""
 
@@ -23,6 +24,14 @@ def enroll_agent(request, enrollment_id: int):
         "pool_queue": request.POST.get("pool_queue", "").strip() or None,
         "can_sign": request.POST.get("can_sign") == "on",
     }
+    mode = request.POST.get("programs_mode", "own")
+    if mode == "none":
+        fields["allowed_programs"] = []
+    elif mode == "list":  # one preset name or command template per line
+        lines = request.POST.get("allowed_programs", "").splitlines()
+        fields["allowed_programs"] = [line.strip() for line in lines if line.strip()]
+    elif mode != "own":
+        fields["allowed_programs"] = mode  # refused by name (not a list)
     if request.POST.get("devices_shown"):  # the form listed them: those ticked
         try:
             fields["devices"] = [int(i) for i in request.POST.getlist("devices")]

@@ -72,3 +72,44 @@ def test_staff_enroll_a_key_under_their_name_then_revoke_it(client, staff, newco
     client.post(f"/fleet/agents/{agent.pk}/revoke/")
     assert Agent.objects.get(pk=agent.pk).enrollment == "revoked"
     assert record_heartbeat(*sealed_beat(newcomer)) == "refused"
+
+
+@pytest.mark.parametrize(
+    "form, stored",
+    [
+        ({}, None),  # the form's default: the agent's own list decides
+        ({"programs_mode": "none"}, []),
+        (
+            {"programs_mode": "list", "allowed_programs": "vllm\n\n  own-engine  \n"},
+            ["vllm", "own-engine"],
+        ),
+    ],
+)
+def test_staff_enroll_a_key_with_the_external_backends_it_may_start(
+    client, staff, newcomer, form, stored
+):
+    client.force_login(staff)
+    request = EnrollmentRequest.objects.get()
+
+    page = client.get("/fleet/")
+    enrolled = client.post(
+        f"/fleet/enrollments/{request.pk}/enroll/", {"name": "gpu-9", **form}
+    )
+
+    assert b'name="programs_mode"' in page.content
+    assert enrolled.status_code == 302
+    assert Agent.objects.get(name="gpu-9").allowed_programs == stored
+
+
+def test_an_unknown_backends_choice_is_refused_by_name(client, staff, newcomer):
+    client.force_login(staff)
+    request = EnrollmentRequest.objects.get()
+
+    answer = client.post(
+        f"/fleet/enrollments/{request.pk}/enroll/",
+        {"name": "gpu-9", "programs_mode": "anything"},
+        follow=True,
+    )
+
+    assert b"allowed_programs must be a list" in answer.content
+    assert not Agent.objects.exists()
