@@ -9,7 +9,8 @@ side by side; each is a script, `python -m gpuagent.benches.<name>`:
 - `lossless`: the lossless checkpoint coding vs zipnn;
 - `integrity`: verify speed vs model_signing and plain reads, hostile inputs;
 - `serving`: what the agent's check and the engine's verify-on-load add to a deploy;
-- `load_plan`: the default load plan's wall time, knee and goodput per workload.
+- `load_plan`: the default load plan's wall time, knee and goodput per workload;
+- `guidellm_compare`: our plan's knee and goodput against guidellm's, one server.
 
 They live above the layers they drive, so that no serving module imports the
 evaluator or the compressor because a bench sits beside it; nothing outside this
