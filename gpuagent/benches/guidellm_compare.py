@@ -60,7 +60,7 @@ from pathlib import Path
 from gpuagent.benches import DEMO_MODEL_DIR
 from gpuagent.benches.load_plan import SMOLLM2_DIR, free_port, start_server
 from gpuagent.loadtest.client import new_session
-from gpuagent.loadtest.compare import split_cores
+from gpuagent.loadtest.compare import ServerLatency, read_server_latency, split_cores
 from gpuagent.loadtest.guidellm_results import GuidellmReportError, runs_of
 from gpuagent.loadtest.plan_runner import knee, run_plan
 from gpuagent.loadtest.prompts import tokenize_counter
@@ -429,8 +429,22 @@ class Sides:
         self.template = asyncio.run(template_tokens(base, self.model))
         self.work = workload(args, args.prompt_tokens + self.template)
         self.reports = 0
+        # the server's own TTFT and ITL histograms over each side's runs
+        self.server = {"ours": ServerLatency(), "guidellm": ServerLatency()}
+
+    def _timed(self, side: str, run):
+        before = read_server_latency(self.base)
+        result = run()
+        self.server[side] += read_server_latency(self.base) - before
+        return result
 
     def ours(self, concurrency: int | None = None, rate: float | None = None):
+        return self._timed("ours", lambda: self._ours(concurrency, rate))
+
+    def guidellm(self, concurrency: int | None = None, rate: float | None = None):
+        return self._timed("guidellm", lambda: self._guidellm(concurrency, rate))
+
+    def _ours(self, concurrency: int | None, rate: float | None):
         plan = (
             sweep_plan(self.args, self.work, [concurrency])
             if concurrency
@@ -442,7 +456,7 @@ class Sides:
             raise SystemExit(f"our plan measured nothing: {report.skipped_for_budget}")
         return runs[0]
 
-    def guidellm(self, concurrency: int | None = None, rate: float | None = None):
+    def _guidellm(self, concurrency: int | None, rate: float | None):
         self.reports += 1
         kind = "concurrent" if concurrency else "poisson"
         out = self.folder / f"guidellm-{self.reports:02d}-{kind}.json"
@@ -484,7 +498,7 @@ def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int
     sides = Sides(args, base, model_dir, program, folder)
     step("warm-up: the workload at the lowest and highest level, not counted")
     for c in {args.levels[0], args.levels[-1]}:
-        sides.ours(concurrency=c)  # the first requests of a shape pay for it
+        sides._ours(c, None)  # the first requests of a shape pay for them
     ours_closed: list[LoadRun] = []
     theirs_closed: list[LoadRun] = []
     skipped: list[int] = []
@@ -539,6 +553,15 @@ def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int
         "\n".join(
             detail_rows([*ours_closed, *ours_open], [*theirs_closed, *theirs_open])
         )
+    )
+    ours_server, their_server = sides.server["ours"], sides.server["guidellm"]
+    print(
+        f"{'server mean TTFT over the runs, ms (/metrics)':<44}"
+        f"{_cell(ours_server.ttft_mean_ms)}{_cell(their_server.ttft_mean_ms)}"
+    )
+    print(
+        f"{'server mean ITL over the runs, ms (/metrics)':<44}"
+        f"{_cell(ours_server.itl_mean_ms)}{_cell(their_server.itl_mean_ms)}"
     )
     print(f"{'':<44}{'ours':>10}{'guidellm':>10}{'ratio':>9}  within 10%")
     knee_row, knee_ok = ratio_row(
