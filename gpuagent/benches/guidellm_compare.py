@@ -226,9 +226,12 @@ def rate_plan(args, work: WorkloadPlan, rate: float) -> LoadPlan:
 
 
 def ratio_row(name: str, ours: float | None, theirs: float | None) -> tuple[str, bool]:
-    """A row held to the target (a side with no number fails it)."""
+    """A row held to the target. No number, or nothing to divide by, is no
+    evidence: FAIL, saying so (both sides at nothing agree, but prove nothing)."""
     if ours is None or theirs is None or theirs == 0:
-        return f"{name:<44}{_cell(ours)}{_cell(theirs)}{'-':>9}  FAIL", False
+        why = "no evidence" if not (ours or theirs) else "one side at 0 or none"
+        row = f"{name:<44}{_cell(ours)}{_cell(theirs)}{'-':>9}  FAIL ({why})"
+        return row, False
     ratio = ours / theirs
     ok = abs(ratio - 1) <= TARGET
     verdict = "PASS" if ok else "FAIL"
