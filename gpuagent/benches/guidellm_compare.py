@@ -581,6 +581,10 @@ def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int
     )
     print(knee_row)
     print(good_row)
+    top = args.levels[-1]
+    for side, value in (("ours", our_knee), ("guidellm's", their_knee)):
+        if value == top:
+            print(f"  {side} knee is the highest level run ({top}): a lower bound")
     return (not knee_ok) + (not good_ok)
 
 
