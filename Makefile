@@ -16,10 +16,17 @@ STAMP := $(VENV)/.installed-$(shell echo '$(SMOLLM2_PIN)' | cat pyproject.toml -
 REAL_MODEL_DIR ?= var/models/smollm2-135m
 REAL_MODEL := $(REAL_MODEL_DIR)/config.json
 
+# guidellm, the load-test peer the guidellm_compare bench runs (never a dependency of
+# the project or its tests): in a virtualenv of its own, pinned to the version whose
+# CLI and JSON report gpuagent/loadtest/guidellm_results.py reads; torch first, as
+# above, so pip takes the pinned build and not the newest with its CUDA wheels.
+GUIDELLM_VENV ?= var/guidellm-venv
+GUIDELLM_PIN ?= guidellm==0.8.1
+
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo test lint clean browser real-model
+.PHONY: install demo test lint clean browser real-model guidellm
 
 $(STAMP): pyproject.toml gpuagent/lossless/_loops.c kernels/_int4_cpu.c
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -49,6 +56,13 @@ $(REAL_MODEL): gpuagent/models/from_gguf.py gpuagent/models/gguf_tokenizer.py | 
 	  $(PY) -m gpuagent.models.from_gguf --force "$$gguf" $(REAL_MODEL_DIR)
 
 real-model: $(REAL_MODEL)
+
+$(GUIDELLM_VENV)/bin/guidellm:
+	test -x $(GUIDELLM_VENV)/bin/python || python3 -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install -q '$(TORCH_PIN)'
+	$(GUIDELLM_VENV)/bin/python -m pip install -q '$(GUIDELLM_PIN)'
+
+guidellm: $(GUIDELLM_VENV)/bin/guidellm
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

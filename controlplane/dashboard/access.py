@@ -12,6 +12,10 @@ from controlplane.errors import ControlPlaneError, IllegalTransition
 from controlplane.fleet.models import Deployment, Environment
 from controlplane.releases.actions.approvals import check_decide_release
 from controlplane.releases.actions.promotion import check_reopen_release
+from controlplane.releases.actions.remeasure import (
+    check_remeasure_release,
+    remeasurable_state,
+)
 from controlplane.releases.actions.rollbacks import check_rollback_environment
 from controlplane.releases.models import ModelFamily, Release
 
@@ -78,6 +82,18 @@ def rollback_refusal(environment: Environment, user) -> str:
     """Why `user` may not roll `environment` back now; "" when they may."""
     try:
         check_rollback_environment(environment, user)
+    except ControlPlaneError as exc:
+        return exc.message
+    return ""
+
+
+def remeasure_refusal(release: Release, user) -> str | None:
+    """Why `user` may not re-measure `release` now; "" when they may; None when its
+    state admits no re-measure (the page offers none)."""
+    if not remeasurable_state(release):
+        return None
+    try:
+        check_remeasure_release(release, user)
     except ControlPlaneError as exc:
         return exc.message
     return ""

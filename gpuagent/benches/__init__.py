@@ -12,6 +12,7 @@ side by side; each is a script, `python -m gpuagent.benches.<name>`:
 - `load_plan`: the default load plan's wall time, knee and goodput per workload;
 - `http_eval`: the gate's quality evidence over HTTP (servers started through the
   environment's backend) vs in process, agreement and time.
+- `guidellm_compare`: our plan's knee and goodput against guidellm's, one server.
 
 They live above the layers they drive, so that no serving module imports the
 evaluator or the compressor because a bench sits beside it; nothing outside this

@@ -44,16 +44,29 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(model_dir: Path, kv_dtype: str, threads: int, port: int, log):
-    """The engine serving `model_dir` on 127.0.0.1:`port`, in its own process,
-    logging to the file `log` (a pipe nobody reads would stall it once full)."""
+def start_server(
+    model_dir: Path,
+    kv_dtype: str,
+    threads: int,
+    port: int,
+    log,
+    cores: set[int] | None = None,
+):
+    """The engine serving `model_dir` on 127.0.0.1:`port`, in its own process (on
+    `cores` when given, its affinity set before it starts a thread), logging to the
+    file `log` (a pipe nobody reads would stall it once full)."""
     command = [sys.executable, "-m", "gpuagent.engine", "serve", str(model_dir)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--kv-cache-dtype", kv_dtype, "--kv-memory-gb", str(KV_MEMORY_GB)]
     command += ["--threads", str(threads), "--served-model-name", "bench"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        text=True,
+        env=env,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S

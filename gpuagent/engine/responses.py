@@ -322,10 +322,19 @@ def sse_error(exc: Exception) -> str:
     )
 
 
+# Characters that end a line for str.splitlines (and so for httpx's aiter_lines,
+# which guidellm reads streams with) but which JSON leaves raw in a string: a model
+# that writes one would split its event in two for such a client (guidellm:
+# "Unterminated string"). Escaped, the JSON is the same and the event one line.
+SPLITLINES_ONLY = str.maketrans(
+    {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
+
+
 def sse(data: dict[str, Any] | str) -> str:
-    """One server-sent event."""
+    """One server-sent event, one line however it is split into lines."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
+    return f"data: {payload.translate(SPLITLINES_ONLY)}\n\n"
 
 
 def completion_body(

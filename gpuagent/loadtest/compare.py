@@ -80,12 +80,20 @@ SERVER_ITL = (
 )
 
 
+GUIDELLM_VENV = Path("var/guidellm-venv")  # `make guidellm`
+
+
 def guidellm_program() -> str | None:
-    """guidellm's script beside this interpreter (a venv run without activating it),
-    else the one on PATH."""
-    beside = Path(sys.executable).parent / "guidellm"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
+    """$GUIDELLM, else guidellm's own virtualenv (`make guidellm`), else the script
+    beside this interpreter (a venv run without activating it), else the one on
+    PATH."""
+    for candidate in (
+        os.environ.get("GUIDELLM"),
+        GUIDELLM_VENV / "bin" / "guidellm",
+        Path(sys.executable).parent / "guidellm",
+    ):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return str(Path(candidate).absolute())
     return shutil.which("guidellm")
 
 
@@ -416,7 +424,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if guidellm_program() is None:
-        raise SystemExit("error: guidellm is not installed (pip install -e '.[dev]')")
+        raise SystemExit(
+            "error: guidellm is not installed: `make guidellm` gives it a virtualenv "
+            f"of its own ({GUIDELLM_VENV})"
+        )
     tokenizer = args.tokenizer or str(args.model_dir.resolve())
     load = (args.concurrency, args.requests, args.prompt_tokens, args.output_tokens)
     split = None

@@ -9,6 +9,7 @@ from controlplane.costs.report import format_targets
 from controlplane.dashboard import access, charts, timeline
 from controlplane.dashboard.forms import filter_releases, typed_targets
 from controlplane.dashboard.release_page import release_evidence
+from controlplane.dashboard.views.remeasure import STAGE_LABELS
 from controlplane.releases import evidence, timings
 from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Job, Release
 
@@ -112,6 +113,8 @@ def release_detail(request, release_id: int):
         "history": _audit_trail(release),
         "decision_refusal": access.decision_refusal(release, request.user),
         "reopen_refusal": access.reopen_refusal(release, request.user),
+        "remeasure_refusal": access.remeasure_refusal(release, request.user),
+        "remeasure_stages": STAGE_LABELS,
         "targets_text": request.GET.get("targets", format_targets(page.costs.targets)),
         "targets_error": targets_error,
     }

@@ -53,11 +53,16 @@ def failed_at_the_gate(release: Release) -> bool:
     )
 
 
+def remeasurable_state(release: Release) -> bool:
+    """Whether the release's state admits a re-measure (a running one aside)."""
+    return release.state in REMEASURABLE_STATES and (
+        release.state != "failed" or failed_at_the_gate(release)
+    )
+
+
 def check_remeasurable(release: Release) -> None:
     """Conflict unless the release may be re-measured now."""
-    if release.state not in REMEASURABLE_STATES or (
-        release.state == "failed" and not failed_at_the_gate(release)
-    ):
+    if not remeasurable_state(release):
         raise Conflict(
             f"release {release} is {release.state}"
             + (" (not by its gate)" if release.state == "failed" else "")
@@ -71,6 +76,14 @@ def check_remeasurable(release: Release) -> None:
             f"release {release} is being measured already ({', '.join(kinds)}); "
             "wait for its gate"
         )
+
+
+def check_remeasure_release(release: Release, actor: Actor) -> None:
+    """Raise as do_request_remeasure would, before it is asked to (the dashboard's
+    form and confirmation step): not allowed to (Forbidden: whoever may promote in
+    the release's team), then not re-measurable now (Conflict)."""
+    check_actor_in_team(actor, release.team, scope="promote")
+    check_remeasurable(release)
 
 
 def do_request_remeasure(

@@ -36,9 +36,9 @@ def test_it_puts_the_csrf_token_in_every_post_form(client, pages):
         for form in POST_FORM.findall(body):
             forms += 1
             assert 'name="csrfmiddlewaretoken"' in form, url
-    # log out on each page, approve and reject, one rollback form, a new token,
-    # revoke bob-ci
-    assert forms == len(pages) + 5
+    # log out on each page, approve, reject and re-measure, one rollback form, a new
+    # token, revoke bob-ci
+    assert forms == len(pages) + 6
 
 
 def test_it_sets_the_viewport_on_every_page(client, pages):

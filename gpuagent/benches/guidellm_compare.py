@@ -1,0 +1,592 @@
+"""Our load plan's knee and goodput against guidellm's, on one server and one
+workload: `python -m gpuagent.benches.guidellm_compare [--smollm2] [--levels
+1,2,4,8] [--rate R] [--slo-ttft-ms T --slo-tpot-ms P] [--threads 1]
+[--shared-cores]`.
+
+Serves the demo model (or, with --smollm2, SmolLM2-135M from var/models/smollm2-135m)
+with the project's engine once, on 127.0.0.1 (as the load_plan bench does: the
+agent's KV budget), on its own --threads cores, both clients on the rest (guidellm's
+processes inherit the affinity), so neither client's CPU is taken from the server;
+--shared-cores lets all three share every core. Against that one server:
+
+1. warm-up: our plan at the lowest and highest level, not counted;
+2. per level of --levels, both clients, in ABBA order (ours then guidellm at the
+   first level, guidellm then ours at the next, ...) so a drift in the machine's
+   load hits both alike: ours is the plan runner (`plan_runner.run_plan`) on a
+   one-workload plan at that concurrency (closed loop), guidellm `guidellm run
+   --profile kind=concurrent,streams=C`. The sweep stops, as a stepped plan's
+   does, once both sides broke the SLO at a level; the knee of each side is
+   `plan_runner.knee` of its runs (the highest concurrency that met the SLO);
+3. --rate-rounds of open-loop Poisson arrivals at --rate (default --rate-fraction
+   x our request throughput at our knee), both clients in the same ABBA order
+   (guidellm `--profile kind=poisson,rate=R`); goodput is requests/s that met
+   the SLO, first sent to last answered, the mean over the rounds.
+
+The workload is the same on both sides: guidellm's synthetic prompts of
+--prompt-tokens of text (its tokenizer's count) in the server's chat template,
+ours calibrated to the same length as the server counts it (`count("")` tokens of
+template added), --output-tokens answers with EOS ignored, no temperature (guidellm
+sends none, so ours sends none), the same requests per level; the server's own
+count of each side's prompt and output tokens is printed. guidellm's numbers are
+not its summaries: its per-request timestamps are read into our LoadRun
+(`gpuagent.loadtest.guidellm_results`) and judged by our SLO, knee and goodput
+definitions. The table shows, per point, TTFT p50/p99, TPOT p50/p99, request and
+output-token throughput and the SLO verdict, ours beside guidellm's, then the knee
+and goodput ratios held to 10% (exit status: how many failed).
+
+guidellm is not a dependency of the project: it lives in its own virtualenv
+(`make guidellm` makes var/guidellm-venv; --guidellm or $GUIDELLM names another
+program); without it the bench says so and exits 2. It runs offline (the tokenizer
+is the served folder) with GUIDELLM__MAX_WORKER_PROCESSES=--guidellm-workers
+(default 1): our client is one process too, the machine has few cores, and guidellm
+0.8.1 seeds each worker process's Poisson generator alike (`random.Random(42)` per
+process), so with several workers the "Poisson" gaps repeat (6 requests at 4/s came
+0.255 s apart, the seed's first draw); one worker draws one Poisson process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpuagent.benches import DEMO_MODEL_DIR
+from gpuagent.benches.load_plan import SMOLLM2_DIR, free_port, start_server
+from gpuagent.loadtest.client import new_session
+from gpuagent.loadtest.compare import ServerLatency, read_server_latency, split_cores
+from gpuagent.loadtest.guidellm_results import GuidellmReportError, runs_of
+from gpuagent.loadtest.plan_runner import knee, run_plan
+from gpuagent.loadtest.prompts import tokenize_counter
+from gpuagent.protocol import (
+    ConcurrencySweep,
+    Lengths,
+    LoadPlan,
+    LoadRun,
+    RateSweep,
+    Sweeps,
+    WorkloadPlan,
+)
+
+TARGET = 0.10
+GUIDELLM_VENV = Path("var/guidellm-venv")
+GUIDELLM_TIMEOUT_S = 600
+INSTALL_HINT = "make guidellm (a virtualenv of its own in var/guidellm-venv)"
+
+
+class GuidellmUnavailable(RuntimeError):
+    """guidellm can't be found or run; the message says why, with its error."""
+
+
+def guidellm_program(explicit: str | None) -> str:
+    """The guidellm program to run: --guidellm, else $GUIDELLM, else the one in
+    var/guidellm-venv; checked with `--version`."""
+    chosen = explicit or os.environ.get("GUIDELLM") or GUIDELLM_VENV / "bin/guidellm"
+    program = str(Path(chosen).absolute())  # guidellm runs in a folder of its own
+    if not Path(program).is_file():
+        raise GuidellmUnavailable(f"no guidellm at {program}; install: {INSTALL_HINT}")
+    try:
+        done = subprocess.run(
+            [program, "--version"], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise GuidellmUnavailable(f"{program} --version: {exc}") from None
+    if done.returncode != 0:
+        raise GuidellmUnavailable(
+            f"{program} --version exited {done.returncode}: {done.stderr[-1500:]}"
+        )
+    return program
+
+
+def guidellm_env(workers: int) -> dict[str, str]:
+    """guidellm's environment: offline (the tokenizer is a local folder) and its
+    worker processes capped."""
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "GUIDELLM__MAX_WORKER_PROCESSES": str(workers),
+    }
+
+
+def guidellm_command(
+    program: str,
+    base_url: str,
+    tokenizer: Path,
+    profile: str,
+    requests: int,
+    max_seconds: float,
+    prompt_tokens: int,
+    output_tokens: int,
+    out: Path,
+    overrides: Sequence[str] = (),
+) -> list[str]:
+    """One `guidellm run` (guidellm 0.8's CLI): `profile` is its --profile value."""
+    cmd = [program, "run", "--backend", f"kind=openai_http,target={base_url}"]
+    cmd += ["--profile", profile, *overrides]
+    cmd += ["--constraint", f"kind=max_requests,count={requests}"]
+    cmd += ["--constraint", f"kind=max_duration,seconds={max_seconds:g}"]
+    cmd += [
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={prompt_tokens},"
+        f"output_tokens={output_tokens}",
+    ]
+    cmd += ["--tokenizer", f"kind=huggingface_auto,model={tokenizer.resolve()}"]
+    cmd += ["--output", f"kind=json,path={out}", "--disable-console"]
+    return cmd
+
+
+def run_guidellm(cmd: list[str], out: Path, workers: int, log: Path) -> dict:
+    """Run guidellm (in a folder of its own, so nothing of ours is on its path) and
+    return its JSON report; GuidellmUnavailable with its error when it fails."""
+    with log.open("w") as sink:
+        try:
+            done = subprocess.run(
+                cmd,
+                cwd=out.parent,
+                env=guidellm_env(workers),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                timeout=GUIDELLM_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            raise GuidellmUnavailable(
+                f"guidellm ran past {GUIDELLM_TIMEOUT_S} s: {' '.join(cmd)}"
+            ) from None
+        except OSError as exc:
+            raise GuidellmUnavailable(f"{cmd[0]}: {exc}") from None
+    if done.returncode != 0 or not out.exists():
+        raise GuidellmUnavailable(
+            f"guidellm exited {done.returncode}: {log.read_text()[-2000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+async def template_tokens(base_url: str, model: str) -> int:
+    """The tokens the server's chat template adds around an empty user message."""
+    async with new_session(60) as session:
+        count = await tokenize_counter(session, base_url, model)
+        return await count("")
+
+
+def workload(args, prompt_tokens: int) -> WorkloadPlan:
+    """The compared workload as our plan's: fixed lengths, one turn, no shared
+    system prompt, no temperature (as guidellm sends)."""
+    return WorkloadPlan(
+        name="compare",
+        task="chat",
+        language="en",
+        prompt=Lengths(tokens=prompt_tokens),
+        output=Lengths(tokens=args.output_tokens),
+        slo_ttft_p99_ms=args.slo_ttft_ms,
+        slo_tpot_p99_ms=args.slo_tpot_ms,
+        temperature=None,
+    )
+
+
+def sweep_plan(args, work: WorkloadPlan, levels: list[int]) -> LoadPlan:
+    return LoadPlan(
+        workloads=[work],
+        sweeps=Sweeps(
+            concurrency=ConcurrencySweep(
+                mode="stepped",
+                levels=levels,
+                requests_per_level=args.requests,
+                max_seconds_per_level=args.max_seconds,
+            ),
+            context=None,
+            rates=None,
+        ),
+        budget_s=args.max_seconds * len(levels) * 3,
+        seed=args.seed,
+    )
+
+
+def rate_plan(args, work: WorkloadPlan, rate: float) -> LoadPlan:
+    return LoadPlan(
+        workloads=[work],
+        sweeps=Sweeps(
+            concurrency=None,
+            context=None,
+            rates=RateSweep(
+                rates=[rate],
+                requests_per_level=args.rate_requests,
+                max_seconds_per_level=args.max_seconds,
+            ),
+        ),
+        budget_s=args.max_seconds * 3,
+        seed=args.seed,
+    )
+
+
+def ratio_row(name: str, ours: float | None, theirs: float | None) -> tuple[str, bool]:
+    """A row held to the target. No number, or nothing to divide by, is no
+    evidence: FAIL, saying so (both sides at nothing agree, but prove nothing)."""
+    if ours is None or theirs is None or theirs == 0:
+        why = "no evidence" if not (ours or theirs) else "one side at 0 or none"
+        row = f"{name:<44}{_cell(ours)}{_cell(theirs)}{'-':>9}  FAIL ({why})"
+        return row, False
+    ratio = ours / theirs
+    ok = abs(ratio - 1) <= TARGET
+    verdict = "PASS" if ok else "FAIL"
+    return f"{name:<44}{_cell(ours)}{_cell(theirs)}{ratio:>9.3f}  {verdict}", ok
+
+
+def _cell(value: float | None, width: int = 10) -> str:
+    return f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}}"
+
+
+def level_rows(ours: Sequence[LoadRun], theirs: Sequence[LoadRun]) -> list[str]:
+    """Per point (the two lists run point by point, in order), ours / guidellm's:
+    TTFT p50 and p99, TPOT p50 and p99 (ms), requests/s, output tokens/s, whether
+    the point met the SLO ("!": the client fell behind, the run is invalid)."""
+    header = (
+        f"{'level':<16}{'TTFT p50':>17}{'TTFT p99':>17}{'TPOT p50':>15}"
+        f"{'TPOT p99':>15}{'req/s':>13}{'out tok/s':>15}{'SLO':>9}"
+    )
+    rows = [header, f"{'':<16}{'ours / guidellm (ms, ms, ms, ms, /s, /s, met)':>101}"]
+    for run, other in zip(ours, theirs, strict=True):
+        label = (
+            f"c={run.concurrency}"
+            if run.concurrency
+            else f"poisson {run.request_rate:g}/s"
+        )
+
+        def pair(get, width: int, digits: int = 1, run=run, other=other) -> str:
+            a = f"{get(run):.{digits}f}"
+            b = f"{get(other):.{digits}f}" if other else "-"
+            return f"{a + ' / ' + b:>{width}}"
+
+        def met(r: LoadRun | None) -> str:
+            if r is None:
+                return "-"
+            return ("Y" if r.meets_slo else "N") + ("" if r.valid else "!")
+
+        rows.append(
+            f"{label:<16}"
+            + pair(lambda r: r.ttft_ms.p50, 17)
+            + pair(lambda r: r.ttft_ms.p99, 17)
+            + pair(lambda r: r.tpot_ms.p50, 15, 2)
+            + pair(lambda r: r.tpot_ms.p99, 15, 2)
+            + pair(lambda r: r.request_throughput, 13, 2)
+            + pair(lambda r: r.output_tokens_per_s, 15)
+            + f"{met(run) + ' / ' + met(other):>9}"
+        )
+    return rows
+
+
+def detail_rows(ours: Sequence[LoadRun], theirs: Sequence[LoadRun]) -> list[str]:
+    """What each side sent, as the server counted it, and each run's errors."""
+
+    def mean(runs: Sequence[LoadRun], field: str) -> float | None:
+        values = [getattr(r, field) for r in runs if r.num_requests]
+        return sum(values) / len(values) if values else None
+
+    def out_per_request(runs: Sequence[LoadRun]) -> float | None:
+        n = sum(r.num_requests for r in runs)
+        return sum(r.output_tokens for r in runs) / n if n else None
+
+    rows = [
+        f"{'':<44}{'ours':>10}{'guidellm':>10}",
+        f"{'prompt tokens per request (server usage)':<44}"
+        f"{_cell(mean(ours, 'prompt_tokens'))}{_cell(mean(theirs, 'prompt_tokens'))}",
+        f"{'output tokens per request (server usage)':<44}"
+        f"{_cell(out_per_request(ours))}{_cell(out_per_request(theirs))}",
+        f"{'requests measured / errors':<44}"
+        f"{sum(r.num_requests for r in ours):>6} / {sum(r.num_errors for r in ours):<2}"
+        f"{sum(r.num_requests for r in theirs):>6} / "
+        f"{sum(r.num_errors for r in theirs):<2}",
+    ]
+    for side, runs in (("ours", ours), ("guidellm", theirs)):
+        for run in runs:
+            if run.request_rate is not None:
+                good = round(run.goodput * run.duration_s)
+                rows.append(
+                    f"  {side} Poisson {run.request_rate:g}/s: {good} of "
+                    f"{run.num_requests + run.num_errors} requests met the SLO in "
+                    f"{run.duration_s:.1f} s (first sent -> last answered)"
+                )
+            if run.errors:
+                rows.append(f"  {side} errors: {run.errors}")
+            if not run.valid:
+                rows.append(
+                    f"  {side} c={run.concurrency} rate={run.request_rate}: invalid "
+                    f"(schedule lag {run.max_schedule_lag_ms:.0f} ms, loop lag p99 "
+                    f"{run.loop_lag_p99_ms:.0f} ms)"
+                )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpuagent.benches.guidellm_compare")
+    parser.add_argument("--smollm2", action="store_true", help=f"serve {SMOLLM2_DIR}")
+    parser.add_argument("--model-dir", type=Path, help="serve this folder instead")
+    parser.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 2, 4, 8],
+        help="closed-loop concurrencies, increasing (default 1,2,4,8)",
+    )
+    parser.add_argument("--rate", type=float, help="Poisson requests/s (default: auto)")
+    parser.add_argument("--requests", type=int, default=24, help="per level")
+    parser.add_argument("--rate-requests", type=int, default=48, help="per round")
+    parser.add_argument("--rate-rounds", type=int, default=1)
+    parser.add_argument(
+        "--rate-fraction",
+        type=float,
+        default=0.6,
+        help="without --rate: this x our request throughput at our knee",
+    )
+    parser.add_argument("--max-seconds", type=float, default=40.0, help="per level")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="of text")
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--slo-ttft-ms", type=float, default=500.0, help="p99")
+    parser.add_argument("--slo-tpot-ms", type=float, default=60.0, help="p99")
+    parser.add_argument("--threads", type=int, default=1, help="the engine's")
+    parser.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="let the engine and both clients share every core (default: the "
+        "engine on its own --threads cores, the clients on the rest)",
+    )
+    parser.add_argument("--kv-cache-dtype", default="int8")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--guidellm", help="guidellm program (default: var/guidellm-venv)"
+    )
+    parser.add_argument("--guidellm-workers", type=int, default=1)
+    parser.add_argument(
+        "--keep", type=Path, help="copy guidellm's JSON reports into this folder"
+    )
+    args = parser.parse_args(argv)
+    if args.levels != sorted(set(args.levels)) or args.levels[0] < 1:
+        parser.error("--levels must be increasing concurrencies of at least 1")
+    if args.requests < 2 * args.levels[-1]:
+        parser.error("--requests must be at least 2 x the highest level")
+    model_dir = args.model_dir or (SMOLLM2_DIR if args.smollm2 else DEMO_MODEL_DIR)
+    if not (model_dir / "config.json").is_file():
+        parser.error(f"{model_dir} has no model (make real-model builds SmolLM2)")
+    try:
+        program = guidellm_program(args.guidellm)
+    except GuidellmUnavailable as exc:
+        print(f"guidellm unavailable, nothing compared: {exc}", file=sys.stderr)
+        return 2
+
+    split = None
+    if not args.shared_cores:
+        split = split_cores(os.sched_getaffinity(0), args.threads)
+        if split is None:
+            print("too few cores to give the clients their own: sharing them")
+    started = time.perf_counter()
+    log = tempfile.TemporaryFile("w+")
+    process, base = start_server(
+        model_dir,
+        args.kv_cache_dtype,
+        args.threads,
+        free_port(),
+        log,
+        cores=split and split[0],
+    )
+    if split:  # ours runs in this process; guidellm's processes inherit it
+        os.sched_setaffinity(0, split[1])
+    args.cores = (
+        f"engine on cores {sorted(split[0])}, both clients on {sorted(split[1])}"
+        if split
+        else "engine and clients sharing the cores"
+    )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            result = compare(args, base, model_dir, program, folder)
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                for report in folder.glob("*.json"):
+                    (args.keep / report.name).write_bytes(report.read_bytes())
+    except GuidellmUnavailable as exc:
+        print(f"guidellm failed, nothing compared: {exc}", file=sys.stderr)
+        return 2
+    except GuidellmReportError as exc:
+        print(f"guidellm's report could not be read: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+    return result
+
+
+class Sides:
+    """Runs one level on each side against the server at `base`."""
+
+    def __init__(self, args, base: str, model_dir: Path, program: str, folder: Path):
+        self.args, self.base, self.model_dir = args, base, model_dir
+        self.program, self.folder = program, folder
+        self.model = "bench"
+        self.template = asyncio.run(template_tokens(base, self.model))
+        self.work = workload(args, args.prompt_tokens + self.template)
+        self.reports = 0
+        # the server's own TTFT and ITL histograms over each side's runs
+        self.server = {"ours": ServerLatency(), "guidellm": ServerLatency()}
+
+    def _timed(self, side: str, run):
+        before = read_server_latency(self.base)
+        result = run()
+        self.server[side] += read_server_latency(self.base) - before
+        return result
+
+    def ours(self, concurrency: int | None = None, rate: float | None = None):
+        return self._timed("ours", lambda: self._ours(concurrency, rate))
+
+    def guidellm(self, concurrency: int | None = None, rate: float | None = None):
+        return self._timed("guidellm", lambda: self._guidellm(concurrency, rate))
+
+    def _ours(self, concurrency: int | None, rate: float | None):
+        plan = (
+            sweep_plan(self.args, self.work, [concurrency])
+            if concurrency
+            else rate_plan(self.args, self.work, rate)
+        )
+        report = asyncio.run(run_plan(self.base, plan, model=self.model))
+        runs = report.workloads[0].runs if report.workloads else []
+        if not runs:
+            raise SystemExit(f"our plan measured nothing: {report.skipped_for_budget}")
+        return runs[0]
+
+    def _guidellm(self, concurrency: int | None, rate: float | None):
+        self.reports += 1
+        kind = "concurrent" if concurrency else "poisson"
+        out = self.folder / f"guidellm-{self.reports:02d}-{kind}.json"
+        profile = (
+            f"kind=concurrent,streams={concurrency}"
+            if concurrency
+            else f"kind=poisson,rate={rate:g}"
+        )
+        args = self.args
+        cmd = guidellm_command(
+            self.program,
+            self.base,
+            self.model_dir,
+            profile,
+            args.requests if concurrency else args.rate_requests,
+            args.max_seconds,
+            args.prompt_tokens,
+            args.output_tokens,
+            out,
+        )
+        log = out.with_suffix(".log")
+        report = run_guidellm(cmd, out, args.guidellm_workers, log)
+        return runs_of(report, args.slo_ttft_ms, args.slo_tpot_ms)[0]
+
+
+def alternate(index: int, first, second):
+    """Both sides' runs of one point, in ABBA order (ours first at even points),
+    so that a drift in the shared machine's load hits both alike: (ours, theirs)."""
+    if index % 2 == 0:
+        return first(), second()
+    theirs = second()
+    return first(), theirs
+
+
+def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int:
+    def step(text: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    sides = Sides(args, base, model_dir, program, folder)
+    step("warm-up: the workload at the lowest and highest level, not counted")
+    for c in {args.levels[0], args.levels[-1]}:
+        sides._ours(c, None)  # the first requests of a shape pay for them
+    ours_closed: list[LoadRun] = []
+    theirs_closed: list[LoadRun] = []
+    skipped: list[int] = []
+    for i, c in enumerate(args.levels):
+        if ours_closed and not (
+            ours_closed[-1].meets_slo or theirs_closed[-1].meets_slo
+        ):
+            skipped = args.levels[i:]  # both broke the SLO: a sweep stops there
+            break
+        step(f"c={c}: {'ours, guidellm' if i % 2 == 0 else 'guidellm, ours'}")
+        ours, theirs = alternate(
+            i, lambda c=c: sides.ours(concurrency=c), lambda c=c: sides.guidellm(c)
+        )
+        ours_closed.append(ours)
+        theirs_closed.append(theirs)
+
+    our_knee, their_knee = knee(ours_closed), knee(theirs_closed)
+    at_knee = next((r for r in ours_closed if r.concurrency == our_knee), None)
+    rate = args.rate or round(
+        args.rate_fraction * (at_knee or ours_closed[0]).request_throughput, 2
+    )
+    ours_open: list[LoadRun] = []
+    theirs_open: list[LoadRun] = []
+    for r in range(args.rate_rounds):
+        index = len(ours_closed) + r
+        step(f"Poisson {rate:g}/s round {r + 1}: ours and guidellm")
+        ours, theirs = alternate(
+            index, lambda: sides.ours(rate=rate), lambda: sides.guidellm(rate=rate)
+        )
+        ours_open.append(ours)
+        theirs_open.append(theirs)
+
+    print(
+        f"{model_dir.name}, one engine server ({args.threads} threads, KV "
+        f"{args.kv_cache_dtype}) on 127.0.0.1 ({args.cores}); "
+        f"{args.prompt_tokens} prompt tokens of text (+{sides.template} of chat "
+        f"template) and {args.output_tokens} output tokens; SLO TTFT p99 <= "
+        f"{args.slo_ttft_ms:g} ms, TPOT p99 <= "
+        f"{args.slo_tpot_ms:g} ms; {args.requests} requests per level, "
+        f"{args.rate_requests} per Poisson round; each point run by both, in "
+        f"ABBA order; guidellm with {args.guidellm_workers} worker process(es), "
+        "its requests judged by our SLO"
+    )
+    print(
+        "\n".join(
+            level_rows([*ours_closed, *ours_open], [*theirs_closed, *theirs_open])
+        )
+    )
+    if skipped:
+        print(f"levels not run (both sides broke the SLO below): {skipped}")
+    print(
+        "\n".join(
+            detail_rows([*ours_closed, *ours_open], [*theirs_closed, *theirs_open])
+        )
+    )
+    ours_server, their_server = sides.server["ours"], sides.server["guidellm"]
+    print(
+        f"{'server mean TTFT over the runs, ms (/metrics)':<44}"
+        f"{_cell(ours_server.ttft_mean_ms)}{_cell(their_server.ttft_mean_ms)}"
+    )
+    print(
+        f"{'server mean ITL over the runs, ms (/metrics)':<44}"
+        f"{_cell(ours_server.itl_mean_ms)}{_cell(their_server.itl_mean_ms)}"
+    )
+    print(f"{'':<44}{'ours':>10}{'guidellm':>10}{'ratio':>9}  within 10%")
+    knee_row, knee_ok = ratio_row(
+        "knee: max concurrency at the SLO", our_knee, their_knee
+    )
+
+    def mean_goodput(runs: Sequence[LoadRun]) -> float | None:
+        return sum(r.goodput for r in runs) / len(runs) if runs else None
+
+    good_row, good_ok = ratio_row(
+        f"goodput at {rate:g}/s Poisson (mean of {args.rate_rounds}), req/s",
+        mean_goodput(ours_open),
+        mean_goodput(theirs_open),
+    )
+    print(knee_row)
+    print(good_row)
+    top = args.levels[-1]
+    for side, value in (("ours", our_knee), ("guidellm's", their_knee)):
+        if value == top:
+            print(f"  {side} knee is the highest level run ({top}): a lower bound")
+    return (not knee_ok) + (not good_ok)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
