@@ -26,6 +26,7 @@ imports nothing of it): importing the tasks also connects that start.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import tempfile
@@ -292,6 +293,7 @@ def compress(req: JobRequest, me: Agent) -> CompressJobResult:
                 tmp,
                 progress=progress,
                 kv_scale_strategy=kv_strategy,
+                sequential=not _is_moe_source(folder),
             )
         except (CompressError, RecipeError) as exc:
             raise JobFailed(f"compress: {exc}") from exc
@@ -316,6 +318,21 @@ def compress(req: JobRequest, me: Agent) -> CompressJobResult:
         source_size_bytes=sum(f.size_bytes for f in files),
         report=report.model_copy(update={"out_dir": name}),
     )
+
+
+def _is_moe_source(folder: Path) -> bool:
+    """Whether the source's config.json names a MoE architecture (DeepSeek-V3,
+    Kimi K2, GLM-4.5). The layer-by-layer compress path builds Llama layers only
+    (a MoE source fails there with missing q/k/v tensors), so these go through the
+    in-memory path, which builds the model the loader builds. An unreadable config
+    is left to `compress` to refuse."""
+    from gpuagent.engine.arch import MOE_MODEL_TYPES
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in MOE_MODEL_TYPES
 
 
 def _candidate(req: JobRequest, me: Agent) -> Path:
