@@ -99,11 +99,11 @@ def test_it_promotes_approves_and_deploys_through_the_local_agent(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_it_takes_the_moe_demo_model_from_registration_to_live(tmp_path):
     """`--model moe`: the shipped tiny DeepSeek-V3 (MLA + MoE, sharded with an
     index) through every stage on the local CPU agent, with its MLA latent cached
-    in int8, to live."""
+    in int8, to live; twice, the second release superseding the first."""
     data_dir = tmp_path / "var"
 
     result = run_demo(data_dir, "--model", "moe")
@@ -131,6 +131,17 @@ def test_it_takes_the_moe_demo_model_from_registration_to_live(tmp_path):
     with sqlite3.connect(data_dir / "releasegate.sqlite3") as db:
         [(family,)] = db.execute("SELECT name FROM releases_modelfamily").fetchall()
     assert family == "demo-deepseek"
+
+    # A second run registers the next version, gated against the first (live),
+    # which it supersedes.
+    second = run_demo(data_dir, "--model", "moe")
+
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "demo-deepseek@0.1.2 is live in demo/staging" in second.stdout
+    assert [row[:2] for row in release_rows(data_dir)] == [
+        ("0.1.1", "superseded"),
+        ("0.1.2", "live"),
+    ]
 
 
 @pytest.mark.integration
