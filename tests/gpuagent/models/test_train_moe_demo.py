@@ -125,3 +125,11 @@ def test_the_saved_folder_has_an_index_covering_every_tensor(corpus, tmp_path):
     assert config["model_type"] == "deepseek_v3"
     assert config["torch_dtype"] == "bfloat16"
     assert load_model(folder).num_parameters() > 0
+
+
+def test_the_shipped_moe_model_was_trained_on_the_demo_llamas_corpus(committed_report):
+    moe_report = train_moe_demo.read_committed_report(train_moe_demo.COMMITTED_DIR)
+
+    assert moe_report is not None
+    assert moe_report["corpus_sha256"] == committed_report["corpus_sha256"]
+    assert moe_report["seed"] == 0 and moe_report["torch_threads"] == 1
