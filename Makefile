@@ -1,5 +1,6 @@
 # Two entry points, both self-contained on a fresh machine:
 #   make demo  - install into .venv, then run the main job on the embedded defaults
+#                (make demo-moe: the same with the shipped MoE demo model)
 #   make test  - install into .venv (with dev extras), build the real model once
 #                (make real-model), then ruff and the whole test suite
 VENV ?= .venv
@@ -26,7 +27,7 @@ GUIDELLM_PIN ?= guidellm==0.8.1
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo test lint clean browser real-model guidellm
+.PHONY: install demo demo-moe test lint clean browser real-model guidellm
 
 $(STAMP): pyproject.toml gpuagent/lossless/_loops.c kernels/_int4_cpu.c
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +45,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) manage.py demo
+
+demo-moe: $(STAMP)
+	$(PY) manage.py demo --model moe
 
 # The dashboard tests drive a real Chromium through Playwright (Debian's package; Playwright's
 # own browser download is not used).

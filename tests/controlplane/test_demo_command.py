@@ -99,6 +99,52 @@ def test_it_promotes_approves_and_deploys_through_the_local_agent(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_it_takes_the_moe_demo_model_from_registration_to_live(tmp_path):
+    """`--model moe`: the shipped tiny DeepSeek-V3 (MLA + MoE, sharded with an
+    index) through every stage on the local CPU agent, with its MLA latent cached
+    in int8, to live; twice, the second release superseding the first."""
+    data_dir = tmp_path / "var"
+
+    result = run_demo(data_dir, "--model", "moe")
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "demo-deepseek@0.1.1 is live in demo/staging" in out
+    assert "Endpoint:   http://127.0.0.1:" in out
+    assert "pass         integrity" in out and "quality:korean" in out
+    assert "load:chat" in out
+    for stage in (
+        "verify_source",
+        "compress",
+        "sign",
+        "verify",
+        "evaluate",
+        "load_test",
+        "gate",
+        "deploy",
+    ):
+        assert f"  {stage} " in out
+    [(version, state, digest)] = release_rows(data_dir)
+    assert (version, state) == ("0.1.1", "live")
+    assert digest.startswith("sha256")
+    with sqlite3.connect(data_dir / "releasegate.sqlite3") as db:
+        [(family,)] = db.execute("SELECT name FROM releases_modelfamily").fetchall()
+    assert family == "demo-deepseek"
+
+    # A second run registers the next version, gated against the first (live),
+    # which it supersedes.
+    second = run_demo(data_dir, "--model", "moe")
+
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "demo-deepseek@0.1.2 is live in demo/staging" in second.stdout
+    assert [row[:2] for row in release_rows(data_dir)] == [
+        ("0.1.1", "superseded"),
+        ("0.1.2", "live"),
+    ]
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(200)
 def test_it_fails_loudly_when_verification_fails(tmp_path, model_folder):
     (model_folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 64)

@@ -12,6 +12,8 @@ import pytest
 import gpuagent.engine
 from gpuagent import tasks
 from gpuagent.artifacts import ArtifactStore
+from gpuagent.engine.arch import MoETransformer
+from gpuagent.engine.loader import load_model
 from gpuagent.integrity.keys import ensure_key_pair
 from gpuagent.protocol import (
     BackendSpec,
@@ -29,6 +31,7 @@ from gpuagent.protocol import (
 from gpuagent.serving import loaded_deployments
 
 DEMO = Path(gpuagent.engine.__file__).parent / "demo_model"
+MOE_DEMO = Path(gpuagent.engine.__file__).parent / "moe_demo_model"
 
 
 def make_agent(name, store, *, signing_key=None, trusted=()):
@@ -95,6 +98,36 @@ def test_it_makes_signs_and_verifies_a_bf16_candidate_on_another_agent(setup):
     assert made.size_bytes < 0.6 * made.source_size_bytes  # f32 -> bf16 halves it
     assert verified.ok and verified.manifest_digest == signed.manifest_digest
     assert verified.signer and signed.signer
+
+
+def test_it_makes_signs_and_verifies_a_candidate_of_the_sharded_moe_demo(
+    setup, tmp_path
+):
+    _, signer, checker = setup
+    source = tmp_path / "moe-src"
+    shutil.copytree(MOE_DEMO, source)
+    inspected = tasks.inspect_source(request("verify_source", source), signer)
+
+    made, signed = signed_candidate(source, signer)
+    verified = tasks.verify(
+        request(
+            "verify",
+            source,
+            candidate=made.candidate,
+            signature=signed.signature,
+            manifest_digest=signed.manifest_digest,
+        ),
+        checker,
+    )
+
+    assert inspected.ok and inspected.manifest_digest == made.source_manifest_digest
+    assert verified.ok and verified.manifest_digest == signed.manifest_digest
+    candidate = signer.store.path_of(made.candidate)
+    model = load_model(candidate)
+    assert isinstance(model, MoETransformer)
+    assert json.loads((candidate / "config.json").read_text())["model_type"] == (
+        "deepseek_v3"
+    )
 
 
 def test_it_finds_a_redelivered_jobs_output(setup):

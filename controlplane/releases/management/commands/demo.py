@@ -1,13 +1,14 @@
 """`python manage.py demo`: the embedded default, end to end.
 
 Migrates, creates a demo team with a registrant and an approver, registers the demo
-model as a release (w4a16 weights, int8 KV cache), and promotes it through the real
-Celery task code in one worker process on the configured (by default embedded)
-transport. That worker is also the local CPU agent: it consumes the agent queues and
-runs gpuagent.tasks (inspect, compress, sign, verify, evaluate, load test, deploy)
-with a signing key of its own under the data folder. The command shows the gate
-table, approves as the approver, waits until the release is live, prints the
-endpoint and the stage timings, then serves the dashboard and API (unless
+model as a release (w4a16 weights, int8 KV cache; with `--model moe` the MoE demo
+model, a tiny DeepSeek-V3, with an int8 MLA latent cache), and promotes it through
+the real Celery task code in one worker process on the configured (by default
+embedded) transport. That worker is also the local CPU agent: it consumes the agent
+queues and runs gpuagent.tasks (inspect, compress, sign, verify, evaluate, load
+test, deploy) with a signing key of its own under the data folder. The command shows
+the gate table, approves as the approver, waits until the release is live, prints
+the endpoint and the stage timings, then serves the dashboard and API (unless
 --no-serve).
 """
 
@@ -47,9 +48,29 @@ from gpuagent.integrity import identity
 from gpuagent.integrity.keys import ensure_key_pair, public_key_pem
 
 DEMO_MODEL = Path(settings.BASE_DIR) / "gpuagent" / "engine" / "demo_model"
+MOE_DEMO_MODEL = Path(settings.BASE_DIR) / "gpuagent" / "engine" / "moe_demo_model"
 # int4 weights (compressed-tensors w4a16, group 128, GPTQ on the calibration text)
 # with an int8 KV cache: what the compress, evaluate and load-test jobs exist for.
 DEMO_RECIPE = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "method": "gptq"}
+# The MoE demo keeps its bf16 weights (weight quantization of MLA and expert
+# projections is not in `gpuagent.compress` yet) and caches the MLA latent in int8:
+# the quality and load gates judge the quantized latent against the bf16 parent.
+MOE_DEMO_RECIPE = {"weights": "bf16", "kv_cache_dtype": "int8"}
+# --model: (source folder, family name, family description, recipe)
+DEMO_MODELS = {
+    "llama": (
+        DEMO_MODEL,
+        "demo-llama",
+        "the tiny Llama that ships with releasegate",
+        DEMO_RECIPE,
+    ),
+    "moe": (
+        MOE_DEMO_MODEL,
+        "demo-deepseek",
+        "the tiny DeepSeek-V3 (MLA + MoE) that ships with releasegate",
+        MOE_DEMO_RECIPE,
+    ),
+}
 LOCAL_AGENT = "local"
 # How long the local agent gets to stop its servers when the demo ends.
 UNDEPLOY_TIMEOUT_S = 30
@@ -84,21 +105,34 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--no-serve", action="store_true", help="stop when live")
         parser.add_argument("--addr", default="127.0.0.1:8000", help="host:port")
-        parser.add_argument("--source", default=str(DEMO_MODEL), help="model folder")
+        parser.add_argument(
+            "--model",
+            choices=sorted(DEMO_MODELS),
+            default="llama",
+            help="which shipped demo model to release (moe: a tiny DeepSeek-V3)",
+        )
+        parser.add_argument(
+            "--source", help="model folder (default: the --model's shipped folder)"
+        )
         parser.add_argument("--timeout", type=float, default=600.0, help="seconds")
 
     def handle(self, *args, **options):
         call_command("migrate", interactive=False, verbosity=0)
         password = os.getenv("DEMO_PASSWORD") or secrets.token_urlsafe(12)
-        registrant, approver, environment, family = self.cast(password)
+        folder, family_name, description, recipe = DEMO_MODELS[options["model"]]
+        registrant, approver, environment, family = self.cast(
+            password, family_name, description
+        )
 
         version = f"0.1.{family.releases.count() + 1}"
-        source = self.upload(Path(options["source"]).resolve(), family, version)
+        source = self.upload(
+            Path(options["source"] or folder).resolve(), family, version
+        )
         release, _ = do_register_release(
             family,
             version=version,
             source_uri=source.as_uri(),
-            recipe=DEMO_RECIPE,
+            recipe=recipe,
             target_environment=environment,
             actor=registrant,
         )
@@ -138,7 +172,7 @@ class Command(BaseCommand):
             self.stop_engine_servers(worker)
             self.stop_worker(worker)
 
-    def cast(self, password: str):
+    def cast(self, password: str, family_name: str, description: str):
         team, _ = Team.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
         users = []
         for username, role in (("demo", "admin"), ("approver", "approver")):
@@ -155,8 +189,8 @@ class Command(BaseCommand):
         do_set_cost_model(environment, DEMO_COST_MODEL, actor=users[0])
         family, _ = ModelFamily.objects.get_or_create(
             team=team,
-            name="demo-llama",
-            defaults={"description": "the tiny Llama that ships with releasegate"},
+            name=family_name,
+            defaults={"description": description},
         )
         return users[0], users[1], environment, family
 
