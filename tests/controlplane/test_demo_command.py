@@ -2,6 +2,7 @@
 (SQLite file + SQLAlchemy transport) in a fresh data folder, with a real worker."""
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -102,8 +103,10 @@ def test_it_promotes_approves_and_deploys_through_the_local_agent(tmp_path):
 @pytest.mark.timeout(900)
 def test_it_takes_the_moe_demo_model_from_registration_to_live(tmp_path):
     """`--model moe`: the shipped tiny DeepSeek-V3 (MLA + MoE, sharded with an
-    index) through every stage on the local CPU agent, with its MLA latent cached
-    in int8, to live; twice, the second release superseding the first."""
+    index) through every stage on the local CPU agent, its experts and MLA
+    projections compressed to w8a16 and its MLA latent cached in int8, to live,
+    the router-agreement gate judged; twice, the second release superseding the
+    first."""
     data_dir = tmp_path / "var"
 
     result = run_demo(data_dir, "--model", "moe")
@@ -114,6 +117,7 @@ def test_it_takes_the_moe_demo_model_from_registration_to_live(tmp_path):
     assert "Endpoint:   http://127.0.0.1:" in out
     assert "pass         integrity" in out and "quality:korean" in out
     assert "load:chat" in out
+    assert re.search(r"pass +routing +router_agreement", out), out
     for stage in (
         "verify_source",
         "compress",

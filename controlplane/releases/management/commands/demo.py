@@ -2,9 +2,9 @@
 
 Migrates, creates a demo team with a registrant and an approver, registers the demo
 model as a release (w4a16 weights, int8 KV cache; with `--model moe` the MoE demo
-model, a tiny DeepSeek-V3, with an int8 MLA latent cache), and promotes it through
-the real Celery task code in one worker process on the configured (by default
-embedded) transport. That worker is also the local CPU agent: it consumes the agent
+model, a tiny DeepSeek-V3: w8a16 experts and MLA projections, an int8 latent
+cache), and promotes it through the real Celery task code in one worker process on
+the configured (by default embedded) transport. That worker is also the local CPU agent: it consumes the agent
 queues and runs gpuagent.tasks (inspect, compress, sign, verify, evaluate, load
 test, deploy) with a signing key of its own under the data folder. The command shows
 the gate table, approves as the approver, waits until the release is live, prints
@@ -52,10 +52,11 @@ MOE_DEMO_MODEL = Path(settings.BASE_DIR) / "gpuagent" / "engine" / "moe_demo_mod
 # int4 weights (compressed-tensors w4a16, group 128, GPTQ on the calibration text)
 # with an int8 KV cache: what the compress, evaluate and load-test jobs exist for.
 DEMO_RECIPE = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "method": "gptq"}
-# The MoE demo keeps its bf16 weights (weight quantization of MLA and expert
-# projections is not in `gpuagent.compress` yet) and caches the MLA latent in int8:
-# the quality and load gates judge the quantized latent against the bf16 parent.
-MOE_DEMO_RECIPE = {"weights": "bf16", "kv_cache_dtype": "int8"}
+# The MoE demo quantizes every routed and shared expert and MLA's projections to
+# int8 (w8a16, round to nearest; routers and kv_b_proj stay bf16: gpuagent.compress
+# .moe) and caches the MLA latent in int8: the quality gates (router agreement
+# included) and the load gates judge it against the bf16 parent.
+MOE_DEMO_RECIPE = {"weights": "w8a16", "kv_cache_dtype": "int8"}
 # --model: (source folder, family name, family description, recipe)
 DEMO_MODELS = {
     "llama": (
