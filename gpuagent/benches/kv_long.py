@@ -90,10 +90,16 @@ class LongQuality:
 
     name: str
     bytes_ratio: float
-    slices: list[SliceQuality]  # per slice, then "overall", then "pos>=512"
+    slices: list[SliceQuality]  # per slice, then "overall", then the tail's
+    tail_from: int = TAIL_FROM
 
     def get(self, name: str) -> SliceQuality:
         return next(s for s in self.slices if s.name == name)
+
+    @property
+    def tail(self) -> SliceQuality:
+        """The positions >= tail_from of every passage."""
+        return self.get(f"pos>={self.tail_from}")
 
 
 def score_passages(
@@ -172,9 +178,10 @@ def long_quality(
     num_tokens: int,
     layouts: Sequence[Layout] = (),
     seed: int = 0,
+    tail_from: int = TAIL_FROM,
 ) -> list[LongQuality]:
-    """Per-slice, overall and tail quality of each scored name, with its bytes
-    ratio at `num_tokens` (the shortest passage)."""
+    """Per-slice, overall and tail (positions >= `tail_from`) quality of each
+    scored name, with its bytes ratio at `num_tokens` (the shortest passage)."""
     rng = np.random.default_rng(seed)
     by_name = {layout.name: layout for layout in layouts}
     results = []
@@ -184,15 +191,15 @@ def long_quality(
         ]
         every = [x for s in TEXT_SLICES for x in per_slice[s]]
         slices.append(slice_quality("overall", every, [], rng))
-        tails = [tail_stats(x, TAIL_FROM) for x in every]
-        slices.append(slice_quality(f"pos>={TAIL_FROM}", tails, [], rng))
+        tails = [tail_stats(x, tail_from) for x in every]
+        slices.append(slice_quality(f"pos>={tail_from}", tails, [], rng))
         if name in by_name:
             ratio = by_name[name].bytes_ratio(config, num_tokens)
         else:
             ratio = measured_bytes_ratio(
                 config, name, default_kv_window(name), num_tokens
             )
-        results.append(LongQuality(name, ratio, slices))
+        results.append(LongQuality(name, ratio, slices, tail_from))
     return results
 
 
@@ -204,7 +211,7 @@ def verdict(result: LongQuality) -> bool | None:
     kld, top1, ratio = TARGETS[result.name]
     return result.bytes_ratio <= ratio and all(
         q.mean_kld <= kld and q.same_top1 >= top1
-        for q in (result.get("overall"), result.get(f"pos>={TAIL_FROM}"))
+        for q in (result.get("overall"), result.tail)
     )
 
 
