@@ -110,11 +110,12 @@ def score_passages(
     max_per_slice: int | None = None,
     progress=print,
     passages: Sequence[HeldOutPassage] | None = None,
-    min_tokens: int = MIN_TOKENS,
+    min_tokens: int | None = None,
 ) -> tuple[dict[str, dict[str, list[PositionStats]]], list[int]]:
     """Per dtype or layout name, per slice: the PositionStats of each passage
     (default: the held-out ones) vs bf16 KV; and the passages' token counts. A
-    passage under `min_tokens` is refused."""
+    passage under `min_tokens` (default MIN_TOKENS) is refused."""
+    min_tokens = MIN_TOKENS if min_tokens is None else min_tokens
     passages = list(load_heldout_passages() if passages is None else passages)
     if max_per_slice is not None:
         passages = [
@@ -178,10 +179,12 @@ def long_quality(
     num_tokens: int,
     layouts: Sequence[Layout] = (),
     seed: int = 0,
-    tail_from: int = TAIL_FROM,
+    tail_from: int | None = None,
 ) -> list[LongQuality]:
     """Per-slice, overall and tail (positions >= `tail_from`) quality of each
-    scored name, with its bytes ratio at `num_tokens` (the shortest passage)."""
+    scored name, with its bytes ratio at `num_tokens` (the shortest passage);
+    `tail_from` defaults to TAIL_FROM."""
+    tail_from = TAIL_FROM if tail_from is None else tail_from
     rng = np.random.default_rng(seed)
     by_name = {layout.name: layout for layout in layouts}
     results = []

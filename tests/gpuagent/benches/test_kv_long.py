@@ -119,3 +119,26 @@ def test_int4_is_judged_overall_on_the_tail_and_on_bytes(overall, tail, ratio, o
     slices = [quality("overall", *overall), quality("pos>=512", *tail)]
 
     assert kv_long.verdict(kv_long.LongQuality("int4", ratio, slices)) is ok
+
+
+def test_the_engine_bench_judges_each_dtype_overall_on_the_tail_and_on_bytes(
+    demo_model, monkeypatch
+):
+    # the demo model holds 2048 positions: its own short passages stand in
+    monkeypatch.setattr(kv_long, "load_heldout_passages", passages)
+    monkeypatch.setattr(kv_long, "MIN_TOKENS", 16)
+    monkeypatch.setattr(kv_long, "TAIL_FROM", 40)
+
+    rows = engine_bench.long_kv_rows(DEMO_MODEL_DIR, demo_model)
+
+    judged = [r for r in rows if isinstance(r, engine_bench.Row)]
+    assert len(judged) == 3 * 5  # fp8, int8, int4: KLD and top-1 twice, bytes
+    assert [r.name for r in judged[:5]] == [
+        "KV fp8+w16 held-out overall: mean KLD",
+        "KV fp8+w16 held-out overall: same top-1",
+        "KV fp8+w16 held-out pos>=40: mean KLD",
+        "KV fp8+w16 held-out pos>=40: same top-1",
+        judged[4].name,
+    ]
+    assert all(r.ok is not None for r in judged)
+    assert judged[-1].target == "<= 0.28"
