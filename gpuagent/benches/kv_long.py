@@ -166,9 +166,14 @@ def score_passages(
                 )
                 del cand
             del ref_full
+        scores = ", ".join(
+            f"{name} {per[passage.slice][-1].kld.mean():.5f}/"
+            f"{100 * per[passage.slice][-1].same_top1.mean():.1f}%"
+            for name, per in stats.items()
+        )
         progress(
-            f"  scored {passage.slice}-{passage.name}: {len(ids)} tokens "
-            f"({time.perf_counter() - started:.0f} s)"
+            f"  scored {passage.slice}-{passage.name}: {len(ids)} tokens, "
+            f"KLD/top-1 {scores} ({time.perf_counter() - started:.0f} s)"
         )
     return stats, [len(ids) for ids in encoded]
 
