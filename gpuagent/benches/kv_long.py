@@ -24,6 +24,28 @@ served) are scored against the same bf16 reference with `--simulate NAME ...`.
     python -m gpuagent.benches.kv_long --model-dir var/models/smollm2-135m
 
 The exit status is 0 when every judged dtype meets its bar (TARGETS), else 1.
+
+Measured on the shared 2-core CPU (SmolLM2-135M, float32 weights, 8 passages,
+16588 positions, 12492 at >= 512; ~25-50 min a run there):
+
+============  ================  ================  =========  ======
+KV dtype      overall KLD/top1  pos>=512          bytes/tok  bar
+============  ================  ================  =========  ======
+fp8+w16       0.00153 / 98.06%  0.00163 / 98.00%  0.5078     PASS
+int8          0.00032 / 99.09%  0.00033 / 99.16%  0.5156     PASS
+int4+w18 v1   0.0170 / 93.75%   0.0185 / 93.49%   0.2744     FAIL
+int4+w18 v2   0.0140 / 94.33%   0.0149 / 94.44%   0.2744     FAIL
+============  ================  ================  =========  ======
+
+(v1: the absmax int4 scale; v2: the least-squared-error scale,
+`kernels.kv_quant`.) Leads measured and not taken: attention sinks (the first
+tokens in bf16, `kv_alternatives.sink_int4_layout`) at equal bytes, simulated on
+one English passage with the v1 writer: w18 0.0134 / 94.42%, w17+s1 0.0139 /
+94.76%, w14+s4 0.0194 / 94.66%: the newest tokens are worth more than the
+first. KIVI (keys per channel) cannot fit 0.28 at head_dim 64: its key minima
+and scales over G tokens and a residual of at least G tokens cost 0.31 at G 64
+over 2061 tokens. The rotation already spans the whole head (64); a rotation
+across kv heads would not preserve each head's q.k.
 """
 
 from __future__ import annotations
