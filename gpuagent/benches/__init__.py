@@ -3,6 +3,8 @@ side by side; each is a script, `python -m gpuagent.benches.<name>`:
 
 - `engine`: KV memory, capacity, throughput and KV quality of the serving engine
   (with `kv_alternatives`: KV layouts measured beside the served ones, not served);
+- `kv_long`: every KV dtype vs bf16 KV on held-out passages of 2k+ tokens, scored
+  whole (overall and at positions >= 512; bytes at the measured length);
 - `compress`: weight compression's size, quality, decode speed and matmuls;
 - `compress_memory`: compression's peak memory and speed, layer by layer vs in
   memory, on synthetic models of 0.5 to 2 GiB;

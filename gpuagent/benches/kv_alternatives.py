@@ -48,6 +48,7 @@ counted for every token, the residual row on top. D = 64, G = 32, R = 32: (80 + 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -59,6 +60,7 @@ from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window
 from gpuagent.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
 
 LEVELS = 15  # int4: codes 0..15
+_QUERY_CHUNK = 256  # queries per step of `layout_attention`
 _SCALE_MIN = 2.0**-14  # the smallest normal float16: a constant group's scale
 _SCALE_ROUND_UP = 1.0 + 2.0**-10
 
@@ -148,6 +150,9 @@ class Layout:
     group: int = 0
     residual: int = 0
     rotate: bool = False
+    # The first `sinks` positions of a sequence kept in bf16 too (attention sinks,
+    # StreamingLLM / IntactKV): every query reads them full precision.
+    sinks: int = 0
 
     def stored(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """K, V [n, KVH, D] float32 as read back from the quantized storage."""
@@ -182,22 +187,28 @@ class Layout:
         ):
             read = x[: t + 1].to(torch.bfloat16).float()
             below = max(below, 0)
-            read[:below] = stored[:below]
+            read[self.sinks : below] = stored[self.sinks : below]
             out.append(read)
         return out[0], out[1]
 
-    def bytes_ratio(self, config) -> float:
-        """KV bytes/token vs bf16, the residual (window) row spread over a 2k-token
-        sequence (int4: `amortized_bytes_ratio`, as the served int4's)."""
-        if self.scheme == "int4":
-            return amortized_bytes_ratio(config, "int4", self.residual)
+    def bytes_ratio(self, config, num_tokens: int = AMORTIZED_SEQ_TOKENS) -> float:
+        """KV bytes/token vs bf16, the residual (window) row and the sinks spread
+        over a `num_tokens`-token sequence (int4: as the served int4's)."""
         if self.scheme == "bf16":
             return 1.0
         dim = config.head_dim
+        full_precision = 4 * (self.residual + self.sinks) * dim / num_tokens
+        if self.scheme == "int4":
+            # K and V of one kv head in one layer
+            quantized = kv_bytes_per_token(config, "int4") / _kv_heads_layers(config)
+            return (quantized + full_precision) / (4 * dim)
         key = dim / 2 + 4 * dim / self.group
         value = dim / 2 + 4 * dim / min(self.group, dim)
-        residual = 4 * self.residual * dim / AMORTIZED_SEQ_TOKENS
-        return (key + value + residual) / (4 * dim)
+        return (key + value + full_precision) / (4 * dim)
+
+
+def _kv_heads_layers(config) -> int:
+    return config.num_key_value_heads * config.num_hidden_layers
 
 
 def kivi_layout(group: int, residual: int, rotate: bool = False) -> Layout:
@@ -215,6 +226,24 @@ def served_int4_layout(window: int) -> Layout:
 
 
 BF16 = Layout("sim-bf16", "bf16")
+
+
+def sink_int4_layout(window: int, sinks: int) -> Layout:
+    """The served int4 with its `window` and the first `sinks` positions in bf16."""
+    return Layout(f"sim-int4+w{window}s{sinks}", "int4", 0, window, True, sinks)
+
+
+def named_layout(name: str) -> Layout:
+    """A layout by the name it prints: sim-bf16, sim-int4+wW, sim-int4+wWsS,
+    kivi-gGrR, kivi-gGrR+rot."""
+    if name == BF16.name:
+        return BF16
+    if match := re.fullmatch(r"sim-int4\+w(\d+)(?:s(\d+))?", name):
+        window, sinks = int(match[1]), int(match[2] or 0)
+        return sink_int4_layout(window, sinks) if sinks else served_int4_layout(window)
+    if match := re.fullmatch(r"kivi-g(\d+)r(\d+)(\+rot)?", name):
+        return kivi_layout(int(match[1]), int(match[2]), bool(match[3]))
+    raise ValueError(f"unknown layout {name!r}")
 
 
 def int4_window_at_bytes(config, bytes_ratio: float) -> int:
@@ -260,33 +289,43 @@ def layout_attention(
             replace(layout, rotate=False),
         )
         return out @ rotation.T
-    groups = heads // key.shape[1]
+    kv_heads = key.shape[1]
     stored_key, stored_value = layout.stored(key, value)
-    # kv head h // groups serves query head h: [n, KVH, D] -> [n, H, D]
-    copies = [
-        x.repeat_interleave(groups, dim=1)
-        for x in (
-            stored_key,
-            key.to(torch.bfloat16).float(),
-            stored_value,
-            value.to(torch.bfloat16).float(),
-        )
-    ]
-    stored_key, bf16_key, stored_value, bf16_value = copies
+    # what a bf16 read adds to the quantized one: [n, KVH, D]
+    delta_key = key.to(torch.bfloat16).float() - stored_key
+    delta_value = value.to(torch.bfloat16).float() - stored_value
     key_below, value_below = (b.to(query.device) for b in layout.quantized_below(n))
     pos = torch.arange(n, device=query.device)
-    q = query.float()
-    scores = torch.where(
-        pos[None, :] < key_below[:, None],  # [t, p]: key p read quantized by t
-        torch.einsum("thd,phd->htp", q, stored_key),
-        torch.einsum("thd,phd->htp", q, bf16_key),
-    )  # [H, t, p]
-    scores = scores * softmax_scale
-    scores = scores.masked_fill(pos[None, :] > pos[:, None], -torch.inf)
-    probs = torch.softmax(scores, dim=-1)  # [H, t, p]
-    quantized = (pos[None, :] < value_below[:, None]).float()  # [t, p]
-    out = torch.einsum("htp,phd->thd", probs * quantized, stored_value)
-    return out + torch.einsum("htp,phd->thd", probs * (1 - quantized), bf16_value)
+    # kv head k serves query heads k * groups .. (k + 1) * groups - 1
+    q = query.float().unflatten(1, (kv_heads, heads // kv_heads))  # [n, KVH, G, D]
+    out = torch.empty(n, heads, dim, device=query.device)
+    for start in range(0, n, _QUERY_CHUNK):
+        end = min(n, start + _QUERY_CHUNK)
+        chunk = q[start:end]
+        scores = torch.einsum("tkgd,pkd->kgtp", chunk, stored_key[:end])
+        # Columns any query of the chunk reads in bf16: the sinks and, the limits
+        # never decreasing with t, everything from the chunk's first limit on.
+        first = max(0, min(int(key_below[start]), int(value_below[start])))
+        cols = torch.cat(
+            (
+                torch.arange(min(layout.sinks, first), device=pos.device),
+                torch.arange(first, end, device=pos.device),
+            )
+        )
+        sink = cols[None, :] < layout.sinks  # [1, c]
+        bf16_key = (cols[None, :] >= key_below[start:end, None]) | sink  # [t, c]
+        bf16_value = (cols[None, :] >= value_below[start:end, None]) | sink
+        fix = torch.einsum("tkgd,pkd->kgtp", chunk, delta_key[cols])
+        scores[..., cols] += fix * bf16_key
+        scores = scores * softmax_scale
+        causal = pos[None, :end] > pos[start:end, None]  # [t, p]
+        probs = torch.softmax(scores.masked_fill(causal, -torch.inf), dim=-1)
+        read = torch.einsum("kgtp,pkd->tkgd", probs, stored_value[:end])
+        read += torch.einsum(
+            "kgtp,pkd->tkgd", probs[..., cols] * bf16_value, delta_value[cols]
+        )
+        out[start:end] = read.flatten(1, 2)
+    return out
 
 
 def layout_logprobs(model, token_ids: list[int], layout: Layout) -> Tensor:

@@ -14,20 +14,20 @@ sequence takes one with its first block.
 Prefix caching (vLLM's automatic prefix caching, v1 `KVCacheManager`/`BlockPool`):
 every full block is named by a hash chain, SHA-256 of its parent block's hash and
 its token ids, rooted in a hash of everything else its bytes depend on (the model's
-weights, the KV dtype, block size and window, each layer's rotation and static fp8
-scales: `KVCacheManager.prefix_cache_root`), so equal hashes mean equal bytes and
-caches that differ in any of those never share one. Once a block's K/V are computed
-it enters the cache (`BlockManager.cache_computed_blocks`; a block whose tokens
-another block holds already stays private). A new sequence starts its table with the
-longest run of cached blocks of its tokens (`cached_prefix`), shared by reference
-count, and computes only the rest; at least its last token is always computed, for
-the logits of the next one, so a prompt that is all cached blocks recomputes its
-last block. A freed block keeps its hash on the free list: the list is the LRU order
-(a sequence's last blocks are freed first, so its tail goes before the prefix others
-may share), a hit takes a free cached block back off it, and a block's hash entry is
-dropped only when the pool hands it out again. Eviction thus never frees a block
-anyone holds. A cached prefix's positions are never written again (their slots are
--1): several sequences may read the block.
+weights, the KV dtype and its writer's version, block size and window, each layer's
+rotation and static fp8 scales: `KVCacheManager.prefix_cache_root`), so equal hashes
+mean equal bytes and caches that differ in any of those never share one. Once a
+block's K/V are computed it enters the cache (`BlockManager.cache_computed_blocks`;
+a block whose tokens another block holds already stays private). A new sequence
+starts its table with the longest run of cached blocks of its tokens
+(`cached_prefix`), shared by reference count, and computes only the rest; at least
+its last token is always computed, for the logits of the next one, so a prompt that
+is all cached blocks recomputes its last block. A freed block keeps its hash on the
+free list: the list is the LRU order (a sequence's last blocks are freed first, so
+its tail goes before the prefix others may share), a hit takes a free cached block
+back off it, and a block's hash entry is dropped only when the pool hands it out
+again. Eviction thus never frees a block anyone holds. A cached prefix's positions
+are never written again (their slots are -1): several sequences may read the block.
 
 With a full-precision window, a cached block's quantized bytes are what any request
 would write for those tokens (K/V at a position depend only on the tokens up to
@@ -573,11 +573,15 @@ class KVCacheManager:
     def prefix_cache_root(self, model_digest: bytes) -> bytes:
         """The root of every block-hash chain: SHA-256 over what a block's bytes
         depend on besides its tokens and their prefix: the model (`model_digest`),
-        the KV dtype, block size and window, and per layer the rotation and static
+        the KV dtype (with its writer's version, `kernels.kv_writer_version`),
+        block size and window, and per layer the rotation and static
         (fp8) scales. Caches that differ in any of these never share a hash."""
         digest = hashlib.sha256(b"releasegate prefix cache v1\0")
         digest.update(model_digest)
-        digest.update(f"{self.kv_dtype}:{self.block_size}:{self.window}".encode())
+        kv_format = self.kv_dtype
+        if (version := kernels.kv_writer_version(self.kv_dtype)) > 1:
+            kv_format += f"/v{version}"  # the same layout, written otherwise
+        digest.update(f"{kv_format}:{self.block_size}:{self.window}".encode())
         for cache in self.kv_caches:
             digest.update(f":{cache.rotated}:{cache.key.device.type}".encode())
             if cache.static_scales:

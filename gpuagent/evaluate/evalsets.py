@@ -109,3 +109,33 @@ def long_context_slice(
         passages.append(text)
         prompts.append(Prompt(text, fact["answer"]))
     return EvalSlice(LONG_CONTEXT, passages, prompts)
+
+
+# Held-out long passages (`heldout/`): text from outside the project, never used to
+# tune a recipe or calibrate a cache, each scored whole (the KV long-text bench).
+HELDOUT_DIR = Path(__file__).resolve().parent / "heldout"
+
+
+@dataclass
+class HeldOutPassage:
+    """One held-out passage: its slice (english, code, korean), name and text."""
+
+    slice: str
+    name: str
+    text: str
+
+
+def load_heldout_passages(data_dir: Path = HELDOUT_DIR) -> list[HeldOutPassage]:
+    """The held-out passages, one file `<slice>-<name>.txt` each (sources in
+    `heldout/SOURCES.md`), by slice in TEXT_SLICES order, then by name."""
+    passages = []
+    for path in sorted(data_dir.glob("*.txt")):
+        slice_name, _, name = path.stem.partition("-")
+        if slice_name not in TEXT_SLICES or not name:
+            raise ValueError(
+                f"held-out passage {path.name} is not named <slice>-<name>.txt "
+                f"with a slice in {TEXT_SLICES}"
+            )
+        passages.append(HeldOutPassage(slice_name, name, path.read_text("utf-8")))
+    passages.sort(key=lambda p: (TEXT_SLICES.index(p.slice), p.name))
+    return passages

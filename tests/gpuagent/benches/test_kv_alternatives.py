@@ -117,11 +117,13 @@ def test_its_residual_tokens_are_exact_and_the_rest_as_stored(t):
         alt.kivi_layout(32, 32),
         alt.kivi_layout(16, 32, rotate=True),
         alt.served_int4_layout(18),
+        alt.sink_int4_layout(18, 4),
         alt.BF16,
     ],
     ids=lambda layout: layout.name,
 )
-def test_the_attention_is_a_loop_over_decode_steps(layout):
+def test_the_attention_is_a_loop_over_decode_steps(layout, monkeypatch):
+    monkeypatch.setattr(alt, "_QUERY_CHUNK", 16)  # several query chunks
     n, heads = 75, 4
     query = torch.randn(n, heads, D, generator=torch.Generator().manual_seed(3))
     key, value = keys_with_outliers(n), keys_with_outliers(n, seed=4)
@@ -155,6 +157,19 @@ def test_the_simulated_int4_stores_what_the_served_quantizer_stores():
     assert below[17] == 0 and below[39] == 22  # the query's newest 18 in bf16
 
 
+def test_sinks_are_read_in_bf16_by_every_query():
+    key, value = keys_with_outliers(60), keys_with_outliers(60, seed=6)
+    layout = alt.sink_int4_layout(8, 4)
+    stored_key, _ = layout.stored(key, value)
+
+    read_key, _ = layout.read(key, value, 59)
+
+    assert torch.equal(read_key[:4], key[:4].bfloat16().float())
+    assert torch.equal(read_key[4:52], stored_key[4:52])
+    assert torch.equal(read_key[52:], key[52:].bfloat16().float())
+    assert alt.named_layout(layout.name) == layout
+
+
 # ----------------------------------------------------------------------- bytes
 
 
@@ -178,10 +193,15 @@ def test_it_counts_kivis_scales_and_residual_row_in_its_bytes(demo_model):
     # the window that KIVI's bytes buy the served int4: (84 - 68) * 2048 / 256
     window = alt.int4_window_at_bytes(config, (80 + 4) / 256)
     assert window == 128
-    assert alt.served_int4_layout(window).bytes_ratio(config) == (80 + 4) / 256
+    assert alt.served_int4_layout(window).bytes_ratio(config) == pytest.approx(
+        (80 + 4) / 256
+    )
     assert kv_bytes_per_token(config, "int4") / kv_bytes_per_token(
         config, "bf16"
     ) == pytest.approx(68 / 256)
+    # sinks count as window tokens; at the measured length, not a fixed 2k
+    sinks = alt.sink_int4_layout(14, 4).bytes_ratio(config, 4096)
+    assert sinks == pytest.approx((68 + 4 * 18 * 64 / 4096) / 256)
 
 
 # ------------------------------------------------------------------ the model

@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 
 import gpuagent.engine
+import kernels
 from gpuagent.engine.engine import LLMEngine, default_kv_window
 from gpuagent.engine.loader import load_model
 from gpuagent.engine.sampling import SamplingParams
 from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.evaluate.evalsets import load_text_slices
+from kernels import kv_quant
 from tests.gpuagent.engine.conftest import make_tiny_model_dir
 
 DEMO_DIR = Path(gpuagent.engine.__file__).parent / "demo_model"
@@ -230,6 +232,11 @@ def test_it_roots_block_hashes_in_everything_that_changes_their_bytes(
     assert root(demo, "int4") == roots["int4"]  # the same bytes, the same root
     assert root(demo, "int4", kv_window=0) != roots["int4"]
     assert root(demo, "bf16", block_size=8) != roots["bf16"]
+    # the same layout written by another writer (int4 v2 picks its scales)
+    assert kernels.kv_writer_version("int4") == 2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_quant, "KV_WRITER_VERSIONS", {})
+        assert root(demo, "int4") != roots["int4"]
     # other weights of the same shape
     retrained = make_tiny_model_dir(tmp_path / "retrained", seed=7)
     retrained_model = (load_model(retrained), load_tokenizer(retrained))
