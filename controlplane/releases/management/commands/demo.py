@@ -4,12 +4,12 @@ Migrates, creates a demo team with a registrant and an approver, registers the d
 model as a release (w4a16 weights, int8 KV cache; with `--model moe` the MoE demo
 model, a tiny DeepSeek-V3: w8a16 experts and MLA projections, an int8 latent
 cache), and promotes it through the real Celery task code in one worker process on
-the configured (by default embedded) transport. That worker is also the local CPU agent: it consumes the agent
-queues and runs gpuagent.tasks (inspect, compress, sign, verify, evaluate, load
-test, deploy) with a signing key of its own under the data folder. The command shows
-the gate table, approves as the approver, waits until the release is live, prints
-the endpoint and the stage timings, then serves the dashboard and API (unless
---no-serve).
+the configured (by default embedded) transport. That worker is also the local CPU
+agent: it consumes the agent queues and runs gpuagent.tasks (inspect, compress,
+sign, verify, evaluate, load test, deploy) with a signing key of its own under the
+data folder. The command shows the gate table, approves as the approver, waits
+until the release is live, prints the endpoint and the stage timings, then serves
+the dashboard and API (unless --no-serve).
 """
 
 import os
