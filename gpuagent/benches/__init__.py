@@ -4,6 +4,8 @@ side by side; each is a script, `python -m gpuagent.benches.<name>`:
 - `engine`: KV memory, capacity, throughput and KV quality of the serving engine
   (with `kv_alternatives`: KV layouts measured beside the served ones, not served);
 - `compress`: weight compression's size, quality, decode speed and matmuls;
+- `llamacpp`: batch-1 w4a16 decode speed vs llama.cpp on the Q4_1 GGUF (optional
+  peer, `make llama-cpp-peer`);
 - `compress_memory`: compression's peak memory and speed, layer by layer vs in
   memory, on synthetic models of 0.5 to 2 GiB;
 - `lossless`: the lossless checkpoint coding vs zipnn;

@@ -1,0 +1,38 @@
+"""The llama.cpp decode bench without its optional peer: the row is skipped with a
+message saying how to get it, our side still measured; no test needs node-llama-cpp."""
+
+import pytest
+
+from gpuagent.benches import DEMO_MODEL_DIR
+from gpuagent.benches.engine import Row
+from gpuagent.benches.llamacpp import (
+    GET_PEER,
+    LlamaCppPeer,
+    PeerUnavailable,
+    common_prefix,
+    decode_rows,
+    peer_missing,
+)
+
+
+def test_an_absent_peer_is_named_with_how_to_get_it(tmp_path):
+    missing = peer_missing(tmp_path)
+    assert missing is not None and "skipped" in missing
+    with pytest.raises(PeerUnavailable, match="skipped"):
+        LlamaCppPeer(tmp_path / "model.gguf", 2, peer_dir=tmp_path)
+
+
+def test_without_the_peer_our_row_is_measured_and_nothing_is_judged(tmp_path):
+    rows = decode_rows(
+        DEMO_MODEL_DIR, tmp_path / "x.gguf", 1, 3, 1, peer_dir=tmp_path / "none"
+    )
+    judged = [r for r in rows if isinstance(r, Row)]
+    assert [r.ok for r in judged] == [None]
+    assert float(judged[0].value) > 0
+    assert rows[-1] in (GET_PEER, peer_missing(tmp_path / "none"))
+
+
+def test_common_prefix_counts_leading_agreement():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([7], [8]) == 0
+    assert common_prefix([1, 2], [1, 2]) == 2
