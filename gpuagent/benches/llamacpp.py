@@ -22,7 +22,9 @@ the same ratio against the peer's faster of 1 and 2 threads, also judged: on a
 loaded machine llama.cpp's spinning 2-thread pool can run several times slower than
 its 1 thread, and our engine's decode layers run on one thread anyway
 (`Transformer.small_step_threads`), so 2-vs-2 alone would flatter us. Last, for
-information, how many greedy tokens agree before the first difference (Q4_1 with
+information, ours with each `quantize_head` copy of the float head (the engine's
+option; about a third of our step is the tied 49152x576 head), and how many greedy
+tokens agree before the first difference (Q4_1 with
 llama.cpp's int8 activations vs our w4a16 of the converted model: they drift). The
 exit status is 1 when a judged row fails.
 """
@@ -159,15 +161,28 @@ def decode_rows(
     """The table: rounds alternate ours / peer at `threads` / peer at 1 thread;
     best round each (the first round warms up)."""
     from gpuagent.engine.engine import LLMEngine
+    from gpuagent.engine.weights import HEAD_FORMATS
 
     torch.set_num_threads(threads)
-    engine = LLMEngine.from_model_dir(
-        folder, device="cpu", max_num_seqs=1, kv_memory_bytes=64 << 20
-    )
-    prompt = engine.encode_prompt(THROUGHPUT_PROMPTS[0])
+    # ours as served, then (information) with each `quantize_head` copy of the
+    # float head, which a profile puts at about a third of the step
+    engines = {
+        label: LLMEngine.from_model_dir(
+            folder,
+            device="cpu",
+            max_num_seqs=1,
+            kv_memory_bytes=64 << 20,
+            quantize_head=head,
+        )
+        for label, head in (
+            ("ours", None),
+            *((f"ours, {fmt} head copy", fmt) for fmt in HEAD_FORMATS),
+        )
+    }
+    prompt = engines["ours"].encode_prompt(THROUGHPUT_PROMPTS[0])
     steps = new_tokens - 1
     missing = peer_missing(peer_dir)
-    best = {"ours": math.inf}
+    best = dict.fromkeys(engines, math.inf)
     tokens: dict[str, list[int]] = {}
     peers: dict[str, LlamaCppPeer] = {}
     try:
@@ -178,10 +193,11 @@ def decode_rows(
             if threads != 1:
                 peers["llama.cpp 1 thread"] = LlamaCppPeer(gguf, 1, peer_dir)
             best.update(dict.fromkeys(peers, math.inf))
-        for round_ in range(rounds + 1):
-            tokens["ours"], seconds = our_decode(engine, prompt, new_tokens)
-            if round_:
-                best["ours"] = min(best["ours"], seconds / steps)
+        for round_ in range(rounds + 1):  # the first round warms up
+            for name, engine in engines.items():
+                tokens[name], seconds = our_decode(engine, prompt, new_tokens)
+                if round_:
+                    best[name] = min(best[name], seconds / steps)
             for name, peer in peers.items():
                 tokens[name], seconds = peer.decode(prompt, new_tokens)
                 if round_:
@@ -189,6 +205,16 @@ def decode_rows(
     finally:
         for peer in peers.values():
             peer.close()
+    head_rows = [
+        Row(
+            f"{name} decode tok/s ({best[name] * 1e3:.1f} ms/step)",
+            f"{1 / best[name]:.1f}",
+            "",
+            None,
+        )
+        for name in engines
+        if name != "ours"
+    ]
     ours = 1 / best["ours"]
     rows: list[Row | str] = [
         f"SmolLM2-135M batch 1 greedy decode, {threads} threads each, prompt "
@@ -202,6 +228,7 @@ def decode_rows(
                 "",
                 None,
             ),
+            *head_rows,
             missing,
         ]
         return rows
@@ -245,6 +272,7 @@ def decode_rows(
                 ratio_best >= TARGET_RATIO,
             )
         )
+    rows += head_rows
     same = common_prefix(tokens["ours"], tokens[like])
     rows.append(
         Row(
