@@ -723,3 +723,43 @@ def test_it_compiles_the_kernels_for_sm90_without_a_gpu():
     result = compile_for_sm90("paged_attention")
 
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", PER_TOKEN_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_batch_of_one_decodes_like_the_slow_loop_and_the_masked_path(
+    dtype, shape, monkeypatch
+):
+    # Batch 1 slices its context instead of masking (BATCH1_FAST_PATH): the same
+    # numbers as the masked path, every context length of decode_context_lens.
+    num_heads, _, head_dim, block_size = shape
+    for i, length in enumerate(decode_context_lens(block_size)):
+        cache, tables, ctx, written = filled_cache(dtype, shape, [length], seed=i)
+        query = torch.randn(1, num_heads, head_dim)
+        outs = {}
+        for fast in (True, False):
+            monkeypatch.setattr(paged_attention, "BATCH1_FAST_PATH", fast)
+            outs[fast] = kernels.paged_decode_attention(
+                query, cache, tables, ctx, head_dim**-0.5, impl="reference"
+            )
+        want = slow_decode(query, written, dtype, head_dim**-0.5)
+        torch.testing.assert_close(outs[True].double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[True], outs[False], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_batch_of_one_decodes_with_a_window_like_the_masked_path(dtype, monkeypatch):
+    shape = WINDOW_SHAPES[1]
+    num_heads, _, head_dim, _, _ = shape
+    chunks = window_decode_chunks(shape[3], shape[4])
+    cache, tables, ctx, rows, _ = windowed_cache(dtype, shape, chunks, seed=21)
+    for b in range(len(chunks)):
+        query = torch.randn(1, num_heads, head_dim)
+        args = (query, cache, tables[b : b + 1], ctx[b : b + 1], head_dim**-0.5)
+        outs = {}
+        for fast in (True, False):
+            monkeypatch.setattr(paged_attention, "BATCH1_FAST_PATH", fast)
+            outs[fast] = kernels.paged_decode_attention(
+                *args, rows[b : b + 1], impl="reference"
+            )
+        torch.testing.assert_close(outs[True], outs[False], atol=1e-6, rtol=1e-6)
