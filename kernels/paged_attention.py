@@ -102,12 +102,6 @@ def _gather_context(
     return key, value
 
 
-# Batch-1 decode attention on the torch reference slices the context rather than
-# masking it (fewer ops per layer); False runs the masked path, for side-by-side
-# measurement (`gpuagent.benches.llamacpp --attention-ab`) and parity tests.
-BATCH1_FAST_PATH = True
-
-
 def paged_decode_attention_reference(
     query: torch.Tensor,
     cache: PagedKVCache,
@@ -123,19 +117,6 @@ def paged_decode_attention_reference(
     key, value = _gather_context(
         cache, block_tables.to(query.device), context_lens, window_rows
     )  # [B, L, Hkv, D]
-    if batch == 1 and BATCH1_FAST_PATH:
-        # One sequence: its context is a prefix, so slice it instead of building a
-        # [1, L] mask (and no NaN to clear: a decode step has context >= 1).
-        length = int(context_lens[0])
-        if length > 0:
-            q = query.float().view(1, num_kv_heads, group, head_dim)
-            out = F.scaled_dot_product_attention(
-                q,
-                key[:, :length].transpose(1, 2),  # [1, Hkv, length, D]
-                value[:, :length].transpose(1, 2),
-                scale=softmax_scale,
-            )
-            return out.view(1, num_heads, head_dim).to(query.dtype)
     # The `group` query heads of one kv head act as `group` query rows against that
     # head's keys, so GQA needs no repeated K/V.
     q = query.float().view(batch, num_kv_heads, group, head_dim)

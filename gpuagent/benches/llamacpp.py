@@ -285,48 +285,6 @@ def decode_rows(
     return rows
 
 
-def attention_ab_rows(
-    folder: Path, threads: int, new_tokens: int, rounds: int
-) -> list[Row]:
-    """Our decode ms/step with batch-1 decode attention masked (the old path) and
-    sliced (`kernels.paged_attention.BATCH1_FAST_PATH`), rounds alternating, and
-    whether the greedy tokens are the same."""
-    from gpuagent.engine.engine import LLMEngine
-    from kernels import paged_attention
-
-    torch.set_num_threads(threads)
-    engine = LLMEngine.from_model_dir(
-        folder, device="cpu", max_num_seqs=1, kv_memory_bytes=64 << 20
-    )
-    prompt = engine.encode_prompt(THROUGHPUT_PROMPTS[0])
-    best = {False: math.inf, True: math.inf}
-    tokens: dict[bool, list[int]] = {}
-    saved = paged_attention.BATCH1_FAST_PATH
-    try:
-        for round_ in range(rounds + 1):
-            for fast in (False, True):
-                paged_attention.BATCH1_FAST_PATH = fast
-                tokens[fast], seconds = our_decode(engine, prompt, new_tokens)
-                if round_:
-                    best[fast] = min(best[fast], seconds / (new_tokens - 1))
-    finally:
-        paged_attention.BATCH1_FAST_PATH = saved
-    return [
-        Row(
-            "decode ms/step, batch-1 attention masked (old) / sliced (new)",
-            f"{best[False] * 1e3:.1f}/{best[True] * 1e3:.1f}",
-            "",
-            None,
-        ),
-        Row(
-            "sliced attention: speed-up, same greedy tokens",
-            f"{best[False] / best[True]:.3f}x {tokens[True] == tokens[False]}",
-            "",
-            None,
-        ),
-    ]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from gpuagent.models.smollm2 import MODEL_DIR_NAME, gguf_path
 
@@ -339,11 +297,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peer-dir", type=Path, default=PEER_DIR)
-    parser.add_argument(
-        "--attention-ab",
-        action="store_true",
-        help="also time batch-1 decode attention masked vs sliced (ours only)",
-    )
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.rounds < 1 or args.threads < 1:
         parser.error("--new-tokens must be >= 2, --rounds and --threads >= 1")
@@ -359,10 +312,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = decode_rows(
             folder, gguf, args.threads, args.new_tokens, args.rounds, args.peer_dir
         )
-        if args.attention_ab:
-            rows += attention_ab_rows(
-                folder, args.threads, max(args.new_tokens, 64), args.rounds
-            )
     failed = False
     for row in rows:
         print(row if isinstance(row, str) else row.render(), flush=True)

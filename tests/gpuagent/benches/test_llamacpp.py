@@ -9,7 +9,6 @@ from gpuagent.benches.llamacpp import (
     GET_PEER,
     LlamaCppPeer,
     PeerUnavailable,
-    attention_ab_rows,
     common_prefix,
     decode_rows,
     peer_missing,
@@ -38,10 +37,3 @@ def test_common_prefix_counts_leading_agreement():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([7], [8]) == 0
     assert common_prefix([1, 2], [1, 2]) == 2
-
-
-def test_the_attention_ab_rows_time_both_paths_and_compare_tokens():
-    rows = attention_ab_rows(DEMO_MODEL_DIR, 1, 3, 1)
-    old, new = (float(v) for v in rows[0].value.split("/"))
-    assert old > 0 and new > 0
-    assert rows[1].value.endswith("True")  # same greedy tokens
