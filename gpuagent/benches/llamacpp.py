@@ -68,7 +68,9 @@ def peer_missing(peer_dir: Path = PEER_DIR) -> str | None:
     if shutil.which("node") is None:
         return "llama.cpp peer skipped: `node` is not on PATH (node >= 20 needed)"
     if not (peer_dir / "node_modules" / "node-llama-cpp" / "package.json").is_file():
-        return GET_PEER
+        if peer_dir.resolve() == PEER_DIR:
+            return GET_PEER
+        return f"llama.cpp peer skipped: no node-llama-cpp in {peer_dir}"
     return None
 
 
@@ -223,7 +225,7 @@ def decode_rows(
     if missing is not None:
         rows += [
             Row(
-                f"ours (w4a16-g128) decode tok/s, {threads} threads",
+                f"ours (w4a16-g128) decode tok/s ({best['ours'] * 1e3:.1f} ms/step)",
                 f"{ours:.1f}",
                 "",
                 None,
