@@ -287,6 +287,43 @@ def decode_rows(
     return rows
 
 
+def head_threads_rows(
+    folder: Path, threads: int, new_tokens: int, rounds: int
+) -> list[Row]:
+    """Our decode ms/step with the output head at torch's threads (the default)
+    and at the layers' `small_step_threads` (`Transformer.small_step_head`),
+    rounds alternating, and whether the greedy tokens are the same."""
+    from gpuagent.engine.engine import LLMEngine
+
+    torch.set_num_threads(threads)
+    engine = LLMEngine.from_model_dir(
+        folder, device="cpu", max_num_seqs=1, kv_memory_bytes=64 << 20
+    )
+    prompt = engine.encode_prompt(THROUGHPUT_PROMPTS[0])
+    best = {False: math.inf, True: math.inf}
+    tokens: dict[bool, list[int]] = {}
+    for round_ in range(rounds + 1):
+        for narrow in (False, True):
+            engine.model.small_step_head = narrow
+            tokens[narrow], seconds = our_decode(engine, prompt, new_tokens)
+            if round_:
+                best[narrow] = min(best[narrow], seconds / (new_tokens - 1))
+    return [
+        Row(
+            f"decode ms/step, head at {threads} threads (default) / at the layers'",
+            f"{best[False] * 1e3:.1f}/{best[True] * 1e3:.1f}",
+            "",
+            None,
+        ),
+        Row(
+            "narrow head: speed-up, same greedy tokens",
+            f"{best[False] / best[True]:.3f}x {tokens[True] == tokens[False]}",
+            "",
+            None,
+        ),
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from gpuagent.models.smollm2 import MODEL_DIR_NAME, gguf_path
 
@@ -299,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peer-dir", type=Path, default=PEER_DIR)
+    parser.add_argument(
+        "--head-ab",
+        action="store_true",
+        help="also time our head at torch's threads vs the layers' (ours only)",
+    )
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.rounds < 1 or args.threads < 1:
         parser.error("--new-tokens must be >= 2, --rounds and --threads >= 1")
@@ -314,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = decode_rows(
             folder, gguf, args.threads, args.new_tokens, args.rounds, args.peer_dir
         )
+        if args.head_ab:
+            rows += head_threads_rows(
+                folder, args.threads, args.new_tokens, args.rounds + 2
+            )
     failed = False
     for row in rows:
         print(row if isinstance(row, str) else row.render(), flush=True)

@@ -11,6 +11,7 @@ from gpuagent.benches.llamacpp import (
     PeerUnavailable,
     common_prefix,
     decode_rows,
+    head_threads_rows,
     peer_missing,
 )
 
@@ -38,3 +39,10 @@ def test_common_prefix_counts_leading_agreement():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([7], [8]) == 0
     assert common_prefix([1, 2], [1, 2]) == 2
+
+
+def test_the_head_threads_rows_time_both_and_compare_tokens():
+    rows = head_threads_rows(DEMO_MODEL_DIR, 2, 3, 1)
+    old, new = (float(v) for v in rows[0].value.split("/"))
+    assert old > 0 and new > 0
+    assert rows[1].value.endswith("True")  # same greedy tokens
