@@ -27,7 +27,7 @@ GUIDELLM_PIN ?= guidellm==0.8.1
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo demo-moe test lint clean browser real-model guidellm
+.PHONY: install demo demo-moe test lint clean browser real-model guidellm llama-cpp-peer
 
 $(STAMP): pyproject.toml gpuagent/lossless/_loops.c kernels/_int4_cpu.c
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -67,6 +67,16 @@ $(GUIDELLM_VENV)/bin/guidellm:
 	$(GUIDELLM_VENV)/bin/python -m pip install -q '$(GUIDELLM_PIN)'
 
 guidellm: $(GUIDELLM_VENV)/bin/guidellm
+
+# Optional: llama.cpp as node-llama-cpp's prebuilt CPU build, the peer of
+# `python -m gpuagent.benches.llamacpp`; no test needs it. --ignore-scripts skips
+# the package's postinstall (which may fetch or build llama.cpp): the prebuilt
+# binary comes in @node-llama-cpp/<platform> and the bench never builds.
+LLAMA_CPP_PEER_DIR ?= var/node-llama-cpp
+NODE_LLAMA_CPP_PIN ?= node-llama-cpp@3.22.1
+llama-cpp-peer:
+	mkdir -p $(LLAMA_CPP_PEER_DIR)
+	npm install --prefix $(LLAMA_CPP_PEER_DIR) --no-audit --no-fund --ignore-scripts '$(NODE_LLAMA_CPP_PIN)'
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

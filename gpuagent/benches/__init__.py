@@ -6,6 +6,8 @@ side by side; each is a script, `python -m gpuagent.benches.<name>`:
 - `kv_long`: every KV dtype vs bf16 KV on held-out passages of 2k+ tokens, scored
   whole (overall and at positions >= 512; bytes at the measured length);
 - `compress`: weight compression's size, quality, decode speed and matmuls;
+- `llamacpp`: batch-1 w4a16 decode speed vs llama.cpp on the Q4_1 GGUF (optional
+  peer, `make llama-cpp-peer`);
 - `compress_memory`: compression's peak memory and speed, layer by layer vs in
   memory, on synthetic models of 0.5 to 2 GiB;
 - `lossless`: the lossless checkpoint coding vs zipnn;

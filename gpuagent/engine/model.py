@@ -518,6 +518,13 @@ class Transformer(nn.Module):
     # dev machine (load ~10): 683 ms/step forking everywhere, 173 with attention on
     # one thread, 108 with the layers on one thread.
     small_step_threads: int | None = 1
+    # Whether the output head of such a step also runs at small_step_threads (the
+    # final norm and head inside the narrow region). Off by default. SmolLM2 w4a16
+    # at 2 threads on the shared 2-core machine, side by side
+    # (`gpuagent.benches.llamacpp --head-ab`), same greedy tokens each time: 1.02x,
+    # 1.31x, 1.58x and 2.02x faster in four runs, never slower; a dedicated machine
+    # may well prefer the head at full threads (it reads 113 MB of float32 a step).
+    small_step_head: bool = False
 
     # fp8 KV scales the checkpoint carries, (key_scale [KVH], value_scale [KVH]) per
     # layer (set by the loader; engine.kv_calibration), or None
@@ -585,6 +592,8 @@ class Transformer(nn.Module):
                 # Past the last layer's K/V write only the logits' rows matter: a
                 # prompt chunk's other rows skip its attention output, o_proj, MLP.
                 h = layer(h, cos, sin, cache, attn, last if i == final else None)
+            if narrow and self.small_step_head:
+                return self.lm_head(self.norm(h)).float()  # [B or T, vocab]
         finally:
             if narrow:
                 torch.set_num_threads(threads)
