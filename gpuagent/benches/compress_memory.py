@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -104,9 +105,20 @@ def model_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-def measure(source: Path, recipe: dict, out: Path, sequential: bool, **options) -> dict:
+def measure(
+    source: Path,
+    recipe: dict,
+    out: Path,
+    sequential: bool,
+    cap_bytes: int | None = None,
+    **options,
+) -> dict:
     """Compress in a fresh child (`--child`): its peak RSS over its baseline and
-    the seconds `compress` took; `options` go to `compress`."""
+    the seconds `compress` took; `options` go to `compress`. With `cap_bytes`, the
+    child's address space is capped (RLIMIT_AS) at its size after the imports plus
+    `cap_bytes` (one malloc arena, so glibc's per-thread reservations don't eat
+    the cap), and a MemoryError comes back as {"memory_error": why}."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1"} if cap_bytes else None
     child = subprocess.run(
         [
             sys.executable,
@@ -120,12 +132,14 @@ def measure(source: Path, recipe: dict, out: Path, sequential: bool, **options) 
                     "out": str(out),
                     "sequential": sequential,
                     "options": options,
+                    "cap_bytes": cap_bytes,
                 }
             ),
         ],
         capture_output=True,
         text=True,
         check=False,
+        env=env,
     )
     if child.returncode != 0:
         raise RuntimeError(f"compress child failed:\n{child.stderr[-4000:]}")
@@ -138,15 +152,24 @@ def _child(args: dict) -> None:
     from gpuagent.compress import compress
 
     torch.set_num_threads(1)  # the project's shared CPUs; both paths alike
+    if args.get("cap_bytes"):
+        import resource
+
+        limit = _status_bytes("VmSize") + args["cap_bytes"]
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
     baseline = reset_peak_rss()
     started = time.monotonic()
-    compress(
-        args["source"],
-        args["recipe"],
-        args["out"],
-        sequential=args["sequential"],
-        **args.get("options", {}),
-    )
+    try:
+        compress(
+            args["source"],
+            args["recipe"],
+            args["out"],
+            sequential=args["sequential"],
+            **args.get("options", {}),
+        )
+    except MemoryError as exc:
+        print(json.dumps({"memory_error": str(exc) or "MemoryError"}))
+        return
     seconds = time.monotonic() - started
     print(json.dumps({"peak_over_baseline": peak_rss() - baseline, "seconds": seconds}))
 

@@ -162,6 +162,42 @@ def test_layerwise_peak_memory_is_bounded_by_layers_not_the_model(tmp_path):
     assert same_tensors(tmp_path / "memory", tmp_path / "layers-64")
 
 
+def test_a_model_several_times_a_memory_cap_compresses_under_it(tmp_path):
+    # 64 layers of ~1.3 MB (~84 MB) under an address-space cap (RLIMIT_AS) of
+    # 0.35x the model above the child's size after its imports: the layer path
+    # fits, with the in-memory path's bytes; the in-memory path does not
+    shape = {
+        "hidden_size": 128,
+        "intermediate_size": 768,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 264,
+    }
+    layer_bytes = layer_params(shape) * 4
+    source = tmp_path / "source"
+    write_synthetic_llama(source, 64 * layer_bytes, shape=shape)
+    cap = int(0.35 * model_bytes(source))
+    recipe = {"weights": "w8a16", "kv_cache_dtype": "bf16"}
+
+    capped = measure(
+        source,
+        recipe,
+        tmp_path / "capped",
+        True,
+        cap_bytes=cap,
+        max_shard_bytes=4 * layer_bytes,
+    )
+    in_memory_capped = measure(
+        source, recipe, tmp_path / "memory-capped", False, cap_bytes=cap
+    )
+    measure(source, recipe, tmp_path / "memory", False)
+
+    assert "memory_error" not in capped
+    assert "memory_error" in in_memory_capped  # the cap bites
+    assert same_tensors(tmp_path / "memory", tmp_path / "capped")
+
+
 def test_sources_the_layer_path_does_not_take_are_named(tmp_path):
     from gpuagent.compress.sequential import SequentialUnsupported, check_source
     from gpuagent.engine.loader import ModelLoadError
