@@ -27,7 +27,8 @@ GUIDELLM_PIN ?= guidellm==0.8.1
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo demo-moe test lint clean browser real-model guidellm llama-cpp-peer
+.PHONY: install demo demo-moe test lint clean browser real-model guidellm llama-cpp-peer \
+	gpu-check
 
 $(STAMP): pyproject.toml gpuagent/lossless/_loops.c kernels/_int4_cpu.c
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -87,3 +88,11 @@ test: lint browser real-model
 
 clean:
 	rm -rf $(VENV) var
+
+# On a machine with a CUDA device: the kernels, the engine and placement (each server
+# on its CUDA_VISIBLE_DEVICES and memory budget, warm vs cold rollback), one short run
+# each, on the real model. Not part of `make test` (no device there).
+gpu-check: $(STAMP) real-model
+	$(PY) -m kernels.bench
+	$(PY) -m gpuagent.benches.engine --model-dir $(REAL_MODEL_DIR)
+	$(PY) -m gpuagent.benches.gpu_placement --model-dir $(REAL_MODEL_DIR)

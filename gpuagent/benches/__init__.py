@@ -15,8 +15,11 @@ side by side; each is a script, `python -m gpuagent.benches.<name>`:
 - `serving`: what the agent's check and the engine's verify-on-load add to a deploy;
 - `load_plan`: the default load plan's wall time, knee and goodput per workload;
 - `http_eval`: the gate's quality evidence over HTTP (servers started through the
-  environment's backend) vs in process, agreement and time.
-- `guidellm_compare`: our plan's knee and goodput against guidellm's, one server.
+  environment's backend) vs in process, agreement and time;
+- `guidellm_compare`: our plan's knee and goodput against guidellm's, one server;
+- `gpu_placement`: on a CUDA device, servers on their placement (devices, memory
+  budget), warm vs cold rollback (`make gpu-check` runs it with the kernel and
+  engine benches).
 
 They live above the layers they drive, so that no serving module imports the
 evaluator or the compressor because a bench sits beside it; nothing outside this
