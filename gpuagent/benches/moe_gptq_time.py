@@ -2,7 +2,8 @@
 forwards as they were (every attention pass and the MLP-input capture ran the
 whole decoder layer, every routed expert included) against as they are (the
 attention alone: `gpuagent.compress.moe.run_attention` / `mlp_inputs`), side by
-side in one run, and whether the two candidates' files are byte for byte equal:
+side in one run (now: each attention group's forward also stops once its
+input is taken), and whether the two candidates' files are byte for byte equal:
 `python -m gpuagent.benches.moe_gptq_time [--sequences 32 --tokens 256]`.
 
 The first row is like-for-like (the whole-layer baseline against itself: 1.00).
@@ -28,8 +29,8 @@ MODEL = Path(__file__).resolve().parents[1] / "engine" / "moe_demo_model"
 RECIPE = {"weights": "w8a16", "kv_cache_dtype": "int8", "method": "gptq"}
 
 
-def _whole_layer_attention(layer, hidden, cos, sin) -> None:
-    run_layer(layer, hidden, cos, sin)
+def _whole_layer_attention(layer, hidden, cos, sin, stop_at=None) -> None:
+    run_layer(layer, hidden, cos, sin)  # to the end, every expert included
 
 
 def _whole_layer_mlp_inputs(layer, hidden, cos, sin) -> torch.Tensor:

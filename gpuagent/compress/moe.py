@@ -22,7 +22,8 @@ llm-compressor writes these models: `lm_head`, `re:.*mlp\\.gate$`):
 GPTQ goes through the layer in the order it runs (true sequential, as the dense
 path): q/kv down-projections, q_b, o_proj, then the MLP's gate/up, then down. The
 attention groups run the attention alone (`run_attention`: their inputs don't
-depend on the MLP, whose routed experts are most of a layer's forward). Once
+depend on the MLP, whose routed experts are most of a layer's forward), each
+forward stopped once the group's input is taken. Once
 the attention is quantized the MLP's inputs are fixed: they are taken once
 (`mlp_inputs`) and the MLP groups run the MLP alone on them. Each such forward
 runs the block's own router and its grouping of tokens per expert
@@ -143,15 +144,41 @@ def _attended(layer, hidden, cos, sin):
         yield batch + attn
 
 
+class _Stop(Exception):
+    """Raised by `run_attention`'s hook once `stop_at`'s inputs are taken."""
+
+
+def _stop(_module, _args) -> None:
+    raise _Stop
+
+
 def run_attention(
-    layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    stop_at: str | None = None,
 ) -> None:
     """The layer's attention alone over the calibration states [B, T, hidden]
     (outputs dropped): what the attention projections' hooks need, without the
-    MLP (every routed expert) the whole layer's forward would run too."""
-    with torch.no_grad():
-        for _ in _attended(layer, hidden, cos, sin):
-            pass
+    MLP (every routed expert) the whole layer's forward would run too. With
+    `stop_at` (a module of the layer) each batch's forward stops as soon as that
+    module's inputs have gone to the hooks registered on it before this call
+    (q_a_proj's: the input norm only, not the attention)."""
+    stop = None if stop_at is None else layer.get_submodule(stop_at)
+    hook = None if stop is None else stop.register_forward_pre_hook(_stop)
+    try:
+        with torch.no_grad():
+            for batch in hidden.split(8):  # as `run_layer` splits it
+                try:
+                    layer.self_attn.forward_dense(
+                        layer.input_layernorm(batch), cos, sin
+                    )
+                except _Stop:
+                    pass
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 def mlp_inputs(
@@ -244,7 +271,9 @@ def quantize_moe_layer(
                 run = functools.partial(run_mlp, layer, inputs)
                 accs = input_hessians(layer, sets, run)
             elif calibration is not None:
-                run = functools.partial(run_attention, layer, *calibration)
+                # one set (one input) per attention group: stop once it's taken
+                stop_at = sets[0].hook if len(sets) == 1 else None
+                run = functools.partial(run_attention, layer, *calibration, stop_at)
                 accs = input_hessians(layer, sets, run)
             for s in sets:
                 acc = accs.get(s.hook)
