@@ -143,12 +143,34 @@ def get_release_detail(request: HttpRequest, release_id: ObjectId) -> dict:
 
 def release_detail_dict(request: HttpRequest, release: Release) -> dict:
     """The release with its relations (`to_dict(detail=True)`) and what is derived
-    from them: the stage timings, and its re-verifications counted."""
+    from them: the compress job's report, the stage timings, and its
+    re-verifications counted."""
     history_url = request.build_absolute_uri(
         reverse("api-v1:release-reverifications", kwargs={"release_id": release.pk})
     )
+    compression, problem = None, None
+    try:
+        made = evidence.compress_report(release)
+    except evidence.EvidenceUnreadable as exc:
+        problem = exc.message
+    else:
+        if made is not None:
+            compression = {
+                "weights": made.weights,
+                "kv_cache_dtype": made.kv_cache_dtype,
+                "size_bytes": made.size_bytes,
+                "source_size_bytes": made.source_size_bytes,
+                "total_parameters": made.report.total_parameters,
+                "active_parameters": made.report.active_parameters,
+                "min_expert_tokens": made.report.min_expert_tokens,
+                "rtn_fallback_experts": [
+                    f.model_dump() for f in made.report.rtn_fallback_experts
+                ],
+            }
     return {
         **release.to_dict(detail=True),
+        "compression": compression,
+        "compression_problem": problem,
         "timings": stage_timings(release),
         "reverification": {
             **evidence.reverifications(release).to_dict(),

@@ -345,6 +345,36 @@ class ReverificationsOut(Schema):
     history_url: str = Field(description="all of them, newest first (paginated)")
 
 
+class ExpertFallbackOut(Schema):
+    layer: int
+    expert: int
+    tokens: int = Field(description="calibration tokens the router sent it")
+
+
+class CompressionOut(Schema):
+    """What the newest succeeded compress job reported."""
+
+    weights: str
+    kv_cache_dtype: str
+    size_bytes: int
+    source_size_bytes: int
+    total_parameters: int | None = Field(
+        description="MoE models: parameters in the checkpoint (None: not reported)"
+    )
+    active_parameters: int | None = Field(
+        description="MoE models: parameters one token runs through (everything but "
+        "the routed experts, plus top-k routed experts per MoE layer)"
+    )
+    min_expert_tokens: int | None = Field(
+        description="MoE + GPTQ: an expert routed fewer calibration tokens is "
+        "rounded to nearest (None: not calibrated)"
+    )
+    rtn_fallback_experts: list[ExpertFallbackOut] = Field(
+        description="MoE + GPTQ: the routed experts rounded to nearest for lack of "
+        "calibration tokens (empty: none)"
+    )
+
+
 class ReleaseDetailOut(ReleaseOut):
     signature: str
     artifacts: list[ArtifactOut]
@@ -356,6 +386,13 @@ class ReleaseDetailOut(ReleaseOut):
     deployments: list[DeploymentOut]
     timings: TimingsOut
     reverification: ReverificationsOut
+    compression: CompressionOut | None = Field(
+        description="the compress job's report (None: none succeeded, or its "
+        "result is unreadable: then `compression_problem` says why)"
+    )
+    compression_problem: str | None = Field(
+        description="why the compress job's recorded result can't be read"
+    )
 
 
 class PromotionOut(Schema):

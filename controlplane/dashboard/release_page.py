@@ -1,8 +1,10 @@
 """Everything the release detail page shows about one release's evidence, gathered in
 one place: its reports and those of its parent and of the release live in its target
 environment, the charts drawn from them, what differs from live, its money and
-capacity (controlplane.costs.report) against live, and (MoE) its routing against
-its parent per layer with the gate policy's routing thresholds."""
+capacity (controlplane.costs.report) against live, (MoE) its routing against
+its parent per layer with the gate policy's routing thresholds, and what its
+compress job reported (MoE: total vs active parameters, experts rounded to
+nearest)."""
 
 from dataclasses import dataclass, field
 
@@ -13,6 +15,7 @@ from controlplane.releases import evidence
 from controlplane.releases.gates import RoutingThresholds
 from controlplane.releases.models import Release
 from gpuagent.protocol import (
+    CompressJobResult,
     LoadTestReport,
     QualityReport,
     RoutingReport,
@@ -47,6 +50,19 @@ class ReleaseEvidence:
     problems: list[str] = field(default_factory=list)
     # the environment's routing thresholds (None: not gated on routing)
     routing_thresholds: RoutingThresholds | None = None
+    # what the compress job made: sizes, and (MoE) parameters and RTN fallbacks
+    compression: CompressJobResult | None = None
+
+    @property
+    def active_fraction(self) -> float | None:
+        """MoE: the share of the parameters one token runs through (None: not
+        reported)."""
+        report = self.compression.report if self.compression else None
+        if report is None or not report.total_parameters:
+            return None
+        if report.active_parameters is None:
+            return None
+        return report.active_parameters / report.total_parameters
 
     @property
     def routing(self) -> RoutingReport | None:
@@ -102,6 +118,7 @@ def release_evidence(
     page.quality = _read(problems, evidence.quality_report, release)
     page.load = _read(problems, evidence.load_report, release)
     page.integrity = evidence.integrity(release)
+    page.compression = _read(problems, evidence.compress_report, release)
     page.costs = costs = release_costs(release, targets=targets, load=page.load)
     problems += costs.env.problems
     page.live_release = costs.live_release

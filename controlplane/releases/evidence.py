@@ -23,6 +23,7 @@ from controlplane.releases.models import AFTER_DEPLOY_JOB_KINDS, Job, Release
 from gpuagent.protocol import (
     LOAD_TEST_JOB_KIND,
     QUALITY_JOB_KIND,
+    CompressJobResult,
     LoadTestReport,
     QualityReport,
 )
@@ -83,6 +84,13 @@ def quality_report(release: Release) -> QualityReport | None:
 def load_report(release: Release) -> LoadTestReport | None:
     """The newest load test of `release`, or None when none succeeded."""
     return _report(release, LOAD_TEST_JOB_KIND, LoadTestReport)
+
+
+def compress_report(release: Release) -> CompressJobResult | None:
+    """What the newest compress job of `release` made and reported (sizes; for
+    MoE models total vs active parameters and the experts GPTQ rounded to nearest),
+    or None when none succeeded."""
+    return _report(release, "compress", CompressJobResult)
 
 
 def load_reports(releases) -> dict[int, LoadTestReport]:

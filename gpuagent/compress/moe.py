@@ -20,7 +20,10 @@ llm-compressor writes these models: `lm_head`, `re:.*mlp\\.gate$`):
   (`quantize_shared_experts`, `quantize_dense_layers`, default both).
 
 GPTQ goes through the layer in the order it runs (true sequential, as the dense
-path): q/kv down-projections, q_b, o_proj, then the MLP's gate/up, then down. Once
+path): q/kv down-projections, q_b, o_proj, then the MLP's gate/up, then down. The
+attention groups run the attention alone (`run_attention`: their inputs don't
+depend on the MLP, whose routed experts are most of a layer's forward), each
+forward stopped once the group's input is taken. Once
 the attention is quantized the MLP's inputs are fixed: they are taken once
 (`mlp_inputs`) and the MLP groups run the MLP alone on them. Each such forward
 runs the block's own router and its grouping of tokens per expert
@@ -42,7 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gpuagent.compress.calibration import run_layer
 from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq
 from gpuagent.compress.quantize import QuantizedWeight, quantize_rtn
 from gpuagent.compress.recipes import WeightScheme
@@ -134,13 +136,61 @@ def dense_linears(layer: torch.nn.Module, scheme: WeightScheme) -> list[str]:
 MLP_ROWS = 4096
 
 
+def _attended(layer, hidden, cos, sin):
+    # the residual after the attention, batch by batch as `run_layer` splits it
+    # (so each batch's values are bit for bit those of the whole layer's forward)
+    for batch in hidden.split(8):
+        attn = layer.self_attn.forward_dense(layer.input_layernorm(batch), cos, sin)
+        yield batch + attn
+
+
+class _Stop(Exception):
+    """Raised by `run_attention`'s hook once `stop_at`'s inputs are taken."""
+
+
+def _stop(_module, _args) -> None:
+    raise _Stop
+
+
+def run_attention(
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    stop_at: str | None = None,
+) -> None:
+    """The layer's attention alone over the calibration states [B, T, hidden]
+    (outputs dropped): what the attention projections' hooks need, without the
+    MLP (every routed expert) the whole layer's forward would run too. With
+    `stop_at` (a module of the layer) each batch's forward stops as soon as that
+    module's inputs have gone to the hooks registered on it before this call
+    (q_a_proj's: the input norm only, not the attention)."""
+    stop = None if stop_at is None else layer.get_submodule(stop_at)
+    hook = None if stop is None else stop.register_forward_pre_hook(_stop)
+    try:
+        with torch.no_grad():
+            for batch in hidden.split(8):  # as `run_layer` splits it
+                try:
+                    layer.self_attn.forward_dense(
+                        layer.input_layernorm(batch), cos, sin
+                    )
+                except _Stop:
+                    pass
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
 def mlp_inputs(
     layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """The layer's MLP inputs [B * T, hidden] (post-attention norm of the
-    residual) over the calibration states [B, T, hidden]."""
-    seen: list[torch.Tensor] = []
-    run_layer(layer, hidden, cos, sin, {"mlp": seen.append})
+    residual) over the calibration states [B, T, hidden], the MLP not run."""
+    with torch.no_grad():
+        seen = [
+            layer.post_attention_layernorm(x)
+            for x in _attended(layer, hidden, cos, sin)
+        ]
     return torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
 
 
@@ -221,9 +271,10 @@ def quantize_moe_layer(
                 run = functools.partial(run_mlp, layer, inputs)
                 accs = input_hessians(layer, sets, run)
             elif calibration is not None:
-                accs = input_hessians(
-                    layer, sets, lambda: run_layer(layer, *calibration)
-                )
+                # one set (one input) per attention group: stop once it's taken
+                stop_at = sets[0].hook if len(sets) == 1 else None
+                run = functools.partial(run_attention, layer, *calibration, stop_at)
+                accs = input_hessians(layer, sets, run)
             for s in sets:
                 acc = accs.get(s.hook)
                 rtn = acc is None or s.expert in fell_back

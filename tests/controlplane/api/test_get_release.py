@@ -5,6 +5,7 @@ from controlplane.releases.actions.gate_results import do_record_gate_result
 from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 from controlplane.releases.models import Approval
 from tests.controlplane.api.helpers import DIGEST, error_of, field_names
+from tests.controlplane.dashboard.builders import compress_result
 
 
 def url(release_id) -> str:
@@ -123,4 +124,48 @@ def test_it_counts_the_re_verifications_instead_of_listing_them(
     assert (summary["newest"]["id"], summary["newest"]["state"]) == (last.pk, "failed")
     assert summary["history_url"].endswith(
         f"/api/v1/releases/{release.pk}/reverifications"
+    )
+
+
+def test_it_shows_a_moe_releases_parameters_and_rtn_fallbacks(
+    api, owner_token, make_release
+):
+    release = make_release("3.0.0")
+    made = compress_result(
+        release,
+        parameters=(1_140_000, 420_000),
+        fallbacks=((2, 5, 3),),
+        min_expert_tokens=16,
+    )
+    do_finish_job(
+        do_start_job(release, "compress"), result=made.model_dump(mode="json")
+    )
+
+    data = api.get(url(release.pk), token=owner_token).json()
+
+    assert data["compression"] == {
+        "weights": made.weights,
+        "kv_cache_dtype": made.kv_cache_dtype,
+        "size_bytes": made.size_bytes,
+        "source_size_bytes": made.source_size_bytes,
+        "total_parameters": 1_140_000,
+        "active_parameters": 420_000,
+        "min_expert_tokens": 16,
+        "rtn_fallback_experts": [{"layer": 2, "expert": 5, "tokens": 3}],
+    }
+    assert data["compression_problem"] is None
+
+
+def test_it_says_no_compression_yet_or_why_it_is_unreadable(
+    api, owner_token, make_release
+):
+    release = make_release("3.0.0")
+    assert api.get(url(release.pk), token=owner_token).json()["compression"] is None
+
+    job = do_finish_job(do_start_job(release, "compress"), result={"candidate": 3})
+
+    data = api.get(url(release.pk), token=owner_token).json()
+    assert data["compression"] is None
+    assert data["compression_problem"].startswith(
+        f"compress job {job.pk} recorded an unreadable report"
     )

@@ -24,6 +24,9 @@ from controlplane.releases.actions.jobs import do_finish_job, do_start_job
 from controlplane.releases.actions.manifests import do_record_manifest
 from controlplane.releases.actions.transitions import do_transition_release
 from gpuagent.protocol import (
+    CompressJobResult,
+    CompressResult,
+    ExpertFallback,
     FileDigest,
     Interval,
     LayerRouting,
@@ -31,6 +34,7 @@ from gpuagent.protocol import (
     LoadTestReport,
     Percentiles,
     QualityReport,
+    Recipe,
     RoutingReport,
     SliceQuality,
     WorkloadReport,
@@ -245,6 +249,47 @@ def record_job(release, kind: str, result: dict, *, agent=None):
     return do_finish_job(job, result=result)
 
 
+def compress_result(
+    release,
+    *,
+    parameters: tuple[int, int] | None = None,
+    fallbacks: tuple[tuple[int, int, int], ...] = (),
+    min_expert_tokens: int | None = None,
+) -> CompressJobResult:
+    """What the compress job returns: a dense model's report, or with
+    `parameters` (total, active) an MoE model's, its `fallbacks` (layer, expert,
+    tokens) rounded to nearest below `min_expert_tokens` (None: not calibrated)."""
+    recipe = Recipe.model_validate(release.recipe)
+    before = 16_060_000_000
+    after = WEIGHT_BYTES.get(recipe.weights, before)
+    return CompressJobResult(
+        candidate=f"candidates/{release.model.name}-{release.version}",
+        weights=recipe.weights,
+        kv_cache_dtype=recipe.kv_cache_dtype,
+        source_manifest_digest="sha256:" + "0" * 64,
+        size_bytes=after,
+        source_size_bytes=before,
+        report=CompressResult(
+            out_dir=f"candidates/{release.model.name}-{release.version}",
+            recipe=recipe,
+            quantized_layers=LAYERS,
+            sizes=[],
+            total_bytes_before=before,
+            total_bytes_after=after,
+            expected_gpu_weight_bytes=after,
+            kv_scales=False,
+            rtn_fallback_experts=[
+                ExpertFallback(layer=layer, expert=expert, tokens=tokens)
+                for layer, expert, tokens in fallbacks
+            ],
+            min_expert_tokens=min_expert_tokens,
+            total_parameters=parameters[0] if parameters else None,
+            active_parameters=parameters[1] if parameters else None,
+            seconds=12.5,
+        ),
+    )
+
+
 def record_manifest(release, salt: str = ""):
     files = []
     for path, size in (
@@ -282,7 +327,8 @@ def to_awaiting_approval(
     do_transition_release(release, "verifying", actor=WORKER)
     record_job(release, "verify_source", {"report": {"ok": True}}, agent=agent)
     do_transition_release(release, "compressing", actor=WORKER)
-    record_job(release, "compress", {"recipe": release.recipe}, agent=agent)
+    compressed = compress_result(release).model_dump(mode="json")
+    record_job(release, "compress", compressed, agent=agent)
     digest = record_manifest(release, salt=release.version if salt is None else salt)
     record_job(
         release,

@@ -13,9 +13,11 @@ from controlplane.releases.actions.transitions import do_transition_release
 from controlplane.releases.models import Job
 from gpuagent.protocol import FileDigest, ServingEngine, default_load_plan
 from tests.controlplane.dashboard.builders import (
+    compress_result,
     load_test_report,
     moe_routing,
     quality_report,
+    record_job,
     set_price,
 )
 
@@ -314,6 +316,94 @@ def test_it_shows_an_unreadable_report_as_a_problem(client, teammate, release):
         response.content
     )
     assert response.context["evidence"].load is None
+
+
+def _compression(body: str) -> str:
+    return re.search(
+        r'<table class="facts" id="compression">(.*?)</table>\s*</div>', body, re.S
+    ).group(1)
+
+
+def test_it_shows_a_moe_releases_active_parameters_and_rtn_fallbacks(
+    client, teammate, awaiting
+):
+    release = awaiting("2.0.0", routing=moe_routing(0.95, 0.92))
+    made = compress_result(
+        release,
+        parameters=(1_140_000, 420_000),
+        fallbacks=((2, 5, 3), (3, 7, 0)),
+        min_expert_tokens=16,
+    )
+    record_job(release, "compress", made.model_dump(mode="json"))
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    body = response.content.decode()
+    assert response.context["evidence"].compression == made
+    table = _compression(body)
+    parameters = re.search(
+        r'id="compression-parameters">(.*?)</td>', table, re.S
+    ).group(1)
+    assert "<strong>1140000</strong> in total" in parameters
+    assert "<strong>420000</strong> active per token" in parameters
+    assert "(36.8% of the total)" in parameters
+    fallbacks = re.search(r'id="compression-fallbacks">(.*?)</td>\s*</tr>', table, re.S)
+    assert "2 routed experts got fewer than 16 calibration tokens" in fallbacks.group(1)
+    rows = re.findall(
+        r'<tr data-layer="(\d+)" data-expert="(\d+)"><td class="num">\d+</td>'
+        r'<td class="num">\d+</td><td class="num">(\d+)</td></tr>',
+        table,
+    )
+    assert rows == [("2", "5", "3"), ("3", "7", "0")]
+
+
+@pytest.mark.parametrize(
+    ("min_expert_tokens", "says"),
+    [
+        (16, "none: every routed expert got at least 16 calibration tokens"),
+        (None, "not applicable: the recipe's weights are not calibrated"),
+    ],
+)
+def test_it_says_when_no_expert_fell_back(
+    client, teammate, awaiting, min_expert_tokens, says
+):
+    release = awaiting("2.0.0")
+    made = compress_result(
+        release, parameters=(1_000, 500), min_expert_tokens=min_expert_tokens
+    )
+    record_job(release, "compress", made.model_dump(mode="json"))
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    assert says in _compression(body)
+    assert 'id="rtn-fallbacks"' not in body
+
+
+def test_it_shows_no_moe_facts_for_a_dense_release(client, teammate, awaiting):
+    release = awaiting("1.0.0")
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+
+    table = _compression(body)
+    assert 'id="compression-size"' in table
+    assert "compression-parameters" not in table
+    assert "compression-fallbacks" not in table
+
+
+def test_it_shows_an_unreadable_compress_report_as_a_problem(client, teammate, release):
+    job = do_finish_job(do_start_job(release, "compress"), result={"candidate": 3})
+    client.force_login(teammate)
+
+    response = client.get(f"/releases/{release.pk}/")
+
+    assert f"compress job {job.pk} recorded an unreadable report".encode() in (
+        response.content
+    )
+    assert response.context["evidence"].compression is None
+    assert b"No compress report: no compress job has succeeded" in response.content
 
 
 def test_it_shows_the_audit_trail_of_release_jobs_and_deployments(

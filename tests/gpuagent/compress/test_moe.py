@@ -11,6 +11,7 @@ diffs.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -21,7 +22,14 @@ from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file
 
 from gpuagent.compress import compress
-from gpuagent.compress.moe import input_hessians, layer_groups, mlp_inputs, run_mlp
+from gpuagent.compress.calibration import run_layer
+from gpuagent.compress.moe import (
+    input_hessians,
+    layer_groups,
+    mlp_inputs,
+    run_attention,
+    run_mlp,
+)
 from gpuagent.compress.pipeline import CompressError
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import RecipeError, weight_scheme
@@ -279,6 +287,45 @@ def test_each_expert_hessian_sees_only_its_routed_tokens(sources, arch):
             torch.testing.assert_close(acc.hessian, expected, rtol=1e-5, atol=1e-7)
     shared = accs["mlp.shared_experts.gate_proj"]  # every token
     assert shared.num_rows == tokens.numel()
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_attention_groups_are_calibrated_without_running_the_mlp(sources, arch):
+    model = load_model(sources[arch])
+    layer = model.layers[1]  # the first MoE layer
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 264, (10, 24), generator=gen)  # two batches of 8
+    cos, sin = model._rope(torch.arange(24))
+    with torch.no_grad():
+        hidden = model.embed_tokens(tokens)
+    scheme = weight_scheme({"weights": "w8a16", "kv_cache_dtype": "bf16"})
+    attention = [s for g in layer_groups(layer, scheme)[:-2] for s in g]
+    mlp_calls = []
+    counting = layer.mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
+    try:
+        alone = input_hessians(
+            layer, attention, lambda: run_attention(layer, hidden, cos, sin)
+        )
+        # each group's own pass, its forward stopped once its input is taken
+        stopped = {}
+        for s in attention:
+            run = functools.partial(run_attention, layer, hidden, cos, sin, s.hook)
+            stopped.update(input_hessians(layer, [s], run))
+        inputs = mlp_inputs(layer, hidden, cos, sin)
+        assert mlp_calls == []  # no expert ran
+        whole = input_hessians(
+            layer, attention, lambda: run_layer(layer, hidden, cos, sin)
+        )
+        seen = []
+        run_layer(layer, hidden, cos, sin, {"mlp": seen.append})
+    finally:
+        counting.remove()
+    # bit for bit what the whole layer's forward gives (so the same codes)
+    for s in attention:
+        for accs in (alone, stopped):
+            assert accs[s.hook].num_rows == whole[s.hook].num_rows == tokens.numel()
+            assert torch.equal(accs[s.hook].hessian, whole[s.hook].hessian), s.hook
+    assert torch.equal(inputs, torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]))
 
 
 def _fallback_run(sources, tmp_path, min_tokens, name="out"):
