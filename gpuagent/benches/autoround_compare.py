@@ -17,8 +17,11 @@ the compression wall time (ours: `compress` end to end; AutoRound's: model load
 to saved folder inside the subprocess, its interpreter start and the conversion
 left out). Same torch thread count on both sides.
 
-The verdict per group size: our best recipe's overall mean KLD <= AutoRound's and
-its compression time no worse (the exit status counts both).
+The verdict per group size and format: our best recipe's overall mean KLD <=
+AutoRound's of the same format (symmetric; asymmetric with `--autoround-asym`),
+its compression time no worse and its linear layers <= 0.28 of bf16 (the exit
+status counts all three); our asymmetric rows without an AutoRound asymmetric row
+are printed as information.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ OURS = (
 class Result:
     label: str
     group: int
+    symmetric: bool
     linear_ratio: float
     seconds: float
     report: QualityReport
@@ -115,10 +119,12 @@ def run_autoround(
     steps: int,
     threads: int,
     workdir: Path,
+    symmetric: bool = True,
 ) -> tuple[Path, float]:
     """AutoRound's folder in our layout and its compression seconds. Raises
     RuntimeError with the subprocess's last output when it fails."""
-    out = workdir / f"autoround-g{group}-gptq"
+    kind = "sym" if symmetric else "asym"
+    out = workdir / f"autoround-g{group}-{kind}-gptq"
     cmd = [
         str(python),
         str(RUNNER),
@@ -134,6 +140,7 @@ def run_autoround(
         str(steps),
         "--threads",
         str(threads),
+        *([] if symmetric else ["--asym"]),
     ]
     env = {**os.environ, "PYTHONPATH": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -143,8 +150,8 @@ def run_autoround(
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     saved = [p for p in out.iterdir() if (p / "config.json").exists()]
     saved = saved[0] if saved else out
-    folder = workdir / f"autoround-g{group}"
-    convert(saved, folder, symmetric=True, tokenizer_dir=model_dir)
+    folder = workdir / f"autoround-g{group}-{kind}"
+    convert(saved, folder, symmetric=symmetric, tokenizer_dir=model_dir)
     print(
         f"AutoRound {info['auto_round']} (torch {info['torch']}): per-layer groups "
         f"{info['layer_config'] or 'none'}",
@@ -187,27 +194,41 @@ def render(results: list[Result]) -> str:
 
 
 def verdict(results: list[Result]) -> tuple[str, bool]:
-    """Per group: AutoRound's row vs our best (lowest overall KLD) row."""
+    """Per group and format (symmetric, and asymmetric where AutoRound ran it):
+    AutoRound's row vs our best (lowest overall KLD) row of the same format. Our
+    asymmetric rows without an AutoRound asymmetric row are information."""
     lines, ok = [], True
     for group in sorted({r.group for r in results}, reverse=True):
-        rows = [r for r in results if r.group == group]
-        peer = next(r for r in rows if r.label.startswith("AutoRound"))
-        best = min(
-            (r for r in rows if r is not peer), key=lambda r: r.overall().mean_kld
-        )
-        kld_ok = best.overall().mean_kld <= peer.overall().mean_kld
-        time_ok = best.seconds <= peer.seconds
-        size_ok = best.linear_ratio <= SIZE_TARGET
-        ok &= kld_ok and time_ok and size_ok
-        lines.append(
-            f"g{group}: ours best '{best.label}' KLD {best.overall().mean_kld:.5f} vs "
-            f"AutoRound {peer.overall().mean_kld:.5f} "
-            f"({best.overall().mean_kld / peer.overall().mean_kld:.2f}x) "
-            f"{'PASS' if kld_ok else 'FAIL'}; time {best.seconds:.0f} s vs "
-            f"{peer.seconds:.0f} s ({best.seconds / peer.seconds:.2f}x) "
-            f"{'PASS' if time_ok else 'FAIL'}; linear {best.linear_ratio:.3f} "
-            f"<= {SIZE_TARGET} {'PASS' if size_ok else 'FAIL'}"
-        )
+        for symmetric in (True, False):
+            rows = [r for r in results if r.group == group and r.symmetric == symmetric]
+            peers = [r for r in rows if r.label.startswith("AutoRound")]
+            ours = [r for r in rows if not r.label.startswith("AutoRound")]
+            if not ours:
+                continue
+            best = min(ours, key=lambda r: r.overall().mean_kld)
+            kind = "sym" if symmetric else "asym"
+            if not peers:
+                lines.append(
+                    f"g{group} {kind}: ours best '{best.label}' KLD "
+                    f"{best.overall().mean_kld:.5f} in {best.seconds:.0f} s (no "
+                    "AutoRound row of this format: information)"
+                )
+                continue
+            peer = peers[0]
+            kld_ok = best.overall().mean_kld <= peer.overall().mean_kld
+            time_ok = best.seconds <= peer.seconds
+            size_ok = best.linear_ratio <= SIZE_TARGET
+            ok &= kld_ok and time_ok and size_ok
+            lines.append(
+                f"g{group} {kind}: ours best '{best.label}' KLD "
+                f"{best.overall().mean_kld:.5f} vs AutoRound "
+                f"{peer.overall().mean_kld:.5f} "
+                f"({best.overall().mean_kld / peer.overall().mean_kld:.2f}x) "
+                f"{'PASS' if kld_ok else 'FAIL'}; time {best.seconds:.0f} s vs "
+                f"{peer.seconds:.0f} s ({best.seconds / peer.seconds:.2f}x) "
+                f"{'PASS' if time_ok else 'FAIL'}; linear {best.linear_ratio:.3f} "
+                f"<= {SIZE_TARGET} {'PASS' if size_ok else 'FAIL'}"
+            )
     return "\n".join(lines), ok
 
 
@@ -230,6 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--recipes", nargs="+", default=None, help=f"ours: {[o[0] for o in OURS]}"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--autoround-asym",
+        action="store_true",
+        help="also run AutoRound asymmetric (the peer of our asymmetric recipes)",
+    )
     args = parser.parse_args(argv)
     ours = [o for o in OURS if args.recipes is None or o[0] in args.recipes]
     unknown = set(args.recipes or ()) - {o[0] for o in OURS}
@@ -255,10 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = EngineModel(args.model_dir, "bf16", max_tokens=1024)
     results: list[Result] = []
 
-    def score(label: str, group: int, folder: Path, seconds: float) -> None:
+    def score(label, group, symmetric, folder: Path, seconds: float) -> None:
         candidate = EngineModel(folder, "bf16", max_tokens=1024)
         report = evaluate_quality(candidate, reference, settings)
-        results.append(Result(label, group, linear_ratio(folder), seconds, report))
+        ratio = linear_ratio(folder)
+        results.append(Result(label, group, symmetric, ratio, seconds, report))
         print(render(results[-1:]).splitlines()[-1], flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,22 +294,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.model_dir)
         calibration.write_text(json.dumps(calibration_sequences(tokenizer, *size)))
         for group in args.groups:
-            folder, seconds = run_autoround(
-                python,
-                args.model_dir,
-                calibration,
-                group,
-                args.steps,
-                args.threads,
-                workdir,
-            )
-            score("AutoRound (sym)", group, folder, seconds)
+            for symmetric in (True, False) if args.autoround_asym else (True,):
+                folder, seconds = run_autoround(
+                    python,
+                    args.model_dir,
+                    calibration,
+                    group,
+                    args.steps,
+                    args.threads,
+                    workdir,
+                    symmetric,
+                )
+                kind = "sym" if symmetric else "asym"
+                score(f"AutoRound ({kind})", group, symmetric, folder, seconds)
             for label, options in ours:
                 out = workdir / f"ours-g{group}-{label.replace(' ', '_')}"
                 folder, seconds = run_ours(
                     args.model_dir, options, group, size, args.steps, out
                 )
-                score(label, group, folder, seconds)
+                score(label, group, options.get("symmetric", True), folder, seconds)
     print("\n" + render(results))
     text, ok = verdict(results)
     print("\n" + text)
