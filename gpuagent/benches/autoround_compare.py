@@ -152,9 +152,12 @@ def run_autoround(
     saved = saved[0] if saved else out
     folder = workdir / f"autoround-g{group}-{kind}"
     convert(saved, folder, symmetric=symmetric, tokenizer_dir=model_dir)
+    overrides: dict[int, int] = {}
+    for layer in info["layer_config"].values():
+        overrides[layer["group_size"]] = overrides.get(layer["group_size"], 0) + 1
     print(
-        f"AutoRound {info['auto_round']} (torch {info['torch']}): per-layer groups "
-        f"{info['layer_config'] or 'none'}",
+        f"AutoRound {info['auto_round']} (torch {info['torch']}): group {group}, "
+        f"overridden per layer: {overrides or 'none'} (Linears: count)",
         flush=True,
     )
     return folder, float(info["seconds"])
