@@ -618,6 +618,13 @@ DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
+def engine_kv_budget_bytes(kv_memory_gb: float | None) -> int:
+    """The KV pool the project's engine is started with for a backend's
+    `kv_memory_gb` (None: the agent's default), in bytes as the engine counts
+    them (`--kv-memory-gb` in GiB)."""
+    return int((kv_memory_gb or ENGINE_KV_MEMORY_GB) * 2**30)
+
+
 # Command templates (BackendSpec.command_template, a ServingPreset's template): the
 # grammar both sides check; gpuagent.serving.templates renders them on the agent.
 TEMPLATE_PLACEHOLDERS = (

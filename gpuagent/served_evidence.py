@@ -30,6 +30,7 @@ from gpuagent.protocol import (
     DeploySpec,
     QualityReport,
     ServingEngine,
+    engine_kv_budget_bytes,
 )
 from gpuagent.serving.deploy import DEFAULT_GPU_MEMORY_UTILIZATION
 from gpuagent.serving.engine_info import describe_server
@@ -131,8 +132,8 @@ def fits_side_by_side(
 
 def engine_need_bytes(folder: Path, backend: BackendSpec) -> int:
     """What the project's engine takes for `folder`: its weights as loaded and
-    its KV budget."""
-    kv = int((backend.kv_memory_gb or 0) * 1e9)
+    its KV budget (as the agent starts it: the default where none is set)."""
+    kv = engine_kv_budget_bytes(backend.kv_memory_gb)
     return folder_bytes(folder) * LOADED_BYTES_PER_FILE_BYTE + kv
 
 

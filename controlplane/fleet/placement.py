@@ -32,9 +32,9 @@ from typing import Literal
 from gpuagent.protocol import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_MODEL_LEN,
-    ENGINE_KV_MEMORY_GB,
     BackendSpec,
     Placement,
+    engine_kv_budget_bytes,
 )
 
 GIB = 2**30
@@ -101,7 +101,7 @@ def memory_need(
     """What a release needs on each device it is placed on (module docstring)."""
     if backend.kind == "engine":
         factor = 2 if on_cpu and weights_format != "fp16" else 1
-        kv = int((backend.kv_memory_gb or ENGINE_KV_MEMORY_GB) * GIB)
+        kv = engine_kv_budget_bytes(backend.kv_memory_gb)
         return Need(weights_bytes * factor + kv)
     shards = backend.tensor_parallel_size
     context = backend.max_model_len or DEFAULT_MAX_MODEL_LEN
