@@ -2,6 +2,7 @@ from django import forms
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
 
+from controlplane.audit.admin import ReadOnlyAdmin
 from controlplane.errors import ControlPlaneError, ValidationFailed
 from controlplane.fleet.actions import do_set_serving_preset
 from controlplane.fleet.backend import (
@@ -113,20 +114,6 @@ class ServingPresetAdmin(admin.ModelAdmin):
         except ControlPlaneError as exc:
             raise PermissionDenied(exc.message) from exc
         obj.pk = saved.pk
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Shown, never written here: enrollment goes through its actions (the fleet
-    page and the API, audited); the replay store through the intake."""
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(EnrollmentRequest)
