@@ -22,20 +22,14 @@ from collections.abc import Mapping
 
 import torch
 
+from gpuagent import sizing
 from gpuagent.integrity.safetensors_header import parse_header_bytes
 from gpuagent.protocol import TensorClassSize
 
 TENSOR_CLASSES = ("attention", "mlp", "embeddings", "other")
-MOE_TENSOR_CLASSES = (
-    "attention",
-    "routed_experts",
-    "shared_experts",
-    "router",
-    "dense_mlp",
-    "embeddings",
-    "norms",
-    "other",
-)
+# The classes sizing reports for a MoE config, and "other" so they always sum to
+# the total.
+MOE_TENSOR_CLASSES = (*sizing.TENSOR_CLASSES, "other")
 
 
 def tensor_classes(moe: bool = False) -> tuple[str, ...]:
