@@ -116,8 +116,9 @@ def measure(
     """Compress in a fresh child (`--child`): its peak RSS over its baseline and
     the seconds `compress` took; `options` go to `compress`. With `cap_bytes`, the
     child's address space is capped (RLIMIT_AS) at its size after the imports plus
-    `cap_bytes` (one malloc arena, so glibc's per-thread reservations don't eat
-    the cap), and a MemoryError comes back as {"memory_error": why}."""
+    `cap_bytes` (one malloc arena, 256 KiB thread stacks: glibc's per-thread
+    reservations don't eat the cap), and a MemoryError comes back as
+    {"memory_error": why}."""
     env = {**os.environ, "MALLOC_ARENA_MAX": "1"} if cap_bytes else None
     child = subprocess.run(
         [
@@ -154,7 +155,11 @@ def _child(args: dict) -> None:
     torch.set_num_threads(1)  # the project's shared CPUs; both paths alike
     if args.get("cap_bytes"):
         import resource
+        import threading
 
+        # A thread's stack is reserved whole (8 MiB by default) and counts against
+        # RLIMIT_AS: the file readers' threads would take the cap, not the data.
+        threading.stack_size(256 << 10)
         limit = _status_bytes("VmSize") + args["cap_bytes"]
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
     baseline = reset_peak_rss()
