@@ -106,14 +106,15 @@ def test_it_takes_the_moe_demo_model_from_registration_to_live(tmp_path):
     index) through every stage on the local CPU agent, its experts and MLA
     projections compressed to w8a16 and its MLA latent cached in int8, to live,
     the router-agreement gate judged; twice, the second release superseding the
-    first."""
+    first. Between the two, the Llama demo goes live in its own environment, and
+    neither model's release supersedes the other's."""
     data_dir = tmp_path / "var"
 
     result = run_demo(data_dir, "--model", "moe")
 
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "demo-deepseek@0.1.1 is live in demo/staging" in out
+    assert "demo-deepseek@0.1.1 is live in demo/staging-moe" in out
     assert "Endpoint:   http://127.0.0.1:" in out
     assert "pass         integrity" in out and "quality:korean" in out
     assert "load:chat" in out
@@ -136,14 +137,26 @@ def test_it_takes_the_moe_demo_model_from_registration_to_live(tmp_path):
         [(family,)] = db.execute("SELECT name FROM releases_modelfamily").fetchall()
     assert family == "demo-deepseek"
 
-    # A second run registers the next version, gated against the first (live),
-    # which it supersedes.
+    # The Llama demo in the same data folder goes live in its own environment
+    # and leaves the MoE release live.
+    llama = run_demo(data_dir)
+
+    assert llama.returncode == 0, llama.stdout + llama.stderr
+    assert "demo-llama@0.1.1 is live in demo/staging\n" in llama.stdout
+    assert [row[:2] for row in release_rows(data_dir)] == [
+        ("0.1.1", "live"),
+        ("0.1.1", "live"),
+    ]
+
+    # A second MoE run registers the next version, gated against the first
+    # (live in its environment), which it supersedes; the Llama one stays live.
     second = run_demo(data_dir, "--model", "moe")
 
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "demo-deepseek@0.1.2 is live in demo/staging" in second.stdout
+    assert "demo-deepseek@0.1.2 is live in demo/staging-moe" in second.stdout
     assert [row[:2] for row in release_rows(data_dir)] == [
         ("0.1.1", "superseded"),
+        ("0.1.1", "live"),
         ("0.1.2", "live"),
     ]
 

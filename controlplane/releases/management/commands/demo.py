@@ -57,19 +57,23 @@ DEMO_RECIPE = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "method": "gpt
 # .moe) and caches the MLA latent in int8: the quality gates (router agreement
 # included) and the load gates judge it against the bf16 parent.
 MOE_DEMO_RECIPE = {"weights": "w8a16", "kv_cache_dtype": "int8"}
-# --model: (source folder, family name, family description, recipe)
+# --model: (source folder, family name, family description, recipe, environment).
+# An environment serves one live deployment (a newer one supersedes it), so each
+# demo model has its own: the MoE demo run after the Llama one leaves it live.
 DEMO_MODELS = {
     "llama": (
         DEMO_MODEL,
         "demo-llama",
         "the tiny Llama that ships with releasegate",
         DEMO_RECIPE,
+        "staging",
     ),
     "moe": (
         MOE_DEMO_MODEL,
         "demo-deepseek",
         "the tiny DeepSeek-V3 (MLA + MoE) that ships with releasegate",
         MOE_DEMO_RECIPE,
+        "staging-moe",
     ),
 }
 LOCAL_AGENT = "local"
@@ -120,9 +124,11 @@ class Command(BaseCommand):
     def handle(self, *args, **options):
         call_command("migrate", interactive=False, verbosity=0)
         password = os.getenv("DEMO_PASSWORD") or secrets.token_urlsafe(12)
-        folder, family_name, description, recipe = DEMO_MODELS[options["model"]]
+        folder, family_name, description, recipe, environment_name = DEMO_MODELS[
+            options["model"]
+        ]
         registrant, approver, environment, family = self.cast(
-            password, family_name, description
+            password, family_name, description, environment_name
         )
 
         version = f"0.1.{family.releases.count() + 1}"
@@ -173,7 +179,9 @@ class Command(BaseCommand):
             self.stop_engine_servers(worker)
             self.stop_worker(worker)
 
-    def cast(self, password: str, family_name: str, description: str):
+    def cast(
+        self, password: str, family_name: str, description: str, environment_name: str
+    ):
         team, _ = Team.objects.get_or_create(slug="demo", defaults={"name": "Demo"})
         users = []
         for username, role in (("demo", "admin"), ("approver", "approver")):
@@ -185,7 +193,9 @@ class Command(BaseCommand):
                 team=team, user=user, defaults={"role": role}
             )
             users.append(user)
-        environment, _ = Environment.objects.get_or_create(team=team, name="staging")
+        environment, _ = Environment.objects.get_or_create(
+            team=team, name=environment_name
+        )
         do_set_gate_policy(environment, DEMO_POLICY, actor=users[0])
         do_set_cost_model(environment, DEMO_COST_MODEL, actor=users[0])
         family, _ = ModelFamily.objects.get_or_create(
