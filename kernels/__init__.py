@@ -25,6 +25,7 @@ from kernels.kv_quant import (
     write_kv,
     write_window,
 )
+from kernels.mla_attention import mla_decode_attention
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.weight_matmul import (
     CpuPackedWeight,
@@ -54,6 +55,7 @@ __all__ = [
     "kv_static_bytes",
     "kv_window_bytes",
     "kv_writer_version",
+    "mla_decode_attention",
     "pack_int4",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -8,6 +8,12 @@ shapes (decode: batch 32 at 32k context; int4 matmul 4096x14336 at batch 1..16 v
 bf16 `torch.matmul`) and prints % of HBM bandwidth (H200: 4.8 TB/s). On the CPU it
 times the torch reference path at small shapes and prints the same table, the
 weight-only matmuls also through torch's CPU kernels (prepacked weights).
+
+On CUDA only (`--mla-only` for these rows alone), MLA decode at DeepSeek-V3's
+published dimensions (kv_lora_rank 512, RoPE 64, 128 heads, batch 32) at a few
+context lengths, per latent cache dtype: the torch path ("mla_torch", the gathered
+float32 reference) and the Triton kernel ("mla_decode"); their ratio column is the
+torch path's time / this time (mla_torch's own row reads 1.00).
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import int4_cpu, kv_quant, matmul_tuning, paged_attention, weight_matmul
+from kernels import (
+    int4_cpu,
+    kv_quant,
+    matmul_tuning,
+    mla_attention,
+    paged_attention,
+    weight_matmul,
+)
 from kernels._triton import HAS_TRITON, triton
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -26,6 +39,13 @@ KV_DTYPES = ("bf16", "fp8-per-token", "int8", "int4")
 # Attention rows: (label, cache dtype, full-precision window); int4+w16 is int4 as
 # the engine serves it, with each sequence's newest 16 tokens in bf16.
 ATTENTION_CACHES = tuple((d, d, 0) for d in KV_DTYPES) + (("int4+w16", "int4", 16),)
+# The MLA latent cache's serving dtypes (gpuagent.engine.mla; int4 is refused there)
+MLA_KV_DTYPES = ("bf16", "int8", "fp8-per-token", "fp8")
+# DeepSeek-V3 (and Kimi K2): kv_lora_rank, qk_rope_head_dim, attention heads, and
+# the score scale (qk_nope_head_dim 128 + rope 64)^-1/2 (YaRN's mscale^2 left out:
+# a constant factor, the same work)
+DEEPSEEK_V3_MLA = (512, 64, 128)
+DEEPSEEK_V3_SOFTMAX_SCALE = (128 + 64) ** -0.5
 
 
 def time_ms(fn: Callable[[], object], device: str, reps: int) -> float:
@@ -66,11 +86,13 @@ def fill_random(cache: kv_quant.PagedKVCache) -> None:
         (cache.key, cache.key_scale),
         (cache.value, cache.value_scale),
     ):
+        if store.numel() == 0:  # an MLA cache's value: width 0
+            continue
         flat = store.view(-1, store.shape[-1])
         for rows in torch.split(flat, 1 << 20):  # bounded temporaries
             if cache.dtype in ("bf16", "fp16"):
                 rows.normal_()
-            elif cache.dtype == "fp8-per-token":
+            elif cache.stores_fp8:
                 rows.copy_(torch.randn(rows.shape, device=rows.device))
             elif cache.dtype == "int8":
                 rows.copy_(torch.randint_like(rows, -127, 128))
@@ -173,15 +195,19 @@ def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
     qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * new_tokens
     query = torch.randn(batch * new_tokens, num_heads, head_dim, device=device)
     query = query.bfloat16()
+    # the chunks' own K/V, which a prefill with a window reads in full precision
+    new_kv = torch.randn(batch * new_tokens, num_kv_heads, head_dim, device=device)
+    new_kv = new_kv.bfloat16()
     bf16_ms = None
     for label, dtype, window in ATTENTION_CACHES:
         cache, rows = attention_cache(
             dtype, window, num_blocks, block_size, shape, batch, device
         )
+        chunk_kv = (new_kv, new_kv) if window else (None, None)
 
-        def run(c=cache, rows=rows):
+        def run(c=cache, rows=rows, chunk_kv=chunk_kv):
             paged_attention.paged_prefill_attention(
-                query, c, tables, qsl, lens, head_dim**-0.5, rows
+                query, c, tables, qsl, lens, head_dim**-0.5, rows, *chunk_kv
             )
 
         ms = time_ms(run, device, reps)
@@ -193,6 +219,73 @@ def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
         nbytes = kv + 2 * query.numel() * query.element_size()
         desc = f"B={batch} new={new_tokens} H={num_heads}/{num_kv_heads} D={head_dim}"
         table.row("prefill_attn", label, desc, ms, nbytes, bf16_ms)
+
+
+def mla_latent_cache(dtype, num_blocks, block_size, rank, rope, device):
+    """A randomly filled MLA latent cache laid out as `gpuagent.engine.mla`'s
+    allocate_mla_cache lays it out: key [num_blocks, block_size, 1, rank + rope],
+    a value of width 0; int8 / fp8-per-token a float16 scale per token and part
+    [num_blocks, block_size, 2], fp8 two static float32 scales [2]."""
+    storage = {
+        "bf16": torch.bfloat16,
+        "int8": torch.int8,
+        "fp8-per-token": torch.float8_e4m3fn,
+        "fp8": torch.float8_e4m3fn,
+    }[dtype]
+    shape = (num_blocks, block_size, 1, rank + rope)
+    key = torch.empty(shape, dtype=storage, device=device)
+    scale = None
+    if dtype in ("int8", "fp8-per-token"):
+        scale = torch.empty(shape[:2] + (2,), dtype=kv_quant.SCALE_DTYPE, device=device)
+    elif dtype == "fp8":
+        scale = torch.empty(2, dtype=torch.float32, device=device)
+    cache = kv_quant.PagedKVCache(
+        dtype=dtype,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=1,
+        head_dim=rank + rope,
+        key=key,
+        value=key.new_empty(shape[:3] + (0,)),
+        key_scale=scale,
+        value_scale=None,
+    )
+    fill_random(cache)
+    return cache
+
+
+def bench_mla_decode(
+    table, device, batch, context, reps, dims=DEEPSEEK_V3_MLA, kernel_impl="auto"
+) -> None:
+    """MLA decode per latent dtype: the torch path, then the kernel (ratio: torch
+    time / time). `kernel_impl` "triton" runs the kernel interpreted on a CPU."""
+    rank, rope, num_heads = dims
+    block_size = 16
+    num_blocks, tables = shuffled_block_tables(batch, context, block_size, device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q_lat = torch.randn(batch, num_heads, rank, device=device).bfloat16()
+    q_pe = torch.randn(batch, num_heads, rope, device=device).bfloat16()
+    for dtype in MLA_KV_DTYPES:
+        cache = mla_latent_cache(dtype, num_blocks, block_size, rank, rope, device)
+
+        def run(impl, c=cache):
+            mla_attention.mla_decode_attention(
+                q_lat, q_pe, c, tables, lens, DEEPSEEK_V3_SOFTMAX_SCALE, impl=impl
+            )
+
+        torch_ms = time_ms(lambda: run("reference"), device, reps)
+        ms = time_ms(lambda: run(kernel_impl), device, reps)
+        per_token = (rank + rope) * cache.key.element_size()
+        if cache.key_scale is not None and not cache.static_scales:
+            per_token += 2 * kv_quant.SCALE_DTYPE.itemsize
+        queries = (q_lat.numel() + q_pe.numel()) * q_lat.element_size()
+        nbytes = batch * context * per_token + queries + q_lat.numel() * 2
+        desc = f"B={batch} ctx={context} H={num_heads} R={rank}+{rope}"
+        table.row("mla_torch", dtype, desc, torch_ms, nbytes, torch_ms)
+        table.row("mla_decode", dtype, desc, ms, nbytes, torch_ms)
+        del cache
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def bench_matmul(table, device, n, k, batches, reps) -> None:
@@ -277,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--matmul-only", action="store_true", help="only the weight-only matmul rows"
     )
+    parser.add_argument(
+        "--mla-only", action="store_true", help="only the MLA decode rows (CUDA)"
+    )
     args = parser.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -286,9 +382,18 @@ def main(argv: list[str] | None = None) -> None:
     path = "triton kernels" if on_gpu else "torch reference and CPU kernels (CPU)"
     name = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"# kernels.bench on {name}: {path}; ratio = bf16 time / time")
+    if args.mla_only and not on_gpu:
+        print("# the MLA decode rows run on CUDA only")
+        return
     table = Table(device)
     reps = 5 if not args.quick else 2
     if on_gpu:
+        mla_contexts = [4096] if args.quick else [1024, 4096, 16384]
+        if args.mla_only:
+            print("# mla rows: ratio = torch path time / kernel time")
+            for context in mla_contexts:
+                bench_mla_decode(table, device, 32, context, reps)
+            return
         batches = [1, 16] if args.quick else [1, 2, 4, 8, 16, 64, 256]
         bench_matmul(table, device, 14336, 4096, batches, reps)
         bench_matmul(table, device, 4096, 14336, batches, reps)
@@ -300,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
             bench_decode(table, device, 32, context, (32, 8, 128, 16), reps)
         bench_decode(table, device, 32, 4096, (16, 4, 64, 32), reps)  # demo-like
         bench_prefill(table, device, 4, 2048, (32, 8, 128, 16), reps)
+        print("# mla rows: ratio = torch path time / kernel time")
+        for context in mla_contexts:
+            bench_mla_decode(table, device, 32, context, reps)
     else:
         batches = [1, 16] if args.quick else [1, 4, 16]
         bench_matmul(table, device, 1024, 2048, batches, reps)

@@ -1,5 +1,5 @@
 """Compile the Triton kernels for a GPU target without a GPU: `python -m
-kernels.compile_check [kv_quant|paged_attention|weight_matmul ...]`.
+kernels.compile_check [kv_quant|paged_attention|mla_attention|weight_matmul ...]`.
 
 The interpreter (TRITON_INTERPRET=1) runs kernels as Python and accepts constructs
 the real compiler rejects; this lowers each kernel, at the configurations the
@@ -83,6 +83,22 @@ _REDUCE_SIG = {
     "out_ptr": "*bf16",
     "num_parts": "i32",
 }
+_MLA_DECODE_SIG = {
+    "q_lat_ptr": "*bf16",
+    "q_pe_ptr": "*bf16",
+    "cache_ptr": None,  # per dtype
+    "scale_ptr": "*fp16",
+    "block_tables_ptr": "*i32",
+    "context_lens_ptr": "*i32",
+    "part_out_ptr": "*fp32",
+    "part_max_ptr": "*fp32",
+    "part_sum_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "softmax_scale": "fp32",
+    "num_heads": "i32",
+    "stride_bt": "i32",
+    "num_parts": "i32",
+}
 _MATMUL_SIG = {
     "x_ptr": "*bf16",
     "w_ptr": None,
@@ -101,7 +117,7 @@ _WINDOW = 64
 
 def _configs(module: str):
     """(name, kernel, signature, constexprs, num_warps) to compile for `module`."""
-    from kernels import kv_quant, paged_attention, weight_matmul
+    from kernels import kv_quant, mla_attention, paged_attention, weight_matmul
 
     if module == "kv_quant":
         for code, qmax in ((0, 1.0), (1, 448.0), (2, 127.0), (3, 7.5)):
@@ -239,6 +255,40 @@ def _configs(module: str):
             consts,
             4,
         )
+    elif module == "mla_attention":
+        # (KV_DTYPE code, SCALES, RANK, ROPE, single partition): DeepSeek-V3's
+        # 512 + 64 in every storage, the demo model's 64 + 16, a padded 48 + 8.
+        shapes = ((0, 0, 512, 64, False), (2, 1, 512, 64, True),
+                  (1, 1, 512, 64, False), (1, 2, 512, 64, True),
+                  (0, 0, 64, 16, True), (2, 1, 48, 8, False))  # fmt: skip
+        for code, scales, rank, rope, single in shapes:
+            sig = dict(_MLA_DECODE_SIG, cache_ptr=_STORAGE[code])
+            if scales == 2:
+                sig["scale_ptr"] = "*fp32"
+            rank_pad = mla_attention._pad(rank)
+            consts = {
+                "RANK": rank,
+                "ROPE": rope,
+                "RANK_PAD": rank_pad,
+                "ROPE_PAD": mla_attention._pad(rope),
+                "HEAD_BLOCK": mla_attention.MLA_HEAD_BLOCK,
+                "BLOCK_SIZE": 16,
+                "BLOCK_N": mla_attention.MLA_BLOCK_N,
+                "PARTITION_SIZE": mla_attention.PARTITION_SIZE,
+                "KV_DTYPE": code,
+                "SCALES": scales,
+                "DOT_PRECISION": "tf32",
+                "SINGLE_PART": single,
+            }
+            name = f"mla_decode[{code},S{scales},R{rank}+{rope},single={single}]"
+            warps = mla_attention.num_warps(rank_pad)
+            yield name, mla_attention._mla_decode_kernel, sig, consts, warps
+        # fp32 latent: float32 storage, full-precision dots
+        sig = dict(_MLA_DECODE_SIG, cache_ptr="*fp32", q_lat_ptr="*fp32")
+        sig.update(q_pe_ptr="*fp32", out_ptr="*fp32")
+        consts = dict(consts, KV_DTYPE=0, SCALES=0, DOT_PRECISION="ieee")
+        name = "mla_decode[fp32,R48+8]"
+        yield name, mla_attention._mla_decode_kernel, sig, consts, 4
     elif module == "weight_matmul":
         for m in (1, 64, 256):
             config = weight_matmul._tile_config(m)
@@ -293,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     modules = (argv if argv is not None else sys.argv[1:]) or [
         "kv_quant",
         "paged_attention",
+        "mla_attention",
         "weight_matmul",
     ]
     failures = [f for module in modules for f in compile_module(module)]

@@ -15,6 +15,13 @@ Attention has two forms, equal up to float rounding (tested):
 - naive (prefill, and the reference): K and V are expanded per head from the
   gathered latents and attention runs as usual.
 
+Decode has two paths, chosen as the Llama model chooses its attention kernel
+(`kernels._triton.use_triton`: Triton when the tensors are on CUDA, `decode_impl`
+forcing either): `kernels.mla_attention`'s Triton kernel reads the latent
+straight from the paged cache, dequantizing in registers, and returns the
+probability-weighted latent; the torch path here gathers the context and runs
+`attend` (the reference, and what a CPU runs).
+
 Cache dtypes: bf16, fp16 and fp32 store the latent as a plain cast; int8 and
 fp8-per-token store codes with one float16 scale per token for the latent c and
 one for k_pe (two scales per token and layer: the parts' ranges differ, the RoPE
@@ -32,7 +39,9 @@ import torch
 from torch import Tensor, nn
 
 from gpuagent.engine.model import RMSNorm, apply_rope
+from kernels._triton import use_triton
 from kernels.kv_quant import SCALE_DTYPE, PagedKVCache, dequantize_kv, quantize_kv
+from kernels.mla_attention import mla_decode_attention
 
 if TYPE_CHECKING:
     from gpuagent.engine.arch import MoEConfig
@@ -239,6 +248,9 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=bias)
         # decode (and out_rows) in the absorbed form; tests flip it to compare
         self.absorb = True
+        # absorbed decode: "auto" runs the Triton kernel on CUDA and the torch
+        # path elsewhere; "triton" / "reference" force one (tests compare them)
+        self.decode_impl = "auto"
 
     def prepack(self) -> bool:
         return False  # the projections run through torch as they are
@@ -308,6 +320,24 @@ class MLAAttention(nn.Module):
         v = torch.einsum("blr,hvr->blhv", c, w_uv)
         return torch.einsum("bhql,blhv->bqhv", probs, v)
 
+    def decode_kernel(
+        self, q_nope: Tensor, q_pe: Tensor, cache: PagedKVCache, attn: AttentionMetadata
+    ) -> Tensor:
+        """Absorbed decode through `kernels.mla_decode_attention`: q_nope [B, H,
+        nope], q_pe [B, H, rope] (each sequence's last token) -> [B, H, v]."""
+        w_uk, w_uv = self._kv_b()
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # [B, H, rank]
+        out_lat = mla_decode_attention(
+            q_lat.contiguous(),
+            q_pe.contiguous(),
+            cache,
+            attn.block_tables,
+            attn.context_lens,
+            self.softmax_scale,
+            impl="triton",
+        )  # [B, H, rank]
+        return torch.einsum("bhr,hvr->bhv", out_lat.to(w_uv.dtype), w_uv)
+
     def forward(
         self,
         x: Tensor,  # [T, hidden]
@@ -326,6 +356,11 @@ class MLAAttention(nn.Module):
             # one query per sequence, its last token, which sees the whole context
             if out_rows is not None:
                 q_nope, q_pe = q_nope[out_rows], q_pe[out_rows]
+            if self.absorb and use_triton(
+                self.decode_impl, q_nope, cache.key, attn.block_tables
+            ):
+                out = self.decode_kernel(q_nope, q_pe, cache, attn)  # [B, H, v]
+                return self.o_proj(out.to(x.dtype).flatten(-2))
             seq = torch.arange(num_seqs, device=x.device)
             local = torch.zeros_like(seq)
             pos = context_lens - 1
