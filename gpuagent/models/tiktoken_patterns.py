@@ -22,6 +22,7 @@ class UnknownTokenizerError(ValueError):
 @dataclass(frozen=True)
 class TiktokenSpec:
     name: str  # for messages and the provenance file
+    vocab_file: str  # the rank file, in the folder
     pattern: str  # the pre-tokenizer regex (tiktoken's pat_str)
     # ids len(ranks) .. len(ranks)+reserved-1 are special tokens: those
     # tokenizer_config.json's added_tokens_decoder names, the rest
@@ -50,6 +51,7 @@ KIMI_PATTERN = "|".join(
 )
 KIMI = TiktokenSpec(
     name="kimi (tokenization_kimi.TikTokenTokenizer)",
+    vocab_file="tiktoken.model",
     pattern=KIMI_PATTERN,
     reserved_specials=256,
     reserved_name="<|reserved_token_{id}|>",
