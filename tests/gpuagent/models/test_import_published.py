@@ -71,7 +71,12 @@ def test_the_gate_refuses_the_published_folder(imported):
     _, src, _, _, _ = imported
     with pytest.raises(ModelRejectedError) as caught:
         inspect_model(src)
-    assert {"python-file", "remote-code-auto_map"} <= caught.value.report.codes()
+    report = caught.value.report
+    assert {"python-file", "remote-code-auto_map"} <= report.codes()
+    # and points at the import
+    for finding in (x for f in report.files for x in f.findings):
+        if finding.code in ("python-file", "remote-code-auto_map"):
+            assert "gpuagent.models.import_published SRC DST" in finding.detail
 
 
 def test_the_import_passes_the_gate_without_code(imported):
