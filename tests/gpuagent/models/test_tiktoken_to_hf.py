@@ -21,6 +21,8 @@ from tests.gpuagent.models.tiktoken_fixture import (
     SAMPLES,
     kimi_special_ids,
     kimi_tokenizer_config,
+    random_texts,
+    substring_ranks,
     tiktoken_model_bytes,
     trained_ranks,
 )
@@ -125,3 +127,35 @@ def test_a_special_id_outside_the_reserved_block_is_refused():
     config["added_tokens_decoder"]["7"] = {"content": "<|x|>", "special": True}
     with pytest.raises(ConversionError, match=r"\['7'\]: id 7 is outside"):
         convert(tiktoken_model_bytes(ranks), config)
+
+
+def test_random_mixed_script_strings_match(pair):
+    oracle, ours, _ = pair
+    for text in random_texts(0, 2000):
+        expected = oracle.encode(text, disallowed_special=())
+        assert ours.encode(text, add_special_tokens=False).ids == expected, text
+
+
+def test_the_pattern_splits_where_tiktokens_does():
+    # Every substring of the texts up to 12 bytes is a token: a pre-token boundary
+    # anywhere tiktoken draws none (or none where it draws one) changes the ids.
+    ranks = substring_ranks()
+    base = len(ranks)
+    ours = convert(tiktoken_model_bytes(ranks), kimi_tokenizer_config(base))
+    oracle = tiktoken.Encoding(
+        "kimi-substrings",
+        pat_str=KIMI.pattern,
+        mergeable_ranks=ranks,
+        special_tokens=kimi_special_ids(base),
+    )
+    for text in [*_texts(base).values(), *random_texts(1, 300)]:
+        expected = oracle.encode(text, allowed_special="all")
+        assert ours.encode(text, add_special_tokens=False).ids == expected, text
+    # and the tokens do cross the pattern's boundaries: unsplit, texts take
+    # fewer of them
+    whole = tiktoken.Encoding(
+        "whole", pat_str=r"[\s\S]+", mergeable_ranks=ranks, special_tokens={}
+    )
+    for kind in ("english", "chinese", "code", "whitespace", "digits"):
+        text = SAMPLES[kind]
+        assert len(whole.encode(text)) < len(oracle.encode(text)), kind

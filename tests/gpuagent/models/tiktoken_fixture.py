@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -47,10 +48,53 @@ def byte_ranks() -> dict[bytes, int]:
 def trained_ranks(merges: int = MERGES) -> dict[bytes, int]:
     """Byte ranks, then `merges` BPE merges learned on the training text split by
     Kimi's pattern (the most frequent adjacent pair each time; ties by bytes)."""
+    return _train(regex.findall(KIMI_PATTERN, training_text()), merges)
+
+
+# Characters where two regex engines' classes could disagree (tiktoken runs the
+# pattern in Rust's fancy-regex, tokenizers in Oniguruma): Unicode spaces, line
+# separators, marks, Han against other letters, other numerals, contractions.
+ALPHABET = (
+    list("abcXYZ'sdtlmvre 019\n\r\t.,;!?-_()[]{}#@")
+    + list("\u00a0\u3000\u2028\u2029\x0b\x0c\x85\u200b\ufeff\u0301\u0300")
+    + list("가나다한국어中文字漢日本かなカナÀéßΩДж٣४Ⅻ½²")
+    + ["🤖", "𝒳"]
+)
+
+
+def random_texts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 40)))
+        for _ in range(count)
+    ]
+
+
+@functools.cache
+def substring_ranks(longest: int = 12) -> dict[bytes, int]:
+    """Byte ranks, then every substring of 2..`longest` bytes of the samples and of
+    random_texts(1, 300), shorter first: tokens across every boundary the pattern
+    draws, so a text split anywhere tiktoken does not split would merge across it
+    and give other ids."""
+    # (not the special tokens' text: tokenizers cannot give a special token an id
+    # of its own when its text is also a BPE token; the converter refuses that)
+    texts = [t for kind, t in SAMPLES.items() if kind != "specials"]
+    source = [t.encode("utf-8") for t in [*texts, *random_texts(1, 300)]]
+    found = {
+        text[i : i + n]
+        for text in source
+        for n in range(2, longest + 1)
+        for i in range(len(text) - n + 1)
+    }
     ranks = byte_ranks()
-    words = Counter(
-        m.encode("utf-8") for m in regex.findall(KIMI_PATTERN, training_text())
-    )
+    for token in sorted(found, key=lambda t: (len(t), t)):
+        ranks[token] = len(ranks)
+    return ranks
+
+
+def _train(pieces: list[str], merges: int) -> dict[bytes, int]:
+    ranks = byte_ranks()
+    words = Counter(piece.encode("utf-8") for piece in pieces)
     parts = {w: [w[i : i + 1] for i in range(len(w))] for w in words}
     for _ in range(merges):
         pairs: Counter[tuple[bytes, bytes]] = Counter()
