@@ -895,6 +895,12 @@ def vllm_command(s: ModelShape, knobs: Knobs, devices: int) -> tuple[list[str], 
             "refuses: serve the folder python -m gpuagent.models.import_published "
             "makes from it (no *.py, no auto_map, tokenizer.json), without "
             "--trust-remote-code"
+            + (
+                "; transformers has no config class for model_type kimi_k2 (the "
+                "project's engine serves it)"
+                if s.model_type == "kimi_k2"
+                else ""
+            )
         )
     if s.max_position_embeddings and knobs.context_tokens > s.max_position_embeddings:
         notes.append(
