@@ -13,7 +13,8 @@ import makes DST without it:
   weights and their index hard-linked where SRC and DST share a filesystem, else
   copied as a stream and read back against the digest; the rest copied);
 - `*.py` (and .pyc...) files are dropped, never read; files refused only by name
-  (images...) are dropped too; any other refusal (a pickle, a native library, a
+  (images...) and hidden folders (`.cache/huggingface`, `.git`) are dropped too,
+  unread; any other refusal (a pickle, a native library, a
   symlink, bad content) refuses the import, naming the file, as the gate does;
 - JSON with `auto_map` is rewritten without it, every other key as published;
 - a tokenizer defined by code (Kimi's tiktoken) becomes tokenizer.json, built
@@ -61,6 +62,9 @@ FAST_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 DROPPED_CODES = {
     "python-file": "Python code: never loaded nor run",
     "file-not-allowed": "not a file a model folder may hold (refused by name, unread)",
+    # a download tool's state (.cache/huggingface), version control: never entered
+    "hidden-path": "a hidden path: another tool's state, never entered",
+    "vcs-metadata": "version-control metadata, never entered",
 }
 REWRITTEN_CODE = "remote-code-auto_map"
 WEIGHT_KINDS = ("safetensors", "index")

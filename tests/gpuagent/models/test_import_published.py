@@ -248,3 +248,13 @@ def test_the_markers_would_show_a_run_of_the_sources_code(kimi_src, tmp_path):
 
     subprocess.run([sys.executable, kimi_src / "tokenization_kimi.py"], check=True)
     assert (tmp_path / "CODE-RAN").read_text() == "ran"
+
+
+def test_a_download_tools_hidden_state_is_dropped_unread(kimi_src, tmp_path):
+    # huggingface-cli download --local-dir leaves .cache/huggingface/ behind
+    state = kimi_src / ".cache" / "huggingface" / "download"
+    state.mkdir(parents=True)
+    (state / "config.json.metadata").write_text("abc\n")
+    provenance = import_published(kimi_src, tmp_path / "out")
+    assert "hidden path" in provenance.dropped[".cache"]
+    assert not (tmp_path / "out" / ".cache").exists()
