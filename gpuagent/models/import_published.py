@@ -134,7 +134,6 @@ class _Plan:
     carry: list[FileVerdict]
     rewrite: list[str]
     dropped: dict[str, str]
-    config: dict[str, Any]
     tokenizer_config: dict[str, Any] | None
 
 
@@ -163,18 +162,17 @@ def _plan(src: Path, report: InspectionReport) -> _Plan:
         if verdict.kind == "signature":  # it signs SRC's files, not DST's
             dropped[verdict.path] = "a signature of the source's files"
     carry = [v for v in carry if v.kind != "signature"]
-    config = _read_json(src, "config.json")
-    stripped = dict(config)
-    _strip_auto_map(stripped, nested=True)
+    config = _read_json(src, "config.json")  # checked as the engine will read it
+    _strip_auto_map(config, nested=True)
     try:
-        check_supported_config(stripped)
+        check_supported_config(config)
     except ModelLoadError as e:
         raise PublishedImportError(f"{src}: {e}") from None
     names = {v.path for v in carry} | set(rewrite)
     tokenizer_config = (
         _read_json(src, TOKENIZER_CONFIG) if TOKENIZER_CONFIG in names else None
     )
-    return _Plan(carry, rewrite, dropped, config, tokenizer_config)
+    return _Plan(carry, rewrite, dropped, tokenizer_config)
 
 
 def _read_json(src: Path, name: str) -> dict[str, Any]:
