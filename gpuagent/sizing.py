@@ -891,8 +891,16 @@ def vllm_command(s: ModelShape, knobs: Knobs, devices: int) -> tuple[list[str], 
         argv.append("--enable-expert-parallel")
     if s.remote_code:
         notes.append(
-            "config.json names remote code (auto_map); vLLM may need "
-            "--trust-remote-code, which the integrity gate's refusal of *.py rules out"
+            "config.json names remote code (auto_map), which the integrity gate "
+            "refuses: serve the folder python -m gpuagent.models.import_published "
+            "makes from it (no *.py, no auto_map, tokenizer.json), without "
+            "--trust-remote-code"
+            + (
+                "; transformers has no config class for model_type kimi_k2 (the "
+                "project's engine serves it)"
+                if s.model_type == "kimi_k2"
+                else ""
+            )
         )
     if s.max_position_embeddings and knobs.context_tokens > s.max_position_embeddings:
         notes.append(

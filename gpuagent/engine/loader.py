@@ -117,7 +117,10 @@ def check_supported_config(hf_config: dict[str, Any]) -> None:
     """Refuse configs that would run custom code or aren't a supported model type."""
     if "auto_map" in hf_config:
         raise ModelLoadError(
-            f"{CONFIG_FILE} has auto_map (custom modeling code); refusing to load"
+            f"{CONFIG_FILE} has auto_map (custom modeling code); refusing to load. "
+            "A published folder of a model type this engine implements (Kimi K2, "
+            "DeepSeek-V3, GLM-4.5, Llama) can be imported without its code: "
+            "python -m gpuagent.models.import_published SRC DST"
         )
     model_type = hf_config.get("model_type")
     if model_type not in ARCHITECTURES_BY_TYPE:

@@ -30,10 +30,12 @@ from gpuagent.integrity.policy import SIGNATURE_SUFFIXES, AllowedFile, Policy
 # each, whatever loader would follow it.
 INDEX_SUFFIX = ".index.json"
 # Tokenizer models in sentencepiece's protobuf format (tiktoken's base64 ranks
-# under the same names for Llama 3's original checkpoints).
+# under the same names for Llama 3's original checkpoints, and as tiktoken.model
+# in Kimi K2's), checked by content as either.
 TOKENIZER_MODEL_NAMES = frozenset(
     {
         "tokenizer.model",
+        "tiktoken.model",
         "spiece.model",
         "sentencepiece.model",
         "sentencepiece.bpe.model",

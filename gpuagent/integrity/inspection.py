@@ -51,6 +51,11 @@ PICKLE_EXTENSIONS = (
 )
 # Code a loader with remote code enabled (or an extension import) would run.
 PYTHON_EXTENSIONS = (".py", ".pyw", ".pyc", ".pyo")
+# Where a folder refused only for its code can go (the engine's model types).
+IMPORT_HINT = (
+    "a published Kimi K2 / DeepSeek-V3 / GLM-4.5 / Llama folder can be imported "
+    "without it: python -m gpuagent.models.import_published SRC DST"
+)
 NATIVE_EXTENSIONS = (".so", ".pyd", ".dll", ".dylib")
 # Bit masks of an all-ones exponent (Inf/NaN) for each float dtype, on its
 # unsigned view; F8_E4M3 (fn) has no Inf and NaN is 0x7f/0xff.
@@ -218,7 +223,9 @@ def check_file_name(path: str, verdict: FileVerdict) -> None:
     (kind "file") any other name the allow-list does not admit."""
     name = path.rsplit("/", 1)[-1]
     if name.lower().endswith(PYTHON_EXTENSIONS):
-        verdict.reject("python-file", "Python code (remote code) is not allowed")
+        verdict.reject(
+            "python-file", f"Python code (remote code) is not allowed; {IMPORT_HINT}"
+        )
     if name.lower().endswith(NATIVE_EXTENSIONS):
         verdict.reject("native-code", f"{name}: a native library is not allowed")
     if name.lower().endswith(PICKLE_EXTENSIONS):
@@ -351,7 +358,8 @@ def check_json_bytes(data: bytes, verdict: FileVerdict, policy: Policy) -> Any:
     if where is not None:
         verdict.reject(
             "remote-code-auto_map",
-            f"auto_map at {where} asks loaders to run code from the repo",
+            f"auto_map at {where} asks loaders to run code from the repo; "
+            + IMPORT_HINT,
         )
     if verdict.kind == "index":
         _check_index_schema(value, verdict)

@@ -242,6 +242,8 @@ def test_it_renders_the_vllm_preset_with_expert_parallel_for_moe():
     assert argv[argv.index("--quantization") + 1] == "compressed-tensors"
     assert "--enable-expert-parallel" in argv
     assert "remote code" in r.vllm_note
+    assert "gpuagent.models.import_published" in r.vllm_note
+    assert "no config class for model_type kimi_k2" in r.vllm_note
     llama = report("llama-3.1-8b", weights="bf16", kv_cache_dtype="bf16").vllm_argv
     assert "--enable-expert-parallel" not in llama
     assert "--quantization" not in llama

@@ -130,7 +130,10 @@ def test_it_names_tensors_whose_shape_does_not_match_the_config(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"auto_map": {"AutoModelForCausalLM": "evil.Model"}}, "auto_map"),
+        (
+            {"auto_map": {"AutoModelForCausalLM": "evil.Model"}},
+            r"auto_map .*gpuagent\.models\.import_published SRC DST",
+        ),
         ({"model_type": "mistral"}, "model_type"),
         ({"architectures": ["MyLlamaForCausalLM"]}, "architectures"),
         ({"attention_bias": True}, "attention_bias"),

@@ -109,12 +109,13 @@ def test_it_accepts_tokenizer_files_and_text_by_their_formats(tmp_path):
     (folder / ".gitattributes").write_text("*.safetensors filter=lfs\n")
     (folder / "original").mkdir()
     (folder / "original" / "tokenizer.model").write_text("IQ== 0\nIg== 1\n")
+    (folder / "tiktoken.model").write_text("IQ== 0\nIg== 1\n")  # Kimi K2's name
 
     report = inspect_model(folder)
 
     kinds = {f.path: f.kind for f in report.files}
     assert kinds["tokenizer.model"] == kinds["original/tokenizer.model"]
-    assert kinds["tokenizer.model"] == "tokenizer-model"
+    assert kinds["tokenizer.model"] == kinds["tiktoken.model"] == "tokenizer-model"
     assert kinds["merges.txt"] == kinds["LICENSE"] == "text"
 
 
@@ -126,6 +127,7 @@ def test_it_accepts_tokenizer_files_and_text_by_their_formats(tmp_path):
         ("tf_model.h5", b"\x89HDF\r\n\x1a\n", "file-not-allowed"),
         ("tokenizer.model", b"\x0a\x05hello world", "tokenizer-model-invalid"),
         ("tokenizer.model", b"\x80\x02]q\x00.", "pickle-protocol"),
+        ("tiktoken.model", b"IQ== 0\nnot ranks\n", "tokenizer-model-invalid"),
         ("merges.txt", b"a b\n\xff\xfe", "text-invalid"),
         ("README.md", b"# x\n\x00\x01", "text-invalid"),
         ("chat_template.jinja", b"cos\nsystem\n(S'id'\ntR.", "pickle-protocol"),
@@ -136,6 +138,7 @@ def test_it_accepts_tokenizer_files_and_text_by_their_formats(tmp_path):
         "hdf5",
         "tokenizer-model-not-protobuf",
         "tokenizer-model-pickle",
+        "tiktoken-model-not-ranks",
         "merges-not-utf8",
         "readme-with-nul",
         "template-that-is-a-pickle",
