@@ -5,9 +5,11 @@
  * and scales in two arrays: the output head of SmolLM2's GGUF is stored so. Python
  * side: kernels.int8_cpu.
  *
- * Per group: s * sum_k x_k c_k; each group's codes are converted to float32 once for
- * every row of x, multiplied into a per-group sum, and that sum scaled into the row's
- * total. Rows of W are split across threads when the caller asks for several.
+ * Each weight is made once per pass as the float32 product c * s (the very value the
+ * reference's dequantized matrix holds) and multiplied into the sums of up to CHUNK
+ * rows of x at a time, so a few rows share each conversion; more rows go a CHUNK at a
+ * time over a block of N_BLOCK rows of W. Rows of W are split across threads when the
+ * caller asks for several.
  *
  * Three builds of that loop, picked at run time: AVX-512 (16 codes per step) and
  * AVX2 + FMA (8 per step) on x86-64 with GCC or clang, and a portable one everywhere
@@ -24,7 +26,10 @@
 #define MAX_ROWS 16    /* activation rows per call (decode batches) */
 #define MAX_THREADS 64
 #define LANES 8        /* portable build: partial sums */
-#define CHUNK 4        /* SIMD builds: rows of x that share one pass over a row of W */
+#define CHUNK 8        /* SIMD builds: rows of x that share one pass over a row of W */
+#define N_BLOCK 64     /* SIMD builds: rows of W (K bytes each, in L2) that one CHUNK of
+                        * x rows (in L1) passes over before the next CHUNK: 16 rows of x
+                        * at once are more than a 32 KiB L1 at K = 576 */
 
 typedef struct {
     const float *x;         /* [M, K] */
@@ -36,24 +41,24 @@ typedef struct {
 
 static void rows_portable(const Job *job) {
     const Py_ssize_t k = job->k, group = job->group, groups = k / group;
-    float codes[1024]; /* one group's codes */
+    float w[1024]; /* one group's codes times its scale */
     for (Py_ssize_t n = job->n0; n < job->n1; n++) {
         const int8_t *row = job->w + n * k;
-        float acc[MAX_ROWS] = {0};
+        float part[MAX_ROWS][LANES] = {{0}};
         for (Py_ssize_t g = 0; g < groups; g++) {
             const float s = job->s[n * groups + g];
-            for (Py_ssize_t j = 0; j < group; j++) codes[j] = (float)row[g * group + j];
+            for (Py_ssize_t j = 0; j < group; j++) w[j] = (float)row[g * group + j] * s;
             for (Py_ssize_t m = 0; m < job->m; m++) {
                 const float *x = job->x + m * k + g * group;
-                float part[LANES] = {0};
                 for (Py_ssize_t j = 0; j < group; j += LANES)
-                    for (int l = 0; l < LANES; l++) part[l] += x[j + l] * codes[j + l];
-                float dot = 0.0f;
-                for (int l = 0; l < LANES; l++) dot += part[l];
-                acc[m] += s * dot;
+                    for (int l = 0; l < LANES; l++) part[m][l] += x[j + l] * w[j + l];
             }
         }
-        for (Py_ssize_t m = 0; m < job->m; m++) job->y[m * job->n + n] = acc[m];
+        for (Py_ssize_t m = 0; m < job->m; m++) {
+            float dot = 0.0f;
+            for (int l = 0; l < LANES; l++) dot += part[m][l];
+            job->y[m * job->n + n] = dot;
+        }
     }
 }
 
@@ -63,35 +68,42 @@ static void rows_portable(const Job *job) {
 
 /* One SIMD build: row of W `n` against rows m0 .. m0 + M - 1 of x, M a constant 1..CHUNK
  * where it is inlined. VEC is the vector type, STEP its float lanes, LOAD_CODES widens
- * STEP int8 codes at p to float lanes, and the rest are the ISA's intrinsics. */
-#define DEFINE_ROW(NAME, TARGET, VEC, STEP, LOAD_CODES, SET1, ZERO, LOADU, FMADD, HSUM) \
+ * STEP int8 codes at p to float lanes, and the rest are the ISA's intrinsics. Each code
+ * vector is scaled once (c * s, the float32 product the reference's dequantized matrix
+ * holds) and multiplied into every row's sum. */
+#define DEFINE_ROW(NAME, TARGET, VEC, STEP, LOAD_CODES, SET1, ZERO, LOADU, MUL, FMADD,  \
+                   HSUM)                                                                \
     __attribute__((target(TARGET), always_inline)) static inline void NAME(             \
         const Job *job, Py_ssize_t n, Py_ssize_t m0, const int M) {                     \
         const Py_ssize_t k = job->k, group = job->group, groups = k / group;            \
         const int8_t *row = job->w + n * k;                                             \
-        VEC acc[CHUNK], ga[CHUNK];                                                      \
+        const float *x = job->x + m0 * k;                                               \
+        VEC acc[CHUNK];                                                                 \
         for (int i = 0; i < M; i++) acc[i] = ZERO();                                    \
         for (Py_ssize_t g = 0; g < groups; g++) {                                       \
-            for (int i = 0; i < M; i++) ga[i] = ZERO();                                 \
-            for (Py_ssize_t j = g * group; j < (g + 1) * group; j += STEP) {            \
-                const VEC c = LOAD_CODES(row + j);                                      \
-                for (int i = 0; i < M; i++)                                             \
-                    ga[i] = FMADD(LOADU(job->x + (m0 + i) * k + j), c, ga[i]);          \
-            }                                                                           \
             const VEC sv = SET1(job->s[n * groups + g]);                                \
-            for (int i = 0; i < M; i++) acc[i] = FMADD(ga[i], sv, acc[i]);              \
+            for (Py_ssize_t j = g * group; j < (g + 1) * group; j += STEP) {            \
+                const VEC w = MUL(LOAD_CODES(row + j), sv);                             \
+                for (int i = 0; i < M; i++) acc[i] = FMADD(LOADU(x + i * k + j), w, acc[i]); \
+            }                                                                           \
         }                                                                               \
         for (int i = 0; i < M; i++) job->y[(m0 + i) * job->n + n] = HSUM(acc[i]);       \
     }                                                                                   \
     __attribute__((target(TARGET))) static void rows_##NAME(const Job *job) {           \
-        for (Py_ssize_t n = job->n0; n < job->n1; n++)                                  \
+        for (Py_ssize_t nb = job->n0; nb < job->n1; nb += N_BLOCK)                      \
             for (Py_ssize_t m0 = 0; m0 < job->m; m0 += CHUNK) {                         \
-                switch (job->m - m0 < CHUNK ? job->m - m0 : CHUNK) {                    \
-                case 1: NAME(job, n, m0, 1); break;                                     \
-                case 2: NAME(job, n, m0, 2); break;                                     \
-                case 3: NAME(job, n, m0, 3); break;                                     \
-                default: NAME(job, n, m0, 4); break;                                    \
-                }                                                                       \
+                const Py_ssize_t end = nb + N_BLOCK < job->n1 ? nb + N_BLOCK : job->n1; \
+                const int rows = job->m - m0 < CHUNK ? (int)(job->m - m0) : CHUNK;      \
+                for (Py_ssize_t n = nb; n < end; n++) switch (rows) {                   \
+                    case 1: NAME(job, n, m0, 1); break;                                 \
+                    case 2: NAME(job, n, m0, 2); break;                                 \
+                    case 3: NAME(job, n, m0, 3); break;                                 \
+                    case 4: NAME(job, n, m0, 4); break;                                 \
+                    case 5: NAME(job, n, m0, 5); break;                                 \
+                    case 6: NAME(job, n, m0, 6); break;                                 \
+                    case 7: NAME(job, n, m0, 7); break;                                 \
+                    default: NAME(job, n, m0, 8); break;                                \
+                    }                                                                   \
             }                                                                           \
     }
 
@@ -113,9 +125,9 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 codes16(
 }
 
 DEFINE_ROW(avx2, "avx2,fma", __m256, 8, codes8, _mm256_set1_ps, _mm256_setzero_ps,
-           _mm256_loadu_ps, _mm256_fmadd_ps, hsum8)
+           _mm256_loadu_ps, _mm256_mul_ps, _mm256_fmadd_ps, hsum8)
 DEFINE_ROW(avx512, "avx512f", __m512, 16, codes16, _mm512_set1_ps, _mm512_setzero_ps,
-           _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps)
+           _mm512_loadu_ps, _mm512_mul_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps)
 #endif
 
 typedef void (*RowsFn)(const Job *);

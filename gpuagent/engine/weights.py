@@ -507,8 +507,11 @@ def quantize_head(
     (SmolLM2-135M's 49152 x 576, a fifth of its weights; on the 2-core AVX-512 dev
     machine, 1 thread: float32 3.8 ms, bf16 2.0 ms, int4-g64 1.0 ms a token).
     Their cost on SmolLM2 w4a16-g128 (engine bench, eval passages, against the
-    checkpoint's head): bf16 mean KLD 5.4e-4, same top-1 96.3%; int4-g64
-    round-to-nearest 0.27 and 65.7%, too lossy to serve as is.
+    checkpoint's head): int8-g32 mean KLD 3.7e-5, same top-1 99.8% (that folder
+    keeps the head in bf16, which the copy rounds again; on the float32 checkpoint
+    it is exact: KLD 0 up to float32 rounding, 100%); bf16 5.4e-4, 96.3%; int4-g64
+    round-to-nearest 0.27 and 65.7%, too lossy to serve as is. The head at 1
+    thread, 49152 x 576 (`python -m gpuagent.benches.head_kernels`): see there.
     Raises ValueError for another format, a head already replaced, or a group
     that doesn't divide the hidden size (int4: also a multiple of 16; int8: of 8)."""
     if fmt not in HEAD_FORMATS:

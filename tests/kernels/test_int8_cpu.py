@@ -68,6 +68,25 @@ def test_each_build_matches_exact_arithmetic_within_float32_rounding(path, group
     ).all()
 
 
+@pytest.mark.parametrize("path", int8_cpu.PATHS)
+@pytest.mark.parametrize("rows", [9, int8_cpu.MAX_ROWS])
+def test_many_rows_of_w_and_x_go_in_blocks_to_the_same_sums(path, rows):
+    # more rows of W than one block (64) and of x than one chunk (8): each y[m, n]
+    # is still the one sum of row m of x and row n of W
+    codes, scale = layer(200, 96, 32, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(10))
+
+    got = run(x, codes, scale, threads=3, path=path)
+
+    assert (
+        (got.double() - exact(x, codes, scale)).abs() <= bound(x, codes, scale)
+    ).all()
+    one_by_one = torch.cat(
+        [run(x[i : i + 1], codes, scale, path=path) for i in range(rows)]
+    )
+    assert torch.equal(got, one_by_one)
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_the_default_is_the_best_build_that_takes_the_group(group):
     codes, scale = layer(29, 2 * group, group, seed=8)
