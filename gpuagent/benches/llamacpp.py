@@ -18,18 +18,21 @@ it (or without node) the row is skipped with a message saying how to get it, exi
 
 The like-for-like row is ours with the output head at the GGUF's own head
 precision (`gguf_head_format`, read from the file: SmolLM2's Q4_1 GGUF keeps its
-tied head in Q8_0, which our "int8" `quantize_head` copy is, exactly on this model:
-it was converted from that GGUF). Prints, like-for-like first: tokens/s ratio ours /
-peer at `--threads` (2) each and PASS/FAIL vs the 0.5x target, then the same ratio
-against the peer's faster of 1 and 2 threads, also judged: on a loaded machine
-llama.cpp's spinning 2-thread pool can run several times slower than its 1 thread,
-and our engine's decode layers run on one thread anyway
+tied head in Q8_0, which our "int8" `quantize_head` copy is: the model was
+converted from that GGUF, so the copy of its float32 head is the GGUF's exactly; of
+the w4a16 folder's bf16 head, the same codes with scales within 0.05%). Prints,
+like-for-like first: tokens/s ratio ours / peer at `--threads` (2) each and
+PASS/FAIL vs the 0.5x target, then the same ratio against the peer's faster of 1
+and 2 threads, also judged: on a loaded machine llama.cpp's spinning 2-thread pool
+can run several times slower than its 1 thread, and our engine's decode layers run
+on one thread anyway
 (`Transformer.small_step_threads`), so 2-vs-2 alone would flatter us. Then, for
 information, ours with the checkpoint's float32 head (as served by default) and
 its two ratios, each side's tokens/s and ms/step, ours with the other
 `quantize_head` copies, and how many greedy tokens agree before the first
 difference: the like-for-like run vs the float-head run, and vs llama.cpp (Q4_1
-with llama.cpp's int8 activations vs our w4a16 of the converted model: they drift).
+with llama.cpp's int8 activations vs our w4a16 of the converted model: they drift;
+measured 0/32, the first token already differs, not looked into).
 The exit status is 1 when a judged row fails.
 """
 
