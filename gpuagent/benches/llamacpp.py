@@ -16,17 +16,24 @@ it into the git-ignored var/node-llama-cpp; never built from source, no model
 downloaded), driven by `llamacpp_peer.mjs` as a subprocess. It is optional: without
 it (or without node) the row is skipped with a message saying how to get it, exit 0.
 
-Prints, like-for-like first: tokens/s of each, ratio ours/peer and PASS/FAIL vs the
-0.5x target; then each side's tokens/s and ms/step, the peer also at 1 thread, and
-the same ratio against the peer's faster of 1 and 2 threads, also judged: on a
-loaded machine llama.cpp's spinning 2-thread pool can run several times slower than
-its 1 thread, and our engine's decode layers run on one thread anyway
-(`Transformer.small_step_threads`), so 2-vs-2 alone would flatter us. Last, for
-information, ours with each `quantize_head` copy of the float head (the engine's
-option; about a third of our step is the tied 49152x576 head), and how many greedy
-tokens agree before the first difference (Q4_1 with
-llama.cpp's int8 activations vs our w4a16 of the converted model: they drift). The
-exit status is 1 when a judged row fails.
+The like-for-like row is ours with the output head at the GGUF's own head
+precision (`gguf_head_format`, read from the file: SmolLM2's Q4_1 GGUF keeps its
+tied head in Q8_0, which our "int8" `quantize_head` copy is: the model was
+converted from that GGUF, so the copy of its float32 head is the GGUF's exactly; of
+the w4a16 folder's bf16 head, the same codes with scales within 0.05%). Prints,
+like-for-like first: tokens/s ratio ours / peer at `--threads` (2) each and
+PASS/FAIL vs the 0.5x target, then the same ratio against the peer's faster of 1
+and 2 threads, also judged: on a loaded machine llama.cpp's spinning 2-thread pool
+can run several times slower than its 1 thread, and our engine's decode layers run
+on one thread anyway
+(`Transformer.small_step_threads`), so 2-vs-2 alone would flatter us. Then, for
+information, ours with the checkpoint's float32 head (as served by default) and
+its two ratios, each side's tokens/s and ms/step, ours with the other
+`quantize_head` copies, and how many greedy tokens agree before the first
+difference: the like-for-like run vs the float-head run, and vs llama.cpp (Q4_1
+with llama.cpp's int8 activations vs our w4a16 of the converted model: they drift;
+measured 0/32, the first token already differs, not looked into).
+The exit status is 1 when a judged row fails.
 """
 
 from __future__ import annotations
@@ -144,6 +151,33 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# A GGUF output-head tensor type -> the `quantize_head` format of that precision
+# (None: the checkpoint's float head). Q8_0 is group-32 symmetric int8 with one
+# scale a group, which the "int8" copy at its default group (32) is.
+GGUF_HEAD_FORMATS = {"F32": None, "Q8_0": "int8", "BF16": "bf16"}
+
+
+def gguf_head_format(gguf: Path) -> tuple[str, str | None]:
+    """(the GGUF's output-head tensor type, our head format of that precision):
+    its `output.weight`, or the tied `token_embd.weight` where it has none.
+    ValueError for a file with neither, or a type with no head format here."""
+    from gpuagent.models.from_gguf import read_gguf
+
+    tensors = read_gguf(gguf).tensors
+    name = next(
+        (n for n in ("output.weight", "token_embd.weight") if n in tensors), None
+    )
+    if name is None:
+        raise ValueError(f"{gguf} has neither output.weight nor token_embd.weight")
+    kind = tensors[name].tensor_type.name
+    if kind not in GGUF_HEAD_FORMATS:
+        raise ValueError(
+            f"{gguf}: head {name} is {kind}; no head format of that precision "
+            f"(known: {sorted(GGUF_HEAD_FORMATS)})"
+        )
+    return kind, GGUF_HEAD_FORMATS[kind]
+
+
 def w4a16_folder(model_dir: Path, out_dir: Path) -> Path:
     """A w4a16-g128 (RTN) folder of `model_dir` by the project's compress pipeline."""
     from gpuagent.compress.pipeline import compress
@@ -160,14 +194,22 @@ def decode_rows(
     rounds: int,
     peer_dir: Path = PEER_DIR,
 ) -> list[Row | str]:
-    """The table: rounds alternate ours / peer at `threads` / peer at 1 thread;
-    best round each (the first round warms up)."""
+    """The table: rounds alternate ours (each head) / peer at `threads` / peer at
+    1 thread; best round each (the first round warms up)."""
     from gpuagent.engine.engine import LLMEngine
     from gpuagent.engine.weights import HEAD_FORMATS
 
     torch.set_num_threads(threads)
-    # ours as served, then (information) with each `quantize_head` copy of the
-    # float head, which a profile puts at about a third of the step
+    head_type, like_head = gguf_head_format(gguf)
+    float_head = "ours, float32 head"
+    like = float_head if like_head is None else f"ours, {like_head} head ({head_type})"
+    # like-for-like, then as served by default, then (information) the other
+    # `quantize_head` copies of the float head, which a profile puts at about a
+    # third of the step
+    heads = {like: like_head, float_head: None}
+    heads.update(
+        (f"ours, {fmt} head copy", fmt) for fmt in HEAD_FORMATS if fmt != like_head
+    )
     engines = {
         label: LLMEngine.from_model_dir(
             folder,
@@ -176,12 +218,9 @@ def decode_rows(
             kv_memory_bytes=64 << 20,
             quantize_head=head,
         )
-        for label, head in (
-            ("ours", None),
-            *((f"ours, {fmt} head copy", fmt) for fmt in HEAD_FORMATS),
-        )
+        for label, head in heads.items()
     }
-    prompt = engines["ours"].encode_prompt(THROUGHPUT_PROMPTS[0])
+    prompt = engines[like].encode_prompt(THROUGHPUT_PROMPTS[0])
     steps = new_tokens - 1
     missing = peer_missing(peer_dir)
     best = dict.fromkeys(engines, math.inf)
@@ -207,79 +246,78 @@ def decode_rows(
     finally:
         for peer in peers.values():
             peer.close()
-    head_rows = [
-        Row(
+
+    def speed(name: str) -> Row:
+        return Row(
             f"{name} decode tok/s ({best[name] * 1e3:.1f} ms/step)",
             f"{1 / best[name]:.1f}",
             "",
             None,
         )
-        for name in engines
-        if name != "ours"
-    ]
-    ours = 1 / best["ours"]
+
     rows: list[Row | str] = [
-        f"SmolLM2-135M batch 1 greedy decode, {threads} threads each, prompt "
-        f"{len(prompt)} tokens, {new_tokens} new, best of {rounds} alternating rounds",
+        f"SmolLM2-135M w4a16-g128 batch 1 greedy decode, {threads} threads each, "
+        f"prompt {len(prompt)} tokens, {new_tokens} new, best of {rounds} "
+        f"alternating rounds; the GGUF's head is {head_type}",
     ]
+    same_head = Row(
+        f"greedy tokens of {like} equal to the float head's before the first "
+        "difference",
+        f"{common_prefix(tokens[like], tokens[float_head])}/{new_tokens}",
+        "",
+        None,
+    )
     if missing is not None:
-        rows += [
-            Row(
-                f"ours (w4a16-g128) decode tok/s ({best['ours'] * 1e3:.1f} ms/step)",
-                f"{ours:.1f}",
-                "",
-                None,
-            ),
-            *head_rows,
-            missing,
-        ]
+        rows += [speed(name) for name in engines]
+        if like != float_head:
+            rows.append(same_head)
+        rows.append(missing)
         return rows
-    like = f"llama.cpp {threads} threads"
+    peer_2 = f"llama.cpp {threads} threads"
     peer_info = next(iter(peers.values())).info
-    ratio = best[like] / best["ours"]
+    # the peer's best use of the same cores: under load llama.cpp's 2-thread pool
+    # can lose to its own 1 thread (our layers run 1-thread at decode too)
+    fastest = min(best[name] for name in peers)
+
+    def ratios(name: str, judged: bool) -> list[Row]:
+        out = [(f"{name} / {peer_2} (Q4_1) decode tok/s", best[peer_2] / best[name])]
+        if len(peers) > 1:
+            out.append(
+                (
+                    f"{name} / llama.cpp at its faster of 1 and {threads} threads",
+                    fastest / best[name],
+                )
+            )
+        return [
+            Row(
+                label,
+                f"{ratio:.2f}x",
+                f">= {TARGET_RATIO}x" if judged else "",
+                ratio >= TARGET_RATIO if judged else None,
+            )
+            for label, ratio in out
+        ]
+
+    rows += ratios(like, judged=True)
+    if like != float_head:
+        rows += ratios(float_head, judged=False)
+    rows += [speed(name) for name in engines]
     rows += [
         Row(
-            f"ours (w4a16-g128) / {like} (Q4_1) decode tok/s",
-            f"{ratio:.2f}x",
-            f">= {TARGET_RATIO}x",
-            ratio >= TARGET_RATIO,
-        ),
-        Row(
-            f"ours (w4a16-g128) decode tok/s ({best['ours'] * 1e3:.1f} ms/step)",
-            f"{ours:.1f}",
+            f"{name} (Q4_1, {peer_info.get('build')}) decode tok/s "
+            f"({best[name] * 1e3:.1f} ms/step)",
+            f"{1 / best[name]:.1f}",
             "",
             None,
-        ),
+        )
+        for name in peers
     ]
-    for name in peers:
-        rows.append(
-            Row(
-                f"{name} (Q4_1, {peer_info.get('build')}) decode tok/s "
-                f"({best[name] * 1e3:.1f} ms/step)",
-                f"{1 / best[name]:.1f}",
-                "",
-                None,
-            )
-        )
-    if len(peers) > 1:
-        # the peer's best use of the same cores: under load llama.cpp's 2-thread
-        # pool can lose to its own 1 thread (our layers run 1-thread at decode too)
-        fastest = min(best[name] for name in peers)
-        ratio_best = fastest / best["ours"]
-        rows.append(
-            Row(
-                f"ours / llama.cpp at its faster of 1 and {threads} threads",
-                f"{ratio_best:.2f}x",
-                f">= {TARGET_RATIO}x",
-                ratio_best >= TARGET_RATIO,
-            )
-        )
-    rows += head_rows
-    same = common_prefix(tokens["ours"], tokens[like])
+    if like != float_head:
+        rows.append(same_head)
     rows.append(
         Row(
-            "greedy tokens equal to llama.cpp's before the first difference",
-            f"{same}/{new_tokens}",
+            f"greedy tokens of {like} equal to llama.cpp's before the first difference",
+            f"{common_prefix(tokens[like], tokens[peer_2])}/{new_tokens}",
             "",
             None,
         )

@@ -317,9 +317,11 @@ class LLMEngine:
         has bf16 kernels) projections out once for oneDNN (`model.Linear`), which
         makes decode GEMMs 2x faster; the weights must not change afterwards.
 
-        `quantize_head` ("int4") replaces the output head by its own quantized copy
-        (`engine.weights.quantize_head`): faster decode for a small model, at a
-        logits cost the engine bench prints; None keeps the checkpoint's head."""
+        `quantize_head` ("int8", "int4", "bf16") replaces the output head by its
+        own lower-precision copy (`engine.weights.quantize_head`): faster decode for
+        a small model, at a logits cost the engine bench prints ("int8" is a GGUF's
+        Q8_0 head precision: none on SmolLM2, converted from one); None keeps the
+        checkpoint's head."""
         self.model = model.eval()
         if quantize_head is not None:
             quantize_head_weights(model, quantize_head)

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from gpuagent.engine.model import packed_linear, prepack_weight
-from kernels import int4_cpu, matmul_tuning, weight_matmul
+from kernels import int4_cpu, int8_cpu, matmul_tuning, weight_matmul
 from kernels.weight_matmul import (
     CpuPackedWeight,
     prepack_int4_cpu,
@@ -436,7 +436,36 @@ def use_cpu_kernels(model: nn.Module, enabled: bool = True) -> int:
     return sum(layer.cpu_weight is not None for layer in layers)
 
 
-HEAD_FORMATS = ("int4", "bf16")
+HEAD_FORMATS = ("int8", "int4", "bf16")
+# the group of each quantized head format by default: int8 as llama.cpp's Q8_0
+HEAD_GROUP_SIZES = {"int8": 32, "int4": 64}
+
+
+class Int8Head(nn.Module):
+    """y = x W^T with W held as group-wise symmetric int8 (`kernels.int8_cpu`'s
+    layout: codes [N, K] int8, scales [N, K / group] float32; at group 32 the
+    Q8_0 of a GGUF), activations left in their dtype. On a CPU up to
+    `int8_cpu.MAX_ROWS` rows (decode) run the fused kernel on float32 x; more rows
+    (prefill's all-logits, quality evals), other devices, or a checkout without the
+    extension run `int8_matmul_blocked` (W dequantized a block of rows at a time)."""
+
+    def __init__(self, weight: Tensor, group_size: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size
+        codes, scale = int8_cpu.quantize_int8(weight, group_size)
+        self.register_buffer("codes", codes.to(weight.device))
+        self.register_buffer("scale", scale.to(weight.device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xf = x2.float() if x2.shape[0] <= int8_cpu.MAX_ROWS else x2
+        if int8_cpu.applies(xf, self.group_size):
+            y = int8_cpu.int8_matmul(xf, self.codes, self.scale).to(x.dtype)
+        else:
+            y = int8_cpu.int8_matmul_blocked(x2, self.codes, self.scale)
+        return y.reshape(*shape[:-1], self.out_features)
 
 
 class Bf16Head(nn.Module):
@@ -456,10 +485,17 @@ class Bf16Head(nn.Module):
         return torch.nn.functional.linear(xb, self.weight_bf16).to(x.dtype)
 
 
-def quantize_head(model: nn.Module, fmt: str, group_size: int = 64) -> nn.Module:
+def quantize_head(
+    model: nn.Module, fmt: str, group_size: int | None = None
+) -> nn.Module:
     """Replace `model.lm_head` by its own lower-precision copy (a tied head's
     embedding stays as it is, so the input embeddings are unchanged):
 
+    - "int8": groups of `group_size` (default 32) inputs, symmetric
+      round-to-nearest, float activations (`Int8Head`): the precision of the
+      output head in llama.cpp's GGUFs (Q8_0; SmolLM2's Q4_1 GGUF stores its tied
+      head so, and the project's SmolLM2 was converted from it, so on that model
+      this copy is exact);
     - "int4": groups of `group_size` inputs, symmetric round-to-nearest
       (`kernels.weight_matmul.quantize_weight_int4`), run as every int4 layer is
       (`kernels.int4_cpu` at decode in a float32 model on a CPU);
@@ -471,10 +507,16 @@ def quantize_head(model: nn.Module, fmt: str, group_size: int = 64) -> nn.Module
     (SmolLM2-135M's 49152 x 576, a fifth of its weights; on the 2-core AVX-512 dev
     machine, 1 thread: float32 3.8 ms, bf16 2.0 ms, int4-g64 1.0 ms a token).
     Their cost on SmolLM2 w4a16-g128 (engine bench, eval passages, against the
-    checkpoint's head): bf16 mean KLD 5.4e-4, same top-1 96.3%; int4-g64
-    round-to-nearest 0.27 and 65.7%, too lossy to serve as is.
-    Raises ValueError for another format, a head already replaced, or an int4
-    group that doesn't divide the hidden size."""
+    checkpoint's head): int8-g32 mean KLD 3.7e-5, same top-1 99.8% (that folder
+    keeps the head in bf16; the copy has the GGUF's Q8_0 codes again, its scales
+    within 0.05%; on the float32 checkpoint it is exact: KLD 0 up to float32
+    rounding, 100%); bf16 5.4e-4, 96.3%; int4-g64
+    round-to-nearest 0.27 and 65.7%, too lossy to serve as is. The int8 head
+    alone (`python -m gpuagent.benches.head_kernels`, 1 thread, the dev machine
+    loaded): 1.9 ms a row against float32's 11.9; at 16 rows 0.74-0.93x the
+    float32 GEMM (the same float32 multiply-adds, less well blocked).
+    Raises ValueError for another format, a head already replaced, or a group
+    that doesn't divide the hidden size (int4: also a multiple of 16; int8: of 8)."""
     if fmt not in HEAD_FORMATS:
         raise ValueError(f"head format {fmt!r} is not supported; known: {HEAD_FORMATS}")
     head = model.lm_head
@@ -484,6 +526,15 @@ def quantize_head(model: nn.Module, fmt: str, group_size: int = 64) -> nn.Module
     n, k = weight.shape
     if fmt == "bf16":
         model.lm_head = Bf16Head(weight)
+        return model.lm_head
+    if group_size is None:
+        group_size = HEAD_GROUP_SIZES[fmt]
+    if fmt == "int8":
+        if group_size < 8 or group_size % 8 or k % group_size:
+            raise ValueError(
+                f"head group size {group_size} must be a multiple of 8 dividing {k}"
+            )
+        model.lm_head = Int8Head(weight, group_size)
         return model.lm_head
     if group_size % 16 or k % group_size:
         raise ValueError(

@@ -1,6 +1,8 @@
 """The llama.cpp decode bench without its optional peer: the row is skipped with a
-message saying how to get it, our side still measured; no test needs node-llama-cpp."""
+message saying how to get it, our side still measured; no test needs node-llama-cpp.
+The like-for-like head precision is read from the GGUF."""
 
+import numpy as np
 import pytest
 
 from gpuagent.benches import DEMO_MODEL_DIR
@@ -11,6 +13,7 @@ from gpuagent.benches.llamacpp import (
     PeerUnavailable,
     common_prefix,
     decode_rows,
+    gguf_head_format,
     head_threads_rows,
     peer_missing,
 )
@@ -23,14 +26,18 @@ def test_an_absent_peer_is_named_with_how_to_get_it(tmp_path):
         LlamaCppPeer(tmp_path / "model.gguf", 2, peer_dir=tmp_path)
 
 
-def test_without_the_peer_our_row_is_measured_and_nothing_is_judged(tmp_path):
-    rows = decode_rows(
-        DEMO_MODEL_DIR, tmp_path / "x.gguf", 1, 3, 1, peer_dir=tmp_path / "none"
-    )
+def test_without_the_peer_our_rows_are_measured_and_nothing_is_judged(tmp_path):
+    from gpuagent.models.smollm2 import gguf_path
+
+    rows = decode_rows(DEMO_MODEL_DIR, gguf_path(), 1, 3, 1, peer_dir=tmp_path / "none")
     judged = [r for r in rows if isinstance(r, Row)]
     assert {r.ok for r in judged} == {None}
-    assert all(float(r.value) > 0 for r in judged)
-    assert judged[0].name.startswith("ours (w4a16-g128)")
+    speeds, same = judged[:-1], judged[-1]
+    assert all(float(r.value) > 0 for r in speeds)
+    # like-for-like first: the GGUF's Q8_0 head is our int8 copy; then the float
+    assert speeds[0].name.startswith("ours, int8 head (Q8_0) decode tok/s")
+    assert speeds[1].name.startswith("ours, float32 head decode tok/s")
+    assert "float head's" in same.name and same.value.endswith("/3")
     assert rows[-1] == peer_missing(tmp_path / "none")
     assert "skipped" in rows[-1] and "make llama-cpp-peer" in GET_PEER
 
@@ -46,3 +53,33 @@ def test_the_head_threads_rows_time_both_and_compare_tokens():
     old, new = (float(v) for v in rows[0].value.split("/"))
     assert old > 0 and new > 0
     assert rows[1].value.endswith("True")  # same greedy tokens
+
+
+def test_the_head_precision_is_read_from_the_gguf(tmp_path):
+    import gguf
+
+    from gpuagent.models.smollm2 import gguf_path
+
+    assert gguf_head_format(gguf_path()) == ("Q8_0", "int8")
+
+    def written(name, tensors):
+        writer = gguf.GGUFWriter(str(tmp_path / name), "llama")
+        for tensor_name, array in tensors.items():
+            writer.add_tensor(tensor_name, array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tmp_path / name
+
+    embed = np.zeros((8, 4), np.float32)
+    # an untied output head wins over the embedding
+    untied = written("untied.gguf", {"token_embd.weight": embed.astype(np.float16),
+                                     "output.weight": embed})  # fmt: skip
+    assert gguf_head_format(untied) == ("F32", None)
+    half = written("f16.gguf", {"token_embd.weight": embed.astype(np.float16)})
+    with pytest.raises(ValueError, match="token_embd.weight is F16; no head format"):
+        gguf_head_format(half)
+    headless = written("none.gguf", {"blk.0.attn_norm.weight": embed[0]})
+    with pytest.raises(ValueError, match="neither output.weight nor token_embd"):
+        gguf_head_format(headless)

@@ -318,3 +318,17 @@ def test_it_turns_prefix_caching_off_only_when_asked():
 
     assert default.kv.blocks.prefix_caching
     assert not off.kv.blocks.prefix_caching
+
+
+def test_it_serves_with_the_int8_head_copy_when_asked():
+    from gpuagent.engine.__main__ import build_engine
+    from gpuagent.engine.weights import Int8Head
+
+    argv = ["serve", str(DEMO_MODEL), "--device", "cpu", "--kv-memory-gb", "0.005"]
+
+    engine = build_engine(build_parser().parse_args([*argv, "--quantize-head", "int8"]))
+
+    assert isinstance(engine.model.lm_head, Int8Head)
+    assert not isinstance(
+        build_engine(build_parser().parse_args(argv)).model.lm_head, Int8Head
+    )
