@@ -86,8 +86,9 @@ def quantize_gptq_batch(
     Cholesky and the column loop run once for the batch, each expert's columns
     in its own act order (gathered), its groups and scales its own: expert e's
     result is the one `quantize_gptq(weights[j][e], hessians[e])` (the batch of
-    one) gives. `hessians` is used as scratch space (overwritten). Returns
-    result[j][e]."""
+    one) gives. `hessians` is used as scratch space (overwritten): the float64
+    memory taken is that stack (twice with act order, permuted) and the float32
+    factor. Returns result[j][e]."""
     if hessians.dtype != torch.float64 or hessians.dim() != 3:
         raise ValueError(
             f"hessians must be float64 [E, K, K], got {hessians.dtype} "
@@ -113,9 +114,11 @@ def quantize_gptq_batch(
         h = h[batch, perm[:, :, None], perm[:, None, :]]  # [E, K, K] permuted
     diag = h.diagonal(dim1=-2, dim2=-1)
     diag.add_(damp * diag.contiguous().mean(dim=-1, keepdim=True))
-    h = torch.linalg.cholesky(h)
-    h = torch.cholesky_inverse(h)
-    h_inv = torch.linalg.cholesky(h, upper=True).float()  # [E, K, K]
+    # factored in place: no second float64 stack beside the scratch one
+    torch.linalg.cholesky(h, out=h)
+    torch.cholesky_inverse(h, out=h)
+    torch.linalg.cholesky(h, upper=True, out=h)
+    h_inv = h.float()  # [E, K, K]
     del h, diag
     return [
         _solve(w, dead, importance, perm, h_inv, scheme, block_size) for w in weights
