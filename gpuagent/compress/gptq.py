@@ -220,6 +220,7 @@ def _solve(
 
     # [E, N, K] in each expert's own column order again
     codes = torch.empty_like(codes).scatter_(1, rows, codes).transpose(1, 2)
+    codes = codes.contiguous()  # written as is (fp8) or packed
     codes = codes.to(torch.float8_e4m3fn if fp8 else torch.int8)
     scale = scale.to(SCALE_DTYPE)
     if zero_point is not None:

@@ -172,6 +172,11 @@ def test_a_batch_of_experts_gets_each_experts_own_codes(options):
             else:
                 assert torch.equal(got.zero_point, alone.zero_point), (j, e)
             assert got.group_size == alone.group_size and got.bits == alone.bits
+            # each tensor its own and contiguous, as safetensors writes them
+            for t in (got.codes, got.scale, alone.codes, alone.scale):
+                assert t.is_contiguous() and t.untyped_storage().nbytes() == (
+                    t.numel() * t.element_size()
+                )
     # the dead input's column is quantized from a zero weight
     assert (batched[0][2].dequantize()[:, 7] == 0).all()
     # the per-expert call leaves its Hessian as it was
