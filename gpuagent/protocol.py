@@ -28,6 +28,9 @@ WEIGHT_FORMAT_PATTERN = re.compile(
     r"^(bf16|fp16|int8|int4-g(32|64|128)|w8a16|w4a16-g(32|64|128)|fp8)$"
 )
 WEIGHT_METHODS = ("rtn", "gptq", "signround")
+# MoE + gptq: a routed expert routed fewer calibration tokens than this is
+# rounded to nearest (a recipe option, `Recipe.min_expert_tokens`).
+DEFAULT_MIN_EXPERT_TOKENS = 32
 
 JobKind = Literal[
     "inspect",
@@ -94,6 +97,14 @@ class Recipe(_Message):
         True,
         description="MoE models: quantize the dense MLPs of the first "
         "first_k_dense_replace layers too (False: kept in bf16, listed in `ignore`)",
+    )
+    min_expert_tokens: int = Field(
+        DEFAULT_MIN_EXPERT_TOKENS,
+        ge=1,
+        strict=True,
+        description="MoE models, gptq: a routed expert the router sends fewer "
+        "calibration tokens than this is rounded to nearest instead (named in the "
+        "report)",
     )
 
     @field_validator("weights")

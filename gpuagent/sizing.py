@@ -6,11 +6,16 @@ Architectures (`model_type`): llama, deepseek_v3 and kimi_k2 (MLA + MoE; a kimi_
 config's `text_config`), glm4_moe (GQA + MoE). The tensors are enumerated as
 transformers names them (`model_tensors`), each in one class:
 
-- attention: the projections (MLA: q_a/q_b or q, kv_a_proj_with_mqa, kv_b, o, and
-  the q_a/kv_a norms; GQA: q/k/v/o, their biases, GLM's q/k norms);
-- routed_experts, shared_experts, router (the gate and its score-correction bias),
+- attention: the projections (MLA: q_a/q_b or q, kv_a_proj_with_mqa, kv_b, o;
+  GQA: q/k/v/o and their biases);
+- routed_experts, shared_experts, router (the gate and its score-correction bias,
+  which DeepSeek-V3's noaux_tc routing has: a config without `topk_method` is
+  transformers' own, whose router always holds it),
   dense_mlp (the first_k_dense_replace layers, or every layer of a dense model);
-- embeddings (embed_tokens and lm_head), norms (input/post-attention/final).
+- embeddings (embed_tokens and lm_head), norms (every RMSNorm weight:
+  input/post-attention/final, MLA's q_a/kv_a layernorms, GLM's q/k norms; the
+  classes of gpuagent.compress.size_report, which reads them from the checkpoint's
+  names).
 
 Multi-token-prediction layers (`num_nextn_predict_layers`) are counted apart
 (`mtp_params`): neither transformers nor vLLM loads them unless speculative decoding
@@ -286,7 +291,9 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
         qk_rope_head_dim=rope,
         v_head_dim=_int(config, "v_head_dim"),
         moe_layer_freq=_opt_int(config, "moe_layer_freq", 1, minimum=1),
-        router_bias=config.get("topk_method") == "noaux_tc",
+        # transformers' DeepseekV3TopkRouter always holds e_score_correction_bias
+        # (its configs name no topk_method); DeepSeek's own name noaux_tc
+        router_bias=config.get("topk_method", "noaux_tc") == "noaux_tc",
         **moe,
         **common,
     )
@@ -356,7 +363,13 @@ def _attention(s: ModelShape, layers: int) -> list[TensorGroup]:
             groups += _linear(f"{p}.q_a_proj", a, s.q_lora_rank, h, layers, **_rep)
             groups.append(
                 TensorGroup(
-                    f"{p}.q_a_layernorm", a, s.q_lora_rank, None, layers, layers, True
+                    f"{p}.q_a_layernorm",
+                    "norms",
+                    s.q_lora_rank,
+                    None,
+                    layers,
+                    layers,
+                    True,
                 )
             )
             groups += _linear(
@@ -368,7 +381,13 @@ def _attention(s: ModelShape, layers: int) -> list[TensorGroup]:
         groups += _linear(f"{p}.kv_a_proj_with_mqa", a, latent, h, layers, **_rep)
         groups.append(
             TensorGroup(
-                f"{p}.kv_a_layernorm", a, s.kv_lora_rank, None, layers, layers, True
+                f"{p}.kv_a_layernorm",
+                "norms",
+                s.kv_lora_rank,
+                None,
+                layers,
+                layers,
+                True,
             )
         )
         kv_b_out = s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)
@@ -389,7 +408,9 @@ def _attention(s: ModelShape, layers: int) -> list[TensorGroup]:
     if s.use_qk_norm:
         for norm in ("q_norm", "k_norm"):
             groups.append(
-                TensorGroup(f"{p}.{norm}", a, s.head_dim, None, layers, layers, True)
+                TensorGroup(
+                    f"{p}.{norm}", "norms", s.head_dim, None, layers, layers, True
+                )
             )
     return groups
 

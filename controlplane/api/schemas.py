@@ -26,7 +26,12 @@ from controlplane.costs.spec import CostModel, Currency, Price
 from controlplane.fleet.models import DEPLOYMENT_STATES
 from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
-from gpuagent.protocol import KV_CACHE_DTYPES, WEIGHT_FORMAT_PATTERN, LoadPlan
+from gpuagent.protocol import (
+    DEFAULT_MIN_EXPERT_TOKENS,
+    KV_CACHE_DTYPES,
+    WEIGHT_FORMAT_PATTERN,
+    LoadPlan,
+)
 
 ReleaseState = Literal[RELEASE_STATES]  # type: ignore[valid-type]
 DeploymentState = Literal[DEPLOYMENT_STATES]  # type: ignore[valid-type]
@@ -188,6 +193,13 @@ class RecipeIn(RequestBody):
     quantize_dense_layers: bool = Field(
         True,
         description="MoE models: quantize the first_k_dense_replace layers' MLPs too",
+    )
+    min_expert_tokens: int = Field(
+        DEFAULT_MIN_EXPERT_TOKENS,
+        ge=1,
+        strict=True,
+        description="MoE models, gptq: routed experts sent fewer calibration tokens "
+        "are rounded to nearest (named in the report)",
     )
 
 

@@ -46,14 +46,16 @@ COMMON = dict(
 )
 
 
-def build(arch: str, folder: Path) -> None:
-    """A random tiny model of `arch` saved to `folder` with the byte tokenizer."""
+def build(arch: str, folder: Path, **overrides) -> None:
+    """A random tiny model of `arch` saved to `folder` with the byte tokenizer
+    (`overrides`: config values other than COMMON's)."""
     import transformers
 
     torch.manual_seed(0)
+    common = COMMON | overrides
     if arch == "deepseek_v3":
         config = transformers.DeepseekV3Config(
-            **COMMON,
+            **common,
             num_key_value_heads=4,
             num_experts_per_tok=2,
             n_group=2,
@@ -67,7 +69,7 @@ def build(arch: str, folder: Path) -> None:
         model = transformers.DeepseekV3ForCausalLM(config)
     else:
         config = transformers.Glm4MoeConfig(
-            **COMMON, num_key_value_heads=2, head_dim=32, num_experts_per_tok=2
+            **common, num_key_value_heads=2, head_dim=32, num_experts_per_tok=2
         )
         model = transformers.Glm4MoeForCausalLM(config)
     with torch.no_grad():  # a correction bias that matters, as trained ones do

@@ -30,11 +30,17 @@ runs the block's own router and its grouping of tokens per expert
 (`engine.moe.Experts`: sorted by expert, one slice each, no loop over tokens), so
 a hook on expert E's gate_proj (down_proj) sees exactly the rows routed to E: its
 Hessian is accumulated from those tokens only. An expert that received fewer than
-`min_expert_tokens` falls back to round-to-nearest (its Hessian would be nearly
-singular) and is reported as (layer, expert, tokens seen). Hessians are float64
-[K, K] per expert: the experts of a group are calibrated in passes holding at most
-`hessian_budget_bytes` of them (DeepSeek-V3's hidden 7168: 411 MB each, 5 experts
-a pass under the default 2 GiB), each pass the MLP alone over its inputs.
+the recipe's `min_expert_tokens` falls back to round-to-nearest (its Hessian
+would be nearly singular) and is reported as (layer, expert, tokens seen).
+Hessians are float64 [K, K] per expert: the experts of a group are calibrated in
+passes holding at most `hessian_budget_bytes` of them (DeepSeek-V3's hidden
+7168: 411 MB each, 5 experts a pass under the default 2 GiB), each pass the MLP
+alone over its inputs. The experts of a pass whose weights have the same shapes
+(the routed experts, and a shared expert as wide as one) are solved by one
+batched GPTQ (`gptq.quantize_gptq_batch`: one Cholesky and one column loop for
+all of them, each expert's codes those it gets alone) in chunks of at most the
+same budget of stacked Hessians, each Hessian moved from its accumulator into
+the stack.
 """
 
 from __future__ import annotations
@@ -45,13 +51,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq
+from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq_batch
 from gpuagent.compress.quantize import QuantizedWeight, quantize_rtn
 from gpuagent.compress.recipes import WeightScheme
 from gpuagent.protocol import ExpertFallback
 
-# An expert seeing fewer calibration tokens than this is rounded to nearest.
-DEFAULT_MIN_EXPERT_TOKENS = 32
 # float64 Hessians held at once while calibrating one group of experts
 DEFAULT_HESSIAN_BUDGET = 2 << 30
 ROUTER_IGNORE = r"re:.*mlp\.gate$"
@@ -247,7 +251,6 @@ def quantize_moe_layer(
     quantized: dict[str, QuantizedWeight],
     calibration: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
-    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
     hessian_budget_bytes: int = DEFAULT_HESSIAN_BUDGET,
     fallbacks: list[ExpertFallback] | None = None,
 ) -> None:
@@ -275,11 +278,13 @@ def quantize_moe_layer(
                 stop_at = sets[0].hook if len(sets) == 1 else None
                 run = functools.partial(run_attention, layer, *calibration, stop_at)
                 accs = input_hessians(layer, sets, run)
+            solved = {}  # projection -> QuantizedWeight
+            gptq = []  # the sets GPTQ solves, batched below
             for s in sets:
                 acc = accs.get(s.hook)
                 rtn = acc is None or s.expert in fell_back
                 if acc is not None and s.expert is not None and not rtn:
-                    if acc.num_rows < min_expert_tokens:
+                    if acc.num_rows < scheme.min_expert_tokens:
                         fell_back.add(s.expert)
                         if fallbacks is not None:
                             fallbacks.append(
@@ -288,13 +293,53 @@ def quantize_moe_layer(
                                 )
                             )
                         rtn = True
+                if not rtn:
+                    gptq.append(s)
+                    continue
                 for p in s.projections:
-                    module = layer.get_submodule(p)
-                    if rtn:
-                        qw = quantize_rtn(module.weight, scheme)
-                    else:
-                        qw = quantize_gptq(module.weight, acc.hessian, scheme)
-                    with torch.no_grad():
-                        module.weight.copy_(qw.dequantize())
-                    quantized[f"model.layers.{index}.{p}"] = qw
+                    solved[p] = quantize_rtn(layer.get_submodule(p).weight, scheme)
+            for batch in _batches(layer, gptq, hessian_budget_bytes):
+                solved |= _solve_batch(layer, batch, accs, scheme)
             del accs
+            for s in sets:  # in the layer's order, whatever the batches were
+                for p in s.projections:
+                    qw = solved.pop(p)
+                    with torch.no_grad():
+                        layer.get_submodule(p).weight.copy_(qw.dequantize())
+                    quantized[f"model.layers.{index}.{p}"] = qw
+
+
+def _batches(layer: torch.nn.Module, sets: list[InputSet], budget: int):
+    # the sets whose projections have the same weight shapes (a layer's routed
+    # experts, and shared experts of the same width), in chunks whose stacked
+    # Hessians take at most `budget` bytes (at least one set a chunk)
+    alike: dict[tuple, list[InputSet]] = {}
+    for s in sets:
+        shapes = tuple(layer.get_submodule(p).weight.shape for p in s.projections)
+        alike.setdefault(shapes, []).append(s)
+    for same in alike.values():
+        yield from _passes(layer, same, budget)
+
+
+def _solve_batch(
+    layer: torch.nn.Module,
+    batch: list[InputSet],
+    accs: dict[str, HessianAccumulator],
+    scheme: WeightScheme,
+) -> dict[str, QuantizedWeight]:
+    # GPTQ of the batch's sets at once (`quantize_gptq_batch`); each set's
+    # Hessian moves from `accs` into the stack (the pass holds it only once)
+    k = layer.get_submodule(batch[0].hook).in_features
+    hessians = torch.empty(len(batch), k, k, dtype=torch.float64)  # [E, K, K]
+    for x, s in enumerate(batch):
+        hessians[x] = accs.pop(s.hook).hessian
+    weights = [
+        torch.stack([layer.get_submodule(s.projections[j]).weight for s in batch])
+        for j in range(len(batch[0].projections))
+    ]  # per projection: [E, N, K]
+    results = quantize_gptq_batch(weights, hessians, scheme)
+    return {
+        s.projections[j]: qw
+        for j, per_set in enumerate(results)
+        for s, qw in zip(batch, per_set, strict=True)
+    }

@@ -50,7 +50,6 @@ from gpuagent.compress.kv_scales import (
     kv_cache_scheme,
     kv_scale_tensors,
 )
-from gpuagent.compress.moe import DEFAULT_MIN_EXPERT_TOKENS
 from gpuagent.compress.quantize import QuantizedWeight, quantize_rtn
 from gpuagent.compress.recipes import (
     RecipeError,
@@ -107,7 +106,6 @@ def compress(
     sequential: bool = True,
     max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
-    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
 ) -> CompressResult:
     """Compress `source_dir` under `recipe` into `out_dir` (which must not exist).
 
@@ -117,8 +115,8 @@ def compress(
     path (module docstring), whose output shards hold at most `max_shard_bytes`
     (None: one layer in bf16, at least 128 MiB) and
     whose calibration hidden states go to a file over `spill_bytes`. MoE models:
-    GPTQ rounds an expert routed fewer than `min_expert_tokens` calibration
-    tokens to nearest instead (named in the result). Raises
+    GPTQ rounds an expert routed fewer than the recipe's `min_expert_tokens`
+    calibration tokens to nearest instead (named in the result). Raises
     RecipeError for recipes that can't be applied, CompressError for a refused
     source or an existing output."""
     started = time.monotonic()
@@ -132,8 +130,6 @@ def compress(
     if out_dir.exists():
         raise CompressError(f"{out_dir} already exists; refusing to overwrite it")
     progress = progress or (lambda done, total, what: None)
-    if min_expert_tokens < 1:
-        raise RecipeError(f"min_expert_tokens={min_expert_tokens} must be >= 1")
     if sequential:
         try:
             src = open_inspected(source_dir)
@@ -161,7 +157,6 @@ def compress(
                     kv_scale_strategy=kv_scale_strategy,
                     max_shard_bytes=max_shard_bytes,
                     spill_bytes=spill_bytes,
-                    min_expert_tokens=min_expert_tokens,
                     started=started,
                 )
             except SequentialUnsupported as exc:

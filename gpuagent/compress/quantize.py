@@ -148,8 +148,9 @@ def quantize_values(
 
 
 def fp8_scale(w: torch.Tensor) -> torch.Tensor:
-    """Per output channel fp8 scale [N, 1] float32 of w [N, K], as stored."""
-    return stored_scale(w.abs().amax(dim=1, keepdim=True) / FP8_MAX)
+    """Per output channel fp8 scale [..., N, 1] float32 of w [..., N, K], as
+    stored."""
+    return stored_scale(w.abs().amax(dim=-1, keepdim=True) / FP8_MAX)
 
 
 def fp8_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

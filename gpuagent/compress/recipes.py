@@ -8,7 +8,9 @@ chosen (absmax, or the least-error shrink: gpuagent.compress.quantize), `awq`
 whether activation-aware input-channel scales are folded in first
 (gpuagent.compress.awq), `quantize_lm_head` whether an untied head is quantized too,
 and for MoE models `quantize_shared_experts` / `quantize_dense_layers` whether the
-shared experts and the first_k_dense_replace layers' MLPs are (gpuagent.compress.moe).
+shared experts and the first_k_dense_replace layers' MLPs are, and (gptq)
+`min_expert_tokens` the calibration tokens below which a routed expert is rounded
+to nearest (gpuagent.compress.moe).
 Anything else in a recipe is refused by name.
 
 Group size for layers whose input width is not a multiple of the recipe's group
@@ -29,7 +31,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpuagent.protocol import Recipe
+from gpuagent.protocol import DEFAULT_MIN_EXPERT_TOKENS, Recipe
 
 # Weight format name -> (kind, bits): kind is "int" or "float" (fp8 e4m3).
 _FORMATS = {
@@ -61,6 +63,7 @@ class WeightScheme:
     quantize_lm_head: bool
     quantize_shared_experts: bool = True
     quantize_dense_layers: bool = True
+    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS
 
     @property
     def name(self) -> str:
@@ -121,10 +124,12 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
             or recipe.observer != "minmax"
             or not recipe.quantize_shared_experts
             or not recipe.quantize_dense_layers
+            or recipe.min_expert_tokens != DEFAULT_MIN_EXPERT_TOKENS
         ):
             raise RecipeError(
                 f"weights {fmt!r} are not quantized: method, act_order, observer, "
-                "awq, quantize_shared_experts and quantize_dense_layers do not apply"
+                "awq, quantize_shared_experts, quantize_dense_layers and "
+                "min_expert_tokens do not apply"
             )
         return None
     if fmt.startswith(("int4-g", "w4a16-g")):
@@ -135,6 +140,14 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         raise RecipeError(f"symmetric=false is only offered for int4, not {fmt!r}")
     if recipe.act_order and recipe.method != "gptq":
         raise RecipeError("act_order=true needs method 'gptq'")
+    if (
+        recipe.min_expert_tokens != DEFAULT_MIN_EXPERT_TOKENS
+        and recipe.method != "gptq"
+    ):
+        raise RecipeError(
+            f"min_expert_tokens={recipe.min_expert_tokens} needs method 'gptq' (only "
+            "GPTQ calibrates each routed expert on its tokens)"
+        )
     if recipe.method == "signround" and (kind != "int" or not recipe.symmetric):
         raise RecipeError(
             f"method 'signround' takes symmetric int formats only, not {fmt!r}"
@@ -157,4 +170,5 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         quantize_lm_head=recipe.quantize_lm_head,
         quantize_shared_experts=recipe.quantize_shared_experts,
         quantize_dense_layers=recipe.quantize_dense_layers,
+        min_expert_tokens=recipe.min_expert_tokens,
     )

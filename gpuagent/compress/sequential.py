@@ -49,7 +49,6 @@ from gpuagent.compress.calibration import calibration_sequences, run_layer
 from gpuagent.compress.checkpoint import DENSE_DTYPE, kv_cache_only_config
 from gpuagent.compress.kv_scales import _SHAPES, kv_cache_scheme
 from gpuagent.compress.moe import (
-    DEFAULT_MIN_EXPERT_TOKENS,
     ROUTER_IGNORE,
     dense_linears,
     quantize_moe_layer,
@@ -82,7 +81,13 @@ from gpuagent.engine.model import (
 )
 from gpuagent.engine.tokenizer import load_tokenizer
 from gpuagent.integrity.streamed_load import StreamedModel
-from gpuagent.protocol import CompressResult, ExpertFallback, Recipe, TensorClassSize
+from gpuagent.protocol import (
+    DEFAULT_MIN_EXPERT_TOKENS,
+    CompressResult,
+    ExpertFallback,
+    Recipe,
+    TensorClassSize,
+)
 
 # Output shards (`max_shard_bytes=None`): one decoder layer in bf16, at least 128
 # MiB. The shard being filled is held in memory, so it is sized like the layer
@@ -313,13 +318,11 @@ class SequentialCompressor:
         kv_scale_strategy: str,
         max_shard_bytes: int,
         spill_bytes: int,
-        min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
         block: tuple[int, int] | None = None,
     ) -> None:
         self.src, self.config, self.recipe, self.scheme = src, config, recipe, scheme
         self.block = block  # a block-fp8 source's scale block
         self.moe = isinstance(config, arch.MoEConfig)
-        self.min_expert_tokens = min_expert_tokens
         self.fallbacks: list[ExpertFallback] = []
         self.ignore: list[str] = []  # MoE: Linears left dense, by full name
         self.src_dir = src_dir
@@ -420,7 +423,6 @@ class SequentialCompressor:
                         scheme,
                         quantized,
                         (hidden, cos, sin) if gptq else None,
-                        min_expert_tokens=self.min_expert_tokens,
                         fallbacks=self.fallbacks,
                     )
                     if gptq:
@@ -495,10 +497,19 @@ def check_moe_recipe(
 ) -> None:
     """Refuse, by name, what this path does not do for the config's architecture."""
     if not isinstance(config, arch.MoEConfig):
-        if not (recipe.quantize_shared_experts and recipe.quantize_dense_layers):
+        moe_options = [
+            name
+            for name, default in (
+                ("quantize_shared_experts", True),
+                ("quantize_dense_layers", True),
+                ("min_expert_tokens", DEFAULT_MIN_EXPERT_TOKENS),
+            )
+            if getattr(recipe, name) != default
+        ]
+        if moe_options:
             raise RecipeError(
-                "quantize_shared_experts / quantize_dense_layers apply to MoE models "
-                f"(deepseek_v3, kimi_k2, glm4_moe) only, not {type(config).__name__}"
+                f"{' / '.join(moe_options)} apply to MoE models (deepseek_v3, "
+                f"kimi_k2, glm4_moe) only, not {type(config).__name__}"
             )
         return
     if recipe.kv_cache_dtype == "fp8":
@@ -620,7 +631,6 @@ def compress_sequential(
     kv_scale_strategy: str,
     max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
-    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
     started: float,
 ) -> CompressResult:
     """The layer-by-layer path of `pipeline.compress` on an opened source (module
@@ -653,7 +663,6 @@ def compress_sequential(
             kv_scale_strategy=kv_scale_strategy,
             max_shard_bytes=max_shard_bytes,
             spill_bytes=spill_bytes,
-            min_expert_tokens=min_expert_tokens,
             block=source_block(hf_config),
         )
         run.run()
@@ -717,7 +726,9 @@ def compress_sequential(
         },
         rtn_fallback_experts=run.fallbacks,
         min_expert_tokens=(
-            min_expert_tokens if moe and scheme and scheme.method == "gptq" else None
+            scheme.min_expert_tokens
+            if moe and scheme and scheme.method == "gptq"
+            else None
         ),
         total_parameters=total,
         active_parameters=active,

@@ -26,26 +26,26 @@ def test_it_counts_kimi_k2_by_class():
 
     attention per layer: q_a 7168x1536 = 11,010,048; q_b 1536x(64x192) = 18,874,368;
       kv_a 7168x576 = 4,128,768; kv_b 512x(64x256) = 8,388,608; o 8192x7168 =
-      58,720,256; q_a/kv_a norms 1536 + 512 -> 101,124,096 x 61 = 6,168,569,856
+      58,720,256 -> 101,122,048 x 61 = 6,168,444,928
     routed: 384 x 3 x 7168 x 2048 = 16,911,433,728 a layer x 60 = 1,014,686,023,680;
       active 8 of 384 -> 21,139,292,160
     shared: 3 x 7168 x 2048 x 60 = 2,642,411,520
     router: (384 x 7168 + 384 bias) x 60 = 165,173,760
     dense MLP: 3 x 7168 x 18432 = 396,361,728
     embeddings + head: 2 x 163840 x 7168 = 2,348,810,240
-    norms: 2 x 7168 x 61 + 7168 = 881,664
+    norms: (2 x 7168 + the q_a/kv_a layernorms 1536 + 512) x 61 + 7168 = 1,006,592
     total 1,026,408,232,448 (~1.03T); active 32,861,500,928 (~32B, the model card's
     count, embeddings included)."""
     r = report("kimi-k2-instruct")
 
     assert r.params_by_class == {
-        "attention": 6_168_569_856,
+        "attention": 6_168_444_928,
         "routed_experts": 1_014_686_023_680,
         "shared_experts": 2_642_411_520,
         "router": 165_173_760,
         "dense_mlp": 396_361_728,
         "embeddings": 2_348_810_240,
-        "norms": 881_664,
+        "norms": 1_006_592,
     }
     assert r.active_params_by_class["routed_experts"] == 21_139_292_160
     assert r.total_params == 1_026_408_232_448
@@ -58,25 +58,26 @@ def test_it_counts_glm_4_5_by_class():
     heads, q/k/v biases, q/k norms; 160 experts of 1536, 8 a token, 1 shared):
 
     attention per layer: q 5120x12288 + 12288 bias = 62,926,848; k and v 5120x1024
-      + 1024 = 5,243,904 each; o 12288x5120 = 62,914,560; q/k norms 256 ->
-      136,329,472 x 92 = 12,542,311,424
+      + 1024 = 5,243,904 each; o 12288x5120 = 62,914,560 -> 136,329,216 x 92 =
+      12,542,287,872
     routed: 160 x 3 x 5120 x 1536 = 3,774,873,600 x 89 = 335,963,750,400;
       active 8 of 160 -> 16,798,187,520
     shared 3 x 5120 x 1536 x 89 = 2,099,773,440; router (160 x 5120 + 160) x 89 =
       72,923,040; dense 3 x 3 x 5120 x 12288 = 566,231,040;
-      embeddings + head 2 x 151552 x 5120 = 1,551,892,480; norms 2 x 5120 x 92 + 5120
+      embeddings + head 2 x 151552 x 5120 = 1,551,892,480; norms (2 x 5120 + the
+      q/k norms 2 x 128) x 92 + 5120
     total 352,797,829,024; with the MTP layer (3,988,069,792) 356.8B: the model
     card's 355B. Active without embeddings 32,080,373,664: the card's 32B."""
     r = report("glm-4.5")
 
-    assert r.params_by_class["attention"] == 12_542_311_424
+    assert r.params_by_class["attention"] == 12_542_287_872
     assert r.params_by_class["routed_experts"] == 335_963_750_400
     assert r.active_params_by_class["routed_experts"] == 16_798_187_520
     assert r.params_by_class["shared_experts"] == 2_099_773_440
     assert r.params_by_class["router"] == 72_923_040
     assert r.params_by_class["dense_mlp"] == 566_231_040
     assert r.params_by_class["embeddings"] == 1_551_892_480
-    assert r.params_by_class["norms"] == 2 * 5120 * 92 + 5120
+    assert r.params_by_class["norms"] == (2 * 5120 + 2 * 128) * 92 + 5120
     assert r.total_params == 352_797_829_024
     assert abs(r.total_params + r.mtp_params - 355e9) / 355e9 < 0.01
     assert r.active_params_no_embeddings == 32_080_373_664
@@ -490,10 +491,10 @@ def test_it_counts_deepseek_v3_as_its_model_card():
     head: 2 x 129280 x 7168): 684.49B, 684.53B with the fp8 block scales it counts.
     Attention a layer: q_a 11,010,048, q_b 1536 x 128 x 192 = 37,748,736, kv_a
     4,128,768, kv_b 512 x 128 x 256 = 16,777,216, o 16384 x 7168 = 117,440,512,
-    norms 2048: 187,107,328 x 61 = 11,413,547,008."""
+    187,105,280 x 61 = 11,413,422,080 (the q_a/kv_a layernorms are norms)."""
     r = report("deepseek-v3")
 
-    assert r.params_by_class["attention"] == 187_107_328 * 61 == 11_413_547_008
+    assert r.params_by_class["attention"] == 187_105_280 * 61 == 11_413_422_080
     assert round(r.total_params / 1e9) == 671
     assert round(r.active_params / 1e9) in (37, 38)  # 37.55B
     mtp_on_hub = r.mtp_params + 2 * 129280 * 7168
@@ -510,3 +511,66 @@ def test_it_counts_sessions_per_kv_dtype_on_the_same_devices():
     fp8_free = free - 80 * 2 * 4  # fp8's per-head scales, one head a device
     assert r.sessions_by_kv_dtype["fp8"] == fp8_free // (32768 * 20_480)
     assert r.sessions_by_kv_dtype["int4"] > r.sessions_by_kv_dtype["int8"]
+
+
+def _tiny_moe_config(tmp_path, build) -> dict:
+    # a tiny random checkpoint as transformers writes it (its config.json names
+    # no topk_method)
+    build(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+def test_it_counts_a_tiny_deepseek_v3_by_hand(tmp_path):
+    """tests.gpuagent.engine.test_moe_archs.deepseek_folder: hidden 64, 3 layers
+    (1 dense, 2 MoE), 4 heads, q_lora 48, kv_lora 32, qk 16 + 8, v 12, vocab 97,
+    8 routed experts of 24 (3 a token), 1 shared, dense MLP 96, head untied.
+
+    attention a layer: q_a 64x48 = 3072; q_b 48x(4 x 24) = 4608; kv_a 64x(32 + 8)
+      = 2560; kv_b 32x(4 x (16 + 12)) = 3584; o 48x64 = 3072 -> 16,896 x 3 = 50,688
+    norms: (input 64 + post-attention 64 + q_a_layernorm 48 + kv_a_layernorm 32)
+      x 3 + final 64 = 688
+    router: (8 x 64 gate + 8 e_score_correction_bias) x 2 = 1040
+    routed: 3 x 64 x 24 = 4608 x 8 x 2 = 73,728; shared 4608 x 2 = 9216
+    dense: 3 x 64 x 96 = 18,432; embeddings + head: 2 x 97 x 64 = 12,416"""
+    from tests.gpuagent.engine.test_moe_archs import deepseek_folder
+
+    config = _tiny_moe_config(tmp_path, deepseek_folder)
+    assert "topk_method" not in config
+
+    shape = sizing.model_shape(config)
+
+    assert shape.router_bias
+    assert sizing.params_by_class(sizing.model_tensors(shape)) == {
+        "attention": 50_688,
+        "routed_experts": 73_728,
+        "shared_experts": 9_216,
+        "router": 1_040,
+        "dense_mlp": 18_432,
+        "embeddings": 12_416,
+        "norms": 688,
+    }
+    # DeepSeek's routing before V3's (no correction bias) keeps no bias
+    greedy = sizing.model_shape({**config, "topk_method": "greedy"})
+    assert not greedy.router_bias
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_its_classes_are_the_size_reports_for_every_tensor_written(tmp_path, arch):
+    # every tensor of a tiny checkpoint, classed by its name as the compress size
+    # report does: the same parameters per class as sizing counts from the config
+    from safetensors.torch import load_file
+
+    from gpuagent.compress.size_report import tensor_class
+    from tests.gpuagent.engine.test_moe_archs import deepseek_folder, glm_folder
+
+    build = deepseek_folder if arch == "deepseek_v3" else glm_folder
+    config = _tiny_moe_config(tmp_path, build)
+    tensors = load_file(tmp_path / "model.safetensors")
+    written = dict.fromkeys(sizing.TENSOR_CLASSES, 0)
+    for name, t in tensors.items():
+        written[tensor_class(name, moe=True)] += t.numel()
+
+    counted = sizing.params_by_class(sizing.model_tensors(sizing.model_shape(config)))
+
+    assert written == counted
+    assert counted["norms"] > (2 * config["num_hidden_layers"] + 1) * 64

@@ -128,6 +128,37 @@ def test_it_takes_values_only_as_the_json_types_the_schema_says(
     assert not Release.objects.filter(version="2.0.0").exists()
 
 
+def test_it_stores_an_moe_recipes_min_expert_tokens(
+    api, owner_token, model_family, environment
+):
+    recipe = {
+        "weights": "int4-g128",
+        "kv_cache_dtype": "int8",
+        "method": "gptq",
+        "min_expert_tokens": 16,
+    }
+
+    response = api.post(URL, body(recipe=recipe), token=owner_token)
+
+    assert response.status_code == 201, response.content
+    assert Release.objects.get(version="2.0.0").recipe == recipe
+
+
+@pytest.mark.parametrize("value", [0, "16", 16.5, True])
+def test_it_names_a_min_expert_tokens_that_is_not_a_positive_integer(
+    api, owner_token, model_family, environment, value
+):
+    recipe = {"weights": "int4-g128", "kv_cache_dtype": "int8", "method": "gptq"}
+
+    response = api.post(
+        URL, body(recipe=recipe | {"min_expert_tokens": value}), token=owner_token
+    )
+
+    error = error_of(response, 422, "validation_error")
+    assert field_names(error) == {"recipe.min_expert_tokens"}
+    assert not Release.objects.filter(version="2.0.0").exists()
+
+
 def test_it_rejects_a_body_that_is_not_json(api, owner_token, model_family):
     response = api.post(URL, raw="{not json", token=owner_token)
 

@@ -3,7 +3,11 @@ import torch
 
 from gpuagent.compress import pipeline
 from gpuagent.compress.calibration import run_layer
-from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq
+from gpuagent.compress.gptq import (
+    HessianAccumulator,
+    quantize_gptq,
+    quantize_gptq_batch,
+)
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import weight_scheme
 from tests.gpuagent.compress.conftest import demo_layer_inputs
@@ -113,3 +117,96 @@ def test_each_group_is_solved_on_the_inputs_of_the_quantized_groups_before_it(
     torch.testing.assert_close(used[0], dense["self_attn.q_proj"])
     for later in ("self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
         assert not torch.allclose(solved[later], dense[later]), later
+
+
+def _experts(num=5, n=24, k=128, seed=1):
+    """Random experts [E, N, K] and their input Hessians [E, K, K] from different
+    token counts; expert 2 never sees input channel 7 (a zero Hessian column)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.randn(num, n, k, generator=g) * 0.05
+    hessians = []
+    for e in range(num):
+        mix = torch.randn(k, k, generator=g) * 0.3 + torch.eye(k)
+        x = torch.randn(40 + 30 * e, k, generator=g) @ mix
+        x[:, e % 4] *= 8  # a loud channel, another per expert
+        if e == 2:
+            x[:, 7] = 0
+        acc = HessianAccumulator(k)
+        acc.add(x)
+        hessians.append(acc.hessian)
+    return weights, hessians
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"weights": "w4a16-g32"},
+        {"weights": "w4a16-g32", "symmetric": False},
+        {"weights": "w4a16-g64", "act_order": True},
+        {"weights": "w4a16-g32", "act_order": True, "symmetric": False},
+        {"weights": "w4a16-g32", "observer": "mse", "act_order": True},
+        {"weights": "w8a16"},
+        {"weights": "fp8", "act_order": True},
+    ],
+)
+def test_a_batch_of_experts_gets_each_experts_own_codes(options):
+    # one batched call (gate and up sharing each expert's Hessian) against the
+    # per-expert call: the same codes, scales and zero points, to the bit
+    gate, hessians = _experts()
+    up = gate.flip(1) * 1.5
+    scheme = weight_scheme({"kv_cache_dtype": "bf16", "method": "gptq", **options})
+    assert torch.diag(hessians[2])[7] == 0
+    kept = [h.clone() for h in hessians]
+
+    batched = quantize_gptq_batch([gate, up], torch.stack(hessians), scheme)
+
+    for j, w in enumerate((gate, up)):
+        assert len(batched[j]) == len(hessians)
+        for e, h in enumerate(hessians):
+            alone = quantize_gptq(w[e], h, scheme)
+            got = batched[j][e]
+            assert torch.equal(got.codes.float(), alone.codes.float()), (j, e)
+            assert torch.equal(got.scale, alone.scale), (j, e)
+            if alone.zero_point is None:
+                assert got.zero_point is None
+            else:
+                assert torch.equal(got.zero_point, alone.zero_point), (j, e)
+            assert got.group_size == alone.group_size and got.bits == alone.bits
+            # each tensor its own and contiguous, as safetensors writes them
+            for t in (got.codes, got.scale, alone.codes, alone.scale):
+                assert t.is_contiguous() and t.untyped_storage().nbytes() == (
+                    t.numel() * t.element_size()
+                )
+    # the dead input's column is quantized from a zero weight
+    assert (batched[0][2].dequantize()[:, 7] == 0).all()
+    # the per-expert call leaves its Hessian as it was
+    assert all(torch.equal(h, k) for h, k in zip(hessians, kept, strict=True))
+
+
+def test_act_order_takes_each_experts_own_column_order():
+    # expert e's loudest input is channel e: a batch that took one expert's
+    # order for all would round the others' columns in a different order
+    weights, hessians = _experts(num=4)
+    scheme = weight_scheme(
+        {"weights": "w4a16-g32", "kv_cache_dtype": "bf16", "method": "gptq"}
+        | {"act_order": True}
+    )
+    orders = [torch.argsort(torch.diag(h), descending=True) for h in hessians]
+    assert len({tuple(o[:4].tolist()) for o in orders}) == 4
+
+    batched = quantize_gptq_batch([weights], torch.stack(hessians), scheme)[0]
+    shared = quantize_gptq_batch([weights], torch.stack([hessians[0]] * 4), scheme)[0]
+
+    for e in range(1, 4):
+        alone = quantize_gptq(weights[e], hessians[e], scheme)
+        assert torch.equal(batched[e].codes, alone.codes)
+        assert not torch.equal(shared[e].codes, alone.codes)
+
+
+def test_it_refuses_hessians_that_are_not_a_float64_stack():
+    weights, hessians = _experts(num=2)
+    scheme = weight_scheme(
+        {"weights": "w8a16", "kv_cache_dtype": "bf16", "method": "gptq"}
+    )
+    with pytest.raises(ValueError, match=r"float64 \[E, K, K\], got torch.float32"):
+        quantize_gptq_batch([weights], torch.stack(hessians).float(), scheme)

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from gpuagent.compress import compress
 from gpuagent.compress.calibration import run_layer
+from gpuagent.compress.gptq import quantize_gptq_batch
 from gpuagent.compress.moe import (
     input_hessians,
     layer_groups,
@@ -35,6 +36,7 @@ from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import RecipeError, weight_scheme
 from gpuagent.engine.loader import load_model
 from gpuagent.engine.tokenizer import save_byte_tokenizer
+from gpuagent.protocol import Recipe
 from kernels.weight_matmul import pack_int32
 from tests.gpuagent.compress.conftest import DEMO_MODEL
 from tests.gpuagent.compress.test_oracle import _decompressed
@@ -246,7 +248,46 @@ def test_it_refuses_what_it_does_not_do_for_moe(sources, tmp_path):
             },
             tmp_path / "d",
         )
+    gptq = {"weights": "w8a16", "kv_cache_dtype": "bf16", "method": "gptq"}
+    with pytest.raises(RecipeError, match="min_expert_tokens apply to MoE models"):
+        compress(DEMO_MODEL, gptq | {"min_expert_tokens": 8}, tmp_path / "e")
     assert not any(tmp_path.iterdir())  # nothing written, no temporary left
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"min_expert_tokens": 0}, "greater than or equal to 1"),
+        ({"min_expert_tokens": -3}, "greater than or equal to 1"),
+        ({"min_expert_tokens": "16"}, "valid integer"),
+        ({"min_expert_tokens": 16.0}, "valid integer"),
+        ({"min_expert_tokens": True}, "valid integer"),
+        ({"min_expert_tokens": 16, "method": "rtn"}, "needs method 'gptq'"),
+        ({"min_expert_tokens": 16, "weights": "bf16"}, "min_expert_tokens do not"),
+        (
+            {"min_expert_token": 16},
+            r"unknown recipe option\(s\) \['min_expert_token'\]",
+        ),
+    ],
+)
+def test_it_refuses_a_min_expert_tokens_it_cannot_take(options, message):
+    recipe = {"weights": "w8a16", "kv_cache_dtype": "bf16", "method": "gptq"}
+    with pytest.raises(RecipeError, match=message):
+        weight_scheme(recipe | options)
+
+
+def test_min_expert_tokens_goes_from_the_recipe_to_the_scheme_and_report():
+    recipe = {"weights": "w8a16", "kv_cache_dtype": "bf16", "method": "gptq"}
+    assert weight_scheme(recipe).min_expert_tokens == 32  # the default
+    assert weight_scheme(recipe | {"min_expert_tokens": 5}).min_expert_tokens == 5
+    # carried in the job's recipe as the API sends it, and left out when default
+    assert (
+        Recipe.model_validate_json(
+            Recipe(**recipe, min_expert_tokens=5).model_dump_json()
+        ).min_expert_tokens
+        == 5
+    )
+    assert "min_expert_tokens" not in Recipe(**recipe).model_dump(exclude_defaults=True)
 
 
 # ------------------------------------------------------------ per-expert GPTQ
@@ -329,13 +370,10 @@ def test_attention_groups_are_calibrated_without_running_the_mlp(sources, arch):
 
 
 def _fallback_run(sources, tmp_path, min_tokens, name="out"):
-    recipe = RECIPES["w4a16-g32-gptq"]
+    # the threshold as a recipe option
+    recipe = RECIPES["w4a16-g32-gptq"] | {"min_expert_tokens": min_tokens}
     return compress(
-        sources["deepseek_v3"],
-        recipe,
-        tmp_path / name,
-        calibration_size=CALIBRATION,
-        min_expert_tokens=min_tokens,
+        sources["deepseek_v3"], recipe, tmp_path / name, calibration_size=CALIBRATION
     )
 
 
@@ -352,7 +390,7 @@ def test_experts_with_too_few_tokens_fall_back_to_rtn_and_are_named(sources, tmp
         assert sum(f.tokens for f in everyone.rtn_fallback_experts if f.layer == i) == (
             tokens
         )
-    assert everyone.min_expert_tokens == 10**9
+    assert everyone.min_expert_tokens == everyone.recipe.min_expert_tokens == 10**9
     # ... and their codes are the round-to-nearest codes of the source weights
     source = load_file(sources["deepseek_v3"] / "model.safetensors")
     out = load_file(tmp_path / "all" / "model.safetensors")
@@ -550,12 +588,23 @@ def test_a_published_block_fp8_source_is_dequantized_layer_by_layer(tmp_path):
     assert result.total_parameters == sum(t.numel() for k, t in bf16.items())
 
 
-def test_experts_calibrated_in_bounded_passes_get_the_same_codes(sources):
-    # one expert's Hessian per pass (a 1-byte budget) or all at once: the same
-    # Hessians, the same GPTQ codes, the same fallbacks
+def test_experts_calibrated_in_bounded_passes_get_the_same_codes(sources, monkeypatch):
+    # one expert's Hessian per pass and per GPTQ batch (a 1-byte budget: the
+    # per-expert path) or all at once, the experts of a shape in one batch with
+    # the rounded-to-nearest ones left out of it: the same Hessians, the same
+    # GPTQ codes, the same fallbacks
     import copy
 
+    from gpuagent.compress import moe
     from gpuagent.compress.moe import quantize_moe_layer
+
+    batch_sizes = []
+
+    def spy(weights, hessians, scheme):
+        batch_sizes.append(len(hessians))
+        return quantize_gptq_batch(weights, hessians, scheme)
+
+    monkeypatch.setattr(moe, "quantize_gptq_batch", spy)
 
     model = load_model(sources["glm4_moe"])
     gen = torch.Generator().manual_seed(3)
@@ -563,9 +612,11 @@ def test_experts_calibrated_in_bounded_passes_get_the_same_codes(sources):
     cos, sin = model._rope(torch.arange(48))
     with torch.no_grad():
         hidden = model.layers[0].forward_dense(model.embed_tokens(tokens), cos, sin)
-    scheme = weight_scheme(RECIPES["w4a16-g32-gptq"])
+    scheme = weight_scheme(RECIPES["w4a16-g32-gptq"] | {"min_expert_tokens": 12})
     runs = []
+    sizes = []
     for budget in (1, 1 << 40):
+        batch_sizes.clear()
         layer, quantized, fallbacks = copy.deepcopy(model.layers[1]), {}, []
         with torch.no_grad():
             quantize_moe_layer(
@@ -574,14 +625,19 @@ def test_experts_calibrated_in_bounded_passes_get_the_same_codes(sources):
                 scheme,
                 quantized,
                 (hidden, cos, sin),
-                min_expert_tokens=12,
                 hessian_budget_bytes=budget,
                 fallbacks=fallbacks,
             )
         runs.append((quantized, fallbacks))
+        sizes.append(list(batch_sizes))
     (one, fell_one), (all_, fell_all) = runs
     # 192 (token, expert) pairs over 8 experts: some get fewer than 12
     assert fell_one == fell_all and fell_one
+    calibrated = 8 - len(fell_one)
+    assert set(sizes[0]) == {1}
+    # the attention groups alone; gate/up: the calibrated experts and the shared
+    # expert (one expert wide: the same shapes) at once, then down likewise
+    assert sizes[1] == [1, 1, calibrated + 1, calibrated + 1] and calibrated > 1
     assert one.keys() == all_.keys()
     assert len([k for k in one if ".experts." in k]) == 8 * 3
     for name in one:
