@@ -4,14 +4,17 @@ run whose client fell behind makes its row INCONCLUSIVE (not PASS or FAIL), and
 guidellm's data file holds the texts our plan runner sends."""
 
 import json
+from pathlib import Path
 
 from gpuagent.benches.guidellm_compare import (
     data_file,
+    guidellm_command,
     knee_inconclusive,
     level_requests,
     next_level,
     rate_inconclusive,
     ratio_row,
+    server_rows,
 )
 from gpuagent.loadtest.client import RequestRecord
 from gpuagent.loadtest.metrics import MAX_SCHEDULE_LAG_MS, ClientHealth, load_run
@@ -143,3 +146,38 @@ def test_guidellm_reads_the_texts_our_plan_runner_sends(tmp_path):
     ]
     assert rows[0]["prompt"] == "Request 010000. one"
     assert rows[1]["prompt"] == "Request 010001. two"
+
+
+def test_guidellm_reads_a_data_file_and_takes_a_poisson_seed(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    out = tmp_path / "out.json"
+
+    def command(data, seed=None):
+        return guidellm_command(
+            "guidellm", "http://h:1", Path("m"), "kind=poisson,rate=2", 48, 40.0,
+            data, out, seed=seed,
+        )  # fmt: skip
+
+    file_cmd = command(data, seed=43)
+    assert file_cmd[file_cmd.index("--data") + 1] == f"kind=json_file,path={data}"
+    assert file_cmd[file_cmd.index("--seed") + 1] == "kind=static,value=43"
+    synthetic = command((128, 32))
+    assert synthetic[synthetic.index("--data") + 1] == (
+        "kind=synthetic_text,prompt_tokens=128,output_tokens=32"
+    )
+    assert "--seed" not in synthetic  # guidellm's own default
+
+
+def test_the_server_rows_show_each_sides_steps_hits_and_the_load():
+    rows = server_rows(
+        [run(4), run(rate=3.0)],
+        {"ours": [(120, 3.5), None], "guidellm": [(60, 7.0), (10, 1.0)]},
+        {"ours": [0.5, None], "guidellm": [0.25, 0.0]},
+        [2.5, 3.25],
+    )
+    assert len(rows) == 3
+    assert rows[1].split() == ["c=4", "120,", "3.5", "/", "60,", "7.0"] + [
+        "50%", "/", "25%", "2.5",
+    ]  # fmt: skip
+    assert rows[2].split()[:2] == ["poisson", "3/s"]
+    assert rows[2].split()[2:] == ["-", "/", "10,", "1.0", "-", "/", "0%", "3.2"]
