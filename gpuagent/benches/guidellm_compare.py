@@ -589,6 +589,10 @@ class Sides:
             most = max(args.rate_requests, level_requests(args.requests, args.top))
             self.data = data_file(prompts, most, folder / "prompts.jsonl")
         self.reports = 0
+        # CPU seconds of each guidellm run's processes (start-up included), on the
+        # clients' cores: what it takes from our client there, or from the server
+        # with --shared-cores
+        self.guidellm_cpu: list[float] = []
         # the server's own TTFT and ITL histograms over each side's runs
         self.server = {"ours": ServerLatency(), "guidellm": ServerLatency()}
         # per run, in order: (engine steps, mean running sequences) or None, and
@@ -660,7 +664,15 @@ class Sides:
             seed=None if concurrency else GUIDELLM_SEED + rnd,
         )
         log = out.with_suffix(".log")
+        before = os.times()
         report = run_guidellm(cmd, out, args.guidellm_workers, log)
+        after = os.times()
+        self.guidellm_cpu.append(
+            after.children_user
+            + after.children_system
+            - before.children_user
+            - before.children_system
+        )
         return runs_of(report, args.slo_ttft_ms, args.slo_tpot_ms)[0]
 
 
@@ -770,6 +782,8 @@ def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int
     )
     print(knee_row)
     print(good_row)
+    cpu = ", ".join(f"{c:.1f}" for c in sides.guidellm_cpu)
+    print(f"guidellm CPU per run, s (its processes, start-up included): {cpu}")
     print(load_average())
     return (knee_verdict != "PASS") + (good_verdict != "PASS")
 
