@@ -23,7 +23,11 @@ processes inherit the affinity), so neither client's CPU is taken from the serve
    doubles the level while either side still meets the SLO (up to --top), so a
    knee is where the SLO broke and not the highest level run. Both sides run the
    same levels, --requests each (at least 3 per stream); the knee of each side is
-   `plan_runner.knee` of its runs (the highest concurrency that met the SLO);
+   `plan_runner.knee` of its runs (the highest concurrency that met the SLO).
+   Our plan runs each level and round once, as guidellm does (no retry of a run
+   whose client fell behind: a retry sent new texts, uncached, and the retried
+   run was the one reported; such a run is shown and makes its ratio
+   INCONCLUSIVE);
 3. --rate-rounds of open-loop Poisson arrivals at --rate (default --rate-fraction
    x our request throughput at our knee), both clients in the same ABBA order
    (guidellm `--profile kind=poisson,rate=R`); goodput is requests/s that met
@@ -334,6 +338,7 @@ def sweep_plan(
                 requests_per_level=requests
                 or level_requests(args.requests, concurrency),
                 max_seconds_per_level=args.max_seconds,
+                retries=0,  # guidellm runs a level once: a lagging run is shown
             ),
             context=None,
             rates=None,
@@ -353,6 +358,7 @@ def rate_plan(args, work: WorkloadPlan, rate: float, seed: int) -> LoadPlan:
                 rates=[rate],
                 requests_per_level=args.rate_requests,
                 max_seconds_per_level=args.max_seconds,
+                retries=0,
             ),
         ),
         budget_s=args.max_seconds * 3,

@@ -4,6 +4,7 @@ run whose client fell behind makes its row INCONCLUSIVE (not PASS or FAIL), and
 guidellm's data file holds the texts our plan runner sends."""
 
 import json
+from argparse import Namespace
 from pathlib import Path
 
 from gpuagent.benches.guidellm_compare import (
@@ -13,8 +14,10 @@ from gpuagent.benches.guidellm_compare import (
     level_requests,
     next_level,
     rate_inconclusive,
+    rate_plan,
     ratio_row,
     server_rows,
+    sweep_plan,
 )
 from gpuagent.loadtest.client import RequestRecord
 from gpuagent.loadtest.metrics import MAX_SCHEDULE_LAG_MS, ClientHealth, load_run
@@ -181,3 +184,22 @@ def test_the_server_rows_show_each_sides_steps_hits_and_the_load():
     ]  # fmt: skip
     assert rows[2].split()[:2] == ["poisson", "3/s"]
     assert rows[2].split()[2:] == ["-", "/", "10,", "1.0", "-", "/", "0%", "3.2"]
+
+
+def test_our_plan_runs_each_point_once_as_guidellm_does():
+    # a retry of a lagging run sent new (uncached) texts and reported the retry
+    work = WorkloadPlan(
+        name="compare",
+        task="chat",
+        language="en",
+        prompt=Lengths(tokens=40),
+        output=Lengths(tokens=7),
+        slo_ttft_p99_ms=500.0,
+        slo_tpot_p99_ms=60.0,
+    )
+    args = Namespace(requests=24, max_seconds=40.0, seed=0, rate_requests=96)
+    closed = sweep_plan(args, work, 16).sweeps.concurrency
+    assert (closed.levels, closed.requests_per_level, closed.retries) == ([16], 48, 0)
+    assert sweep_plan(args, work, 8, 192).sweeps.concurrency.requests_per_level == 192
+    plan = rate_plan(args, work, 5.0, seed=3)
+    assert (plan.sweeps.rates.retries, plan.seed) == (0, 3)
