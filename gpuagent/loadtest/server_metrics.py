@@ -135,6 +135,29 @@ def peak_running(before: ServerSnapshot, after: ServerSnapshot) -> int:
     return int(max(grown, default=0))
 
 
+def running_steps(
+    before: ServerSnapshot, after: ServerSnapshot
+) -> tuple[int, float] | None:
+    """(engine steps that ran any sequence, their mean running sequences) between
+    two readings, from the RUNNING_PER_STEP buckets (each bucket is one count, so
+    the mean is exact); None when either reading lacks the histogram or the server
+    restarted in between. A burst of arrivals shows as few steps of many
+    sequences, the same requests spread out as more steps of fewer."""
+    old = _own_counts(before.running_per_step)
+    new = _own_counts(after.running_per_step)
+    if not old or not new or any(new.get(b, 0.0) < n for b, n in old.items()):
+        return None
+    grown = {
+        b: n - old.get(b, 0.0)
+        for b, n in new.items()
+        if b >= 1 and not math.isinf(b) and n > old.get(b, 0.0)
+    }
+    steps = sum(grown.values())
+    if not steps:
+        return 0, 0.0
+    return int(steps), sum(b * n for b, n in grown.items()) / steps
+
+
 def _own_counts(cumulative: dict[float, float]) -> dict[float, float]:
     """Histogram buckets as steps per bucket alone (each minus the one below)."""
     own, below = {}, 0.0
