@@ -58,6 +58,7 @@ from torch import Tensor
 import kernels
 from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
 from gpuagent.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
+from kernels.kv_quant import INT4_SCALE_FACTORS
 
 LEVELS = 15  # int4: codes 0..15
 _QUERY_CHUNK = 256  # queries per step of `layout_attention`
@@ -136,6 +137,59 @@ def kivi_values(value: Tensor, group: int) -> Tensor:
     return dequantize_minmax(*quantize_minmax(value, -1, channels), -1, channels)
 
 
+# The 16 levels of the Lloyd-Max quantizer of a unit Gaussian (Max 1960): the
+# least-squared-error 4-bit levels for the near-Gaussian elements of a rotated head
+# vector (squared error 0.0095 sigma^2 vs 0.0115 for the best uniform levels).
+_GAUSS16_HALF = (0.1284, 0.3881, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326)
+GAUSS16 = (*(-x for x in reversed(_GAUSS16_HALF)), *_GAUSS16_HALF)
+
+
+def int4_gauss_read(x: Tensor) -> Tensor:
+    """Head vectors x [..., D] as int4 with the GAUSS16 levels reads them back,
+    float32: codes 0..15 index the levels times one float16 scale per vector (the
+    served int4's bytes: D/2 code bytes and a float16 scale), the scale absmax /
+    2.7326 * f for f in kernels' INT4_SCALE_FACTORS with the least squared error
+    (the first on a tie), each code the nearest level."""
+    x32 = x.float()
+    levels = torch.tensor(GAUSS16, device=x.device)
+    absmax = x32.abs().amax(-1, keepdim=True)
+    best = best_err = None
+    for factor in INT4_SCALE_FACTORS:
+        scale = (
+            (absmax / GAUSS16[-1] * factor).clamp_min(_SCALE_MIN).to(torch.float16)
+        ).float()
+        # nearest level: midpoints between neighbours, as searchsorted bounds
+        bounds = (levels[1:] + levels[:-1]) / 2
+        codes = torch.bucketize(x32 / scale, bounds)
+        read = levels[codes] * scale
+        err = ((x32 - read) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best, best_err = read, err
+            continue
+        better = err < best_err
+        best = torch.where(better, read, best)
+        best_err = torch.where(better, err, best_err)
+    return best
+
+
+def key_means(model, sequences: list[list[int]]) -> list[Tensor]:
+    """Per layer, the mean [KVH, D] float32 of the keys before RoPE over
+    `sequences` (each teacher-forced through the model, its first position left
+    out: an attention sink's key is no typical key)."""
+    config = model.config
+    device = next(model.parameters()).device
+    kv_heads, dim = config.num_key_value_heads, config.head_dim
+    sums = [torch.zeros(kv_heads, dim, device=device) for _ in model.layers]
+    count = 0
+    for ids in sequences:
+        captured = []
+        _forward(model, ids, BF16, capture=captured)
+        for total, key in zip(sums, captured, strict=True):
+            total += key[1:].float().sum(0)
+        count += len(ids) - 1
+    return [total / count for total in sums]
+
+
 # --------------------------------------------------------------------- layouts
 
 
@@ -153,11 +207,19 @@ class Layout:
     # The first `sinks` positions of a sequence kept in bf16 too (attention sinks,
     # StreamingLLM / IntactKV): every query reads them full precision.
     sinks: int = 0
+    # int4 only: "uniform" (the served levels) or "gauss" (GAUSS16, same bytes)
+    levels: str = "uniform"
+    # Keys stored less the RoPE'd static key mean of their layer (`key_means`),
+    # added back on read: exact, and the mean is 65-89% of a key's energy on
+    # SmolLM2-135M, so the per-token int4 scale spans a far smaller vector.
+    center_keys: bool = False
 
     def stored(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """K, V [n, KVH, D] float32 as read back from the quantized storage."""
         if self.scheme == "kivi":
             return kivi_keys(key, self.group), kivi_values(value, self.group)
+        if self.scheme == "int4" and self.levels == "gauss":
+            return int4_gauss_read(key), int4_gauss_read(value)
         if self.scheme == "int4":
             return tuple(
                 kernels.dequantize_kv(*kernels.quantize_kv(x, "int4"), "int4")
@@ -198,6 +260,8 @@ class Layout:
             return 1.0
         dim = config.head_dim
         full_precision = 4 * (self.residual + self.sinks) * dim / num_tokens
+        if self.center_keys:  # the float32 key means, counted as fp8's scales are
+            full_precision += 4 * dim / num_tokens
         if self.scheme == "int4":
             # K and V of one kv head in one layer
             quantized = kv_bytes_per_token(config, "int4") / _kv_heads_layers(config)
@@ -233,14 +297,30 @@ def sink_int4_layout(window: int, sinks: int) -> Layout:
     return Layout(f"sim-int4+w{window}s{sinks}", "int4", 0, window, True, sinks)
 
 
+def int4_variant_layout(
+    window: int, sinks: int = 0, gauss: bool = False, center_keys: bool = False
+) -> Layout:
+    """The served int4 (rotated, per-token scale) with the GAUSS16 levels (`gauss`,
+    name "int4g") and/or keys centered on their RoPE'd layer mean (`center_keys`,
+    "int4c"), a `window` and `sinks` in bf16: the same bytes per token."""
+    name = "sim-int4" + ("g" if gauss else "") + ("c" if center_keys else "")
+    name += f"+w{window}" + (f"s{sinks}" if sinks else "")
+    levels = "gauss" if gauss else "uniform"
+    return Layout(name, "int4", 0, window, True, sinks, levels, center_keys)
+
+
 def named_layout(name: str) -> Layout:
     """A layout by the name it prints: sim-bf16, sim-int4+wW, sim-int4+wWsS,
-    kivi-gGrR, kivi-gGrR+rot."""
+    sim-int4g+wW[sS], sim-int4c+wW[sS], sim-int4gc+wW[sS], kivi-gGrR,
+    kivi-gGrR+rot."""
     if name == BF16.name:
         return BF16
     if match := re.fullmatch(r"sim-int4\+w(\d+)(?:s(\d+))?", name):
         window, sinks = int(match[1]), int(match[2] or 0)
         return sink_int4_layout(window, sinks) if sinks else served_int4_layout(window)
+    if match := re.fullmatch(r"sim-int4(g?)(c?)\+w(\d+)(?:s(\d+))?", name):
+        window, sinks = int(match[3]), int(match[4] or 0)
+        return int4_variant_layout(window, sinks, bool(match[1]), bool(match[2]))
     if match := re.fullmatch(r"kivi-g(\d+)r(\d+)(\+rot)?", name):
         return kivi_layout(int(match[1]), int(match[2]), bool(match[3]))
     raise ValueError(f"unknown layout {name!r}")
@@ -274,10 +354,16 @@ def measured_layouts(config, int4_window: int) -> list[Layout]:
 
 
 def layout_attention(
-    query: Tensor, key: Tensor, value: Tensor, softmax_scale: float, layout: Layout
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    softmax_scale: float,
+    layout: Layout,
+    key_offset: Tensor | None = None,
 ) -> Tensor:
     """Causal attention [n, H, D] float32 of query [n, H, D] over key/value
-    [n, KVH, D], the query at t reading each position as `layout` stores it then."""
+    [n, KVH, D], the query at t reading each position as `layout` stores it then;
+    `key_offset` [n, KVH, D]: what each key is stored less of (and read plus)."""
     n, heads, dim = query.shape
     if layout.rotate:
         rotation = kernels.hadamard(dim, query.device)  # [D, D], symmetric
@@ -287,10 +373,15 @@ def layout_attention(
             value.float() @ rotation,
             softmax_scale,
             replace(layout, rotate=False),
+            None if key_offset is None else key_offset.float() @ rotation,
         )
         return out @ rotation.T
     kv_heads = key.shape[1]
-    stored_key, stored_value = layout.stored(key, value)
+    if key_offset is None:
+        stored_key, stored_value = layout.stored(key, value)
+    else:
+        stored_key, stored_value = layout.stored(key.float() - key_offset, value)
+        stored_key = stored_key + key_offset
     # what a bf16 read adds to the quantized one: [n, KVH, D]
     delta_key = key.to(torch.bfloat16).float() - stored_key
     delta_value = value.to(torch.bfloat16).float() - stored_value
@@ -328,9 +419,24 @@ def layout_attention(
     return out
 
 
-def layout_logprobs(model, token_ids: list[int], layout: Layout) -> Tensor:
+def layout_logprobs(
+    model, token_ids: list[int], layout: Layout, means: list[Tensor] | None = None
+) -> Tensor:
     """Log-probs [n, vocab] float32 of the next token at every position of
-    `token_ids` (positions 0..n-1), every layer attending through `layout`."""
+    `token_ids` (positions 0..n-1), every layer attending through `layout`
+    (`means`: `key_means` per layer, for a layout that centers keys)."""
+    if layout.center_keys and means is None:
+        raise ValueError(f"{layout.name} centers keys: it needs the key means")
+    return _forward(model, token_ids, layout, means)
+
+
+def _forward(
+    model,
+    token_ids: list[int],
+    layout: Layout,
+    means: list[Tensor] | None = None,
+    capture: list[Tensor] | None = None,
+) -> Tensor:
     config = model.config
     device = next(model.parameters()).device
     heads, kv_heads, dim = (
@@ -338,19 +444,29 @@ def layout_logprobs(model, token_ids: list[int], layout: Layout) -> Tensor:
         config.num_key_value_heads,
         config.head_dim,
     )
-    positions = torch.arange(len(token_ids), device=device)
+    n = len(token_ids)
+    positions = torch.arange(n, device=device)
     cos, sin = rope_cos_sin(rope_inv_freq(config).to(device), positions)  # [n, 1, D]
     with torch.inference_mode():
         h = model.embed_tokens(torch.tensor(token_ids, device=device))  # [n, hidden]
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
-        for layer in model.layers:
+        for index, layer in enumerate(model.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = apply_rope(attn.q_proj(x).unflatten(-1, (heads, dim)), cos, sin)
-            k = apply_rope(attn.k_proj(x).unflatten(-1, (kv_heads, dim)), cos, sin)
+            k_raw = attn.k_proj(x).unflatten(-1, (kv_heads, dim))
+            if capture is not None:
+                capture.append(k_raw)
+            k = apply_rope(k_raw, cos, sin)
             v = attn.v_proj(x).unflatten(-1, (kv_heads, dim))  # [n, KVH, D]
-            out = layout_attention(q, k, v, attn.softmax_scale, layout)  # [n, H, D]
+            offset = None
+            if layout.center_keys:
+                mean = means[index].to(h.dtype).expand(n, kv_heads, dim)
+                offset = apply_rope(mean, cos, sin)
+            out = layout_attention(q, k, v, attn.softmax_scale, layout, offset)
             h = h + attn.o_proj(out.to(h.dtype).flatten(-2))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if capture is not None:
+            return h
         logits = model.lm_head(model.norm(h)).float()  # [n, vocab]
     return torch.log_softmax(logits, dim=-1)

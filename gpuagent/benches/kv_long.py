@@ -64,9 +64,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpuagent.benches.kv_alternatives import Layout, layout_logprobs, named_layout
+from gpuagent.benches.kv_alternatives import (
+    Layout,
+    key_means,
+    layout_logprobs,
+    named_layout,
+)
 from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
 from gpuagent.engine.engine import default_kv_window
+from gpuagent.engine.kv_calibration import calibration_sequences
 from gpuagent.evaluate.evalsets import (
     TEXT_SLICES,
     HeldOutPassage,
@@ -152,6 +158,10 @@ def score_passages(
         ]
     probe = EngineModel(model_dir, "bf16", max_tokens=16, model=model)
     encoded = [probe.encode(p.text) for p in passages]
+    means = None
+    if any(layout.center_keys for layout in layouts):
+        # the engine's calibration text, none of the scored passages
+        means = key_means(model, calibration_sequences(probe.engine.tokenizer))
     del probe
     for passage, ids in zip(passages, encoded, strict=True):
         if len(ids) < min_tokens:
@@ -173,10 +183,11 @@ def score_passages(
         ref_chunks = reference.logprobs_chunks(ids)
         cand_chunks = [side.logprobs_chunks(ids) for side in sides.values()]
         parts: dict[str, list[PositionStats]] = {d: [] for d in kv_dtypes}
-        sizes = []
+        kept = []  # the reference's chunks, where layouts are scored against them
         start = 1
         for ref, *cands in zip(ref_chunks, *cand_chunks, strict=True):
-            sizes.append(ref.shape[0])
+            if layouts:
+                kept.append(ref)
             for dtype, cand in zip(kv_dtypes, cands, strict=True):
                 parts[dtype].append(
                     exact_position_stats([ref], [cand], ids[start - 1 :])
@@ -185,9 +196,9 @@ def score_passages(
         for dtype in kv_dtypes:
             stats[dtype][passage.slice].append(PositionStats.concat(parts[dtype]))
         if layouts:
-            ref_full = torch.cat(list(reference.logprobs_chunks(ids)))
+            ref_full = torch.cat(kept)
             for layout in layouts:
-                cand = layout_logprobs(model, ids, layout)
+                cand = layout_logprobs(model, ids, layout, means)
                 stats[layout.name][passage.slice].append(
                     exact_position_stats([ref_full], [cand], ids)
                 )
@@ -284,7 +295,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpuagent.benches.kv_long")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument(
-        "--dtypes", nargs="+", default=list(DTYPES), help="served KV dtypes to score"
+        "--dtypes",
+        nargs="*",
+        default=list(DTYPES),
+        help="served KV dtypes to score (none: the simulated layouts alone)",
     )
     parser.add_argument(
         "--simulate",

@@ -75,6 +75,30 @@ def test_it_scores_every_position_of_each_passage_uncut(demo_model):
     )
 
 
+def test_layouts_alone_are_scored_and_a_centering_one_gets_the_key_means(
+    demo_model,
+):
+    texts = passages()[:1]
+    layouts = [alt.BF16, alt.named_layout("sim-int4gc+w17s1")]
+
+    stats, lengths = kv_long.score_passages(
+        DEMO_MODEL_DIR,
+        demo_model,
+        (),
+        layouts,
+        progress=lambda _: None,
+        passages=texts,
+        min_tokens=16,
+    )
+
+    assert list(stats) == [x.name for x in layouts]
+    (centered,) = stats[layouts[1].name][texts[0].slice]
+    assert len(centered) == lengths[0] - 1
+    assert 0 < centered.kld.mean() < 1
+    (exact,) = stats[alt.BF16.name][texts[0].slice]
+    assert exact.kld.mean() < 1e-6
+
+
 def test_a_passage_under_the_minimum_is_refused_by_name(demo_model):
     with pytest.raises(ValueError, match="english-first is .* under the 100000"):
         kv_long.score_passages(
