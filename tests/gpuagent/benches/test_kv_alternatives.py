@@ -209,6 +209,22 @@ def test_centered_keys_read_back_plus_their_offset():
     )
 
 
+def test_with_zero_key_means_centering_reads_what_the_served_int4_reads(demo_model):
+    ids = list(range(5, 45))
+    zeros = [torch.zeros(2, 64) for _ in demo_model.layers]  # the demo: 2 kv heads
+    assert demo_model.config.num_key_value_heads == 2
+
+    centered = alt.layout_logprobs(
+        demo_model, ids, alt.named_layout("sim-int4c+w4"), zeros
+    )
+    served = alt.layout_logprobs(demo_model, ids, alt.served_int4_layout(4))
+
+    torch.testing.assert_close(centered, served, rtol=0, atol=1e-5)
+    means = alt.key_means(demo_model, [ids])
+    assert len(means) == len(demo_model.layers) and means[0].shape == (2, 64)
+    assert means[0].abs().sum() > 0
+
+
 def test_a_centering_layout_without_key_means_is_refused(demo_model):
     with pytest.raises(ValueError, match="sim-int4c\\+w18 centers keys"):
         alt.layout_logprobs(demo_model, [1, 2, 3], alt.named_layout("sim-int4c+w18"))
