@@ -145,6 +145,20 @@ def test_int4_is_judged_overall_on_the_tail_and_on_bytes(overall, tail, ratio, o
     assert kv_long.verdict(kv_long.LongQuality("int4", ratio, slices)) is ok
 
 
+def test_a_simulated_int4_variant_is_judged_against_int4s_bar_and_kivi_is_not():
+    slices = [quality("overall", 0.009, 0.97), quality("pos>=512", 0.009, 0.97)]
+
+    sim = kv_long.LongQuality("sim-int4gc+w17s1", 0.2749, slices)
+    kivi = kv_long.LongQuality("kivi-g32r32", 0.2749, slices)
+
+    assert kv_long.verdict(sim) is True
+    assert kv_long.verdict(kivi) is None
+    assert kv_long.table([sim, kivi])[-1] == (
+        "sim-int4gc+w17s1 (simulated, int4's bar): mean KLD <= 0.01, top-1 >= 96% "
+        "(overall and pos>=512), bytes <= 0.28 of bf16: PASS"
+    )
+
+
 def test_the_engine_bench_judges_each_dtype_overall_on_the_tail_and_on_bytes(
     demo_model, monkeypatch
 ):
