@@ -170,6 +170,66 @@ def test_sinks_are_read_in_bf16_by_every_query():
     assert alt.named_layout(layout.name) == layout
 
 
+def test_gauss_levels_read_each_element_as_its_nearest_level():
+    x = keys_with_outliers(40) @ kernels.hadamard(D)
+
+    read = alt.int4_gauss_read(x)
+
+    levels = torch.tensor(alt.GAUSS16)
+    scale = read.abs().amax(-1, keepdim=True) / levels[-1]  # the chosen scale
+    on_grid = read / scale
+    assert (on_grid[..., None] - levels).abs().amin(-1).max() < 1e-4
+    nearest = levels[(x / scale)[..., None].sub(levels).abs().argmin(-1)] * scale
+    torch.testing.assert_close(read, nearest, rtol=0, atol=1e-4)
+    # Gaussian vectors (as rotated ones nearly are): ~20% less squared error than
+    # the served uniform levels at the same bytes
+    g = torch.randn(2000, D, generator=torch.Generator().manual_seed(1))
+    served = kernels.dequantize_kv(*kernels.quantize_kv(g, "int4"), "int4")
+    gauss_err = ((alt.int4_gauss_read(g) - g) ** 2).sum()
+    assert gauss_err < 0.85 * ((served - g) ** 2).sum()
+
+
+def test_centered_keys_read_back_plus_their_offset():
+    g = torch.Generator().manual_seed(7)
+    offset = torch.zeros(30, KVH, D)
+    offset[..., :8] = 40.0  # a key's common part, far larger than its own
+    key, value = offset + torch.randn(30, KVH, D, generator=g), keys_with_outliers(30)
+    layout = alt.int4_variant_layout(4, center_keys=True)
+    q = torch.randn(30, 2 * KVH, D, generator=torch.Generator().manual_seed(3))
+
+    out = alt.layout_attention(q, key, value, 0.125, layout, offset)
+    plain = alt.layout_attention(q, key, value, 0.125, layout)
+    exact = alt.layout_attention(q, key, value, 0.125, alt.BF16)
+
+    # the same layout reading the offset keys as stored: closer to exact
+    assert (out - exact).abs().mean() < (plain - exact).abs().mean()
+    assert alt.named_layout(layout.name) == layout
+    assert alt.named_layout("sim-int4gc+w17s1") == alt.int4_variant_layout(
+        17, 1, gauss=True, center_keys=True
+    )
+
+
+def test_with_zero_key_means_centering_reads_what_the_served_int4_reads(demo_model):
+    ids = list(range(5, 45))
+    zeros = [torch.zeros(2, 64) for _ in demo_model.layers]  # the demo: 2 kv heads
+    assert demo_model.config.num_key_value_heads == 2
+
+    centered = alt.layout_logprobs(
+        demo_model, ids, alt.named_layout("sim-int4c+w4"), zeros
+    )
+    served = alt.layout_logprobs(demo_model, ids, alt.served_int4_layout(4))
+
+    torch.testing.assert_close(centered, served, rtol=0, atol=1e-5)
+    means = alt.key_means(demo_model, [ids])
+    assert len(means) == len(demo_model.layers) and means[0].shape == (2, 64)
+    assert means[0].abs().sum() > 0
+
+
+def test_a_centering_layout_without_key_means_is_refused(demo_model):
+    with pytest.raises(ValueError, match="sim-int4c\\+w18 centers keys"):
+        alt.layout_logprobs(demo_model, [1, 2, 3], alt.named_layout("sim-int4c+w18"))
+
+
 # ----------------------------------------------------------------------- bytes
 
 
@@ -202,6 +262,13 @@ def test_it_counts_kivis_scales_and_residual_row_in_its_bytes(demo_model):
     # sinks count as window tokens; at the measured length, not a fixed 2k
     sinks = alt.sink_int4_layout(14, 4).bytes_ratio(config, 4096)
     assert sinks == pytest.approx((68 + 4 * 18 * 64 / 4096) / 256)
+    # the Gaussian levels keep int4's bytes; centered keys add their float32 means
+    gauss = alt.int4_variant_layout(14, 4, gauss=True)
+    assert gauss.bytes_ratio(config, 4096) == sinks
+    centered = alt.int4_variant_layout(14, 4, gauss=True, center_keys=True)
+    assert centered.bytes_ratio(config, 4096) == pytest.approx(
+        (68 + (4 * 18 + 4) * 64 / 4096) / 256
+    )
 
 
 # ------------------------------------------------------------------ the model

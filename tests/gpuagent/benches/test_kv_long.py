@@ -75,6 +75,30 @@ def test_it_scores_every_position_of_each_passage_uncut(demo_model):
     )
 
 
+def test_layouts_alone_are_scored_and_a_centering_one_gets_the_key_means(
+    demo_model,
+):
+    texts = passages()[:1]
+    layouts = [alt.BF16, alt.named_layout("sim-int4gc+w17s1")]
+
+    stats, lengths = kv_long.score_passages(
+        DEMO_MODEL_DIR,
+        demo_model,
+        (),
+        layouts,
+        progress=lambda _: None,
+        passages=texts,
+        min_tokens=16,
+    )
+
+    assert list(stats) == [x.name for x in layouts]
+    (centered,) = stats[layouts[1].name][texts[0].slice]
+    assert len(centered) == lengths[0] - 1
+    assert 0 < centered.kld.mean() < 1
+    (exact,) = stats[alt.BF16.name][texts[0].slice]
+    assert exact.kld.mean() < 1e-6
+
+
 def test_a_passage_under_the_minimum_is_refused_by_name(demo_model):
     with pytest.raises(ValueError, match="english-first is .* under the 100000"):
         kv_long.score_passages(
@@ -119,6 +143,20 @@ def test_int4_is_judged_overall_on_the_tail_and_on_bytes(overall, tail, ratio, o
     slices = [quality("overall", *overall), quality("pos>=512", *tail)]
 
     assert kv_long.verdict(kv_long.LongQuality("int4", ratio, slices)) is ok
+
+
+def test_a_simulated_int4_variant_is_judged_against_int4s_bar_and_kivi_is_not():
+    slices = [quality("overall", 0.009, 0.97), quality("pos>=512", 0.009, 0.97)]
+
+    sim = kv_long.LongQuality("sim-int4gc+w17s1", 0.2749, slices)
+    kivi = kv_long.LongQuality("kivi-g32r32", 0.2749, slices)
+
+    assert kv_long.verdict(sim) is True
+    assert kv_long.verdict(kivi) is None
+    assert kv_long.table([sim, kivi])[-1] == (
+        "sim-int4gc+w17s1 (simulated, int4's bar): mean KLD <= 0.01, top-1 >= 96% "
+        "(overall and pos>=512), bytes <= 0.28 of bf16: PASS"
+    )
 
 
 def test_the_engine_bench_judges_each_dtype_overall_on_the_tail_and_on_bytes(
