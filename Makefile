@@ -30,7 +30,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: install demo demo-moe test lint clean browser real-model guidellm llama-cpp-peer \
 	gpu-check
 
-$(STAMP): pyproject.toml gpuagent/lossless/_loops.c kernels/_int4_cpu.c kernels/_int8_cpu.c
+$(STAMP): pyproject.toml gpuagent/lossless/_loops.c kernels/_int4_cpu.c kernels/_int8_cpu.c \
+	kernels/_cpu_paths.h
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q '$(TORCH_PIN)'

@@ -150,72 +150,10 @@ DEFINE_ROW(avx512, "avx512f", __m512, __m512i, 16, codes16, _mm512_set1_epi32,
            _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps)
 #endif
 
-typedef void (*RowsFn)(const Job *);
-
-/* The builds this CPU runs, best first; `min_group` is the group width (a multiple of
- * it) each needs. */
-typedef struct {
-    const char *name;
-    RowsFn fn;
-    Py_ssize_t min_group;
-    int (*runs)(void);
-} Path;
-
-static int always(void) { return 1; }
-#ifdef HAVE_X86_SIMD
-static int has_avx512(void) { return __builtin_cpu_supports("avx512f"); }
-static int has_avx2(void) {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#endif
-
-static const Path PATHS[] = {
-#ifdef HAVE_X86_SIMD
-    {"avx512", rows_avx512, 32, has_avx512},
-    {"avx2", rows_avx2, 16, has_avx2},
-#endif
-    {"portable", rows_portable, 16, always},
-};
-#define N_PATHS ((Py_ssize_t)(sizeof(PATHS) / sizeof(PATHS[0])))
-
-typedef struct {
-    RowsFn fn;
-    const Job *job;
-} Task;
-
-static void *run_task(void *task) {
-    const Task *t = task;
-    t->fn(t->job);
-    return NULL;
-}
-
-/* The path named `name` (NULL: the best this CPU runs for `group`), or NULL with a
- * ValueError set. */
-static const Path *pick(const char *name, Py_ssize_t group) {
-    for (Py_ssize_t i = 0; i < N_PATHS; i++) {
-        const Path *p = &PATHS[i];
-        if (name && strcmp(name, p->name)) continue;
-        if (p->runs() && group % p->min_group == 0) return p;
-        if (name && !p->runs())
-            PyErr_Format(PyExc_ValueError, "path %s does not run on this CPU", name);
-        else if (name)
-            PyErr_Format(PyExc_ValueError, "path %s needs a group that is a multiple of %zd, "
-                         "got group=%zd", name, p->min_group, group);
-        if (name) return NULL;
-    }
-    PyErr_Format(PyExc_ValueError, "no path named %s", name ? name : "(none)");
-    return NULL;
-}
-
-/* Checks a buffer holds exactly `count` items of `itemsize` bytes, C-contiguous. */
-static int sized(const Py_buffer *b, const char *name, Py_ssize_t count, Py_ssize_t itemsize) {
-    if (b->len != count * itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, expected %zd (%zd items of %zd)",
-                     name, b->len, count * itemsize, count, itemsize);
-        return 0;
-    }
-    return 1;
-}
+#define MIN_GROUP_AVX512 32
+#define MIN_GROUP_AVX2 16
+#define MIN_GROUP_PORTABLE 16
+#include "_cpu_paths.h"
 
 /* int4_matmul(x, packed, scale, zero_scale, out, m, n, k, group, threads[, path]) */
 static PyObject *int4_matmul(PyObject *self, PyObject *args) {
@@ -266,24 +204,8 @@ static PyObject *int4_matmul(PyObject *self, PyObject *args) {
             }
             xsum[r * groups + g] = sum;
         }
-    if (threads > n) threads = n;
-    Job jobs[MAX_THREADS];
-    Task tasks[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t t = 0; t < threads; t++) {
-        jobs[t] = (Job){xe, xo, xsum, w.buf, s.buf, zs.buf, y.buf, m, n, k, group,
-                        n * t / threads, n * (t + 1) / threads};
-        tasks[t] = (Task){path->fn, &jobs[t]};
-        /* the first share runs on this thread; one that can't start runs here too */
-        if (t > 0 && pthread_create(&ids[t], NULL, run_task, &tasks[t]) == 0) started[t] = 1;
-    }
-    for (Py_ssize_t t = 0; t < threads; t++)
-        if (!started[t]) path->fn(&jobs[t]);
-    for (Py_ssize_t t = 1; t < threads; t++)
-        if (started[t]) pthread_join(ids[t], NULL);
-    Py_END_ALLOW_THREADS
+    const Job job = {xe, xo, xsum, w.buf, s.buf, zs.buf, y.buf, m, n, k, group, 0, 0};
+    run_split(path, &job, threads);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -297,27 +219,12 @@ done:
     return result;
 }
 
-/* paths() -> the names of the builds this CPU runs, best first */
-static PyObject *paths(PyObject *self, PyObject *unused) {
-    PyObject *names = PyList_New(0);
-    for (Py_ssize_t i = 0; names && i < N_PATHS; i++)
-        if (PATHS[i].runs()) {
-            PyObject *name = PyUnicode_FromString(PATHS[i].name);
-            if (!name || PyList_Append(names, name) < 0) Py_CLEAR(names);
-            Py_XDECREF(name);
-        }
-    if (!names) return NULL;
-    PyObject *result = PyList_AsTuple(names);
-    Py_DECREF(names);
-    return result;
-}
-
 static PyMethodDef methods[] = {
     {"int4_matmul", int4_matmul, METH_VARARGS,
      "int4_matmul(x, packed, scale, zero_scale, out, m, n, k, group, threads[, path]): "
      "out[m, n] = x @ W^T for float32 x [m, k] and pack-quantized int4 W [n, k]; path "
      "names a build from paths() (default: the best one for the group)"},
-    {"paths", paths, METH_NOARGS, "paths() -> names of the builds this CPU runs, best first"},
+    PATHS_METHOD,
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4_cpu",
