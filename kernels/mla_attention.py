@@ -39,7 +39,7 @@ import torch
 
 from kernels._triton import check, tl, triton, use_triton
 from kernels.kv_quant import KV_DTYPE_CODES, PagedKVCache, dequantize_kv
-from kernels.paged_attention import _dot_precision, _paged_decode_reduce_kernel
+from kernels.paged_attention import _dot_precision, reduce_partitions
 
 # The latent cache's dtypes (int4 is refused: the latent is not rotated, and its
 # outliers would take the whole 16 levels).
@@ -344,16 +344,7 @@ def _mla_decode_triton(
         num_warps=num_warps(rank_pad),
     )
     if num_parts > 1:
-        _paged_decode_reduce_kernel[(batch * num_heads,)](
-            part_out,
-            part_max,
-            part_sum,
-            out,
-            num_parts,
-            HEAD_DIM=rank_pad,
-            PARTS_BLOCK=min(32, triton.next_power_of_2(num_parts)),
-            num_warps=4,
-        )
+        reduce_partitions(part_out, part_max, part_sum, out, num_parts)
     return out if rank_pad == rank else out[..., :rank]
 
 

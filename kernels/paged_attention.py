@@ -626,19 +626,32 @@ def _paged_decode_triton(
         WINDOW=cache.window,
         num_warps=4,
     )
-    if num_parts == 1:
-        return out
+    if num_parts > 1:
+        reduce_partitions(part_out, part_max, part_sum, out, num_parts)
+    return out
+
+
+def reduce_partitions(
+    part_out: torch.Tensor,
+    part_max: torch.Tensor,
+    part_sum: torch.Tensor,
+    out: torch.Tensor,
+    num_parts: int,
+) -> None:
+    """Merges a split decode's partitions into `out` [batch, heads, width]: each
+    partition's output [.., num_parts, width] weighted by its softmax max and sum
+    (the paged Llama decode and the MLA decode both end so)."""
+    batch, num_heads, width = out.shape
     _paged_decode_reduce_kernel[(batch * num_heads,)](
         part_out,
         part_max,
         part_sum,
         out,
         num_parts,
-        HEAD_DIM=head_dim,
+        HEAD_DIM=width,
         PARTS_BLOCK=min(32, triton.next_power_of_2(num_parts)),
         num_warps=4,
     )
-    return out
 
 
 @triton.jit
