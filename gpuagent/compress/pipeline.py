@@ -65,7 +65,7 @@ from gpuagent.compress.sequential import (
     compress_sequential,
     projection_kind,
 )
-from gpuagent.compress.signround import tune_layer
+from gpuagent.compress.signround import DEFAULT_STEPS, tune_layer
 from gpuagent.compress.size_report import size_report
 from gpuagent.engine.arch import MOE_MODEL_TYPES, MoEConfig
 from gpuagent.engine.loader import (
@@ -108,6 +108,7 @@ def compress(
     max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
     min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
+    signround_steps: int = DEFAULT_STEPS,
 ) -> CompressResult:
     """Compress `source_dir` under `recipe` into `out_dir` (which must not exist).
 
@@ -118,7 +119,9 @@ def compress(
     (None: one layer in bf16, at least 128 MiB) and
     whose calibration hidden states go to a file over `spill_bytes`. MoE models:
     GPTQ rounds an expert routed fewer than `min_expert_tokens` calibration
-    tokens to nearest instead (named in the result). Raises
+    tokens to nearest instead (named in the result). `signround_steps`: the
+    sign-gradient steps per layer of method "signround" (0: round to nearest on
+    its scales). Raises
     RecipeError for recipes that can't be applied, CompressError for a refused
     source or an existing output."""
     started = time.monotonic()
@@ -134,6 +137,8 @@ def compress(
     progress = progress or (lambda done, total, what: None)
     if min_expert_tokens < 1:
         raise RecipeError(f"min_expert_tokens={min_expert_tokens} must be >= 1")
+    if signround_steps < 0:
+        raise RecipeError(f"signround_steps={signround_steps} must be >= 0")
     if sequential:
         try:
             src = open_inspected(source_dir)
@@ -162,6 +167,7 @@ def compress(
                     max_shard_bytes=max_shard_bytes,
                     spill_bytes=spill_bytes,
                     min_expert_tokens=min_expert_tokens,
+                    signround_steps=signround_steps,
                     started=started,
                 )
             except SequentialUnsupported as exc:
@@ -195,7 +201,11 @@ def compress(
     if needs_text:
         sequences = calibration_sequences(tokenizer, *(calibration_size or ()))
 
-    quantized = _quantize_model(model, scheme, sequences, progress) if scheme else {}
+    quantized = (
+        _quantize_model(model, scheme, sequences, progress, signround_steps)
+        if scheme
+        else {}
+    )
     kv_tensors = {}
     if recipe.kv_cache_dtype == "fp8":
         kv_tensors = kv_scale_tensors(model, sequences, kv_scale_strategy)
@@ -253,7 +263,11 @@ def compress(
 
 
 def _quantize_model(
-    model, scheme: WeightScheme, sequences, progress: Progress
+    model,
+    scheme: WeightScheme,
+    sequences,
+    progress: Progress,
+    signround_steps: int = DEFAULT_STEPS,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every projection (and an untied head when asked); the model's
     weights are replaced by their dequantized values as it goes, so GPTQ's later
@@ -261,7 +275,9 @@ def _quantize_model(
     quantized: dict[str, QuantizedWeight] = {}
     total = len(model.layers) + int(scheme.quantize_lm_head)
     if scheme.method != "rtn" or scheme.awq:
-        _calibrated_layers(model, scheme, sequences, total, progress, quantized)
+        _calibrated_layers(
+            model, scheme, sequences, total, progress, quantized, signround_steps
+        )
     else:
         for i, layer in enumerate(model.layers):
             _quantize_layer(i, layer, scheme, quantized)
@@ -300,7 +316,9 @@ def _quantize_layer(i, layer, scheme, quantized, calibration=None) -> None:
             quantized[f"model.layers.{i}.{p}"] = qw
 
 
-def _calibrated_layers(model, scheme, sequences, total, progress, quantized) -> None:
+def _calibrated_layers(
+    model, scheme, sequences, total, progress, quantized, signround_steps
+) -> None:
     """Layer by layer on the calibration tokens, each layer seeing the outputs of
     the quantized layers before it: AWQ scales folded in (`scheme.awq`), then
     GPTQ on the Hessians of the (scaled) inputs, sign-gradient rounding towards the
@@ -317,7 +335,7 @@ def _calibrated_layers(model, scheme, sequences, total, progress, quantized) -> 
             if unquantized is not None:
                 unquantized = run_layer(layer, unquantized, cos, sin)
                 for p, qw in tune_layer(
-                    layer, hidden, unquantized, cos, sin, scheme
+                    layer, hidden, unquantized, cos, sin, scheme, signround_steps
                 ).items():
                     quantized[f"model.layers.{i}.{p}"] = qw
             else:

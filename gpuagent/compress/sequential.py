@@ -57,7 +57,7 @@ from gpuagent.compress.moe import (
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import RecipeError, WeightScheme
 from gpuagent.compress.shard_writer import ShardWriter
-from gpuagent.compress.signround import tune_layer
+from gpuagent.compress.signround import DEFAULT_STEPS, tune_layer
 from gpuagent.compress.size_report import (
     moe_parameters,
     tensor_class,
@@ -315,11 +315,13 @@ class SequentialCompressor:
         spill_bytes: int,
         min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
         block: tuple[int, int] | None = None,
+        signround_steps: int = DEFAULT_STEPS,
     ) -> None:
         self.src, self.config, self.recipe, self.scheme = src, config, recipe, scheme
         self.block = block  # a block-fp8 source's scale block
         self.moe = isinstance(config, arch.MoEConfig)
         self.min_expert_tokens = min_expert_tokens
+        self.signround_steps = signround_steps
         self.fallbacks: list[ExpertFallback] = []
         self.ignore: list[str] = []  # MoE: Linears left dense, by full name
         self.src_dir = src_dir
@@ -438,7 +440,13 @@ class SequentialCompressor:
                             run_layer(layer, unquantized, cos, sin)
                         )
                         for p, qw in tune_layer(
-                            layer, hidden, unquantized, cos, sin, scheme
+                            layer,
+                            hidden,
+                            unquantized,
+                            cos,
+                            sin,
+                            scheme,
+                            steps=self.signround_steps,
                         ).items():
                             quantized[f"model.layers.{i}.{p}"] = qw
                     else:
@@ -621,6 +629,7 @@ def compress_sequential(
     max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
     min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS,
+    signround_steps: int = DEFAULT_STEPS,
     started: float,
 ) -> CompressResult:
     """The layer-by-layer path of `pipeline.compress` on an opened source (module
@@ -655,6 +664,7 @@ def compress_sequential(
             spill_bytes=spill_bytes,
             min_expert_tokens=min_expert_tokens,
             block=source_block(hf_config),
+            signround_steps=signround_steps,
         )
         run.run()
         for spilled in tmp.glob(".activations-*"):
