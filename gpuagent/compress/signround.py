@@ -17,8 +17,9 @@ over the magnitude of the lowest code (int4: 8), signed so that this extreme map
 to the lowest code (-8) exactly; the other side reaches 7 codes. Against the
 unsigned absmax / 7.5 of round-to-nearest (quantize.py), which maps the negative
 extreme to -8 and clips the positive one to 7 whichever is larger, the step is 1/16
-finer and neither extreme is clipped. int8's codes are symmetric ([-127, 127]), so
-its scales stay positive. The observer ("mse") picks the shrink both start from.
+finer and the larger extreme is never clipped (the smaller one only where it is
+within 1/16 of the larger). int8's codes are symmetric ([-127, 127]), so its scales
+stay positive. The observer ("mse") picks the shrink both start from.
 
 The result is the same symmetric int format as round-to-nearest and GPTQ (codes
 and bf16 scales, `QuantizedWeight`, dequantized as code * scale), read back by
