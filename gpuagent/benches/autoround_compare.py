@@ -27,7 +27,6 @@ are printed as information.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -35,16 +34,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 from safetensors.torch import load_file
 
 from gpuagent.benches.gptq_convert import convert
-from gpuagent.compress import sequential, signround
+from gpuagent.compress import signround
 from gpuagent.compress.calibration import (
     DEFAULT_NUM_SEQUENCES,
     DEFAULT_SEQUENCE_TOKENS,
@@ -169,11 +166,10 @@ def run_ours(
     """Our folder and its compression seconds (`compress` end to end), signround
     at `steps` steps per layer."""
     recipe = {"weights": f"w4a16-g{group}", "kv_cache_dtype": "bf16", **options}
-    tune = functools.partial(signround.tune_layer, steps=steps)
     start = time.monotonic()
-    with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(sequential, "tune_layer", tune))
-        result = compress(model_dir, recipe, out, calibration_size=size)
+    result = compress(
+        model_dir, recipe, out, calibration_size=size, signround_steps=steps
+    )
     return Path(result.out_dir), time.monotonic() - start
 
 

@@ -64,7 +64,7 @@ from gpuagent.compress.sequential import (
     compress_sequential,
     projection_kind,
 )
-from gpuagent.compress.signround import tune_layer
+from gpuagent.compress.signround import DEFAULT_STEPS, tune_layer
 from gpuagent.compress.size_report import size_report
 from gpuagent.engine.arch import MOE_MODEL_TYPES, MoEConfig
 from gpuagent.engine.loader import (
@@ -106,6 +106,7 @@ def compress(
     sequential: bool = True,
     max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
+    signround_steps: int = DEFAULT_STEPS,
 ) -> CompressResult:
     """Compress `source_dir` under `recipe` into `out_dir` (which must not exist).
 
@@ -116,7 +117,9 @@ def compress(
     (None: one layer in bf16, at least 128 MiB) and
     whose calibration hidden states go to a file over `spill_bytes`. MoE models:
     GPTQ rounds an expert routed fewer than the recipe's `min_expert_tokens`
-    calibration tokens to nearest instead (named in the result). Raises
+    calibration tokens to nearest instead (named in the result). `signround_steps`: the
+    sign-gradient steps per layer of method "signround" (0: round to nearest on
+    its scales). Raises
     RecipeError for recipes that can't be applied, CompressError for a refused
     source or an existing output."""
     started = time.monotonic()
@@ -130,6 +133,8 @@ def compress(
     if out_dir.exists():
         raise CompressError(f"{out_dir} already exists; refusing to overwrite it")
     progress = progress or (lambda done, total, what: None)
+    if signround_steps < 0:
+        raise RecipeError(f"signround_steps={signround_steps} must be >= 0")
     if sequential:
         try:
             src = open_inspected(source_dir)
@@ -157,6 +162,7 @@ def compress(
                     kv_scale_strategy=kv_scale_strategy,
                     max_shard_bytes=max_shard_bytes,
                     spill_bytes=spill_bytes,
+                    signround_steps=signround_steps,
                     started=started,
                 )
             except SequentialUnsupported as exc:
@@ -190,7 +196,11 @@ def compress(
     if needs_text:
         sequences = calibration_sequences(tokenizer, *(calibration_size or ()))
 
-    quantized = _quantize_model(model, scheme, sequences, progress) if scheme else {}
+    quantized = (
+        _quantize_model(model, scheme, sequences, progress, signround_steps)
+        if scheme
+        else {}
+    )
     kv_tensors = {}
     if recipe.kv_cache_dtype == "fp8":
         kv_tensors = kv_scale_tensors(model, sequences, kv_scale_strategy)
@@ -248,7 +258,11 @@ def compress(
 
 
 def _quantize_model(
-    model, scheme: WeightScheme, sequences, progress: Progress
+    model,
+    scheme: WeightScheme,
+    sequences,
+    progress: Progress,
+    signround_steps: int = DEFAULT_STEPS,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every projection (and an untied head when asked); the model's
     weights are replaced by their dequantized values as it goes, so GPTQ's later
@@ -256,7 +270,9 @@ def _quantize_model(
     quantized: dict[str, QuantizedWeight] = {}
     total = len(model.layers) + int(scheme.quantize_lm_head)
     if scheme.method != "rtn" or scheme.awq:
-        _calibrated_layers(model, scheme, sequences, total, progress, quantized)
+        _calibrated_layers(
+            model, scheme, sequences, total, progress, quantized, signround_steps
+        )
     else:
         for i, layer in enumerate(model.layers):
             _quantize_layer(i, layer, scheme, quantized)
@@ -295,7 +311,9 @@ def _quantize_layer(i, layer, scheme, quantized, calibration=None) -> None:
             quantized[f"model.layers.{i}.{p}"] = qw
 
 
-def _calibrated_layers(model, scheme, sequences, total, progress, quantized) -> None:
+def _calibrated_layers(
+    model, scheme, sequences, total, progress, quantized, signround_steps
+) -> None:
     """Layer by layer on the calibration tokens, each layer seeing the outputs of
     the quantized layers before it: AWQ scales folded in (`scheme.awq`), then
     GPTQ on the Hessians of the (scaled) inputs, sign-gradient rounding towards the
@@ -312,7 +330,7 @@ def _calibrated_layers(model, scheme, sequences, total, progress, quantized) -> 
             if unquantized is not None:
                 unquantized = run_layer(layer, unquantized, cos, sin)
                 for p, qw in tune_layer(
-                    layer, hidden, unquantized, cos, sin, scheme
+                    layer, hidden, unquantized, cos, sin, scheme, signround_steps
                 ).items():
                     quantized[f"model.layers.{i}.{p}"] = qw
             else:

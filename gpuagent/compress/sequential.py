@@ -56,7 +56,7 @@ from gpuagent.compress.moe import (
 from gpuagent.compress.quantize import quantize_rtn
 from gpuagent.compress.recipes import RecipeError, WeightScheme
 from gpuagent.compress.shard_writer import ShardWriter
-from gpuagent.compress.signround import tune_layer
+from gpuagent.compress.signround import DEFAULT_STEPS, tune_layer
 from gpuagent.compress.size_report import (
     moe_parameters,
     tensor_class,
@@ -319,10 +319,12 @@ class SequentialCompressor:
         max_shard_bytes: int,
         spill_bytes: int,
         block: tuple[int, int] | None = None,
+        signround_steps: int = DEFAULT_STEPS,
     ) -> None:
         self.src, self.config, self.recipe, self.scheme = src, config, recipe, scheme
         self.block = block  # a block-fp8 source's scale block
         self.moe = isinstance(config, arch.MoEConfig)
+        self.signround_steps = signround_steps
         self.fallbacks: list[ExpertFallback] = []
         self.ignore: list[str] = []  # MoE: Linears left dense, by full name
         self.src_dir = src_dir
@@ -440,7 +442,13 @@ class SequentialCompressor:
                             run_layer(layer, unquantized, cos, sin)
                         )
                         for p, qw in tune_layer(
-                            layer, hidden, unquantized, cos, sin, scheme
+                            layer,
+                            hidden,
+                            unquantized,
+                            cos,
+                            sin,
+                            scheme,
+                            steps=self.signround_steps,
                         ).items():
                             quantized[f"model.layers.{i}.{p}"] = qw
                     else:
@@ -631,6 +639,7 @@ def compress_sequential(
     kv_scale_strategy: str,
     max_shard_bytes: int | None = None,
     spill_bytes: int = DEFAULT_SPILL_BYTES,
+    signround_steps: int = DEFAULT_STEPS,
     started: float,
 ) -> CompressResult:
     """The layer-by-layer path of `pipeline.compress` on an opened source (module
@@ -664,6 +673,7 @@ def compress_sequential(
             max_shard_bytes=max_shard_bytes,
             spill_bytes=spill_bytes,
             block=source_block(hf_config),
+            signround_steps=signround_steps,
         )
         run.run()
         for spilled in tmp.glob(".activations-*"):

@@ -3,18 +3,28 @@
 LLMs") for the projections of one decoder layer.
 
 Round-to-nearest rounds each weight on its own; here each weight gets a rounding
-offset v in [-0.5, 0.5] (code = round(w / s + v)) and each group a shrink alpha in
-[0.5, 1] of the scale the observer picked (s = alpha * s0), and the layer's seven
-projections are tuned together, by signed gradient descent through a
+offset v in [-0.5, 0.5] (code = round(w / s + v)) and each group two shrinks in
+[0.5, 1], one of its negative extreme and one of its positive extreme, and the
+layer's seven projections are tuned together, by signed gradient descent through a
 straight-through rounding, so that the layer's output on the calibration inputs the
 quantized layers before it produce comes close to the unquantized model's output at
 that layer (each layer also makes up for the error that reaches it). As the paper:
 `steps` steps of `BATCH` sequences drawn at random, learning rate 1 / steps decaying
 linearly to 0, the offsets and shrinks of the step with the lowest loss kept.
 
+The scale is AutoRound's full-range signed one: the larger of the shrunk extremes
+over the magnitude of the lowest code (int4: 8), signed so that this extreme maps
+to the lowest code (-8) exactly; the other side reaches 7 codes. Against the
+unsigned absmax / 7.5 of round-to-nearest (quantize.py), which maps the negative
+extreme to -8 and clips the positive one to 7 whichever is larger, the step is 1/16
+finer and the larger extreme is never clipped (the smaller one only where it is
+within 1/16 of the larger). int8's codes are symmetric ([-127, 127]), so its scales
+stay positive. The observer ("mse") picks the shrink both start from.
+
 The result is the same symmetric int format as round-to-nearest and GPTQ (codes
-and bf16 scales, `QuantizedWeight`), read back by compressed-tensors and the
-engine like any other; only the choice of codes and scales differs.
+and bf16 scales, `QuantizedWeight`, dequantized as code * scale), read back by
+compressed-tensors and the engine like any other: a negative scale is only a
+number they multiply by.
 """
 
 from __future__ import annotations
@@ -28,10 +38,10 @@ from torch.nn.utils import parametrize
 
 from gpuagent.compress.checkpoint import PROJECTIONS
 from gpuagent.compress.quantize import (
+    MSE_SHRINKS,
     SCALE_DTYPE,
     QuantizedWeight,
     code_range,
-    group_params,
     stored_scale,
 )
 from gpuagent.compress.recipes import WeightScheme
@@ -42,9 +52,10 @@ MIN_SHRINK = 0.5
 
 
 class _Rounding(nn.Module):
-    """A weight's tunable rounding: offsets v [N, G, g] and shrinks alpha [N, G, 1]
-    over the observer's scales s0 [N, G, 1]; as a parametrization, `forward(w)` is
-    the weight the layer runs with (quantized and read back)."""
+    """A weight's tunable rounding: offsets v [N, G, g] and the shrinks of each
+    group's negative and positive extremes [N, G, 1] (module docstring); as a
+    parametrization, `forward(w)` is the weight the layer runs with (quantized and
+    read back)."""
 
     def __init__(self, w: torch.Tensor, scheme: WeightScheme) -> None:
         super().__init__()
@@ -54,24 +65,38 @@ class _Rounding(nn.Module):
         self.shape = (n, k // group, group)
         self.bits = scheme.bits
         self.lo, self.hi = code_range(scheme.bits, True)
-        s0, _ = group_params(
-            w.detach().view(self.shape), scheme.bits, True, scheme.observer
-        )
-        self.register_buffer("s0", s0)
+        groups = w.detach().view(self.shape)
+        self.register_buffer("neg", -groups.amin(dim=-1, keepdim=True).clamp(max=0))
+        self.register_buffer("pos", groups.amax(dim=-1, keepdim=True).clamp(min=0))
+        if scheme.observer == "mse":
+            shrink = _start_shrink(groups, self.neg, self.pos, self.lo, self.hi)
+        else:
+            shrink = torch.ones_like(self.neg)
         self.v = nn.Parameter(torch.zeros(self.shape))
-        self.alpha = nn.Parameter(torch.ones_like(s0))
+        self.min_shrink = nn.Parameter(shrink.clone())
+        self.max_shrink = nn.Parameter(shrink)
+
+    def scale(self) -> torch.Tensor:
+        """[N, G, 1] float32 signed scales (module docstring), not yet rounded to
+        the stored dtype."""
+        return _signed_scale(
+            self.neg * self.min_shrink, self.pos * self.max_shrink, self.lo, self.hi
+        )
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        s = self.s0 * self.alpha
-        s = s + (stored_scale(s) - s).detach()  # as stored (bf16), straight-through
+        s = self.scale()
+        s = s + (_stored(s) - s).detach()  # as stored (bf16), straight-through
         x = w.view(self.shape) / s + self.v
         q = (x + (x.round() - x).detach()).clamp(self.lo, self.hi)  # straight-through
         return (q * s).view_as(w)
 
+    def params(self) -> tuple[torch.Tensor, ...]:
+        return self.v, self.min_shrink, self.max_shrink
+
     @torch.no_grad()
     def quantized(self, w: torch.Tensor) -> QuantizedWeight:
-        """The codes and stored scales of w under the current v and alpha."""
-        scale = stored_scale(self.s0 * self.alpha)
+        """The codes and stored scales of w under the current offsets and shrinks."""
+        scale = _stored(self.scale())
         q = (w.view(self.shape) / scale + self.v).round().clamp(self.lo, self.hi)
         return QuantizedWeight(
             codes=q.view_as(w).to(torch.int8),
@@ -80,6 +105,37 @@ class _Rounding(nn.Module):
             bits=self.bits,
             group_size=self.group_size,
         )
+
+
+def _signed_scale(neg, pos, lo, hi):
+    # the larger extreme over |lo|; signed, where the codes are asymmetric
+    # ([-8, 7]), so that this extreme maps to lo, positive for the negative one
+    if -lo == hi:
+        return torch.maximum(neg, pos) / hi
+    return torch.where(neg >= pos, neg, -pos) / -lo
+
+
+def _stored(scale: torch.Tensor) -> torch.Tensor:
+    # the signed scale as the checkpoint holds it (stored_scale of its magnitude)
+    magnitude = stored_scale(scale.abs())
+    return torch.where(scale < 0, -magnitude, magnitude)
+
+
+def _start_shrink(groups, neg, pos, lo, hi) -> torch.Tensor:
+    """[N, G, 1] the shrink in MSE_SHRINKS (both extremes shrunk alike) whose
+    round-to-nearest codes leave each group the least squared error."""
+    best = best_error = None
+    for shrink in MSE_SHRINKS:
+        scale = _stored(_signed_scale(neg * shrink, pos * shrink, lo, hi))
+        q = (groups / scale).round().clamp(lo, hi)
+        error = (q * scale - groups).square().sum(dim=-1, keepdim=True)
+        if best is None:
+            best, best_error = torch.full_like(error, shrink), error
+            continue
+        better = error < best_error
+        best = torch.where(better, shrink, best)
+        best_error = torch.where(better, error, best_error)
+    return best
 
 
 def tune_layer(
@@ -111,9 +167,9 @@ def tune_layer(
             layer, list(roundings.values()), inputs, targets, cos, sin, steps, seed
         )
         with torch.no_grad():
-            for r, (v, alpha) in zip(roundings.values(), best, strict=True):
-                r.v.copy_(v)
-                r.alpha.copy_(alpha)
+            for r, values in zip(roundings.values(), best, strict=True):
+                for param, value in zip(r.params(), values, strict=True):
+                    param.copy_(value)
     finally:
         for name in roundings:
             parametrize.remove_parametrizations(
@@ -131,12 +187,13 @@ def tune_layer(
 
 
 def _descend(layer, roundings, inputs, targets, cos, sin, steps, seed):
-    # signed gradient descent; the (v, alpha) pairs of the lowest-loss step
+    # signed gradient descent; the parameters of the lowest-loss step
     g = torch.Generator().manual_seed(seed)
-    best_loss, best = (
-        math.inf,
-        [(r.v.detach().clone(), r.alpha.detach().clone()) for r in roundings],
-    )
+
+    def snapshot():
+        return [tuple(p.detach().clone() for p in r.params()) for r in roundings]
+
+    best_loss, best = math.inf, snapshot()
     batch = min(BATCH, len(inputs))
     for step in range(steps):
         rows = torch.randperm(len(inputs), generator=g)[:batch]
@@ -147,11 +204,13 @@ def _descend(layer, roundings, inputs, targets, cos, sin, steps, seed):
             loss.backward()
         if loss.item() < best_loss:
             best_loss = loss.item()
-            best = [(r.v.detach().clone(), r.alpha.detach().clone()) for r in roundings]
+            best = snapshot()
         lr = (1 - step / steps) / steps
         with torch.no_grad():
             for r in roundings:
                 r.v.sub_(lr * r.v.grad.sign()).clamp_(-0.5, 0.5)
-                r.alpha.sub_(lr * r.alpha.grad.sign()).clamp_(MIN_SHRINK, 1.0)
-                r.v.grad = r.alpha.grad = None
+                for shrink in (r.min_shrink, r.max_shrink):
+                    shrink.sub_(lr * shrink.grad.sign()).clamp_(MIN_SHRINK, 1.0)
+                for p in r.params():
+                    p.grad = None
     return best

@@ -144,20 +144,22 @@ def test_it_reads_signround_codes_and_scales_as_any_other(compressed_demo):
     model = load_model(folder)
 
     assert len(modules) == 4 * 7
-    shrunk = 0
+    shrunk = negative = 0
     for module, (weight, state) in modules.items():
         layer = model.get_submodule(module.removeprefix("model."))
         engine_weight = layer(torch.eye(layer.in_features)).t()  # [N, K]
         # compressed-tensors rounds its product to bf16 (relative 2^-9)
         torch.testing.assert_close(engine_weight, weight.float(), atol=1e-6, rtol=2**-8)
-        # scales at most the groups' absmax / 7.5, some shrunk by the tuning
+        # signed full-range scales: |scale| at most the groups' absmax / 8, some
+        # shrunk by the tuning, negative where the positive extreme is the larger
         original = source[module + ".weight"].float()
         groups = original.view(original.shape[0], -1, 64)
-        minmax = groups.abs().amax(-1) / 7.5
+        minmax = groups.abs().amax(-1) / 8
         scale = state["weight_scale"].float()
-        assert (scale <= minmax * (1 + 2**-8)).all(), module
-        shrunk += int((scale < 0.99 * minmax).sum())
-    assert shrunk > 0
+        assert (scale.abs() <= minmax * (1 + 2**-8)).all(), module
+        shrunk += int((scale.abs() < 0.99 * minmax).sum())
+        negative += int((scale < 0).sum())
+    assert shrunk > 0 and negative > 0
 
 
 @pytest.mark.parametrize("bits", [4, 8])

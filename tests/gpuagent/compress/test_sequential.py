@@ -15,7 +15,7 @@ from gpuagent.benches.compress_memory import (
     same_tensors,
     write_synthetic_llama,
 )
-from gpuagent.compress import compress
+from gpuagent.compress import RecipeError, compress
 from gpuagent.compress.shard_writer import write_safetensors
 from tests.gpuagent.compress.conftest import DEMO_MODEL, TEST_CALIBRATION
 
@@ -210,3 +210,35 @@ def test_sources_the_layer_path_does_not_take_are_named(tmp_path):
             check_source(src, config | {"quantization_config": {}})
         with pytest.raises(ModelLoadError, match="missing tensors"):
             check_source(src, config | {"num_hidden_layers": 5})
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_signround_runs_the_steps_asked_on_either_path(tmp_path, sequential):
+    recipe = RECIPES["w4a16 signround"]
+    source = load_file(DEMO_MODEL / "model.safetensors")
+    codes = {}
+    for steps in (0, 8):
+        out = tmp_path / str(steps)
+        compress(
+            DEMO_MODEL,
+            recipe,
+            out,
+            calibration_size=TEST_CALIBRATION,
+            sequential=sequential,
+            signround_steps=steps,
+        )
+        codes[steps] = load_file(out / "model.safetensors")
+
+    # no step: each group rounded to nearest on its full-range signed scale,
+    # whatever the layer's inputs; some steps move some codes
+    name = "model.layers.2.mlp.down_proj"
+    w = source[name + ".weight"].float()
+    groups = w.view(w.shape[0], -1, 64)
+    neg = -groups.amin(-1, keepdim=True).clamp(max=0)
+    pos = groups.amax(-1, keepdim=True).clamp(min=0)
+    scale = torch.where(neg >= pos, neg / 8, -pos / 8).bfloat16()
+    assert torch.equal(codes[0][name + ".weight_scale"], scale[..., 0])
+    packed = [k for k in codes[0] if k.endswith(".weight_packed")]
+    assert any(not torch.equal(codes[0][k], codes[8][k]) for k in packed)
+    with pytest.raises(RecipeError, match="signround_steps=-1 must be >= 0"):
+        compress(DEMO_MODEL, recipe, tmp_path / "x", signround_steps=-1)
