@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from kernels._triton import check, tl, triton, use_triton
 from kernels.kv_quant import (
+    refuse_torch_only,
     KV_DTYPE_CODES,
     WINDOW_DTYPE,
     PagedKVCache,
@@ -927,6 +928,7 @@ def _check_attention_args(
     block_tables: torch.Tensor,
     window_rows: torch.Tensor | None,
 ) -> None:
+    refuse_torch_only(cache.dtype, "paged attention")
     check(
         query.dim() == 3, f"query must be [*, num_heads, head_dim], got {query.shape}"
     )

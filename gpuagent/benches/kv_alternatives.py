@@ -102,7 +102,7 @@ from torch import Tensor
 import kernels
 from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
 from gpuagent.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
-from kernels.kv_quant import INT4_SCALE_FACTORS
+from kernels.kv_gauss import dequantize_gauss, quantize_gauss
 
 LEVELS = 15  # int4: codes 0..15
 _QUERY_CHUNK = 256  # queries per step of `layout_attention`
@@ -181,39 +181,13 @@ def kivi_values(value: Tensor, group: int) -> Tensor:
     return dequantize_minmax(*quantize_minmax(value, -1, channels), -1, channels)
 
 
-# The 16 levels of the Lloyd-Max quantizer of a unit Gaussian (Max 1960): the
-# least-squared-error 4-bit levels for the near-Gaussian elements of a rotated head
-# vector (squared error 0.0095 sigma^2 vs 0.0115 for the best uniform levels).
-_GAUSS16_HALF = (0.1284, 0.3881, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326)
-GAUSS16 = (*(-x for x in reversed(_GAUSS16_HALF)), *_GAUSS16_HALF)
-
-
 def int4_gauss_read(x: Tensor) -> Tensor:
     """Head vectors x [..., D] as int4 with the GAUSS16 levels reads them back,
-    float32: codes 0..15 index the levels times one float16 scale per vector (the
-    served int4's bytes: D/2 code bytes and a float16 scale), the scale absmax /
-    2.7326 * f for f in kernels' INT4_SCALE_FACTORS with the least squared error
-    (the first on a tie), each code the nearest level."""
-    x32 = x.float()
-    levels = torch.tensor(GAUSS16, device=x.device)
-    absmax = x32.abs().amax(-1, keepdim=True)
-    best = best_err = None
-    for factor in INT4_SCALE_FACTORS:
-        scale = (
-            (absmax / GAUSS16[-1] * factor).clamp_min(_SCALE_MIN).to(torch.float16)
-        ).float()
-        # nearest level: midpoints between neighbours, as searchsorted bounds
-        bounds = (levels[1:] + levels[:-1]) / 2
-        codes = torch.bucketize(x32 / scale, bounds)
-        read = levels[codes] * scale
-        err = ((x32 - read) ** 2).sum(-1, keepdim=True)
-        if best is None:
-            best, best_err = read, err
-            continue
-        better = err < best_err
-        best = torch.where(better, read, best)
-        best_err = torch.where(better, err, best_err)
-    return best
+    float32: the served "int4c" quantizer itself (`kernels.kv_gauss`: codes 0..15
+    index the levels times one float16 scale per vector, the served int4's bytes;
+    the scale absmax / 2.7326 * f for f in INT4_SCALE_FACTORS with the least squared
+    error, each code the nearest level)."""
+    return dequantize_gauss(*quantize_gauss(x))
 
 
 def key_means(model, sequences: list[list[int]]) -> list[Tensor]:
