@@ -37,13 +37,13 @@ import torch.nn.functional as F
 
 from kernels._triton import check, tl, triton, use_triton
 from kernels.kv_quant import (
-    refuse_torch_only,
     KV_DTYPE_CODES,
     WINDOW_DTYPE,
     PagedKVCache,
     dequantize_kv,
     fp32_to_bf16_rne,
     overlay_window,
+    refuse_torch_only,
     window_kernel_args,
 )
 

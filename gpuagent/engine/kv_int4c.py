@@ -149,12 +149,13 @@ def _sequence_attention(
     rotation: Tensor,
     softmax_scale: float,
 ) -> Tensor:
-    kv_heads, dim, ring = cache.num_kv_heads, cache.head_dim, cache.window - 1
+    kv_heads, ring = cache.num_kv_heads, cache.window - 1
     pos = torch.arange(context_len, device=query.device)
     table = block_table.long()
     slots = table[pos // cache.block_size] * cache.block_size + pos % cache.block_size
     read = []
-    for store, scale in ((cache.key, cache.key_scale), (cache.value, cache.value_scale)):
+    stores = ((cache.key, cache.key_scale), (cache.value, cache.value_scale))
+    for store, scale in stores:
         codes = store.view(cache.num_slots, kv_heads, -1)[slots]
         read.append(dequantize_gauss(codes, scale.view(cache.num_slots, -1)[slots]))
     quant_key = read[0] + key_offsets(cache, pos, inv_freq, dtype, rotation)
