@@ -100,6 +100,7 @@ import torch
 from torch import Tensor
 
 import kernels
+from gpuagent.engine import kv_int4c
 from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
 from gpuagent.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
 from kernels.kv_gauss import dequantize_gauss, quantize_gauss
@@ -192,20 +193,9 @@ def int4_gauss_read(x: Tensor) -> Tensor:
 
 def key_means(model, sequences: list[list[int]]) -> list[Tensor]:
     """Per layer, the mean [KVH, D] float32 of the keys before RoPE over
-    `sequences` (each teacher-forced through the model, its first position left
-    out: an attention sink's key is no typical key)."""
-    config = model.config
-    device = next(model.parameters()).device
-    kv_heads, dim = config.num_key_value_heads, config.head_dim
-    sums = [torch.zeros(kv_heads, dim, device=device) for _ in model.layers]
-    count = 0
-    for ids in sequences:
-        captured = []
-        _forward(model, ids, BF16, capture=captured)
-        for total, key in zip(sums, captured, strict=True):
-            total += key[1:].float().sum(0)
-        count += len(ids) - 1
-    return [total / count for total in sums]
+    `sequences`, their first positions left out: what the served int4c
+    calibrates (`gpuagent.engine.kv_int4c.key_means`, the same function)."""
+    return kv_int4c.key_means(model, sequences)
 
 
 # --------------------------------------------------------------------- layouts
@@ -455,7 +445,6 @@ def _forward(
     token_ids: list[int],
     layout: Layout,
     means: list[Tensor] | None = None,
-    capture: list[Tensor] | None = None,
 ) -> Tensor:
     config = model.config
     device = next(model.parameters()).device
@@ -474,10 +463,7 @@ def _forward(
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = apply_rope(attn.q_proj(x).unflatten(-1, (heads, dim)), cos, sin)
-            k_raw = attn.k_proj(x).unflatten(-1, (kv_heads, dim))
-            if capture is not None:
-                capture.append(k_raw)
-            k = apply_rope(k_raw, cos, sin)
+            k = apply_rope(attn.k_proj(x).unflatten(-1, (kv_heads, dim)), cos, sin)
             v = attn.v_proj(x).unflatten(-1, (kv_heads, dim))  # [n, KVH, D]
             offset = None
             if layout.center_keys:
@@ -487,7 +473,5 @@ def _forward(
             out = layout_attention(q, k, v, attn.softmax_scale, layout, offset)
             h = h + attn.o_proj(out.to(h.dtype).flatten(-2))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if capture is not None:
-            return h
         logits = model.lm_head(model.norm(h)).float()  # [n, vocab]
     return torch.log_softmax(logits, dim=-1)
