@@ -11,8 +11,14 @@ fp8      [num_blocks, block_size, H, D] float8_e4m3  [H] float32 (static)   2*H*
 fp8-pt   [num_blocks, block_size, H, D] float8_e4m3  [nb, bs, H] float16    2*H*(D+2)
 int8     [num_blocks, block_size, H, D] int8         [nb, bs, H] float16    2*H*(D+2)
 int4     [num_blocks, block_size, H, D//2] uint8     [nb, bs, H] float16    2*H*(D/2+2)
+int4c    [num_blocks, block_size, H, D//2] uint8     [nb, bs, H] float16    2*H*(D/2+2)
 fp32     [num_blocks, block_size, H, D] float32      None                   8*H*D
 =======  ==========================================  =====================  =========
+
+int4c (`TORCH_ONLY_DTYPES`) has int4's blocks but other codes (`kernels.kv_gauss`),
+keys stored less a RoPE'd per-layer mean ([H, D] float32 `key_mean`, static) and
+the first position in the window row's last slot; `gpuagent.engine.kv_int4c`
+writes and reads it, no kernel here does (they refuse it by name).
 
 fp32 is a plain copy, for exact parity checks against a float32 reference (twice the
 bf16 bytes; not a serving format).
