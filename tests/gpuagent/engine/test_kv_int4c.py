@@ -212,3 +212,25 @@ def test_a_passage_through_the_engine_scores_what_the_simulation_scores(demo_mod
         # float summation order alone moves an int4 KLD a little (kv_alternatives)
         assert served.kld.mean() == pytest.approx(simulated.kld.mean(), rel=0.1)
         assert abs(served.same_top1.mean() - simulated.same_top1.mean()) <= 0.02
+
+
+def test_batched_sequences_decode_as_they_do_alone(demo_model):
+    # each sequence reads its own blocks, window row and first position: a batch
+    # (chunked prefill beside decodes, rows reused) changes no greedy token
+    prompts = [
+        "hello world",
+        "The quick brown fox jumps over the lazy dog. " * 3,
+        "def add(a, b):\n    return",
+        "x",
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = [
+        engine(demo_model, kv_window=4).generate([p], params)[0].token_ids
+        for p in prompts
+    ]
+
+    batched = engine(demo_model, kv_window=4, max_num_batched_tokens=16).generate(
+        prompts, params
+    )
+
+    assert [out.token_ids for out in batched] == alone
