@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 import kernels
-from gpuagent.engine.model import apply_rope, rope_cos_sin
+from gpuagent.engine.model import Attention, apply_rope, rope_cos_sin
 from kernels.kv_gauss import dequantize_gauss, quantize_gauss
 
 if TYPE_CHECKING:
@@ -47,6 +47,12 @@ def key_means(model, sequences: Sequence[list[int]]) -> list[Tensor]:
     """Per layer, the mean [KVH, D] float32 of the keys before RoPE over
     `sequences` (each run through the model's dense forward, its first position
     left out: an attention sink's key is no typical key)."""
+    for layer in model.layers:  # k_proj's output is the key before RoPE
+        if type(layer.self_attn) is not Attention:
+            raise ValueError(
+                f"{DTYPE} KV is for Llama attention (the key k_proj(x), RoPE'd over "
+                f"the whole head); {type(layer.self_attn).__name__} differs"
+            )
     config = model.config
     device = next(model.parameters()).device
     kv_heads, dim = config.num_key_value_heads, config.head_dim

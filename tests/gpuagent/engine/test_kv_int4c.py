@@ -234,3 +234,19 @@ def test_batched_sequences_decode_as_they_do_alone(demo_model):
     )
 
     assert [out.token_ids for out in batched] == alone
+
+
+def test_attention_other_than_llamas_is_refused_by_name(demo_model):
+    from gpuagent.engine.arch import GLMAttention
+
+    class Other(GLMAttention):
+        pass
+
+    layer = demo_model.layers[0]
+    kept = layer.self_attn
+    layer.self_attn = Other.__new__(Other)
+    try:
+        with pytest.raises(ValueError, match="int4c KV is for Llama attention.*Other"):
+            kv_int4c.key_means(demo_model, [[1, 2, 3]])
+    finally:
+        layer.self_attn = kept
