@@ -83,6 +83,12 @@ int4c+w18     0.0059 / 96.27%   0.0060 / 96.28%   0.2748     PASS
 
     python -m gpuagent.benches.kv_long --dtypes int4 int4c --max-per-slice 1
 
+All 8 passages (16588 positions, 12492 at >= 512; `--dtypes int4c`, 520 s on the
+shared CPU): int4c+w18 0.0061 / 96.33% overall, 0.0065 / 96.41% at pos>=512, 0.2748
+of bf16: PASS, where its simulation read 0.0061 / 96.23% and 0.0065 / 96.19% (the
+served int4 v2 above: 0.0140 / 94.33%). By slice: English 0.0048 / 96.73%, code
+0.0077 / 95.90%, Korean 0.0058 / 96.40%: code alone stays under 96% top-1.
+
 Leads measured and not taken before: attention sinks (the first tokens in bf16,
 `kv_alternatives.sink_int4_layout`) at equal bytes, simulated on one English passage
 with the v1 writer: w18 0.0134 / 94.42%, w17+s1 0.0139 / 94.76%, w14+s4 0.0194 /
