@@ -11,8 +11,14 @@ fp8      [num_blocks, block_size, H, D] float8_e4m3  [H] float32 (static)   2*H*
 fp8-pt   [num_blocks, block_size, H, D] float8_e4m3  [nb, bs, H] float16    2*H*(D+2)
 int8     [num_blocks, block_size, H, D] int8         [nb, bs, H] float16    2*H*(D+2)
 int4     [num_blocks, block_size, H, D//2] uint8     [nb, bs, H] float16    2*H*(D/2+2)
+int4c    [num_blocks, block_size, H, D//2] uint8     [nb, bs, H] float16    2*H*(D/2+2)
 fp32     [num_blocks, block_size, H, D] float32      None                   8*H*D
 =======  ==========================================  =====================  =========
+
+int4c (`TORCH_ONLY_DTYPES`) has int4's blocks but other codes (`kernels.kv_gauss`),
+keys stored less a RoPE'd per-layer mean ([H, D] float32 `key_mean`, static) and
+the first position in the window row's last slot; `gpuagent.engine.kv_int4c`
+writes and reads it, no kernel here does (they refuse it by name).
 
 fp32 is a plain copy, for exact parity checks against a float32 reference (twice the
 bf16 bytes; not a serving format).
@@ -115,11 +121,26 @@ import torch
 
 from kernels._triton import check, tl, triton, use_triton
 
-KV_CACHE_DTYPES = ("bf16", "fp16", "fp8-per-token", "fp8", "int8", "int4", "fp32")
+KV_CACHE_DTYPES = (
+    "bf16",
+    "fp16",
+    "fp8-per-token",
+    "fp8",
+    "int8",
+    "int4",
+    "int4c",
+    "fp32",
+)
 # One scale per kv head for the whole cache, set before the first write.
 STATIC_SCALE_DTYPES = ("fp8",)
 # Layouts the model writes in the Hadamard basis (module docstring).
-ROTATED_DTYPES = ("fp8", "int8", "int4")
+ROTATED_DTYPES = ("fp8", "int8", "int4", "int4c")
+# Layouts written and read by the model's torch code alone (`gpuagent.engine.
+# kv_int4c`): keys centered on a RoPE'd per-layer mean, Gaussian int4 levels
+# (`kernels.kv_gauss`), the first position and the newest window - 1 in bf16. No
+# Triton kernel reads or writes them; `write_kv`, `gather_kv` and the paged
+# attention ops refuse them by name.
+TORCH_ONLY_DTYPES = ("int4c",)
 STATIC_SCALE_DTYPE = torch.float32
 
 SCALE_DTYPE = torch.float16
@@ -131,6 +152,7 @@ _STORAGE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "int8": torch.int8,
     "int4": torch.uint8,
+    "int4c": torch.uint8,
     "fp32": torch.float32,
 }
 # Largest code magnitude per quantized dtype: scale = absmax / QMAX.
@@ -156,6 +178,8 @@ INT4_SCALE_FACTORS = tuple(1.0 - 0.05 * i for i in range(5))
 # scale from INT4_SCALE_FACTORS. Part of the prefix cache's root, so blocks that
 # two writers wrote never share a hash.
 KV_WRITER_VERSIONS = {"int4": 2}
+# Bytes per element of int4c's per-layer key mean ([H, D] float32, static).
+KEY_MEAN_DTYPE = torch.float32
 
 
 def kv_writer_version(dtype: str) -> int:
@@ -184,6 +208,10 @@ class PagedKVCache:
     scales_set: bool = False
     # Whether the model writes this cache in the Hadamard basis (module docstring)
     rotated: bool = False
+    # int4c: the layer's key mean [H, D] float32 before RoPE (unrotated), static
+    # like fp8's scales; set by `gpuagent.engine.kv_int4c.set_key_means`
+    key_mean: torch.Tensor | None = None
+    means_set: bool = False
 
     @property
     def static_scales(self) -> bool:
@@ -200,6 +228,7 @@ class PagedKVCache:
         """Every byte of storage, scales and window included."""
         tensors = [self.key, self.value, self.key_scale, self.value_scale]
         tensors += [self.window_key, self.window_value]
+        tensors.append(self.key_mean)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
@@ -217,6 +246,15 @@ def _check_dtype(dtype: str) -> None:
     check(dtype in KV_CACHE_DTYPES, f"KV cache dtype must be in {KV_CACHE_DTYPES}")
 
 
+def refuse_torch_only(dtype: str, op: str) -> None:
+    """Raise naming `op` when `dtype` is one no kernel of this package handles."""
+    check(
+        dtype not in TORCH_ONLY_DTYPES,
+        f"{op} has no {dtype} path: {dtype} is written and read by "
+        "gpuagent.engine.kv_int4c (no kernel for it yet)",
+    )
+
+
 def kv_bytes_per_token(dtype: str, num_kv_heads: int, head_dim: int) -> int:
     """Bytes one token takes in one layer's cache, K and V, scales included.
 
@@ -224,15 +262,21 @@ def kv_bytes_per_token(dtype: str, num_kv_heads: int, head_dim: int) -> int:
     block_size)` exactly.
     """
     _check_dtype(dtype)
+    if dtype in TORCH_ONLY_DTYPES:  # int4c: int4's bytes
+        return 2 * num_kv_heads * (head_dim // 2 + SCALE_DTYPE.itemsize)
     if dtype not in _QMAX or dtype in STATIC_SCALE_DTYPES:  # no per-token scales
         return 2 * num_kv_heads * head_dim * _STORAGE_DTYPES[dtype].itemsize
     data = head_dim // 2 if dtype == "int4" else head_dim
     return 2 * num_kv_heads * (data + SCALE_DTYPE.itemsize)
 
 
-def kv_static_bytes(dtype: str, num_kv_heads: int) -> int:
-    """Bytes one layer's cache holds whatever its size: fp8's K and V scales."""
+def kv_static_bytes(dtype: str, num_kv_heads: int, head_dim: int = 0) -> int:
+    """Bytes one layer's cache holds whatever its size: fp8's K and V scales,
+    int4c's key mean (needs `head_dim`)."""
     _check_dtype(dtype)
+    if dtype in TORCH_ONLY_DTYPES:
+        check(head_dim > 0, f"{dtype}'s static bytes need the head_dim")
+        return num_kv_heads * head_dim * KEY_MEAN_DTYPE.itemsize
     if dtype not in STATIC_SCALE_DTYPES:
         return 0
     return 2 * num_kv_heads * STATIC_SCALE_DTYPE.itemsize
@@ -258,20 +302,28 @@ def allocate_kv_cache(
     with `num_windows` window rows of `window` tokens when window > 0; `rotated`
     (default: dtype in ROTATED_DTYPES) tells the model to write it rotated."""
     _check_dtype(dtype)
-    check(dtype != "int4" or head_dim % 2 == 0, "int4 KV needs an even head_dim")
+    check(
+        dtype not in ("int4", "int4c") or head_dim % 2 == 0,
+        f"{dtype} KV needs an even head_dim",
+    )
     check(window >= 0 and num_windows >= 0, "window and num_windows must be >= 0")
     check(
-        window == 0 or dtype in _QMAX,
+        window == 0 or dtype in _QMAX or dtype in TORCH_ONLY_DTYPES,
         f"a full-precision window is for quantized caches (fp8/int8/int4), not {dtype}",
     )
     check(
         (window == 0) == (num_windows == 0),
         "window and num_windows must both be 0 or both be positive",
     )
-    stored_dim = head_dim // 2 if dtype == "int4" else head_dim
+    check(
+        dtype not in TORCH_ONLY_DTYPES or window >= 2,
+        f"{dtype} keeps the first position and the newest tokens in bf16: "
+        f"it needs a window of at least 2, got {window}",
+    )
+    stored_dim = head_dim // 2 if dtype in ("int4", "int4c") else head_dim
     shape = (num_blocks, block_size, num_kv_heads, stored_dim)
     storage = _STORAGE_DTYPES[dtype]
-    scaled = dtype in _QMAX
+    scaled = dtype in _QMAX or dtype in TORCH_ONLY_DTYPES
 
     def scale() -> torch.Tensor | None:
         if not scaled:
@@ -300,6 +352,11 @@ def allocate_kv_cache(
         window_key=window_store(),
         window_value=window_store(),
         rotated=dtype in ROTATED_DTYPES if rotated is None else rotated,
+        key_mean=(
+            torch.zeros(num_kv_heads, head_dim, dtype=KEY_MEAN_DTYPE, device=device)
+            if dtype in TORCH_ONLY_DTYPES
+            else None
+        ),
     )
 
 
@@ -347,6 +404,7 @@ def quantize_kv(
     bf16/fp16/fp32, and for fp8, which takes its per-head `static_scale`
     [H] for x [..., H, D]).
     """
+    refuse_torch_only(dtype, "quantize_kv")
     _check_dtype(dtype)
     if dtype in STATIC_SCALE_DTYPES:
         check(static_scale is not None, f"{dtype} needs its static scales")
@@ -780,6 +838,7 @@ def _write_kv_checked(
     impl: str,
     with_window: bool,
 ) -> None:
+    refuse_torch_only(cache.dtype, "write_kv")
     expected = (cache.num_kv_heads, cache.head_dim)
     check(
         key.dim() == 3 and tuple(key.shape[1:]) == expected,
@@ -860,6 +919,7 @@ def gather_kv(
     block_table [max_blocks] (or [1, max_blocks]) lists the sequence's physical blocks;
     a cache with a window needs the sequence's `window_row`.
     """
+    refuse_torch_only(cache.dtype, "gather_kv")
     check(
         (window_row is not None) == bool(cache.window),
         "window_row is needed exactly when the cache has a window",

@@ -43,6 +43,7 @@ from kernels.kv_quant import (
     dequantize_kv,
     fp32_to_bf16_rne,
     overlay_window,
+    refuse_torch_only,
     window_kernel_args,
 )
 
@@ -927,6 +928,7 @@ def _check_attention_args(
     block_tables: torch.Tensor,
     window_rows: torch.Tensor | None,
 ) -> None:
+    refuse_torch_only(cache.dtype, "paged attention")
     check(
         query.dim() == 3, f"query must be [*, num_heads, head_dim], got {query.shape}"
     )

@@ -100,9 +100,10 @@ import torch
 from torch import Tensor
 
 import kernels
+from gpuagent.engine import kv_int4c
 from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
 from gpuagent.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
-from kernels.kv_quant import INT4_SCALE_FACTORS
+from kernels.kv_gauss import dequantize_gauss, quantize_gauss
 
 LEVELS = 15  # int4: codes 0..15
 _QUERY_CHUNK = 256  # queries per step of `layout_attention`
@@ -181,57 +182,20 @@ def kivi_values(value: Tensor, group: int) -> Tensor:
     return dequantize_minmax(*quantize_minmax(value, -1, channels), -1, channels)
 
 
-# The 16 levels of the Lloyd-Max quantizer of a unit Gaussian (Max 1960): the
-# least-squared-error 4-bit levels for the near-Gaussian elements of a rotated head
-# vector (squared error 0.0095 sigma^2 vs 0.0115 for the best uniform levels).
-_GAUSS16_HALF = (0.1284, 0.3881, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326)
-GAUSS16 = (*(-x for x in reversed(_GAUSS16_HALF)), *_GAUSS16_HALF)
-
-
 def int4_gauss_read(x: Tensor) -> Tensor:
     """Head vectors x [..., D] as int4 with the GAUSS16 levels reads them back,
-    float32: codes 0..15 index the levels times one float16 scale per vector (the
-    served int4's bytes: D/2 code bytes and a float16 scale), the scale absmax /
-    2.7326 * f for f in kernels' INT4_SCALE_FACTORS with the least squared error
-    (the first on a tie), each code the nearest level."""
-    x32 = x.float()
-    levels = torch.tensor(GAUSS16, device=x.device)
-    absmax = x32.abs().amax(-1, keepdim=True)
-    best = best_err = None
-    for factor in INT4_SCALE_FACTORS:
-        scale = (
-            (absmax / GAUSS16[-1] * factor).clamp_min(_SCALE_MIN).to(torch.float16)
-        ).float()
-        # nearest level: midpoints between neighbours, as searchsorted bounds
-        bounds = (levels[1:] + levels[:-1]) / 2
-        codes = torch.bucketize(x32 / scale, bounds)
-        read = levels[codes] * scale
-        err = ((x32 - read) ** 2).sum(-1, keepdim=True)
-        if best is None:
-            best, best_err = read, err
-            continue
-        better = err < best_err
-        best = torch.where(better, read, best)
-        best_err = torch.where(better, err, best_err)
-    return best
+    float32: the served "int4c" quantizer itself (`kernels.kv_gauss`: codes 0..15
+    index the levels times one float16 scale per vector, the served int4's bytes;
+    the scale absmax / 2.7326 * f for f in INT4_SCALE_FACTORS with the least squared
+    error, each code the nearest level)."""
+    return dequantize_gauss(*quantize_gauss(x))
 
 
 def key_means(model, sequences: list[list[int]]) -> list[Tensor]:
     """Per layer, the mean [KVH, D] float32 of the keys before RoPE over
-    `sequences` (each teacher-forced through the model, its first position left
-    out: an attention sink's key is no typical key)."""
-    config = model.config
-    device = next(model.parameters()).device
-    kv_heads, dim = config.num_key_value_heads, config.head_dim
-    sums = [torch.zeros(kv_heads, dim, device=device) for _ in model.layers]
-    count = 0
-    for ids in sequences:
-        captured = []
-        _forward(model, ids, BF16, capture=captured)
-        for total, key in zip(sums, captured, strict=True):
-            total += key[1:].float().sum(0)
-        count += len(ids) - 1
-    return [total / count for total in sums]
+    `sequences`, their first positions left out: what the served int4c
+    calibrates (`gpuagent.engine.kv_int4c.key_means`, the same function)."""
+    return kv_int4c.key_means(model, sequences)
 
 
 # --------------------------------------------------------------------- layouts
@@ -481,7 +445,6 @@ def _forward(
     token_ids: list[int],
     layout: Layout,
     means: list[Tensor] | None = None,
-    capture: list[Tensor] | None = None,
 ) -> Tensor:
     config = model.config
     device = next(model.parameters()).device
@@ -500,10 +463,7 @@ def _forward(
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = apply_rope(attn.q_proj(x).unflatten(-1, (heads, dim)), cos, sin)
-            k_raw = attn.k_proj(x).unflatten(-1, (kv_heads, dim))
-            if capture is not None:
-                capture.append(k_raw)
-            k = apply_rope(k_raw, cos, sin)
+            k = apply_rope(attn.k_proj(x).unflatten(-1, (kv_heads, dim)), cos, sin)
             v = attn.v_proj(x).unflatten(-1, (kv_heads, dim))  # [n, KVH, D]
             offset = None
             if layout.center_keys:
@@ -513,7 +473,5 @@ def _forward(
             out = layout_attention(q, k, v, attn.softmax_scale, layout, offset)
             h = h + attn.o_proj(out.to(h.dtype).flatten(-2))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if capture is not None:
-            return h
         logits = model.lm_head(model.norm(h)).float()  # [n, vocab]
     return torch.log_softmax(logits, dim=-1)

@@ -70,6 +70,25 @@ of top-1 (about 1.5 standard errors of a binomial over these positions, less for
 correlated ones); none of the three is served yet (with centered keys the first
 position's bf16 copy pays, where without them it did not; below).
 
+Served: int4c (`gpuagent.engine.kv_int4c`, kv dtype "int4c") is sim-int4gc+w17s1
+as the engine serves it (torch path; no kernel yet). The first 3 passages (one per
+slice), side by side in one run:
+
+============  ================  ================  =========  ======
+KV dtype      overall KLD/top1  pos>=512          bytes/tok  bar
+============  ================  ================  =========  ======
+int4+w18 v2   0.0137 / 93.81%   0.0142 / 93.94%   0.2744     FAIL
+int4c+w18     0.0059 / 96.27%   0.0060 / 96.28%   0.2748     PASS
+============  ================  ================  =========  ======
+
+    python -m gpuagent.benches.kv_long --dtypes int4 int4c --max-per-slice 1
+
+All 8 passages (16588 positions, 12492 at >= 512; `--dtypes int4c`, 520 s on the
+shared CPU): int4c+w18 0.0061 / 96.33% overall, 0.0065 / 96.41% at pos>=512, 0.2748
+of bf16: PASS, where its simulation read 0.0061 / 96.23% and 0.0065 / 96.19% (the
+served int4 v2 above: 0.0140 / 94.33%). By slice: English 0.0048 / 96.73%, code
+0.0077 / 95.90%, Korean 0.0058 / 96.40%: code alone stays under 96% top-1.
+
 Leads measured and not taken before: attention sinks (the first tokens in bf16,
 `kv_alternatives.sink_int4_layout`) at equal bytes, simulated on one English passage
 with the v1 writer: w18 0.0134 / 94.42%, w17+s1 0.0139 / 94.76%, w14+s4 0.0194 /
@@ -126,6 +145,7 @@ TARGETS = {
     "fp8": (0.003, 0.97, 0.52),
     "int8": (0.002, 0.975, 0.52),
     "int4": (0.01, 0.96, 0.28),
+    "int4c": (0.01, 0.96, 0.28),  # int4's layout variant (engine.kv_int4c)
 }
 
 

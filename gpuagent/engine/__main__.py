@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="newest tokens per sequence also kept in bf16 beside a quantized cache "
-        "(default: 18 for int4, 16 for fp8, none for the others)",
+        "(default: 18 for int4, 16 for fp8, none for the others; int4c's 18 are "
+        "its newest 17 and its first)",
     )
     serve.add_argument("--kv-memory-gb", type=float, default=2.0)
     serve.add_argument(

@@ -52,6 +52,7 @@ test_prefix_cache.py). The blocks are still shared, and the tokens reported cach
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -454,11 +455,12 @@ def kv_bytes_per_token(config: Any, kv_dtype: str) -> int:
 
 
 def kv_static_bytes(config: Any, kv_dtype: str) -> int:
-    """Bytes the caches hold whatever their size (fp8's per-head scales)."""
+    """Bytes the caches hold whatever their size (fp8's per-head scales, int4c's
+    key means)."""
     if mla.is_mla(config):
         return mla.mla_kv_static_bytes(config, kv_dtype)
-    num_layers, num_kv_heads, _ = _kv_shape(config)
-    return num_layers * kernels.kv_static_bytes(kv_dtype, num_kv_heads)
+    num_layers, num_kv_heads, head_dim = _kv_shape(config)
+    return num_layers * kernels.kv_static_bytes(kv_dtype, num_kv_heads, head_dim)
 
 
 def kv_window_bytes(config: Any, window: int) -> int:
@@ -575,7 +577,8 @@ class KVCacheManager:
         depend on besides its tokens and their prefix: the model (`model_digest`),
         the KV dtype (with its writer's version, `kernels.kv_writer_version`),
         block size and window, and per layer the rotation and static
-        (fp8) scales. Caches that differ in any of these never share a hash."""
+        (fp8) scales or key means (int4c). Caches that differ in any of these
+        never share a hash."""
         digest = hashlib.sha256(b"releasegate prefix cache v1\0")
         digest.update(model_digest)
         kv_format = self.kv_dtype
@@ -588,12 +591,20 @@ class KVCacheManager:
                 for scale in (cache.key_scale, cache.value_scale):
                     scale = scale.detach().cpu().contiguous()
                     digest.update(memoryview(scale.view(torch.uint8).numpy()))
+            if cache.key_mean is not None:
+                mean = cache.key_mean.detach().cpu().contiguous()
+                digest.update(memoryview(mean.view(torch.uint8).numpy()))
         return digest.digest()
 
     def enable_prefix_caching(self, model_digest: bytes) -> None:
         """Turn on the prefix cache of this model's blocks; call after any static
         scales are set (they are part of the root). A hit on a cache with a window
         recomputes layers * (window - 1) positions before its first uncached one
-        (module docstring)."""
+        (module docstring). int4c keeps the first position's K/V in its window row
+        too, which only position 0's own forward writes: a hit there recomputes
+        the whole prefix (into the window row alone; the blocks are still shared,
+        their compute is not saved)."""
         refill = len(self.kv_caches) * (self.window - 1) if self.window else 0
+        if self.kv_dtype in kernels.TORCH_ONLY_DTYPES:
+            refill = sys.maxsize
         self.blocks.enable_prefix_caching(self.prefix_cache_root(model_digest), refill)

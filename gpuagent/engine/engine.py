@@ -52,8 +52,9 @@ DEFAULT_MAX_NUM_SEQS = 64
 # newest W tokens in bf16: int4+w18 KLD / top-1 0.0089 / 95.1%, fp8+w16 0.00094 /
 # 98.6%, int8 without one 0.00035 / 98.8%. (With the window of the chunk's end
 # instead, on 6 passages: int4 w16 0.029 / 91.9%, w18 0.0174 / 92.55%, fp8 w16
-# 0.0019 / 97.3%.)
-DEFAULT_KV_WINDOW = {"int4": 18, "fp8": 16}
+# 0.0019 / 97.3%.) int4c's row of 18 holds its newest 17 tokens and the first
+# (engine.kv_int4c): the bytes of int4+w18.
+DEFAULT_KV_WINDOW = {"int4": 18, "int4c": 18, "fp8": 16}
 
 
 def default_kv_window(kv_cache_dtype: str) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 import kernels
+from gpuagent.engine import kv_int4c
 from gpuagent.engine.mla import calibrate_latent_scales, is_mla
 from gpuagent.engine.model import AttentionMetadata
 
@@ -146,7 +147,12 @@ def calibrate_kv_caches(model, tokenizer, kv_caches) -> None:
     """Give the static-scale `kv_caches` (one per layer) their scales: the
     checkpoint's own (`model.checkpoint_kv_scales`, the caches then unrotated), or
     calibrated on the built-in calibration text; a no-op for layouts without
-    static scales."""
+    static scales. int4c caches get their key means instead (engine.kv_int4c),
+    from the same text."""
+    if kv_caches and kv_caches[0].dtype == kv_int4c.DTYPE:
+        means = kv_int4c.key_means(model, calibration_sequences(tokenizer))
+        kv_int4c.set_key_means(kv_caches, means)
+        return
     if not kv_caches or not kv_caches[0].static_scales:
         return
     if is_mla(model.config):  # two scales per layer for the latent cache

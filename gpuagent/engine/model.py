@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.kv_quant import allocate_kv_cache, hadamard, write_kv, write_window
+from kernels.kv_quant import (
+    TORCH_ONLY_DTYPES,
+    allocate_kv_cache,
+    hadamard,
+    write_kv,
+    write_window,
+)
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
 if TYPE_CHECKING:
@@ -63,6 +69,10 @@ class AttentionMetadata:
     # not among its sequence's newest) and [B] int32 window row per sequence.
     window_slots: Tensor | None = None
     window_rows: Tensor | None = None
+    # int4c caches (engine.kv_int4c): [T] int64 position of each new token and the
+    # RoPE inverse frequencies; `Transformer.forward` sets both
+    positions: Tensor | None = None
+    rope_inv_freq: Tensor | None = None
 
 
 @dataclass
@@ -375,6 +385,12 @@ class Attention(nn.Module):
         out_rows: Tensor | None = None,  # [B] rows to compute; None: all T
     ) -> Tensor:
         q, k, v = self._qkv(x, cos, sin)  # [T, H, D], [T, KVH, D], [T, KVH, D]
+        if cache.dtype in TORCH_ONLY_DTYPES:  # no kernel: engine.kv_int4c's torch
+            from gpuagent.engine import kv_int4c  # imports this module
+
+            scale = self.softmax_scale
+            out = kv_int4c.attention(q, k, v, cache, attn, scale, out_rows)
+            return self.o_proj(out.to(x.dtype).flatten(-2))
         rotation = None
         if cache.rotated:
             # The cache holds K and V in the Hadamard basis (kernels.kv_quant):
@@ -571,6 +587,8 @@ class Transformer(nn.Module):
             raise ValueError(f"need {len(self.layers)} caches, got {len(kv_caches)}")
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions)  # [T, 1, D] each
+        if kv_caches and kv_caches[0].dtype in TORCH_ONLY_DTYPES:
+            attn = replace(attn, positions=positions, rope_inv_freq=self._inv_freq)
         last = None  # [B] each sequence's last new token, when only those are wanted
         # (in a decode-only step every token is its sequence's last)
         if not all_logits and not attn.decode_only:

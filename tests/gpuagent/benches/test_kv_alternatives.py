@@ -13,6 +13,7 @@ import kernels
 from gpuagent.benches import engine as bench
 from gpuagent.benches import kv_alternatives as alt
 from gpuagent.engine.cache import kv_bytes_per_token
+from kernels.kv_gauss import GAUSS16
 
 KVH, D = 2, 64
 
@@ -175,7 +176,7 @@ def test_gauss_levels_read_each_element_as_its_nearest_level():
 
     read = alt.int4_gauss_read(x)
 
-    levels = torch.tensor(alt.GAUSS16)
+    levels = torch.tensor(GAUSS16)
     scale = read.abs().amax(-1, keepdim=True) / levels[-1]  # the chosen scale
     on_grid = read / scale
     assert (on_grid[..., None] - levels).abs().amin(-1).max() < 1e-4

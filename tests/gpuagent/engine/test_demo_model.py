@@ -114,6 +114,9 @@ FIRST_TOKEN_PROMPTS = [
         # position went 0.034 -> 0.109 (no window: 0.094). Kept visible, not hidden.
         ("int4", None, 0.12),
         ("int4", 0, 0.1),
+        # keys centered on their RoPE'd layer mean, Gaussian levels, the first
+        # position in bf16 (engine.kv_int4c): held to int4's bar
+        ("int4c", None, 0.12),
     ],
 )
 def test_its_first_token_logprob_from_each_kv_cache_stays_near_exact(

@@ -23,7 +23,7 @@ def greedy_alone(engine: LLMEngine, prompts, params=GREEDY):
 
 
 @pytest.mark.parametrize(
-    "kv_dtype", ["bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4"]
+    "kv_dtype", ["bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4", "int4c"]
 )
 def test_it_generates_with_every_kv_dtype(
     make_engine, tiny_model_and_tokenizer, kv_dtype
