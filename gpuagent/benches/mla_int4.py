@@ -58,7 +58,8 @@ int4 on the MLA latent does not hold int4's bar: the best layout, rotated with t
 18-token bf16 window, reads 0.0157 / 93.71%, 1.6x the KLD and 2.3 points of top-1
 short, and its window row already takes it past 0.28 of bf16's bytes (two float16
 scales per token and layer cost 4 of 44 bytes). The rotation pays (KLD -36%, -27%
-with the window), the window pays most; the sink adds nothing. The latent is read
+with the window), the window pays most; the sink adds nothing. A likely reason
+(not measured apart): the latent is read
 by every head as key and value at once (k_nope = W_UK c, v = W_UV c), so its
 error reaches every head's scores and outputs; a dense model's int4 error stays in
 one kv head's key or value. The exit status is 1: no int4 layout passes.
