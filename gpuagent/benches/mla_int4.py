@@ -59,10 +59,9 @@ int4 on the MLA latent does not hold int4's bar: the best layout, rotated with t
 short, and its window row already takes it past 0.28 of bf16's bytes (two float16
 scales per token and layer cost 4 of 44 bytes). The rotation pays (KLD -36%, -27%
 with the window), the window pays most; the sink adds nothing. A likely reason
-(not measured apart): the latent is read
-by every head as key and value at once (k_nope = W_UK c, v = W_UV c), so its
-error reaches every head's scores and outputs; a dense model's int4 error stays in
-one kv head's key or value. The exit status is 1: no int4 layout passes.
+(not measured apart): every head reads the latent as key and value at once
+(k_nope = W_UK c, v = W_UV c), so its error reaches every head's scores and
+outputs, where a dense model's int4 error stays in one kv head's key or value. The exit status is 1: no int4 layout passes.
 """
 
 from __future__ import annotations
