@@ -61,7 +61,8 @@ scales per token and layer cost 4 of 44 bytes). The rotation pays (KLD -36%, -27
 with the window), the window pays most; the sink adds nothing. A likely reason
 (not measured apart): every head reads the latent as key and value at once
 (k_nope = W_UK c, v = W_UV c), so its error reaches every head's scores and
-outputs, where a dense model's int4 error stays in one kv head's key or value. The exit status is 1: no int4 layout passes.
+outputs, where a dense model's int4 error stays in one kv head's key or value.
+The exit status is 1 while no int4 layout passes.
 """
 
 from __future__ import annotations
