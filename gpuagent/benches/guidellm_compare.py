@@ -13,7 +13,13 @@ processes inherit the affinity), so neither client's CPU is taken from the serve
    a point may send, so that the server's prefix cache holds them all for both
    sides (each point sends the same texts on both sides: the side that ran
    first at a level sending more requests than any before met uncached
-   prompts, the second cached ones);
+   prompts, the second cached ones); and before each level (and before the
+   Poisson rounds, at our knee) our plan again at that level over that level's
+   texts, not counted: at a level whose running sequences' blocks evict cached
+   prompts (c=64 on the demo model) the side that ran first met the cache as
+   the level before left it (52% of prompt tokens cached) and the second as the
+   first left it (95%), so the order decided the knee; warmed at its own level,
+   each side meets the cache as a run of that level leaves it;
 2. per level of --levels, both clients, in ABBA order (ours then guidellm at the
    first level, guidellm then ours at the next, ...) so a drift in the machine's
    load hits both alike: ours is the plan runner (`plan_runner.run_plan`) on a
@@ -647,6 +653,13 @@ class Sides:
         plan = sweep_plan(self.args, self.work, top, self.most)
         asyncio.run(run_plan(self.base, plan, model=self.model))
 
+    def warm_level(self, concurrency: int, requests: int) -> None:
+        """Our closed loop at `concurrency` over `requests` texts, not counted:
+        the server's prefix cache as a run at that level leaves it, for
+        whichever side runs first."""
+        plan = sweep_plan(self.args, self.work, concurrency, requests)
+        asyncio.run(run_plan(self.base, plan, model=self.model))
+
     def _ours(self, concurrency: int | None, rate: float | None, rnd: int = 0):
         """Our run; Poisson round `rnd` draws its arrivals from its own seed."""
         plan = (
@@ -711,6 +724,27 @@ def load_average() -> str:
     return "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
 
 
+def closed_sweep(args, sides, step) -> tuple[list[LoadRun], list[LoadRun], list[float]]:
+    """The closed-loop levels (`next_level`), each warmed at its own level (not
+    counted) and then run by both sides in ABBA order: (ours, guidellm's, the
+    load average after each level)."""
+    ours_closed: list[LoadRun] = []
+    theirs_closed: list[LoadRun] = []
+    loads: list[float] = []
+    while c := next_level(args.levels, ours_closed, theirs_closed, args.top):
+        i = len(ours_closed)
+        step(f"c={c}: warm-up at c={c}, not counted")
+        sides.warm_level(c, level_requests(args.requests, c))
+        step(f"c={c}: {'ours, guidellm' if i % 2 == 0 else 'guidellm, ours'}")
+        ours, theirs = alternate(
+            i, lambda c=c: sides.ours(concurrency=c), lambda c=c: sides.guidellm(c)
+        )
+        ours_closed.append(ours)
+        theirs_closed.append(theirs)
+        loads.append(os.getloadavg()[0])
+    return ours_closed, theirs_closed, loads
+
+
 def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int:
     def step(text: str) -> None:
         print(
@@ -729,18 +763,7 @@ def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int
     # at a level with more requests than any before met their prompts uncached,
     # the second cached (52% vs 95% of prompt tokens at c=16, 32, 64).
     sides.warm_up()
-    ours_closed: list[LoadRun] = []
-    theirs_closed: list[LoadRun] = []
-    loads: list[float] = []
-    while c := next_level(args.levels, ours_closed, theirs_closed, args.top):
-        i = len(ours_closed)
-        step(f"c={c}: {'ours, guidellm' if i % 2 == 0 else 'guidellm, ours'}")
-        ours, theirs = alternate(
-            i, lambda c=c: sides.ours(concurrency=c), lambda c=c: sides.guidellm(c)
-        )
-        ours_closed.append(ours)
-        theirs_closed.append(theirs)
-        loads.append(os.getloadavg()[0])
+    ours_closed, theirs_closed, loads = closed_sweep(args, sides, step)
     top = ours_closed[-1].concurrency or args.levels[-1]
 
     our_knee, their_knee = knee(ours_closed), knee(theirs_closed)
@@ -750,6 +773,9 @@ def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int
     )
     ours_open: list[LoadRun] = []
     theirs_open: list[LoadRun] = []
+    warm = our_knee or ours_closed[0].concurrency or args.levels[0]
+    step(f"Poisson: warm-up at c={warm} over {args.rate_requests} texts, not counted")
+    sides.warm_level(warm, args.rate_requests)
     for r in range(args.rate_rounds):
         index = len(ours_closed) + r
         step(f"Poisson {rate:g}/s round {r + 1}: ours and guidellm")
@@ -774,9 +800,10 @@ def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int
         f"template), {data}, and {args.output_tokens} output tokens; SLO TTFT p99 "
         f"<= {args.slo_ttft_ms:g} ms, TPOT p99 <= "
         f"{args.slo_tpot_ms:g} ms; {args.requests} requests per level (at least 3 "
-        f"per stream), {args.rate_requests} per Poisson round; each point run by "
-        f"both, in ABBA order; guidellm with {args.guidellm_workers} worker "
-        "process(es), its requests judged by our SLO"
+        f"per stream), {args.rate_requests} per Poisson round; each point warmed "
+        "at its level (not counted), then run by both, in ABBA order; guidellm "
+        f"with {args.guidellm_workers} worker process(es), its requests judged by "
+        "our SLO"
     )
     ours_all, theirs_all = [*ours_closed, *ours_open], [*theirs_closed, *theirs_open]
     print("\n".join(level_rows(ours_all, theirs_all)))

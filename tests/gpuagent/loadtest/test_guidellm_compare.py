@@ -8,6 +8,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from gpuagent.benches.guidellm_compare import (
+    closed_sweep,
     data_file,
     guidellm_command,
     knee_inconclusive,
@@ -203,3 +204,33 @@ def test_our_plan_runs_each_point_once_as_guidellm_does():
     assert sweep_plan(args, work, 8, 192).sweeps.concurrency.requests_per_level == 192
     plan = rate_plan(args, work, 5.0, seed=3)
     assert (plan.sweeps.rates.retries, plan.seed) == (0, 3)
+
+
+def test_each_level_is_warmed_at_its_own_level_before_either_side_runs():
+    # at c=64 the side that ran first met the cache as c=32 left it (52% of its
+    # prompt tokens cached), the second as the first left it (95%)
+    calls = []
+
+    class Recording:
+        def warm_level(self, concurrency, requests):
+            calls.append(("warm", concurrency, requests))
+
+        def ours(self, concurrency):
+            calls.append(("ours", concurrency))
+            return run(concurrency, meets=concurrency < 16)
+
+        def guidellm(self, concurrency):
+            calls.append(("guidellm", concurrency))
+            return run(concurrency, meets=concurrency < 32)
+
+    args = Namespace(levels=[4, 8], requests=24, top=64)
+    ours, theirs, loads = closed_sweep(args, Recording(), lambda text: None)
+    assert [r.concurrency for r in ours] == [4, 8, 16, 32]
+    assert [r.concurrency for r in theirs] == [4, 8, 16, 32]
+    assert len(loads) == 4
+    assert calls == [
+        ("warm", 4, 24), ("ours", 4), ("guidellm", 4),
+        ("warm", 8, 24), ("guidellm", 8), ("ours", 8),
+        ("warm", 16, 48), ("ours", 16), ("guidellm", 16),
+        ("warm", 32, 96), ("guidellm", 32), ("ours", 32),
+    ]  # fmt: skip
