@@ -27,6 +27,9 @@ import sys
 
 import torch
 
+from kernels.cpu_matmul import as_array, takes
+from kernels.cpu_matmul import threads as cpu_threads
+
 try:
     from kernels import _int4_cpu
 except ImportError:  # not built: the torch reference runs (module docstring)
@@ -35,26 +38,12 @@ except ImportError:  # not built: the torch reference runs (module docstring)
 AVAILABLE = _int4_cpu is not None and sys.byteorder == "little"
 PATHS: tuple[str, ...] = _int4_cpu.paths() if AVAILABLE else ()
 MAX_ROWS = 8
-# Rows of W are split across threads only when each thread gets this many
-# multiply-adds (rows of x times weights): a thread start costs about 70 us on the
-# 2-core dev machine, what 2^21 of them take there (two threads' speed-up over one,
-# AVX-512: N x K = 1024x2048 at one row 0.73x, at four rows 1.23x; 2048x2048 at one
-# row 1.01x; 4096x4096 at one row 1.55x).
-MIN_PRODUCTS_PER_THREAD = 1 << 21
-_MAX_THREADS = 64  # the extension's limit
 
 
 def applies(x: torch.Tensor, group_size: int) -> bool:
     """Whether `int4_matmul` takes these activations: float32 on a CPU, at most
     MAX_ROWS rows, a group of 16 to 1024 columns (a multiple of 16)."""
-    return (
-        AVAILABLE
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and 1 <= x.shape[0] <= MAX_ROWS
-        and group_size % 16 == 0
-        and 16 <= group_size <= 1024
-    )
+    return takes(x, group_size, available=AVAILABLE, max_rows=MAX_ROWS, unit=16)
 
 
 def int4_matmul(
@@ -71,16 +60,15 @@ def int4_matmul(
     `PATHS` (None: the best one for this group size)."""
     m, k = x.shape
     n = weight_packed.shape[0]
-    threads = max(1, min(torch.get_num_threads(), _MAX_THREADS))
-    threads = min(threads, max(1, m * n * k // MIN_PRODUCTS_PER_THREAD))
+    threads = cpu_threads(m, n, k)
     y = torch.empty(m, n, dtype=torch.float32)
     zero_scale = None
     if weight_zero_scale is not None:
-        zero_scale = _array(weight_zero_scale.float())
+        zero_scale = as_array(weight_zero_scale.float())
     _int4_cpu.int4_matmul(
-        _array(x),
-        _array(weight_packed),
-        _array(weight_scale.float()),
+        as_array(x),
+        as_array(weight_packed),
+        as_array(weight_scale.float()),
         zero_scale,
         y.numpy(),
         m,
@@ -114,7 +102,7 @@ class PreparedInt4:
             for t in (weight_scale, weight_zero_scale)
             if t is not None
         ]
-        self.packed = _array(weight_packed)
+        self.packed = as_array(weight_packed)
         self.scale = self._tensors[0].numpy()
         self.zero_scale = self._tensors[1].numpy() if len(self._tensors) > 1 else None
         self._tensors.append(weight_packed)
@@ -125,11 +113,10 @@ def int4_matmul_prepared(x: torch.Tensor, weight: PreparedInt4) -> torch.Tensor:
     `PreparedInt4`; x [M, K] float32 with `applies`, checked by the caller."""
     m = x.shape[0]
     n, k = weight.n, weight.k
-    threads = max(1, min(torch.get_num_threads(), _MAX_THREADS))
-    threads = min(threads, max(1, m * n * k // MIN_PRODUCTS_PER_THREAD))
+    threads = cpu_threads(m, n, k)
     y = torch.empty(m, n, dtype=torch.float32)
     _int4_cpu.int4_matmul(
-        _array(x),
+        as_array(x),
         weight.packed,
         weight.scale,
         weight.zero_scale,
@@ -142,7 +129,3 @@ def int4_matmul_prepared(x: torch.Tensor, weight: PreparedInt4) -> torch.Tensor:
         None,
     )
     return y
-
-
-def _array(t: torch.Tensor):
-    return t.detach().contiguous().numpy()

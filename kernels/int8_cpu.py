@@ -23,6 +23,9 @@ import sys
 
 import torch
 
+from kernels.cpu_matmul import as_array, takes
+from kernels.cpu_matmul import threads as cpu_threads
+
 try:
     from kernels import _int8_cpu
 except ImportError:  # not built: the blocked float path runs (module docstring)
@@ -31,24 +34,13 @@ except ImportError:  # not built: the blocked float path runs (module docstring)
 AVAILABLE = _int8_cpu is not None and sys.byteorder == "little"
 PATHS: tuple[str, ...] = _int8_cpu.paths() if AVAILABLE else ()
 MAX_ROWS = 16
-# as kernels.int4_cpu: rows of W are split across threads only when each thread
-# gets this many multiply-adds (a thread start costs about 70 us on the dev machine)
-MIN_PRODUCTS_PER_THREAD = 1 << 21
-_MAX_THREADS = 64  # the extension's limit
 BLOCK_ROWS = 4096  # rows of W dequantized at a time by `int8_matmul_blocked`
 
 
 def applies(x: torch.Tensor, group_size: int) -> bool:
     """Whether `int8_matmul` takes these activations: float32 on a CPU, 1 to
     MAX_ROWS rows, a group of 8 to 1024 columns (a multiple of 8)."""
-    return (
-        AVAILABLE
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and 1 <= x.shape[0] <= MAX_ROWS
-        and group_size % 8 == 0
-        and 8 <= group_size <= 1024
-    )
+    return takes(x, group_size, available=AVAILABLE, max_rows=MAX_ROWS, unit=8)
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
@@ -87,13 +79,12 @@ def int8_matmul(
     m, k = x.shape
     n = codes.shape[0]
     group = k // scale.shape[1]
-    threads = max(1, min(torch.get_num_threads(), _MAX_THREADS))
-    threads = min(threads, max(1, m * n * k // MIN_PRODUCTS_PER_THREAD))
+    threads = cpu_threads(m, n, k)
     y = torch.empty(m, n, dtype=torch.float32)
     _int8_cpu.int8_matmul(
-        _array(x),
-        _array(codes),
-        _array(scale.float()),
+        as_array(x),
+        as_array(codes),
+        as_array(scale.float()),
         y.numpy(),
         m,
         n,
@@ -118,7 +109,3 @@ def int8_matmul_blocked(
         w = dequantize_int8(codes[rows], scale[rows]).to(x.dtype)
         y[..., rows] = x @ w.t()
     return y
-
-
-def _array(t: torch.Tensor):
-    return t.detach().contiguous().numpy()
