@@ -1,6 +1,6 @@
 """Our load plan's knee and goodput against guidellm's, on one server and one
 workload: `python -m gpuagent.benches.guidellm_compare [--smollm2] [--levels
-1,2,4,8] [--top 64] [--rate R] [--slo-ttft-ms T --slo-tpot-ms P] [--threads 1]
+1,2,4,8] [--top 256] [--rate R] [--slo-ttft-ms T --slo-tpot-ms P] [--threads 1]
 [--shared-cores] [--synthetic]`.
 
 Serves the demo model (or, with --smollm2, SmolLM2-135M from var/models/smollm2-135m)
@@ -493,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "last the sweep doubles while either side meets the SLO, up to --top",
     )
     parser.add_argument(
-        "--top", type=int, default=64, help="the highest level a sweep doubles to"
+        "--top", type=int, default=256, help="the highest level a sweep doubles to"
     )
     parser.add_argument(
         "--synthetic",
