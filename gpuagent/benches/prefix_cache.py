@@ -21,7 +21,8 @@ or "info":
   both runs generate the same greedy tokens, which is checked;
 - with `--kv-dtypes`, the same TTFT ratio on other KV dtypes, for information: fp8
   and int4 recompute layers * (window - 1) tokens before a cached prefix to rebuild
-  their full-precision window exactly (gpuagent/engine/cache.py).
+  their full-precision window exactly, int4c layers * (window - 2) after copying
+  position 0 from its first block's sink (gpuagent/engine/cache.py).
 
 Text comes from the corpus the demo model was trained on (`gpuagent.models.corpus`:
 the Python reference docs) for the long prefixes and system prompts, and from the
