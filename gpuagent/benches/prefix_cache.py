@@ -357,7 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = model.config
     max_model_len = config.max_position_embeddings
     suffix_tokens = 32
-    prefix_tokens = min(args.prefix_tokens, max_model_len - suffix_tokens - 1)
+    # the prompt (BOS, prefix, suffix) and its one generated token fit the context
+    room = max_model_len - len(tokenizer.prompt_prefix_ids) - suffix_tokens - 1
+    prefix_tokens = min(args.prefix_tokens, room)
     kv_dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
     engines = make_engines(model, tokenizer, kv_dtypes, max_model_len)
     print(
