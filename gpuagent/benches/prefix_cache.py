@@ -21,7 +21,8 @@ or "info":
   both runs generate the same greedy tokens, which is checked;
 - with `--kv-dtypes`, the same TTFT ratio on other KV dtypes, for information: fp8
   and int4 recompute layers * (window - 1) tokens before a cached prefix to rebuild
-  their full-precision window exactly (gpuagent/engine/cache.py).
+  their full-precision window exactly, int4c layers * (window - 2) after copying
+  position 0 from its first block's sink (gpuagent/engine/cache.py).
 
 Text comes from the corpus the demo model was trained on (`gpuagent.models.corpus`:
 the Python reference docs) for the long prefixes and system prompts, and from the
@@ -356,7 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = model.config
     max_model_len = config.max_position_embeddings
     suffix_tokens = 32
-    prefix_tokens = min(args.prefix_tokens, max_model_len - suffix_tokens - 1)
+    # the prompt (BOS, prefix, suffix) and its one generated token fit the context
+    room = max_model_len - len(tokenizer.prompt_prefix_ids) - suffix_tokens - 1
+    prefix_tokens = min(args.prefix_tokens, room)
     kv_dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
     engines = make_engines(model, tokenizer, kv_dtypes, max_model_len)
     print(

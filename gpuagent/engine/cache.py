@@ -47,21 +47,49 @@ have there, and greedy outputs are the same with the cache on or off (the K/V ar
 bit for bit the same where the chunks are; tests/gpuagent/engine/
 test_prefix_cache.py). The blocks are still shared, and the tokens reported cached
 (`Sequence.num_cached_tokens`) are the S not computed.
+
+The window rule in general (`window_refill_tokens`): what is cached is the
+quantized blocks only; a hit recomputes layers * (n - 1) positions, n being the
+newest positions a query reads in bf16 (itself among them), and copies whatever
+else the row holds that a query reads. fp8 and int4: n = window, nothing to copy.
+int4c (`engine.kv_int4c`): the row's W slots hold the newest n = W - 1 positions
+and, in the last slot, position 0 (the attention sink), which every query reads
+in bf16. Position 0's K/V depend on its token alone, but only its own forward
+writes them, and a hit starts later. So a cached first block keeps a copy of
+them per layer, its sink: a slot of a small store beside the window rows
+(`KVCacheManager.sink_key` / `sink_value`, counted in `nbytes` and in the
+budget), saved from the row of the sequence that computed the block when the
+block enters the cache, copied into the row's last slot of each sequence that
+hits it (`BlockManager.take_sink_copies`, `KVCacheManager.apply_sink_copies`).
+There is one sink slot per window row: every live sequence's first block can
+always get one (a slot held by a cached first block that nobody holds is taken
+from it, dropping that block from the cache, least recently used first), and a
+block evicted from the pool frees its slot. A first block is a hit only with its
+sink. A hit then recomputes layers * (W - 2) positions, as fp8 and int4 do theirs.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 import kernels
-from gpuagent.engine import mla
+from gpuagent.engine import kv_int4c, mla
+
+
+class SinkCopy(NamedTuple):
+    """A copy the sink store owes (`BlockManager.take_sink_copies`): position 0's
+    bf16 K/V from window row `row`'s last slot into sink slot `sink` (`save`), or
+    back from the sink into the row (a prefix-cache hit)."""
+
+    save: bool
+    row: int
+    sink: int
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -80,9 +108,11 @@ class BlockPool:
     touches a block anyone holds.
     """
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+    def __init__(self, num_blocks: int, num_sinks: int = 0) -> None:
+        if num_blocks < 0 or num_sinks < 0:
+            raise ValueError(
+                f"num_blocks and num_sinks must be >= 0, got {num_blocks}, {num_sinks}"
+            )
         self.num_blocks = num_blocks
         # An ordered dict as a queue that also removes from the middle in O(1) (a
         # cached free block taken back); values unused.
@@ -91,6 +121,11 @@ class BlockPool:
         self._block_hashes: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_evicted_blocks = 0
+        # Sinks (`cache_first_block`): cached first block -> its sink slot, least
+        # recently used first; a slot goes with its block's hash entry.
+        self.num_sinks = num_sinks
+        self._free_sinks: deque[int] = deque(range(num_sinks))
+        self._sinks: OrderedDict[int, int] = OrderedDict()
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,12 +153,17 @@ class BlockPool:
         blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
         for block_id in blocks:
             self._ref_counts[block_id] = 1
-            block_hash = self._block_hashes[block_id]
-            if block_hash is not None:
-                self._block_hashes[block_id] = None
-                del self._cached[block_hash]
-                self.num_evicted_blocks += 1
+            if self._block_hashes[block_id] is not None:
+                self._evict(block_id)
         return blocks
+
+    def _evict(self, block_id: int) -> None:
+        del self._cached[self._block_hashes[block_id]]
+        self._block_hashes[block_id] = None
+        self.num_evicted_blocks += 1
+        sink = self._sinks.pop(block_id, None)
+        if sink is not None:
+            self._free_sinks.append(sink)
 
     def share(self, block_id: int) -> None:
         """Add a reference to an allocated block (e.g. a shared prompt prefix)."""
@@ -141,6 +181,8 @@ class BlockPool:
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
+            if block_id in self._sinks:
+                self._sinks.move_to_end(block_id)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block; a block with none left goes to the back
@@ -167,6 +209,31 @@ class BlockPool:
         self._cached[block_hash] = block_id
         self._block_hashes[block_id] = block_hash
         return True
+
+    def cache_first_block(self, block_id: int, block_hash: bytes) -> int | None:
+        """`cache_block` for a sequence's first block, with a sink slot for its
+        position 0: a free slot, or the slot of the least recently used cached
+        first block nobody holds, evicted for it (out of the free list's order; it
+        stays there, a plain free block). Returns the slot, or None (nothing
+        changed) when every slot's block is held, another block holds these
+        tokens already or this one is cached."""
+        if self._ref_counts[block_id] <= 0:
+            raise ValueError(f"block {block_id} is not allocated")
+        if block_hash in self._cached or self._block_hashes[block_id] is not None:
+            return None
+        if not self._free_sinks:
+            unheld = (b for b in self._sinks if self._ref_counts[b] == 0)
+            oldest = next(unheld, None)
+            if oldest is None:
+                return None
+            self._evict(oldest)
+        self.cache_block(block_id, block_hash)
+        sink = self._sinks[block_id] = self._free_sinks.popleft()
+        return sink
+
+    def sink_of(self, block_id: int) -> int | None:
+        """The sink slot of cached first block `block_id`, if it has one."""
+        return self._sinks.get(block_id)
 
     def cached_block(self, block_hash: bytes) -> int | None:
         """The block that holds the tokens `block_hash` names, or None."""
@@ -202,7 +269,12 @@ class BlockManager:
     (no tensors), and the prefix cache over its full blocks when enabled."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, window: int = 0, num_windows: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        window: int = 0,
+        num_windows: int = 0,
+        num_sinks: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -212,7 +284,7 @@ class BlockManager:
                 f"{window} and {num_windows}"
             )
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, num_sinks)
         self.block_tables: dict[str, list[int]] = {}
         self.window = window
         self.num_windows = num_windows
@@ -227,6 +299,11 @@ class BlockManager:
         # are never written again (their blocks may be shared).
         self._num_cached_blocks: dict[str, int] = {}
         self._shared_tokens: dict[str, int] = {}
+        # Sinks (a window row whose last slot holds position 0, int4c; module
+        # docstring): the copies the cache's tensors owe (`take_sink_copies`).
+        if num_sinks and not num_windows:
+            raise ValueError("sinks are copies of window rows' last slots: no rows")
+        self._sink_copies: list[SinkCopy] = []
 
     @property
     def num_blocks(self) -> int:
@@ -290,6 +367,10 @@ class BlockManager:
             self.block_tables[seq_id] = list(cached_blocks)
             self._num_cached_blocks[seq_id] = len(cached_blocks)
             self._shared_tokens[seq_id] = len(cached_blocks) * self.block_size
+            if self.pool.num_sinks:  # position 0's bf16 K/V into the row
+                sink = self.pool.sink_of(cached_blocks[0])
+                row = self.window_rows[seq_id]
+                self._sink_copies.append(SinkCopy(save=False, row=row, sink=sink))
         extra = self.extra_blocks_for(seq_id, num_tokens)
         table = self.block_tables.setdefault(seq_id, [])
         if extra:
@@ -377,6 +458,8 @@ class BlockManager:
             if block_id is None:
                 break
             blocks.append(block_id)
+        if self.pool.num_sinks and blocks and self.pool.sink_of(blocks[0]) is None:
+            return []  # a first block is a hit only with its sink (cached with it)
         return blocks
 
     def prefix_compute_start(self, num_cached_blocks: int) -> int:
@@ -396,9 +479,25 @@ class BlockManager:
         table = self.block_tables[seq_id]
         first = self._num_cached_blocks.get(seq_id, 0)
         last = min(num_computed_tokens // self.block_size, len(block_hashes))
+        if first == 0 < last and self.pool.num_sinks:
+            # the first block enters with a copy of the row's position 0 if a sink
+            # slot is to be had (else nothing of the sequence yet: tried next step)
+            if self.pool.cached_block(block_hashes[0]) is None:
+                sink = self.pool.cache_first_block(table[0], block_hashes[0])
+                if sink is None:
+                    return
+                row = self.window_rows[seq_id]
+                self._sink_copies.append(SinkCopy(save=True, row=row, sink=sink))
+            first = 1
         for index in range(first, last):
             self.pool.cache_block(table[index], block_hashes[index])
         self._num_cached_blocks[seq_id] = max(first, last)
+
+    def take_sink_copies(self) -> list[SinkCopy]:
+        """The copies between window rows and the sink store owed since the last
+        call, in the order they are owed (`KVCacheManager.apply_sink_copies`)."""
+        copies, self._sink_copies = self._sink_copies, []
+        return copies
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -469,6 +568,34 @@ def kv_window_bytes(config: Any, window: int) -> int:
     return num_layers * kernels.kv_window_bytes(num_kv_heads, head_dim, window)
 
 
+# KV dtypes whose window row keeps position 0 (the attention sink) in its last slot
+# (engine.kv_int4c): their cached first blocks keep a copy of it (sinks).
+SINK_DTYPES = (kv_int4c.DTYPE,)
+
+
+def num_sinks_for(kv_dtype: str, num_windows: int) -> int:
+    """Sink slots a cache keeps: one per window row for a dtype whose row holds
+    position 0 (so the first block of every live sequence can be cached with its
+    sink, `BlockManager`), none otherwise."""
+    return num_windows if kv_dtype in SINK_DTYPES else 0
+
+
+def kv_sink_bytes(config: Any) -> int:
+    """Bytes one sink slot (position 0's bf16 K and V) takes across all layers."""
+    return kv_window_bytes(config, 1)
+
+
+def window_refill_tokens(num_layers: int, kv_dtype: str, window: int) -> int:
+    """Positions a prefix-cache hit recomputes before its first uncached one so
+    that every layer's window row is what a run without the cache has there
+    (module docstring): layers * (the newest positions a query reads in bf16,
+    itself among them, less one). 0 without a window."""
+    if not window:
+        return 0
+    newest = window - 1 if kv_dtype in SINK_DTYPES else window  # the row's last: 0
+    return num_layers * (newest - 1)
+
+
 def num_blocks_for_budget(
     config: Any,
     kv_dtype: str,
@@ -478,9 +605,11 @@ def num_blocks_for_budget(
     num_windows: int = 0,
 ) -> int:
     """How many KV blocks (all layers) fit in `budget_bytes`, after the window rows
-    (`num_windows` of `window` tokens) and any static scales take theirs."""
+    (`num_windows` of `window` tokens), their sinks (`num_sinks_for`) and any
+    static scales take theirs."""
     block_bytes = kv_bytes_per_token(config, kv_dtype) * block_size
     rest = int(budget_bytes) - num_windows * kv_window_bytes(config, window)
+    rest -= num_sinks_for(kv_dtype, num_windows) * kv_sink_bytes(config)
     rest -= kv_static_bytes(config, kv_dtype)
     return max(0, rest) // block_bytes
 
@@ -509,7 +638,13 @@ class KVCacheManager:
         self.bytes_per_token = kv_bytes_per_token(config, kv_dtype)
         if mla.is_mla(config) and window:
             raise ValueError("MLA's latent cache keeps no full-precision window")
-        self.blocks = BlockManager(num_blocks, block_size, window, num_windows)
+        num_sinks = num_sinks_for(kv_dtype, num_windows)
+        self.blocks = BlockManager(
+            num_blocks, block_size, window, num_windows, num_sinks
+        )
+        # per layer, position 0's bf16 K / V [num_sinks, H, D] of cached first blocks
+        self.sink_key: list[torch.Tensor] = []
+        self.sink_value: list[torch.Tensor] = []
         if mla.is_mla(config):  # one latent + RoPE key per token and layer
             self.kv_caches = [
                 mla.allocate_mla_cache(
@@ -531,6 +666,11 @@ class KVCacheManager:
             )
             for _ in range(num_layers)
         ]
+        if num_sinks:
+            for cache in self.kv_caches:
+                sink = cache.window_key.new_zeros(num_sinks, num_kv_heads, head_dim)
+                self.sink_key.append(sink)
+                self.sink_value.append(torch.zeros_like(sink))
 
     @classmethod
     def for_budget(
@@ -569,8 +709,27 @@ class KVCacheManager:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every cache tensor, scales and windows included."""
-        return sum(cache.nbytes for cache in self.kv_caches)
+        """Bytes of every cache tensor, scales, windows and sinks included."""
+        sinks = sum(t.nbytes for t in (*self.sink_key, *self.sink_value))
+        return sum(cache.nbytes for cache in self.kv_caches) + sinks
+
+    def apply_sink_copies(self) -> None:
+        """Make the copies between window rows and sinks that the block manager
+        owes (`BlockManager.take_sink_copies`), in order: call after a step's
+        commit (a first block entered the cache: save its row's position 0
+        before the row is reused) and before a forward (a hit: load it)."""
+        for copy in self.blocks.take_sink_copies():
+            for cache, sink_key, sink_value in zip(
+                self.kv_caches, self.sink_key, self.sink_value, strict=True
+            ):
+                for sink, row in (
+                    (sink_key, cache.window_key),
+                    (sink_value, cache.window_value),
+                ):
+                    if copy.save:
+                        sink[copy.sink] = row[copy.row, cache.window - 1]
+                    else:
+                        row[copy.row, cache.window - 1] = sink[copy.sink]
 
     def prefix_cache_root(self, model_digest: bytes) -> bytes:
         """The root of every block-hash chain: SHA-256 over what a block's bytes
@@ -599,12 +758,8 @@ class KVCacheManager:
     def enable_prefix_caching(self, model_digest: bytes) -> None:
         """Turn on the prefix cache of this model's blocks; call after any static
         scales are set (they are part of the root). A hit on a cache with a window
-        recomputes layers * (window - 1) positions before its first uncached one
-        (module docstring). int4c keeps the first position's K/V in its window row
-        too, which only position 0's own forward writes: a hit there recomputes
-        the whole prefix (into the window row alone; the blocks are still shared,
-        their compute is not saved)."""
-        refill = len(self.kv_caches) * (self.window - 1) if self.window else 0
-        if self.kv_dtype in kernels.TORCH_ONLY_DTYPES:
-            refill = sys.maxsize
+        recomputes `window_refill_tokens` positions before its first uncached one,
+        and on int4c copies position 0 from the sink of its first block (module
+        docstring)."""
+        refill = window_refill_tokens(len(self.kv_caches), self.kv_dtype, self.window)
         self.blocks.enable_prefix_caching(self.prefix_cache_root(model_digest), refill)

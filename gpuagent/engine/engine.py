@@ -450,6 +450,7 @@ class LLMEngine:
         token (or finished) in it."""
         with self._lock, torch.inference_mode():
             out = self.scheduler.schedule()
+            self.kv.apply_sink_copies()  # int4c hits: position 0 into their rows
             # after admission, before anything finishes: the step's most
             self.metrics.running_per_step.observe(len(self.scheduler.running))
             self._report_counts()
@@ -494,6 +495,7 @@ class LLMEngine:
                     for c, t in zip(sampling_chunks, tokens, strict=True)
                 },
             )
+            self.kv.apply_sink_copies()  # before a finished sequence's row is reused
             self.metrics.generation_tokens.inc(len(tokens))
             outputs = [self._finish_scored(c.seq) for c in scored]
             return outputs + [

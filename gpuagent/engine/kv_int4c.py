@@ -18,6 +18,10 @@ simulated as sim-int4gc+w17s1 (its math is this module's and `kernels.kv_gauss`'
   position t reads positions p >= t + 2 - W and p = 0 from it (or from the step's
   own K/V), older ones quantized: the bytes of int4 with a W-token window. The
   engine's default W is 18 (sim-int4gc+w17s1).
+- Prefix cache: only position 0's own forward writes the sink slot, so a cached
+  first block keeps a copy of it (its sink, `engine.cache`), which a hit copies
+  into its row's last slot; the hit then recomputes layers * (W - 2) positions
+  before its first uncached one, not the prefix (`cache.window_refill_tokens`).
 
 Only the torch path below exists: no Triton kernel reads or writes int4c
 (`kernels.TORCH_ONLY_DTYPES`; the kernels refuse it by name), so the engine runs

@@ -5,11 +5,14 @@ from gpuagent.engine.cache import (
     BlockPool,
     KVCacheManager,
     NoFreeBlocksError,
+    SinkCopy,
     blocks_needed,
     kv_bytes_per_token,
+    kv_sink_bytes,
     kv_window_bytes,
     num_blocks_for_budget,
     slot_mapping,
+    window_refill_tokens,
 )
 from gpuagent.engine.model import LlamaConfig
 
@@ -384,3 +387,114 @@ def test_it_never_writes_into_a_cached_prefix():
     assert slots[:3] == [-1, -1, -1]
     own = blocks.block_table("b")[2]
     assert slots[3:] == [own * 4, own * 4 + 1]
+
+
+# -- sinks (int4c: position 0 in the window row's last slot) ---------------------------
+
+
+def sink_blocks(num_blocks: int, num_sinks: int) -> BlockManager:
+    blocks = BlockManager(num_blocks, 4, window=3, num_windows=4, num_sinks=num_sinks)
+    blocks.enable_prefix_caching(ROOT, 0)
+    return blocks
+
+
+def test_it_caches_a_first_block_with_a_sink_and_owes_the_copies():
+    blocks = sink_blocks(8, num_sinks=2)
+    admit(blocks, "a", list(range(9)))  # two full blocks
+    saved = blocks.take_sink_copies()
+
+    cached = admit(blocks, "b", list(range(8)) + [50])
+
+    first = blocks.block_table("a")[0]
+    sink = blocks.pool.sink_of(first)
+    assert saved == [SinkCopy(save=True, row=blocks.window_row("a"), sink=sink)]
+    assert blocks.pool.sink_of(blocks.block_table("a")[1]) is None  # first only
+    assert cached == blocks.block_table("a")[:2]
+    assert blocks.take_sink_copies() == [
+        SinkCopy(save=False, row=blocks.window_row("b"), sink=sink)
+    ]
+    assert blocks.take_sink_copies() == []
+
+
+def test_it_frees_a_sink_with_its_evicted_first_block():
+    blocks = sink_blocks(3, num_sinks=1)
+    tokens = list(range(5))
+    admit(blocks, "a", tokens)
+    first = blocks.block_table("a")[0]
+    blocks.free("a")
+
+    blocks.pool.allocate(3)  # every block: a's first one is evicted
+
+    assert blocks.pool.sink_of(first) is None
+    blocks.pool.free(range(3))
+    blocks.take_sink_copies()
+    assert admit(blocks, "b", tokens) == []  # recomputed from position 0
+    assert blocks.take_sink_copies() == [
+        SinkCopy(save=True, row=blocks.window_row("b"), sink=0)
+    ]
+
+
+def test_it_takes_the_sink_of_the_least_recently_used_unheld_first_block():
+    blocks = sink_blocks(12, num_sinks=2)
+    prompts = {name: [first] * 5 for name, first in (("a", 1), ("b", 2), ("c", 3))}
+    admit(blocks, "a", prompts["a"])
+    admit(blocks, "b", prompts["b"])
+    blocks.free("a")
+    blocks.free("b")
+    admit(blocks, "a2", prompts["a"])  # a hit: a's block used more recently
+    blocks.free("a2")
+
+    admit(blocks, "c", prompts["c"])
+
+    def hit(name: str) -> bool:
+        tokens = prompts[name]
+        return blocks.cached_prefix(hashes_of(blocks, tokens), len(tokens)) != []
+
+    assert (hit("a"), hit("b"), hit("c")) == (True, False, True)
+    assert blocks.pool.num_cached_blocks == 2
+
+
+def test_it_caches_no_first_block_while_every_sink_is_held():
+    blocks = sink_blocks(12, num_sinks=2)
+    admit(blocks, "a", [1] * 5)
+    admit(blocks, "b", [2] * 5)
+    blocks.take_sink_copies()
+
+    admit(blocks, "c", [3] * 9)  # held a's and b's sinks stay
+
+    assert blocks.take_sink_copies() == []
+    assert blocks.pool.num_cached_blocks == 2
+    blocks.free("a")  # c's blocks enter the cache at its next step
+    blocks.cache_computed_blocks("c", hashes_of(blocks, [3] * 9), 9)
+    assert [c.save for c in blocks.take_sink_copies()] == [True]
+    assert blocks.pool.num_cached_blocks == 2 + 1
+
+
+def test_it_recomputes_one_window_per_layer_before_a_cached_prefix():
+    # fp8/int4 queries read their newest `window` positions in bf16; int4c's read
+    # window - 1 and the sink (module docstring)
+    assert window_refill_tokens(4, "int4", 18) == 4 * 17
+    assert window_refill_tokens(4, "int4c", 18) == 4 * 16
+    assert window_refill_tokens(4, "int8", 0) == 0
+
+
+def test_it_counts_the_sinks_in_the_bytes_and_the_budget():
+    config = small_config()
+    budget_bytes = 1_000_000
+    row_bytes = kv_window_bytes(config, 16)
+
+    manager = KVCacheManager.for_budget(
+        config, "int4c", budget_bytes, 16, window=16, num_windows=8
+    )
+
+    sink_bytes = kv_sink_bytes(config)
+    assert sink_bytes == row_bytes // 16
+    assert [s.shape[0] for s in manager.sink_key] == [8] * config.num_hidden_layers
+    block_bytes = kv_bytes_per_token(config, "int4c") * 16
+    means = config.num_hidden_layers * 2 * 64 * 4
+    assert manager.nbytes == (
+        manager.num_blocks * block_bytes + 8 * (row_bytes + sink_bytes) + means
+    )
+    assert manager.nbytes <= budget_bytes < manager.nbytes + block_bytes
+    plain = KVCacheManager(config, "int4", 4, 16, window=16, num_windows=8)
+    assert plain.sink_key == [] and plain.blocks.pool.num_sinks == 0

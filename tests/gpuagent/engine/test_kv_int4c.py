@@ -2,7 +2,8 @@
 kv_alternatives simulated as sim-int4gc+w17s1 (per vector, and whole passages
 through the engine), the kernels refuse it by name, its key means are counted in
 its bytes and in the prefix cache's root, and greedy decoding is the same with
-the prefix cache on and off."""
+the prefix cache on and off, a hit skipping the compute of its cached blocks
+(position 0 copied from the first block's sink, `engine.cache`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import kernels
 from gpuagent.benches import DEMO_MODEL_DIR, kv_long
 from gpuagent.benches import kv_alternatives as alt
 from gpuagent.engine import kv_int4c
-from gpuagent.engine.cache import KVCacheManager, kv_bytes_per_token, kv_static_bytes
+from gpuagent.engine.cache import (
+    KVCacheManager,
+    kv_bytes_per_token,
+    kv_sink_bytes,
+    kv_static_bytes,
+)
 from gpuagent.engine.engine import LLMEngine
 from gpuagent.engine.kv_calibration import calibration_sequences
 from gpuagent.engine.model import AttentionMetadata
@@ -132,7 +138,8 @@ def test_its_bytes_are_int4s_plus_the_key_means(demo_model):
     assert kv_static_bytes(config, "int4c") == means
     kv = KVCacheManager(config, "int4c", 6, 16, window=18, num_windows=2)
     int4 = KVCacheManager(config, "int4", 6, 16, window=18, num_windows=2)
-    assert kv.nbytes == int4.nbytes + means
+    # and one sink (position 0's bf16 K/V) per window row for cached first blocks
+    assert kv.nbytes == int4.nbytes + means + 2 * kv_sink_bytes(config)
     # as the simulation counts sim-int4gc+w17s1 at the measured length
     assert kv_long.measured_bytes_ratio(config, "int4c", 18, 2048) == pytest.approx(
         alt.named_layout("sim-int4gc+w17s1").bytes_ratio(config, 2048)
@@ -163,9 +170,10 @@ def test_the_engine_calibrates_its_key_means_at_start(demo_model):
 
 
 def test_greedy_tokens_are_the_same_with_the_prefix_cache_on_and_off(demo_model):
-    # a shared 40-token prefix (block size 16: two cached blocks) then distinct
-    # tails; the second request hits the cache and recomputes into its window row
-    shared = "The quick brown fox jumps over the lazy dog. " * 4
+    # a shared 271-token prefix (block size 16: 16 cached blocks) then distinct
+    # tails; the second request hits the cache, copies position 0 from the first
+    # block's sink and recomputes 4 layers * 16 positions into its window row
+    shared = "The quick brown fox jumps over the lazy dog. " * 6
     prompts = [shared + "Then it", shared + "After that the fox"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -183,10 +191,8 @@ def test_greedy_tokens_are_the_same_with_the_prefix_cache_on_and_off(demo_model)
     cached = [on.generate([p], params)[0] for p in prompts]
 
     assert [c.token_ids for c in cached] == plain
-    assert hits[-1] >= 2  # the shared blocks were found and reused
-    # int4c recomputes the whole prefix (position 0's bf16 copy lives in the
-    # sequence's window row, which only its own forward writes): none skipped
-    assert cached[1].num_cached_tokens == 0
+    assert hits[-1] == 16  # the shared blocks were found and reused
+    assert cached[1].num_cached_tokens == 16 * 16 - 4 * (18 - 2)
 
 
 def test_a_passage_through_the_engine_scores_what_the_simulation_scores(demo_model):

@@ -1,8 +1,9 @@
 """Prefix caching end to end on the trained demo model (`gpuagent.engine.cache`):
 the same greedy tokens with the cache on and off on every served KV dtype, what a
 request reports cached, the full-precision window rebuilt exactly after a cached
-prefix (fp8, int4), preemption of sequences that share blocks, and hash roots that
-keep caches of other bytes apart."""
+prefix (fp8, int4, int4c with its sink), the sink evicted with its block,
+preemption of sequences that share blocks, and hash roots that keep caches of
+other bytes apart."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from kernels import kv_quant
 from tests.gpuagent.engine.conftest import make_tiny_model_dir
 
 DEMO_DIR = Path(gpuagent.engine.__file__).parent / "demo_model"
-KV_DTYPES = ("bf16", "int8", "fp8", "int4")
+KV_DTYPES = ("bf16", "int8", "fp8", "int4", "int4c")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BLOCK_SIZE = 16
 
@@ -52,10 +53,12 @@ def make_engine(demo, kv_dtype: str, caching: bool = True, **kwargs) -> LLMEngin
     )
 
 
-def refill_tokens(engine: LLMEngine) -> int:
-    """Positions recomputed before a cached prefix (the window rule)."""
-    window = engine.kv.window
-    return engine.config.num_hidden_layers * (window - 1) if window else 0
+def refill_tokens(layers: int, kv_dtype: str, window: int) -> int:
+    """Positions recomputed before a cached prefix (the window rule): a window
+    per layer, less the query itself; int4c's row holds window - 1 of the newest
+    positions (its last slot is position 0, copied from a sink)."""
+    newest = window - 1 if kv_dtype == "int4c" else window
+    return layers * (newest - 1) if window else 0
 
 
 def serve_sessions(engine: LLMEngine, passages: list[str]) -> dict[str, object]:
@@ -124,7 +127,10 @@ def test_it_reports_the_full_blocks_of_the_shared_prefix_as_cached(
     out = engine.generate([second], GREEDY)[0]
 
     full_blocks = shared // BLOCK_SIZE * BLOCK_SIZE  # 192
-    expected = max(0, full_blocks - refill_tokens(engine))
+    refill = refill_tokens(
+        engine.config.num_hidden_layers, kv_dtype, default_kv_window(kv_dtype)
+    )
+    expected = max(0, full_blocks - refill)
     assert out.num_cached_tokens == expected
     registry = engine.metrics.registry
     for prefix in ("engine_", "vllm:"):
@@ -156,12 +162,13 @@ def test_it_computes_every_token_with_the_cache_off(demo, passages):
     assert registry.get_sample_value("engine_prefix_cache_queries_total") == 0
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int4", "int4c"])
 def test_it_rebuilds_the_window_exactly_after_a_cached_prefix(demo, passages, kv_dtype):
     # The window rule (gpuagent/engine/cache.py): a hit of C tokens recomputes from
-    # C - layers * (window - 1). With the budget set so that the run without the
-    # cache computes the same last chunk, every logprob is the same float; a
-    # refill of just the window (the newest tokens at the prefix's end) is not.
+    # C - layers * (window - 1) (int4c: window - 2, and copies position 0 from the
+    # sink). With the budget set so that the run without the cache computes the
+    # same last chunk, every logprob is the same float; a refill of just the
+    # window (the newest tokens at the prefix's end) is not.
     prompt = make_engine(demo, "bf16").encode_prompt(passages[0])[:300]
     cached = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -189,25 +196,67 @@ def test_it_rebuilds_the_window_exactly_after_a_cached_prefix(demo, passages, kv
     window_only, _ = logprobs(default_kv_window(kv_dtype))
 
     layers = demo[0].config.num_hidden_layers
-    assert num_cached == cached - layers * (default_kv_window(kv_dtype) - 1)
+    window = default_kv_window(kv_dtype)
+    assert num_cached == cached - refill_tokens(layers, kv_dtype, window)
     assert exact == [0.0] * len(exact)
     assert any(d != 0.0 for d in window_only)
 
 
-def test_it_preempts_sequences_that_share_blocks_to_the_same_tokens(demo, passages):
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4c"])
+def test_it_preempts_sequences_that_share_blocks_to_the_same_tokens(
+    demo, passages, kv_dtype
+):
     system = passages[0][:200]
     prompts = [system + passages[1 + i][: 40 + 10 * i] for i in range(5)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    roomy = make_engine(demo, "int8", caching=False).generate(prompts, params)
+    roomy = make_engine(demo, kv_dtype, caching=False).generate(prompts, params)
     # 32 blocks of 16: the shared 12 and three sequences.s own 7 or so at most
-    tight = make_engine(demo, "int8", num_blocks=32)
+    tight = make_engine(demo, kv_dtype, num_blocks=32)
     tight.generate(prompts[:1], params)
 
     outs = tight.generate(prompts, params)
 
     assert tight.scheduler.num_preemptions > 0
+    assert all(o.num_cached_tokens > 0 for o in outs)
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
     assert tight.kv.blocks.num_used_blocks == 0
+
+
+def test_it_recomputes_position_0_once_its_sink_went_with_its_block(demo, passages):
+    # int4c: a hit reads position 0 from its first block's sink (a spoiled sink
+    # shows in the logits); the sink goes when the pool hands the block out again,
+    # and the same prompt then computes from position 0, to the same logits
+    prompt = make_engine(demo, "bf16").encode_prompt(passages[0])[:200]
+    other = make_engine(demo, "bf16").encode_prompt(passages[1])[:200]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    engine = make_engine(demo, "int4c", num_blocks=13)  # 204 tokens each
+    blocks = engine.kv.blocks
+    cold = engine.generate([prompt], params)[0]
+    first = blocks.pool.cached_block(
+        blocks.extend_block_hashes([], lambda a, b: prompt[a:b], BLOCK_SIZE)[0]
+    )
+    sink = blocks.pool.sink_of(first)
+
+    def logprob_gap(out) -> float:
+        return max(
+            abs(a.logprob - b.logprob)
+            for a, b in zip(out.logprobs, cold.logprobs, strict=True)
+        )
+
+    hit = engine.generate([prompt], params)[0]
+    engine.kv.sink_key[0][sink] += 1.0
+    spoiled = engine.generate([prompt], params)[0]
+    engine.generate([other], params)  # every block: evicts the first
+    evicted = blocks.pool.block_hash(first) is None, blocks.pool.sink_of(first)
+
+    again = engine.generate([prompt], params)[0]
+
+    assert sink is not None and evicted == (True, None)
+    assert hit.num_cached_tokens == spoiled.num_cached_tokens == 192 - 4 * 16
+    assert hit.token_ids == cold.token_ids and logprob_gap(hit) < 1e-4
+    assert logprob_gap(spoiled) > 1e-3
+    assert again.num_cached_tokens == 0
+    assert again.logprobs == cold.logprobs
 
 
 def test_it_roots_block_hashes_in_everything_that_changes_their_bytes(
