@@ -605,6 +605,6 @@ class KVCacheManager:
         the whole prefix (into the window row alone; the blocks are still shared,
         their compute is not saved)."""
         refill = len(self.kv_caches) * (self.window - 1) if self.window else 0
-        if self.kv_dtype in kernels.TORCH_ONLY_DTYPES:
+        if self.kv_dtype in kernels.CENTERED_DTYPES:
             refill = sys.maxsize
         self.blocks.enable_prefix_caching(self.prefix_cache_root(model_digest), refill)
