@@ -173,7 +173,9 @@ def test_the_demo_model_decodes_the_same_greedy_tokens(monkeypatch):
 
     model = load_model(DEMO_MODEL_DIR)
     prompt = "The quick brown fox jumps over the lazy dog."  # past a window of 8
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
 
     def generate():
         served = LLMEngine(
@@ -184,9 +186,11 @@ def test_the_demo_model_decodes_the_same_greedy_tokens(monkeypatch):
             kv_window=8,
             prepack_weights=False,
         )
-        return served.generate([prompt], params)[0].token_ids
+        out = served.generate([prompt], params)[0]
+        scored = [t.logprob for t in out.prompt_logprobs[1:] + out.logprobs]
+        return out.token_ids, torch.tensor(scored)
 
-    torch_tokens = generate()
+    torch_tokens, torch_logprobs = generate()
     attention = kv_int4c.attention
     monkeypatch.setattr(
         kv_int4c, "attention", functools.partial(attention, impl="triton")
@@ -199,7 +203,9 @@ def test_the_demo_model_decodes_the_same_greedy_tokens(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(kernels.paged_attention, "_paged_decode_triton", spy)
+    tokens, logprobs = generate()
 
-    assert generate() == torch_tokens
-    # every decode step of every layer went through the kernel
+    assert tokens == torch_tokens
+    # the prompt's (prefill kernel) and the generated tokens' (decode kernel)
+    torch.testing.assert_close(logprobs, torch_logprobs, rtol=0, atol=1e-4)
     assert len(calls) >= model.config.num_hidden_layers * (params.max_tokens - 1)
