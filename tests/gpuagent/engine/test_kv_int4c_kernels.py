@@ -92,7 +92,8 @@ def test_the_kernels_attend_as_the_torch_path_does(dtype):
         starts = [s + c for s, c in zip(starts, counts, strict=True)]
     assert starts == [16, 22]  # past the window, last blocks partial
     tri, ref = caches["triton"], caches["reference"]
-    for name in ("key", "value", "key_scale", "value_scale", "window_key"):
+    names = ("key", "value", "key_scale", "value_scale", "window_key", "window_value")
+    for name in names:
         assert torch.equal(getattr(tri, name), getattr(ref, name)), name
 
 
