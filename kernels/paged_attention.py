@@ -43,6 +43,8 @@ reference is the engine's (`kv_int4c`): the ops' reference path refuses int4c.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -648,6 +650,14 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + bh * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.cache
+def _hadamard_on(dim: int, device: torch.device) -> torch.Tensor:
+    # one float32 Hadamard matrix per (size, device), made once; a normal tensor
+    # even when first asked for under inference_mode
+    with torch.inference_mode(False):
+        return hadamard(dim, device)
+
+
 def _centered_args(
     query: torch.Tensor,
     cache: PagedKVCache,
@@ -660,8 +670,9 @@ def _centered_args(
         return query, query, query, 0
     inv_freq, dtype = rope
     # The rotated query q R back in the model's basis: R is symmetric, R R = I.
-    rotation = hadamard(cache.head_dim, query.device)
-    query_model = (query.float() @ rotation).contiguous()
+    query_model = (
+        query.float() @ _hadamard_on(cache.head_dim, query.device)
+    ).contiguous()
     inv_freq = inv_freq.to(device=query.device, dtype=torch.float32).contiguous()
     mean = cache.key_mean.contiguous()
     return query_model, mean, inv_freq, ROPE_DTYPE_CODES[dtype]
