@@ -37,7 +37,9 @@ reads attention output in a rotated basis, x @ R with R the orthonormal Hadamard
 matrix of size D (`hadamard`). Since R R^T = I, (q R).(k R) = q.k and
 softmax(.) (V R) R^T = softmax(.) V: attention is unchanged, but a key's few outlier
 channels are spread over all D, so a per-token (or per-head) scale fits it far better.
-The kernels only see the rotated vectors; `kernels` itself never rotates.
+The kernels only see the rotated vectors; `kernels` itself never rotates K or V
+(int4c's attention launcher takes the query back to the model's basis for its
+key mean term, `kernels.paged_attention`).
 
 Full-precision window (optional, quantized dtypes only): the newest `window` tokens of
 each sequence are also kept in bfloat16, in `window_key` / `window_value`
