@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4")
+KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4", "int4c")
 # Layouts of the fp8 KV scales a compressed checkpoint carries (compressed-tensors
 # kv_cache_scheme strategies; gpuagent.compress.kv_scales): one per layer, which
 # every vLLM attention backend reads, or one per kv head (FlashAttention 3/4 only).

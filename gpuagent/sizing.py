@@ -43,7 +43,9 @@ K and V per kv head; MLA caches one vector per token per layer, the latent and t
 decoupled RoPE key (kv_lora_rank + qk_rope_head_dim), against the expanded K
 (heads x (qk_nope + qk_rope)) and V (heads x v_head_dim) a naive cache would hold.
 int4 adds the engine's bf16 window of the newest tokens per sequence
-(gpuagent.engine.engine.DEFAULT_KV_WINDOW).
+(gpuagent.engine.engine.DEFAULT_KV_WINDOW). int4c (gpuagent.engine.kv_int4c) has
+int4's bytes and window row, plus one float32 key mean [kv_heads, D] per layer; it
+is for Llama attention only (its keys are RoPE'd over the whole head).
 
 Per device under tensor parallelism (vLLM's layers): sharded weights / tp plus the
 replicated ones (norms, the router, MLA's q_a_proj and kv_a_proj_with_mqa, which
@@ -87,14 +89,19 @@ MLA_TYPES = ("deepseek_v3", "kimi_k2")
 REPORTED_WEIGHT_FORMATS = ("bf16", "fp8", "w8a16", "w4a16-g128")
 INT4_GROUPS = (32, 64, 128)
 MIN_GROUP_SIZE = 32
-KV_DTYPES = ("bf16", "fp8", "int8", "int4")
-# kernels/kv_quant.py: one float16 scale per token per head vector (int8, int4), one
-# float32 scale per head per layer (fp8).
+KV_DTYPES = ("bf16", "fp8", "int8", "int4", "int4c")
+# KV dtypes for some architectures only (model_type); the others take every one.
+KV_DTYPE_MODEL_TYPES = {"int4c": ("llama",)}
+# kernels/kv_quant.py: one float16 scale per token per head vector (int8, int4,
+# int4c), one float32 scale per head per layer (fp8), one float32 key mean per
+# element of a head per layer (int4c).
 KV_TOKEN_SCALE_BYTES = 2
 KV_STATIC_SCALE_BYTES = 4
+KV_KEY_MEAN_BYTES = 4
 # gpuagent.engine.engine.DEFAULT_KV_WINDOW for the dtypes only the engine serves
-# (vLLM's fp8 has no window): newest tokens per sequence also kept in bf16.
-KV_WINDOW_TOKENS = {"int4": 18}
+# (vLLM's fp8 has no window): newest tokens per sequence also kept in bf16 (int4c's
+# row: the newest 17 and the first).
+KV_WINDOW_TOKENS = {"int4": 18, "int4c": 18}
 VLLM_BLOCK_TOKENS = 16  # vLLM's default --block-size: a sequence takes whole blocks
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 MAX_DEVICES_NEEDED = 64
@@ -670,7 +677,7 @@ def kv_vector_bytes(kv_dtype: str, dim: int) -> int:
         return dim
     if kv_dtype == "int8":
         return dim + KV_TOKEN_SCALE_BYTES
-    if kv_dtype == "int4":
+    if kv_dtype in ("int4", "int4c"):
         return math.ceil(dim / 2) + KV_TOKEN_SCALE_BYTES
     raise SizingError(
         f"unknown KV cache dtype {kv_dtype!r}; known: {', '.join(KV_DTYPES)}"
@@ -691,8 +698,22 @@ class KVBytes:
     static_bytes: int  # per-layer scales, whatever the number of tokens
 
 
+def kv_dtypes(s: ModelShape) -> tuple[str, ...]:
+    """The KV dtypes `s`'s architecture takes (KV_DTYPE_MODEL_TYPES)."""
+    return tuple(
+        d
+        for d in KV_DTYPES
+        if s.model_type in KV_DTYPE_MODEL_TYPES.get(d, (s.model_type,))
+    )
+
+
 def kv_bytes(s: ModelShape, kv_dtype: str) -> KVBytes:
     """KV bytes per token of `s` in `kv_dtype` (module docstring)."""
+    if kv_dtype in KV_DTYPES and kv_dtype not in kv_dtypes(s):
+        raise SizingError(
+            f"{kv_dtype} KV is for model_type "
+            f"{', '.join(KV_DTYPE_MODEL_TYPES[kv_dtype])}, not {s.model_type}"
+        )
     window = KV_WINDOW_TOKENS.get(kv_dtype, 0)
     if s.is_mla:
         latent = s.kv_lora_rank + s.qk_rope_head_dim
@@ -708,6 +729,8 @@ def kv_bytes(s: ModelShape, kv_dtype: str) -> KVBytes:
         expanded = None
         window_per_layer = 2 * 2 * s.num_kv_heads * s.head_dim * window
         static = 2 * s.num_kv_heads * KV_STATIC_SCALE_BYTES if kv_dtype == "fp8" else 0
+        if kv_dtype == "int4c":
+            static = s.num_kv_heads * s.head_dim * KV_KEY_MEAN_BYTES
     layers = s.num_layers
     return KVBytes(
         kv_dtype=kv_dtype,
@@ -982,8 +1005,8 @@ def size_deployment(config: Mapping[str, Any], knobs: Knobs) -> SizingReport:
                 raise
             notes.append(f"{f} not shown: {e}")
     chosen = next(w for w in weights if w.format == knobs.weights)
-    kvs = [kv_bytes(s, d) for d in KV_DTYPES]
-    kv = next(k for k in kvs if k.kv_dtype == knobs.kv_cache_dtype)
+    kv = kv_bytes(s, knobs.kv_cache_dtype)  # refuses a dtype `s` does not take
+    kvs = [kv_bytes(s, d) for d in kv_dtypes(s)]
     plan = plan_devices(s, chosen, kv, knobs, knobs.devices)
     needed = devices_needed(s, chosen, kv, knobs)
     argv, note = vllm_command(s, knobs, knobs.devices)

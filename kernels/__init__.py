@@ -8,10 +8,10 @@ GPU.
 """
 
 from kernels.kv_quant import (
+    CENTERED_DTYPES,
     KV_CACHE_DTYPES,
     ROTATED_DTYPES,
     STATIC_SCALE_DTYPES,
-    TORCH_ONLY_DTYPES,
     PagedKVCache,
     allocate_kv_cache,
     dequantize_kv,
@@ -42,11 +42,11 @@ from kernels.weight_matmul import (
 )
 
 __all__ = [
+    "CENTERED_DTYPES",
     "CpuPackedWeight",
     "KV_CACHE_DTYPES",
     "ROTATED_DTYPES",
     "STATIC_SCALE_DTYPES",
-    "TORCH_ONLY_DTYPES",
     "PagedKVCache",
     "allocate_kv_cache",
     "dequantize_kv",

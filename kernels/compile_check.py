@@ -51,6 +51,18 @@ _DECODE_SIG = {
     "stride_bt": "i32",
     "num_parts": "i32",
 }
+# int4c's mean-term arguments (the int4 decode kernel's and the prefill kernel's),
+# after the output pointer
+_CENTERED_SIG = {
+    "q_model_ptr": "*fp32",
+    "key_mean_ptr": "*fp32",
+    "inv_freq_ptr": "*fp32",
+}
+_DECODE_INT4_SIG = {}
+for _name, _type in _DECODE_SIG.items():
+    _DECODE_INT4_SIG[_name] = _type
+    if _name == "out_ptr":
+        _DECODE_INT4_SIG.update(_CENTERED_SIG)
 _PREFILL_SIG = {
     "q_ptr": "*bf16",
     "k_cache_ptr": None,
@@ -72,6 +84,7 @@ _PREFILL_SIG = {
     "tile_seq_ptr": "*i32",
     "tile_start_ptr": "*i32",
     "out_ptr": "*bf16",
+    **_CENTERED_SIG,
     "softmax_scale": "fp32",
     "num_kv_heads": "i32",
     "stride_bt": "i32",
@@ -110,7 +123,7 @@ _MATMUL_SIG = {
     "stride_xm": "i32",
     "stride_wn": "i32",
 }
-_STORAGE = {0: "*bf16", 1: "*u8", 2: "*i8", 3: "*u8"}
+_STORAGE = {0: "*bf16", 1: "*u8", 2: "*i8", 3: "*u8", 4: "*u8"}
 # Full-precision window length of the WINDOW > 0 variants (quantized codes only).
 _WINDOW = 64
 
@@ -147,15 +160,17 @@ def _configs(module: str):
         consts["STATIC_SCALES"] = False
         yield "write_kv[fp32]", kv_quant._write_kv_kernel, sig, consts, 1
     elif module == "paged_attention":
-        # (KV_DTYPE code, GQA group, head_dim, block_size)
+        # (KV_DTYPE code, GQA group, head_dim, block_size); code 4 = int4c, the
+        # int4 decode kernel with CENTERED (bf16 RoPE rounding at D128, fp32 at D64)
         shapes = ((0, 1, 128, 16), (2, 4, 128, 16), (1, 8, 64, 32), (3, 4, 128, 16),
-                  (3, 8, 64, 32))  # fmt: skip
+                  (3, 8, 64, 32), (4, 4, 128, 16), (4, 8, 64, 32))  # fmt: skip
         for code, group, head_dim, block_size in shapes:
-            sig = dict(_DECODE_SIG, k_cache_ptr=_STORAGE[code])
-            sig["v_cache_ptr"] = _STORAGE[code]
             kernel = paged_attention._paged_decode_kernel
-            if code == 3:
+            sig = _DECODE_SIG
+            if code >= 3:
                 kernel = paged_attention._paged_decode_int4_kernel
+                sig = _DECODE_INT4_SIG
+            sig = dict(sig, k_cache_ptr=_STORAGE[code], v_cache_ptr=_STORAGE[code])
             consts = {
                 "GROUP": group,
                 "GROUP_PAD": 16,
@@ -164,18 +179,24 @@ def _configs(module: str):
                 "BLOCK_N": paged_attention.DECODE_BLOCK_N,
                 "PARTITION_SIZE": paged_attention.PARTITION_SIZE,
             }
-            if code != 3:
+            if code < 3:
                 consts["KV_DTYPE"] = code
                 consts["DOT_PRECISION"] = "tf32"
                 consts["STATIC_SCALES"] = False
+            else:
+                consts["CENTERED"] = code == 4
+                consts["ROPE_DTYPE"] = 1 if code == 4 and head_dim == 128 else 0
             # Both epilogues, spread over the shapes to keep the check short.
             single = group in (1, 8)
             consts["SINGLE_PART"] = single
-            for window in (0, _WINDOW) if code else (0,):
+            windows = (_WINDOW,) if code == 4 else (0, _WINDOW) if code else (0,)
+            for window in windows:
                 consts = dict(consts, WINDOW=window)
                 name = f"decode[{code},G{group},D{head_dim},single={single},W{window}]"
                 yield name, kernel, sig, consts, 4
-        for code, group, head_dim in ((0, 1, 64), (2, 4, 128), (1, 8, 64), (3, 4, 128)):
+        prefills = ((0, 1, 64), (2, 4, 128), (1, 8, 64), (3, 4, 128), (4, 4, 128),
+                    (4, 2, 64))  # fmt: skip
+        for code, group, head_dim in prefills:
             sig = dict(_PREFILL_SIG, k_cache_ptr=_STORAGE[code])
             sig["v_cache_ptr"] = _STORAGE[code]
             consts = {
@@ -187,10 +208,12 @@ def _configs(module: str):
                 "KV_DTYPE": code,
                 "DOT_PRECISION": "tf32",
                 "STATIC_SCALES": False,
+                "ROPE_DTYPE": (1 if head_dim == 128 else 2) if code == 4 else 0,
             }
             warps = 4 if head_dim <= 64 else 8
             kernel = paged_attention._paged_prefill_kernel
-            for window in (0, _WINDOW) if code else (0,):
+            windows = (_WINDOW,) if code == 4 else (0, _WINDOW) if code else (0,)
+            for window in windows:
                 consts = dict(consts, WINDOW=window)
                 name = f"prefill[{code},G{group},D{head_dim},W{window}]"
                 yield name, kernel, sig, consts, warps
@@ -221,6 +244,7 @@ def _configs(module: str):
             "DOT_PRECISION": "ieee",
             "WINDOW": 0,
             "STATIC_SCALES": False,
+            "ROPE_DTYPE": 0,
         }
         kernel = paged_attention._paged_prefill_kernel
         yield "prefill[fp32,G4,D64]", kernel, dict(_PREFILL_SIG, **fp32), consts, 4

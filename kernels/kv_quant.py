@@ -15,10 +15,11 @@ int4c    [num_blocks, block_size, H, D//2] uint8     [nb, bs, H] float16    2*H*
 fp32     [num_blocks, block_size, H, D] float32      None                   8*H*D
 =======  ==========================================  =====================  =========
 
-int4c (`TORCH_ONLY_DTYPES`) has int4's blocks but other codes (`kernels.kv_gauss`),
+int4c (`CENTERED_DTYPES`) has int4's blocks but other codes (`kernels.kv_gauss`),
 keys stored less a RoPE'd per-layer mean ([H, D] float32 `key_mean`, static) and
 the first position in the window row's last slot; `gpuagent.engine.kv_int4c`
-writes and reads it, no kernel here does (they refuse it by name).
+writes it (no write kernel here: `write_kv` refuses it by name), the paged
+attention kernels read it.
 
 fp32 is a plain copy, for exact parity checks against a float32 reference (twice the
 bf16 bytes; not a serving format).
@@ -36,7 +37,9 @@ reads attention output in a rotated basis, x @ R with R the orthonormal Hadamard
 matrix of size D (`hadamard`). Since R R^T = I, (q R).(k R) = q.k and
 softmax(.) (V R) R^T = softmax(.) V: attention is unchanged, but a key's few outlier
 channels are spread over all D, so a per-token (or per-head) scale fits it far better.
-The kernels only see the rotated vectors; `kernels` itself never rotates.
+The kernels only see the rotated vectors; `kernels` itself never rotates K or V
+(int4c's attention launcher takes the query back to the model's basis for its
+key mean term, `kernels.paged_attention`).
 
 Full-precision window (optional, quantized dtypes only): the newest `window` tokens of
 each sequence are also kept in bfloat16, in `window_key` / `window_value`
@@ -135,12 +138,13 @@ KV_CACHE_DTYPES = (
 STATIC_SCALE_DTYPES = ("fp8",)
 # Layouts the model writes in the Hadamard basis (module docstring).
 ROTATED_DTYPES = ("fp8", "int8", "int4", "int4c")
-# Layouts written and read by the model's torch code alone (`gpuagent.engine.
-# kv_int4c`): keys centered on a RoPE'd per-layer mean, Gaussian int4 levels
-# (`kernels.kv_gauss`), the first position and the newest window - 1 in bf16. No
-# Triton kernel reads or writes them; `write_kv`, `gather_kv` and the paged
-# attention ops refuse them by name.
-TORCH_ONLY_DTYPES = ("int4c",)
+# Layouts whose keys are stored centered on a RoPE'd per-layer mean (`gpuagent.
+# engine.kv_int4c`): Gaussian int4 levels (`kernels.kv_gauss`), the first position
+# and the newest window - 1 in bf16. The model writes them with torch code
+# (`write_kv`, `gather_kv` and `quantize_kv` refuse them by name); the paged
+# attention kernels read them, given the model's RoPE (their torch reference is
+# the engine's, so the ops' reference path refuses them too).
+CENTERED_DTYPES = ("int4c",)
 STATIC_SCALE_DTYPE = torch.float32
 
 SCALE_DTYPE = torch.float16
@@ -166,6 +170,7 @@ KV_DTYPE_CODES = {
     "fp8": 1,
     "int8": 2,
     "int4": 3,
+    "int4c": 4,  # read by the paged attention kernels only
     "fp32": 0,
 }
 _SCALE_MIN = 2.0**-14
@@ -246,12 +251,12 @@ def _check_dtype(dtype: str) -> None:
     check(dtype in KV_CACHE_DTYPES, f"KV cache dtype must be in {KV_CACHE_DTYPES}")
 
 
-def refuse_torch_only(dtype: str, op: str) -> None:
-    """Raise naming `op` when `dtype` is one no kernel of this package handles."""
+def refuse_centered(dtype: str, op: str) -> None:
+    """Raise naming `op` when `dtype` is a centered layout `op` has no path for."""
     check(
-        dtype not in TORCH_ONLY_DTYPES,
-        f"{op} has no {dtype} path: {dtype} is written and read by "
-        "gpuagent.engine.kv_int4c (no kernel for it yet)",
+        dtype not in CENTERED_DTYPES,
+        f"{op} has no {dtype} path: {dtype} is written (and attended in torch) by "
+        "gpuagent.engine.kv_int4c",
     )
 
 
@@ -262,7 +267,7 @@ def kv_bytes_per_token(dtype: str, num_kv_heads: int, head_dim: int) -> int:
     block_size)` exactly.
     """
     _check_dtype(dtype)
-    if dtype in TORCH_ONLY_DTYPES:  # int4c: int4's bytes
+    if dtype in CENTERED_DTYPES:  # int4c: int4's bytes
         return 2 * num_kv_heads * (head_dim // 2 + SCALE_DTYPE.itemsize)
     if dtype not in _QMAX or dtype in STATIC_SCALE_DTYPES:  # no per-token scales
         return 2 * num_kv_heads * head_dim * _STORAGE_DTYPES[dtype].itemsize
@@ -274,7 +279,7 @@ def kv_static_bytes(dtype: str, num_kv_heads: int, head_dim: int = 0) -> int:
     """Bytes one layer's cache holds whatever its size: fp8's K and V scales,
     int4c's key mean (needs `head_dim`)."""
     _check_dtype(dtype)
-    if dtype in TORCH_ONLY_DTYPES:
+    if dtype in CENTERED_DTYPES:
         check(head_dim > 0, f"{dtype}'s static bytes need the head_dim")
         return num_kv_heads * head_dim * KEY_MEAN_DTYPE.itemsize
     if dtype not in STATIC_SCALE_DTYPES:
@@ -308,7 +313,7 @@ def allocate_kv_cache(
     )
     check(window >= 0 and num_windows >= 0, "window and num_windows must be >= 0")
     check(
-        window == 0 or dtype in _QMAX or dtype in TORCH_ONLY_DTYPES,
+        window == 0 or dtype in _QMAX or dtype in CENTERED_DTYPES,
         f"a full-precision window is for quantized caches (fp8/int8/int4), not {dtype}",
     )
     check(
@@ -316,14 +321,14 @@ def allocate_kv_cache(
         "window and num_windows must both be 0 or both be positive",
     )
     check(
-        dtype not in TORCH_ONLY_DTYPES or window >= 2,
+        dtype not in CENTERED_DTYPES or window >= 2,
         f"{dtype} keeps the first position and the newest tokens in bf16: "
         f"it needs a window of at least 2, got {window}",
     )
     stored_dim = head_dim // 2 if dtype in ("int4", "int4c") else head_dim
     shape = (num_blocks, block_size, num_kv_heads, stored_dim)
     storage = _STORAGE_DTYPES[dtype]
-    scaled = dtype in _QMAX or dtype in TORCH_ONLY_DTYPES
+    scaled = dtype in _QMAX or dtype in CENTERED_DTYPES
 
     def scale() -> torch.Tensor | None:
         if not scaled:
@@ -354,7 +359,7 @@ def allocate_kv_cache(
         rotated=dtype in ROTATED_DTYPES if rotated is None else rotated,
         key_mean=(
             torch.zeros(num_kv_heads, head_dim, dtype=KEY_MEAN_DTYPE, device=device)
-            if dtype in TORCH_ONLY_DTYPES
+            if dtype in CENTERED_DTYPES
             else None
         ),
     )
@@ -404,7 +409,7 @@ def quantize_kv(
     bf16/fp16/fp32, and for fp8, which takes its per-head `static_scale`
     [H] for x [..., H, D]).
     """
-    refuse_torch_only(dtype, "quantize_kv")
+    refuse_centered(dtype, "quantize_kv")
     _check_dtype(dtype)
     if dtype in STATIC_SCALE_DTYPES:
         check(static_scale is not None, f"{dtype} needs its static scales")
@@ -838,7 +843,7 @@ def _write_kv_checked(
     impl: str,
     with_window: bool,
 ) -> None:
-    refuse_torch_only(cache.dtype, "write_kv")
+    refuse_centered(cache.dtype, "write_kv")
     expected = (cache.num_kv_heads, cache.head_dim)
     check(
         key.dim() == 3 and tuple(key.shape[1:]) == expected,
@@ -919,7 +924,7 @@ def gather_kv(
     block_table [max_blocks] (or [1, max_blocks]) lists the sequence's physical blocks;
     a cache with a window needs the sequence's `window_row`.
     """
-    refuse_torch_only(cache.dtype, "gather_kv")
+    refuse_centered(cache.dtype, "gather_kv")
     check(
         (window_row is not None) == bool(cache.window),
         "window_row is needed exactly when the cache has a window",

@@ -28,22 +28,38 @@ the window row, written *after* prefill attention (`kv_quant.write_window`), for
 window - 1 positions before it; the kernels load both precisions of a tile and
 select per (query, key) pair, and compile the old code when WINDOW == 0. So
 chunked and unchunked prefill give the same logprobs.
+
+int4c (`kv_quant.CENTERED_DTYPES`, written by `gpuagent.engine.kv_int4c`) runs the
+int4 paths with three changes: its codes read the 16 Gaussian levels
+(`kv_gauss.gauss_level`, a select tree in registers, no table in memory); a
+quantized key is stored less m_p = RoPE_p(mean) R (the layer's key mean RoPE'd to
+the key's position p, in the model's dtype, then rotated), so its score gains
+q R . m_p = q . RoPE_p(mean), computed per tile from the query in the model's
+basis (q R R: R is symmetric), the mean and cos/sin of p, rounded as the model
+rounds RoPE; and its window row keeps the newest WINDOW - 1 positions (ring slot
+p % (WINDOW - 1)) and position 0 in its last slot, both read in bf16. Their torch
+reference is the engine's (`kv_int4c`): the ops' reference path refuses int4c.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from kernels._triton import check, tl, triton, use_triton
+from kernels.kv_gauss import gauss_level
 from kernels.kv_quant import (
+    CENTERED_DTYPES,
     KV_DTYPE_CODES,
     WINDOW_DTYPE,
     PagedKVCache,
     dequantize_kv,
     fp32_to_bf16_rne,
+    hadamard,
     overlay_window,
-    refuse_torch_only,
+    refuse_centered,
     window_kernel_args,
 )
 
@@ -54,6 +70,9 @@ DECODE_BLOCK_N = 64
 # Prefill: new tokens per query tile, cached tokens per K/V tile.
 PREFILL_BLOCK_M = 32
 PREFILL_BLOCK_N = 32
+# ROPE_DTYPE constexpr codes: the dtype the model RoPEs keys in (int4c's mean term
+# rounds as it does).
+ROPE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _dot_precision(cache: PagedKVCache) -> str:
@@ -356,6 +375,7 @@ def _load_int4_tile(
     row,  # [BLOCK_N] int64 row (slot * Hkv + kv_head) of each token
     mask,  # [BLOCK_N] tokens inside the context
     HEAD_DIM: tl.constexpr,
+    GAUSS: tl.constexpr,  # int4c's Gaussian levels instead of u - 7.5
 ):
     # Contiguous byte rows (vectorised loads); the even and odd elements come back
     # as two [BLOCK_N, HEAD_DIM // 2] halves so no interleave is needed.
@@ -363,8 +383,12 @@ def _load_int4_tile(
     ptrs = cache_ptr + row[:, None] * (HEAD_DIM // 2) + offs_j[None, :]
     byte = tl.load(ptrs, mask=mask[:, None], other=0).to(tl.int32)
     scale = tl.load(scale_ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None]
-    even = ((byte & 0xF).to(tl.float32) - 7.5) * scale
-    odd = ((byte >> 4).to(tl.float32) - 7.5) * scale
+    if GAUSS:
+        even = gauss_level(byte & 0xF) * scale
+        odd = gauss_level(byte >> 4) * scale
+    else:
+        even = ((byte & 0xF).to(tl.float32) - 7.5) * scale
+        odd = ((byte >> 4).to(tl.float32) - 7.5) * scale
     return even, odd
 
 
@@ -385,6 +409,67 @@ def _load_window_tile_split(
 
 
 @triton.jit
+def _round_as(x, ROPE_DTYPE: tl.constexpr):
+    # float32 x rounded to the model's dtype (ROPE_DTYPE_CODES) and back
+    if ROPE_DTYPE == 1:
+        x = fp32_to_bf16_rne(x).to(tl.float32)
+    elif ROPE_DTYPE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _key_mean_scores(
+    qm_lo,  # [M, HEAD_DIM // 2] float32 first halves of the queries (model basis)
+    qm_hi,  # [M, HEAD_DIM // 2] float32 second halves
+    key_mean_ptr,  # [Hkv, HEAD_DIM] float32 key means before RoPE
+    inv_freq_ptr,  # [HEAD_DIM // 2] float32 RoPE inverse frequencies
+    kv_head,
+    pos,  # [BLOCK_N] positions of the keys
+    HEAD_DIM: tl.constexpr,
+    ROPE_DTYPE: tl.constexpr,
+):
+    """[M, BLOCK_N] q . RoPE_p(mean), int4c's score term of a quantized key at p:
+    HF's RoPE on halves (lo cos - hi sin, hi cos + lo sin), each op rounded to the
+    model's dtype as `apply_rope` rounds it."""
+    offs_j = tl.arange(0, HEAD_DIM // 2)
+    mean_row = key_mean_ptr + kv_head * HEAD_DIM
+    m_lo = _round_as(tl.load(mean_row + offs_j), ROPE_DTYPE)[None, :]
+    m_hi = _round_as(tl.load(mean_row + HEAD_DIM // 2 + offs_j), ROPE_DTYPE)[None, :]
+    inv_freq = tl.load(inv_freq_ptr + offs_j)
+    freqs = pos.to(tl.float32)[:, None] * inv_freq[None, :]  # [BLOCK_N, D // 2]
+    cos = _round_as(tl.cos(freqs), ROPE_DTYPE)
+    sin = _round_as(tl.sin(freqs), ROPE_DTYPE)
+    lo_cos = _round_as(m_lo * cos, ROPE_DTYPE)
+    hi_sin = _round_as(m_hi * sin, ROPE_DTYPE)
+    hi_cos = _round_as(m_hi * cos, ROPE_DTYPE)
+    lo_sin = _round_as(m_lo * sin, ROPE_DTYPE)
+    r_lo = _round_as(lo_cos - hi_sin, ROPE_DTYPE)  # [BLOCK_N, D // 2]
+    r_hi = _round_as(hi_cos + lo_sin, ROPE_DTYPE)
+    # float32 dots: the mean is the bulk of a centered key, tf32 would blur it
+    scores = tl.dot(qm_lo, tl.trans(r_lo), input_precision="ieee")
+    return scores + tl.dot(qm_hi, tl.trans(r_hi), input_precision="ieee")
+
+
+@triton.jit
+def _window_ring_row(
+    window_row,  # int64 window row of the sequence
+    offs_n,  # [BLOCK_N] positions
+    num_kv_heads,
+    kv_head,
+    WINDOW: tl.constexpr,
+    SINK: tl.constexpr,  # int4c: position 0 in the row's last slot
+):
+    # Row of each position's bf16 copy: ring slot p % WINDOW, or with a sink
+    # p % (WINDOW - 1) and position 0 in slot WINDOW - 1.
+    if SINK:
+        slot = tl.where(offs_n == 0, WINDOW - 1, offs_n % (WINDOW - 1))
+    else:
+        slot = offs_n % WINDOW
+    return (window_row * WINDOW + slot) * num_kv_heads + kv_head
+
+
+@triton.jit
 def _paged_decode_int4_kernel(
     q_ptr,  # [B, num_heads, HEAD_DIM] queries, contiguous
     k_cache_ptr,  # [num_slots, Hkv, HEAD_DIM // 2] uint8 packed key nibbles
@@ -400,6 +485,9 @@ def _paged_decode_int4_kernel(
     part_max_ptr,  # [B, num_heads, num_parts] float32 running max of the scores
     part_sum_ptr,  # [B, num_heads, num_parts] float32 softmax denominators
     out_ptr,  # [B, num_heads, HEAD_DIM] output (query dtype), when SINGLE_PART
+    q_model_ptr,  # [B, num_heads, HEAD_DIM] float32 queries unrotated (int4c; dummy)
+    key_mean_ptr,  # [Hkv, HEAD_DIM] float32 key means (int4c; dummy)
+    inv_freq_ptr,  # [HEAD_DIM // 2] float32 RoPE inverse frequencies (int4c; dummy)
     softmax_scale,
     num_kv_heads,
     stride_bt,
@@ -412,6 +500,8 @@ def _paged_decode_int4_kernel(
     PARTITION_SIZE: tl.constexpr,
     SINGLE_PART: tl.constexpr,
     WINDOW: tl.constexpr,  # full-precision window length; 0 = none
+    CENTERED: tl.constexpr,  # int4c (module docstring)
+    ROPE_DTYPE: tl.constexpr,  # int4c: ROPE_DTYPE_CODES of the model's dtype
 ):
     # Same as _paged_decode_kernel, with q, K, V and the output split into even and
     # odd head_dim elements: q.k = q_even.k_even + q_odd.k_odd.
@@ -430,6 +520,15 @@ def _paged_decode_int4_kernel(
     q_odd = tl.load(q_ptrs + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
     q_even = q_even * softmax_scale
     q_odd = q_odd * softmax_scale
+    if CENTERED:
+        # the query in the model's basis, as halves (RoPE's pairs are j, j + D/2)
+        qm_ptrs = q_model_ptr + (seq * num_heads + head)[:, None] * HEAD_DIM
+        qm_ptrs += offs_j[None, :]
+        qm_lo = tl.load(qm_ptrs, mask=g_mask[:, None], other=0.0) * softmax_scale
+        qm_hi = tl.load(qm_ptrs + HEAD_DIM // 2, mask=g_mask[:, None], other=0.0)
+        qm_hi = qm_hi * softmax_scale
+    # int4c's ring holds the newest WINDOW - 1 positions, position 0 beside them
+    RING: tl.constexpr = WINDOW - CENTERED
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -444,28 +543,42 @@ def _paged_decode_int4_kernel(
         n_mask = offs_n < end
         paged = n_mask  # [BLOCK_N] tokens read from the (quantized) blocks
         if WINDOW > 0:
-            # Positions >= context_len - WINDOW come from the bf16 ring instead.
-            win = n_mask & (offs_n >= context_len - WINDOW)
-            paged = n_mask & (offs_n < context_len - WINDOW)
-            ring = (window_row * WINDOW + offs_n % WINDOW) * num_kv_heads + kv_head
+            # Positions >= context_len - RING (and int4c's 0) from the bf16 row.
+            win = n_mask & (offs_n >= context_len - RING)
+            if CENTERED:
+                win = win | (n_mask & (offs_n == 0))
+            paged = n_mask & ~win
+            ring = _window_ring_row(
+                window_row, offs_n, num_kv_heads, kv_head, WINDOW, CENTERED
+            )
         block = tl.load(
             block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE,
             mask=paged,
             other=0,
         ).to(tl.int64)
         row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
-        k_even, k_odd = _load_int4_tile(k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM)
+        k_even, k_odd = _load_int4_tile(
+            k_cache_ptr, k_scale_ptr, row, paged, HEAD_DIM, CENTERED
+        )
         if WINDOW > 0:
             w_even, w_odd = _load_window_tile_split(k_window_ptr, ring, win, HEAD_DIM)
             k_even = tl.where(win[:, None], w_even, k_even)
             k_odd = tl.where(win[:, None], w_odd, k_odd)
         scores = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+        if CENTERED:
+            mean_scores = _key_mean_scores(
+                qm_lo, qm_hi, key_mean_ptr, inv_freq_ptr, kv_head, offs_n,
+                HEAD_DIM, ROPE_DTYPE,
+            )  # fmt: skip
+            scores += tl.where(paged[None, :], mean_scores, 0.0)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_even, v_odd = _load_int4_tile(v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM)
+        v_even, v_odd = _load_int4_tile(
+            v_cache_ptr, v_scale_ptr, row, paged, HEAD_DIM, CENTERED
+        )
         if WINDOW > 0:
             w_even, w_odd = _load_window_tile_split(v_window_ptr, ring, win, HEAD_DIM)
             v_even = tl.where(win[:, None], w_even, v_even)
@@ -537,6 +650,34 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + bh * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.cache
+def _hadamard_on(dim: int, device: torch.device) -> torch.Tensor:
+    # one float32 Hadamard matrix per (size, device), made once; a normal tensor
+    # even when first asked for under inference_mode
+    with torch.inference_mode(False):
+        return hadamard(dim, device)
+
+
+def _centered_args(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    rope: tuple[torch.Tensor, torch.dtype] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(query in the model's basis [.., H, D] float32, key mean [Hkv, D] float32,
+    RoPE inverse frequencies [D/2] float32, ROPE_DTYPE code): the int4c kernels'
+    mean-term arguments; dummies (and code 0) for any other layout."""
+    if cache.dtype not in CENTERED_DTYPES:
+        return query, query, query, 0
+    inv_freq, dtype = rope
+    # The rotated query q R back in the model's basis: R is symmetric, R R = I.
+    query_model = (
+        query.float() @ _hadamard_on(cache.head_dim, query.device)
+    ).contiguous()
+    inv_freq = inv_freq.to(device=query.device, dtype=torch.float32).contiguous()
+    mean = cache.key_mean.contiguous()
+    return query_model, mean, inv_freq, ROPE_DTYPE_CODES[dtype]
+
+
 def _paged_decode_triton(
     query: torch.Tensor,
     cache: PagedKVCache,
@@ -544,6 +685,7 @@ def _paged_decode_triton(
     context_lens: torch.Tensor,
     softmax_scale: float,
     window_rows: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.dtype] | None = None,
     partition_size: int = PARTITION_SIZE,
     block_n: int = DECODE_BLOCK_N,
 ) -> torch.Tensor:
@@ -585,13 +727,16 @@ def _paged_decode_triton(
         key, value = key.view(torch.uint8), value.view(torch.uint8)
     key_scale = cache.key_scale if cache.key_scale is not None else key
     value_scale = cache.value_scale if cache.value_scale is not None else value
-    int4 = cache.dtype == "int4"
+    centered = cache.dtype in CENTERED_DTYPES
+    int4 = cache.dtype == "int4" or centered
     kernel = _paged_decode_int4_kernel if int4 else _paged_decode_kernel
     rows, window_key, window_value = window_kernel_args(
         cache, window_rows, context_lens, "window_rows"
     )
-    dtype_arg = {}
-    if not int4:
+    mean_args = _centered_args(query, cache, rope)
+    if int4:
+        dtype_arg = {"CENTERED": centered, "ROPE_DTYPE": mean_args[-1]}
+    else:
         dtype_arg = {
             "KV_DTYPE": KV_DTYPE_CODES[cache.dtype],
             "DOT_PRECISION": _dot_precision(cache),
@@ -612,6 +757,7 @@ def _paged_decode_triton(
         part_max,
         part_sum,
         out,
+        *(mean_args[:3] if int4 else ()),
         softmax_scale,
         cache.num_kv_heads,
         block_tables.stride(0),
@@ -662,8 +808,9 @@ def _load_int4_tile_interleaved(
     row,  # [BLOCK_N] int64 row (slot * Hkv + kv_head) of each token
     mask,  # [BLOCK_N] tokens inside the context
     HEAD_DIM: tl.constexpr,
+    GAUSS: tl.constexpr,  # int4c's Gaussian levels
 ):
-    even, odd = _load_int4_tile(cache_ptr, scale_ptr, row, mask, HEAD_DIM)
+    even, odd = _load_int4_tile(cache_ptr, scale_ptr, row, mask, HEAD_DIM, GAUSS)
     # [BLOCK_N, D/2, 2] -> [BLOCK_N, D]: row-major merge puts even_j at 2j.
     return tl.reshape(tl.join(even, odd), [row.shape[0], HEAD_DIM])
 
@@ -710,6 +857,9 @@ def _paged_prefill_kernel(
     tile_seq_ptr,  # [num_tiles] int32 sequence of each query tile, -1 = no tile
     tile_start_ptr,  # [num_tiles] int32 first new-token index of the tile in its seq
     out_ptr,  # [T, num_heads, HEAD_DIM] output (query dtype)
+    q_model_ptr,  # [T, num_heads, HEAD_DIM] float32 queries unrotated (int4c; dummy)
+    key_mean_ptr,  # [Hkv, HEAD_DIM] float32 key means (int4c; dummy)
+    inv_freq_ptr,  # [HEAD_DIM // 2] float32 RoPE inverse frequencies (int4c; dummy)
     softmax_scale,
     num_kv_heads,
     stride_bt,
@@ -722,7 +872,10 @@ def _paged_prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,  # full-precision window length; 0 = none
     STATIC_SCALES: tl.constexpr,  # one scale per kv head (fp8)
+    ROPE_DTYPE: tl.constexpr,  # int4c: ROPE_DTYPE_CODES of the model's dtype
 ):
+    CENTERED: tl.constexpr = KV_DTYPE == 4  # int4c (module docstring)
+    RING: tl.constexpr = WINDOW - CENTERED
     tile = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -740,6 +893,13 @@ def _paged_prefill_kernel(
         q_ptrs = q_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :]
         q = tl.load(q_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
         q = q * softmax_scale
+        if CENTERED:
+            # the queries in the model's basis, as halves (RoPE pairs j, j + D/2)
+            offs_j = tl.arange(0, HEAD_DIM // 2)
+            qm_ptrs = q_model_ptr + q_rows[:, None] * HEAD_DIM + offs_j[None, :]
+            qm_lo = tl.load(qm_ptrs, mask=m_mask[:, None], other=0.0) * softmax_scale
+            qm_hi = tl.load(qm_ptrs + HEAD_DIM // 2, mask=m_mask[:, None], other=0.0)
+            qm_hi = qm_hi * softmax_scale
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -760,9 +920,9 @@ def _paged_prefill_kernel(
             ).to(tl.int64)
             row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * num_kv_heads + kv_head
             scale_row = row * 0 + kv_head if STATIC_SCALES else row
-            if KV_DTYPE == 3:
+            if KV_DTYPE == 3 or CENTERED:
                 k = _load_int4_tile_interleaved(
-                    k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM
+                    k_cache_ptr, k_scale_ptr, row, n_mask, HEAD_DIM, CENTERED
                 )
             else:
                 k = _load_kv_tile(
@@ -770,18 +930,30 @@ def _paged_prefill_kernel(
                 )
             # [BLOCK_M, BLOCK_N]
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if CENTERED:
+                scores += _key_mean_scores(
+                    qm_lo, qm_hi, key_mean_ptr, inv_freq_ptr, kv_head, offs_n,
+                    HEAD_DIM, ROPE_DTYPE,
+                )  # fmt: skip
             if WINDOW > 0:
-                # Per query: keys p - WINDOW < j <= p in full precision, from the
-                # window row before the chunk and from the chunk's own K after.
-                old = n_mask & (offs_n >= chunk_start - WINDOW) & (offs_n < chunk_start)
+                # Per query: keys p - RING < j <= p (and int4c's 0) in full
+                # precision, from the window row before the chunk and from the
+                # chunk's own K after.
+                old = n_mask & (offs_n >= chunk_start - RING) & (offs_n < chunk_start)
+                if CENTERED:
+                    old = old | (n_mask & (offs_n == 0))  # own wins at chunk 0
                 own = n_mask & (offs_n >= chunk_start)
-                ring = (window_row * WINDOW + offs_n % WINDOW) * num_kv_heads + kv_head
+                ring = _window_ring_row(
+                    window_row, offs_n, num_kv_heads, kv_head, WINDOW, CENTERED
+                )
                 new_row = (q_lo + offs_n - chunk_start).to(tl.int64)
                 k_full = _load_full_tile(
                     k_window_ptr, ring, old, k_new_ptr + kv_head * stride_knh,
                     new_row * stride_knt, own, HEAD_DIM,
                 )  # fmt: skip
-                recent = (q_pos[:, None] - offs_n[None, :]) < WINDOW
+                recent = (q_pos[:, None] - offs_n[None, :]) < RING
+                if CENTERED:
+                    recent = recent | (offs_n[None, :] == 0)
                 scores_full = tl.dot(q, tl.trans(k_full), input_precision=DOT_PRECISION)
                 scores = tl.where(recent, scores_full, scores)
             causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -790,9 +962,9 @@ def _paged_prefill_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if KV_DTYPE == 3:
+            if KV_DTYPE == 3 or CENTERED:
                 v = _load_int4_tile_interleaved(
-                    v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM
+                    v_cache_ptr, v_scale_ptr, row, n_mask, HEAD_DIM, CENTERED
                 )
             else:
                 v = _load_kv_tile(
@@ -826,6 +998,7 @@ def _paged_prefill_triton(
     window_rows: torch.Tensor | None = None,
     key_new: torch.Tensor | None = None,
     value_new: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.dtype] | None = None,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int = PREFILL_BLOCK_N,
 ) -> torch.Tensor:
@@ -879,6 +1052,7 @@ def _paged_prefill_triton(
         )
     else:
         key_new = value_new = query
+    *mean_args, rope_code = _centered_args(query, cache, rope)
     _paged_prefill_kernel[(num_tiles, num_heads)](
         query,
         key,
@@ -900,6 +1074,7 @@ def _paged_prefill_triton(
         tile_seq,
         start.to(torch.int32),
         out,
+        *mean_args,
         softmax_scale,
         cache.num_kv_heads,
         block_tables.stride(0),
@@ -912,6 +1087,7 @@ def _paged_prefill_triton(
         DOT_PRECISION=_dot_precision(cache),
         WINDOW=cache.window,
         STATIC_SCALES=cache.static_scales,
+        ROPE_DTYPE=rope_code,
         num_warps=4 if head_dim <= 64 else 8,
     )
     return out
@@ -927,8 +1103,19 @@ def _check_attention_args(
     cache: PagedKVCache,
     block_tables: torch.Tensor,
     window_rows: torch.Tensor | None,
+    rope: tuple[torch.Tensor, torch.dtype] | None,
 ) -> None:
-    refuse_torch_only(cache.dtype, "paged attention")
+    if cache.dtype in CENTERED_DTYPES:
+        check(cache.means_set, f"an {cache.dtype} cache needs its key means set")
+        check(
+            rope is not None
+            and tuple(rope[0].shape) == (cache.head_dim // 2,)
+            and rope[1] in ROPE_DTYPE_CODES,
+            f"{cache.dtype} attention needs rope=(inverse frequencies "
+            f"[{cache.head_dim // 2}], the model's float dtype)",
+        )
+    else:
+        check(rope is None, f"rope is for int4c's key means, not {cache.dtype}")
     check(
         query.dim() == 3, f"query must be [*, num_heads, head_dim], got {query.shape}"
     )
@@ -964,15 +1151,18 @@ def paged_decode_attention(
     softmax_scale: float,
     window_rows: torch.Tensor | None = None,
     impl: str = "auto",
+    rope: tuple[torch.Tensor, torch.dtype] | None = None,
 ) -> torch.Tensor:
     """Decode attention: query [B, num_heads, D] -> [B, num_heads, D] (query dtype).
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache,
     the new token's K/V already written); window_rows [B] int32, each sequence's
-    window row, when the cache has a window. Triton on CUDA, torch reference
-    elsewhere.
+    window row, when the cache has a window. An int4c cache also needs `rope`:
+    the model's RoPE inverse frequencies [D/2] and the dtype it RoPEs keys in (its
+    key means' offsets). Triton on CUDA, torch reference elsewhere (none for
+    int4c: `gpuagent.engine.kv_int4c` is its torch path).
     """
-    _check_attention_args(query, cache, block_tables, window_rows)
+    _check_attention_args(query, cache, block_tables, window_rows, rope)
     check(
         block_tables.shape[0] == query.shape[0] == context_lens.shape[0],
         "query, block_tables and context_lens disagree on the batch size",
@@ -980,8 +1170,9 @@ def paged_decode_attention(
     windowed = (window_rows, cache.window_key) if cache.window else ()
     if use_triton(impl, query, cache.key, block_tables, context_lens, *windowed):
         return _paged_decode_triton(
-            query, cache, block_tables, context_lens, softmax_scale, window_rows
+            query, cache, block_tables, context_lens, softmax_scale, window_rows, rope
         )
+    refuse_centered(cache.dtype, "paged attention's torch reference")
     return paged_decode_attention_reference(
         query, cache, block_tables, context_lens, softmax_scale, window_rows
     )
@@ -998,6 +1189,7 @@ def paged_prefill_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     impl: str = "auto",
+    rope: tuple[torch.Tensor, torch.dtype] | None = None,
 ) -> torch.Tensor:
     """Chunked-prefill attention: query [T, num_heads, D] -> [T, num_heads, D].
 
@@ -1007,9 +1199,10 @@ def paged_prefill_attention(
     With a window, it reads positions p - window + 1 .. p in full precision: the
     chunk's own from `key`/`value` [T, Hkv, D] (the new K/V as written, required
     then), the older ones from the window row, which must not hold the chunk yet
-    (`kv_quant.write_window` after this call).
+    (`kv_quant.write_window` after this call). int4c: `rope` as for
+    `paged_decode_attention`, and its window row is written after this call too.
     """
-    _check_attention_args(query, cache, block_tables, window_rows)
+    _check_attention_args(query, cache, block_tables, window_rows, rope)
     if cache.window:
         expected = (query.shape[0], cache.num_kv_heads, cache.head_dim)
         check(
@@ -1027,6 +1220,7 @@ def paged_prefill_attention(
     )
     windowed = (window_rows, cache.window_key, key, value) if cache.window else ()
     if not use_triton(impl, query, cache.key, block_tables, context_lens, *windowed):
+        refuse_centered(cache.dtype, "paged attention's torch reference")
         return paged_prefill_attention_reference(
             query,
             cache,
@@ -1048,4 +1242,5 @@ def paged_prefill_attention(
         window_rows,
         key,
         value,
+        rope,
     )

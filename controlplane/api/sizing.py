@@ -44,7 +44,9 @@ class SizingIn(RequestBody):
         pattern=r"^(bf16|fp8|w8a16|w4a16-g(32|64|128)(-asym)?)$",
         description="bf16, fp8, w8a16 or w4a16-gN (N 32/64/128, -asym: zero point)",
     )
-    kv_cache_dtype: Literal["bf16", "fp8", "int8", "int4"] = "bf16"
+    kv_cache_dtype: Literal["bf16", "fp8", "int8", "int4", "int4c"] = Field(
+        "bf16", description="int4c: Llama models only"
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     activation_headroom_gib: float = Field(
         4.0, ge=0, le=4096, description="per device, for activations and CUDA graphs"

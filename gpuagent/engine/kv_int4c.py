@@ -23,10 +23,11 @@ simulated as sim-int4gc+w17s1 (its math is this module's and `kernels.kv_gauss`'
   into its row's last slot; the hit then recomputes layers * (W - 2) positions
   before its first uncached one, not the prefix (`cache.window_refill_tokens`).
 
-Only the torch path below exists: no Triton kernel reads or writes int4c
-(`kernels.TORCH_ONLY_DTYPES`; the kernels refuse it by name), so the engine runs
-this reference attention on every device. It gathers each sequence's whole
-context per step and is meant for measurement and tests, not for speed.
+The writer is torch code (below) on every device. On CUDA the paged attention
+kernels read the cache (`kernels.paged_attention`: Gaussian levels, the mean term
+q . RoPE_p(mean), the window row with its sink slot); elsewhere the torch
+attention below, their reference, does. It gathers each sequence's whole context
+per step and is meant for measurement and tests, not for speed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch import Tensor
 
 import kernels
 from gpuagent.engine.model import Attention, apply_rope, rope_cos_sin
+from kernels._triton import use_triton
 from kernels.kv_gauss import dequantize_gauss, quantize_gauss
 
 if TYPE_CHECKING:
@@ -206,11 +208,13 @@ def attention(
     attn: AttentionMetadata,
     softmax_scale: float,
     out_rows: Tensor | None,
+    impl: str = "auto",
 ) -> Tensor:
     """Write the step's K/V into the int4c `cache` and attend: [T, H, D] float32
     in the unrotated basis, or [B, H, D] for the rows `out_rows` (or every row of
     a decode step). `attn` carries the step's positions and the RoPE inverse
-    frequencies (`Transformer.forward` sets them for int4c)."""
+    frequencies (`Transformer.forward` sets them for int4c). `impl`: "auto" (the
+    kernels on CUDA, the torch attention elsewhere), "triton" or "reference"."""
     if not cache.means_set:
         raise ValueError("an int4c cache needs its key means before the first write")
     if attn.positions is None or attn.rope_inv_freq is None:
@@ -221,9 +225,85 @@ def attention(
     positions = attn.positions.long()
     offsets = key_offsets(cache, positions, attn.rope_inv_freq, dtype, rotation)
     _write_blocks(cache, k - offsets, v, attn.slot_mapping.long())
+    if use_triton(impl, q, cache.key, attn.block_tables, attn.context_lens):
+        out = _kernel_attention(q, k, v, cache, attn, softmax_scale, out_rows, dtype)
+    else:
+        out = _torch_attention(
+            q, k, v, cache, attn, softmax_scale, out_rows, dtype, rotation, positions
+        )
+    return out @ rotation.T  # [T or B, H, D] back from the rotated basis
+
+
+def _full_precision_rows(
+    attn: AttentionMetadata, positions: Tensor
+) -> tuple[Tensor, Tensor]:
+    # (window row, context length after the step) [T] of each new token
+    seq = torch.repeat_interleave(
+        torch.arange(attn.context_lens.shape[0], device=positions.device),
+        attn.query_start_loc.diff().long(),
+    )
+    return attn.window_rows.long()[seq], attn.context_lens.long()[seq]
+
+
+def _kernel_attention(
+    q: Tensor,  # [T, H, D] float32, rotated
+    k: Tensor,  # [T, KVH, D] float32, rotated
+    v: Tensor,
+    cache: kernels.PagedKVCache,
+    attn: AttentionMetadata,
+    softmax_scale: float,
+    out_rows: Tensor | None,
+    dtype: torch.dtype,
+) -> Tensor:
+    # The blocks hold the step already. Decode reads the window row with the
+    # step in it (written first); prefill reads it as before its chunk, the
+    # chunk's own K/V from k, v (written after), as int4's kernels do.
+    rows, ends = _full_precision_rows(attn, attn.positions.long())
+    rope = (attn.rope_inv_freq, dtype)
+    if out_rows is not None or attn.decode_only:
+        _write_full_precision(cache, k, v, attn.positions.long(), rows, ends)
+        return kernels.paged_decode_attention(
+            q if out_rows is None else q[out_rows.long()],
+            cache,
+            attn.block_tables,
+            attn.context_lens,
+            softmax_scale,
+            attn.window_rows,
+            impl="triton",
+            rope=rope,
+        )
+    out = kernels.paged_prefill_attention(
+        q,
+        cache,
+        attn.block_tables,
+        attn.query_start_loc,
+        attn.context_lens,
+        softmax_scale,
+        attn.window_rows,
+        k,
+        v,
+        impl="triton",
+        rope=rope,
+    )
+    _write_full_precision(cache, k, v, attn.positions.long(), rows, ends)
+    return out
+
+
+def _torch_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache: kernels.PagedKVCache,
+    attn: AttentionMetadata,
+    softmax_scale: float,
+    out_rows: Tensor | None,
+    dtype: torch.dtype,
+    rotation: Tensor,
+    positions: Tensor,
+) -> Tensor:
     qsl = attn.query_start_loc.long().tolist()
     ctx = attn.context_lens.long().tolist()
-    rows = attn.window_rows.long()
+    window_rows = attn.window_rows.long()
     wanted = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
     wanted[slice(None) if out_rows is None else out_rows.long()] = True
     out = torch.zeros_like(q)
@@ -243,19 +323,14 @@ def attention(
             ctx[b] - (hi - lo),
             ctx[b],
             attn.block_tables[b],
-            int(rows[b]),
+            int(window_rows[b]),
             attn.rope_inv_freq,
             dtype,
             rotation,
             softmax_scale,
         )
-    seq = torch.repeat_interleave(
-        torch.arange(len(ctx), device=q.device),
-        attn.query_start_loc.diff().long(),
-    )
-    ends = attn.context_lens.long()[seq]
-    _write_full_precision(cache, k, v, positions, rows[seq], ends)
-    out = out @ rotation.T
+    rows, ends = _full_precision_rows(attn, positions)
+    _write_full_precision(cache, k, v, positions, rows, ends)
     if out_rows is not None:
         return out[out_rows.long()]
     return out

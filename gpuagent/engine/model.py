@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.kv_quant import (
-    TORCH_ONLY_DTYPES,
+    CENTERED_DTYPES,
     allocate_kv_cache,
     hadamard,
     write_kv,
@@ -385,7 +385,7 @@ class Attention(nn.Module):
         out_rows: Tensor | None = None,  # [B] rows to compute; None: all T
     ) -> Tensor:
         q, k, v = self._qkv(x, cos, sin)  # [T, H, D], [T, KVH, D], [T, KVH, D]
-        if cache.dtype in TORCH_ONLY_DTYPES:  # no kernel: engine.kv_int4c's torch
+        if cache.dtype in CENTERED_DTYPES:  # engine.kv_int4c writes and attends
             from gpuagent.engine import kv_int4c  # imports this module
 
             scale = self.softmax_scale
@@ -587,7 +587,7 @@ class Transformer(nn.Module):
             raise ValueError(f"need {len(self.layers)} caches, got {len(kv_caches)}")
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions)  # [T, 1, D] each
-        if kv_caches and kv_caches[0].dtype in TORCH_ONLY_DTYPES:
+        if kv_caches and kv_caches[0].dtype in CENTERED_DTYPES:
             attn = replace(attn, positions=positions, rope_inv_freq=self._inv_freq)
         last = None  # [B] each sequence's last new token, when only those are wanted
         # (in a decode-only step every token is its sequence's last)

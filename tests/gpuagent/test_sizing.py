@@ -116,14 +116,18 @@ def test_it_sizes_gqa_kv_as_the_engine_cache_does(name, kv_dtype):
 
     r = report(name)
     shape = sizing.model_shape(config(name))
+    if kv_dtype == "int4c" and name == "glm-4.5":  # Llama attention only
+        assert kv_dtype not in [k.kv_dtype for k in r.kv]
+        with pytest.raises(sizing.SizingError, match="int4c KV is for model_type"):
+            report(name, kv_cache_dtype=kv_dtype)
+        return
     kv = next(k for k in r.kv if k.kv_dtype == kv_dtype)
 
     expected = kv_bytes_per_token(kv_dtype, shape.num_kv_heads, shape.head_dim)
     assert kv.bytes_per_token_per_layer == expected
     assert kv.bytes_per_token == expected * shape.num_layers
-    assert kv.static_bytes == kv_static_bytes(kv_dtype, shape.num_kv_heads) * (
-        shape.num_layers
-    )
+    static = kv_static_bytes(kv_dtype, shape.num_kv_heads, shape.head_dim)
+    assert kv.static_bytes == static * shape.num_layers
     if kv_dtype != "fp8":  # vLLM serves fp8, without the engine's window
         assert kv.window_tokens == DEFAULT_KV_WINDOW.get(kv_dtype, 0)
 
@@ -249,6 +253,24 @@ def test_it_renders_the_vllm_preset_with_expert_parallel_for_moe():
     assert "--enable-expert-parallel" not in llama
     assert "--quantization" not in llama
     assert llama[llama.index("--kv-cache-dtype") + 1] == "auto"
+
+
+def test_it_sizes_int4c_as_int4_plus_its_key_means_for_llama_only():
+    r = report("llama-3.1-8b", kv_cache_dtype="int4c")
+    shape = sizing.model_shape(config("llama-3.1-8b"))
+    kv = {k.kv_dtype: k for k in r.kv}
+
+    assert kv["int4c"].bytes_per_token == kv["int4"].bytes_per_token
+    assert kv["int4c"].window_bytes_per_sequence == (
+        kv["int4"].window_bytes_per_sequence
+    )
+    # one float32 key mean [kv_heads, head_dim] per layer: 32 x 8 x 128 x 4
+    assert kv["int4c"].static_bytes == 32 * 8 * 128 * 4
+    assert shape.num_layers * shape.num_kv_heads * shape.head_dim == 32 * 8 * 128
+    assert r.sessions_by_kv_dtype["int4c"] <= r.sessions_by_kv_dtype["int4"]
+    assert r.vllm_argv == [] and "vLLM has no int4c KV cache" in r.vllm_note
+    for name in ("kimi-k2-instruct", "glm-4.5"):
+        assert "int4c" not in report(name).sessions_by_kv_dtype
 
 
 def test_it_gives_no_vllm_command_for_a_kv_dtype_vllm_lacks():

@@ -13,11 +13,11 @@ from kernels._triton import tl, triton
 from tests.kernels.compile_helper import compile_for_sm90
 
 # fp8 (one calibrated scale per head) has its own tests: test_kv_static.py; int4c
-# (no kernel, refused by name here) tests/gpuagent/engine/test_kv_int4c.py
+# (no write kernel, refused by name here) tests/gpuagent/engine/test_kv_int4c.py
 PER_TOKEN_DTYPES = [
     d
     for d in kernels.KV_CACHE_DTYPES
-    if d not in (*kernels.STATIC_SCALE_DTYPES, *kernels.TORCH_ONLY_DTYPES)
+    if d not in (*kernels.STATIC_SCALE_DTYPES, *kernels.CENTERED_DTYPES)
 ]
 
 QMAX = {"fp8-per-token": 448.0, "int8": 127.0, "int4": 7.5}

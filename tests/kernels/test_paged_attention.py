@@ -16,11 +16,12 @@ from kernels.paged_attention import paged_decode_attention_reference
 from tests.kernels.compile_helper import compile_for_sm90
 
 # fp8 (one calibrated scale per head) has its own tests: test_kv_static.py; int4c
-# (no kernel, refused by name here) tests/gpuagent/engine/test_kv_int4c.py
+# (written by the engine's torch code, which is also its attention reference)
+# tests/gpuagent/engine/test_kv_int4c_kernels.py
 PER_TOKEN_DTYPES = [
     d
     for d in kernels.KV_CACHE_DTYPES
-    if d not in (*kernels.STATIC_SCALE_DTYPES, *kernels.TORCH_ONLY_DTYPES)
+    if d not in (*kernels.STATIC_SCALE_DTYPES, *kernels.CENTERED_DTYPES)
 ]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -22,15 +22,11 @@ from tests.gpuagent.engine.conftest import make_tiny_model_dir
 
 
 def test_the_protocol_offers_every_servable_kv_dtype_of_the_kernels():
-    # int4c runs the engine's torch reference attention on every device (no
-    # kernel yet: engine.kv_int4c), so jobs cannot ask for it until one exists
-    servable = tuple(
-        d
-        for d in kernels.KV_CACHE_DTYPES
-        if d != "fp32" and d not in kernels.TORCH_ONLY_DTYPES
-    )
+    # fp32 is for parity checks only; int4c is served since the paged attention
+    # kernels read it (engine.kv_int4c writes it)
+    servable = tuple(d for d in kernels.KV_CACHE_DTYPES if d != "fp32")
     assert sorted(protocol.KV_CACHE_DTYPES) == sorted(servable)
-    assert "int4c" in kernels.TORCH_ONLY_DTYPES
+    assert "int4c" in protocol.KV_CACHE_DTYPES
     assert "fp8-per-token" in protocol.KV_CACHE_DTYPES
 
 

@@ -1,6 +1,6 @@
 """The int4c KV layout (engine.kv_int4c): its writer and reader are what
 kv_alternatives simulated as sim-int4gc+w17s1 (per vector, and whole passages
-through the engine), the kernels refuse it by name, its key means are counted in
+through the engine), the write kernel refuses it by name, its key means are counted in
 its bytes and in the prefix cache's root, and greedy decoding is the same with
 the prefix cache on and off, a hit skipping the compute of its cached blocks
 (position 0 copied from the first block's sink, `engine.cache`)."""
@@ -112,20 +112,12 @@ def test_the_cache_attends_as_the_simulated_layout_does(demo_model):
     assert (served - exact).abs().max() > 1e-3  # quantized, not bf16 throughout
 
 
-def test_the_kernels_refuse_int4c_by_name():
+def test_the_write_kernel_refuses_int4c_by_name():
+    # (the attention kernels read it: test_kv_int4c_kernels.py)
     cache = kernels.allocate_kv_cache("int4c", 2, 4, KVH, D, window=4, num_windows=1)
     x = torch.zeros(1, KVH, D)
     with pytest.raises(ValueError, match="write_kv has no int4c path"):
         kernels.write_kv(cache, x, x, torch.tensor([0]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="paged attention has no int4c path"):
-        kernels.paged_decode_attention(
-            torch.zeros(1, 2 * KVH, D),
-            cache,
-            torch.zeros(1, 2, dtype=torch.int32),
-            torch.ones(1, dtype=torch.int32),
-            0.125,
-            torch.zeros(1, dtype=torch.int32),
-        )
     with pytest.raises(ValueError, match="window of at least 2"):
         kernels.allocate_kv_cache("int4c", 2, 4, KVH, D)
 
