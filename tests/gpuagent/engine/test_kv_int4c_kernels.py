@@ -210,3 +210,43 @@ def test_the_demo_model_decodes_the_same_greedy_tokens(monkeypatch):
     # the prompt's (prefill kernel) and the generated tokens' (decode kernel)
     torch.testing.assert_close(logprobs, torch_logprobs, rtol=0, atol=1e-4)
     assert len(calls) >= model.config.num_hidden_layers * (params.max_tokens - 1)
+
+
+def test_a_prefix_cache_hit_through_the_kernels_scores_as_a_cold_run(monkeypatch):
+    # a hit copies position 0 from its first block's sink into the row's last
+    # slot, which the kernels read; a hit whose sink copy the kernels missed reads
+    # another sequence's position 0 there (or zeros) and scores differently
+    from gpuagent.engine.loader import load_model
+
+    model = load_model(DEMO_MODEL_DIR)
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    monkeypatch.setattr(
+        kv_int4c, "attention", functools.partial(kv_int4c.attention, impl="triton")
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    shared = "The quick brown fox jumps over the lazy dog. " * 4
+
+    def engine(caching: bool) -> LLMEngine:
+        return LLMEngine(
+            model,
+            tokenizer,
+            kv_cache_dtype="int4c",
+            num_blocks=24,
+            block_size=16,
+            kv_window=8,
+            enable_prefix_caching=caching,
+            prepack_weights=False,
+        )
+
+    on, off = engine(True), engine(False)
+    on.generate([shared + "A cat"], params)  # caches the shared blocks
+    warm = on.generate([shared + "A dog"], params)[0]
+    cold = off.generate([shared + "A dog"], params)[0]
+    assert warm.num_cached_tokens > 0
+    assert warm.token_ids == cold.token_ids
+    torch.testing.assert_close(
+        torch.tensor([t.logprob for t in warm.logprobs]),
+        torch.tensor([t.logprob for t in cold.logprobs]),
+        rtol=0,
+        atol=1e-4,
+    )
