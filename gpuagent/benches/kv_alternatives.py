@@ -101,7 +101,11 @@ from torch import Tensor
 
 import kernels
 from gpuagent.engine import kv_int4c
-from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
+from gpuagent.engine.cache import (
+    kv_bytes_per_token,
+    kv_sequence_extra_bytes,
+    kv_window_bytes,
+)
 from gpuagent.engine.model import apply_rope, rope_cos_sin, rope_inv_freq
 from kernels.kv_gauss import dequantize_gauss, quantize_gauss
 
@@ -119,7 +123,7 @@ AMORTIZED_SEQ_TOKENS = 2048
 def amortized_bytes_ratio(config: Any, kv_dtype: str, window: int) -> float:
     """KV bytes/token of `kv_dtype` with a `window`-token full-precision row vs
     bf16, the window row and the static scales spread over AMORTIZED_SEQ_TOKENS."""
-    extra = kv_window_bytes(config, window) + kv_static_bytes(config, kv_dtype)
+    extra = kv_sequence_extra_bytes(config, kv_dtype, window)
     per_token = kv_bytes_per_token(config, kv_dtype) + extra / AMORTIZED_SEQ_TOKENS
     return per_token / kv_bytes_per_token(config, "bf16")
 

@@ -120,7 +120,7 @@ from gpuagent.benches.kv_alternatives import (
     layout_logprobs,
     named_layout,
 )
-from gpuagent.engine.cache import kv_bytes_per_token, kv_static_bytes, kv_window_bytes
+from gpuagent.engine.cache import kv_bytes_per_token, kv_sequence_extra_bytes
 from gpuagent.engine.engine import default_kv_window
 from gpuagent.engine.kv_calibration import calibration_sequences
 from gpuagent.evaluate.evalsets import (
@@ -152,7 +152,7 @@ TARGETS = {
 def measured_bytes_ratio(config, kv_dtype: str, window: int, num_tokens: int) -> float:
     """KV bytes/token of `kv_dtype` with a `window`-token bf16 row vs bf16 KV, the
     row and the static scales spread over a `num_tokens`-token sequence."""
-    extra = kv_window_bytes(config, window) + kv_static_bytes(config, kv_dtype)
+    extra = kv_sequence_extra_bytes(config, kv_dtype, window)
     per_token = kv_bytes_per_token(config, kv_dtype) + extra / num_tokens
     return per_token / kv_bytes_per_token(config, "bf16")
 

@@ -585,6 +585,19 @@ def kv_sink_bytes(config: Any) -> int:
     return kv_window_bytes(config, 1)
 
 
+def kv_sequence_extra_bytes(config: Any, kv_dtype: str, window: int) -> int:
+    """KV bytes a sequence takes beside its tokens' blocks, all layers: its
+    `window`-token bf16 row, its sink slot (`num_sinks_for`: one per row) and the
+    cache's static scales or key means (shared, counted whole for a sequence alone),
+    what a bytes-per-token comparison spreads over the sequence's tokens."""
+    sinks = num_sinks_for(kv_dtype, 1) if window else 0
+    return (
+        kv_window_bytes(config, window)
+        + sinks * kv_sink_bytes(config)
+        + kv_static_bytes(config, kv_dtype)
+    )
+
+
 def window_refill_tokens(num_layers: int, kv_dtype: str, window: int) -> int:
     """Positions a prefix-cache hit recomputes before its first uncached one so
     that every layer's window row is what a run without the cache has there
