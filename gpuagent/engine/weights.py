@@ -550,7 +550,7 @@ def quantize_head(
       (`kernels.int4_cpu` at decode in a float32 model on a CPU);
     - "bf16": the weight in bfloat16, activations rounded to bfloat16 (`Bf16Head`).
 
-    An engine option, not a checkpoint format: it trades logits quality (the
+    An engine option: it trades logits quality (the
     engine bench prints its KLD and top-1 against the model's own head) for
     decode speed, the head being the largest matmul of a small model
     (SmolLM2-135M's 49152 x 576, a fifth of its weights; on the 2-core AVX-512 dev
@@ -564,13 +564,21 @@ def quantize_head(
     alone (`python -m gpuagent.benches.head_kernels`, 1 thread, the dev machine
     loaded): 1.9 ms a row against float32's 11.9; at 16 rows 0.74-0.93x the
     float32 GEMM (the same float32 multiply-adds, less well blocked).
-    Raises ValueError for another format, a head already replaced, or a group
-    that doesn't divide the hidden size (int4: also a multiple of 16; int8: of 8)."""
+    The recipe option head="int8" (`gpuagent.compress.head`) writes the "int8"
+    head into the release instead (the same codes as this makes of the release
+    without it), which the loader runs as an `Int8Head`, no flag needed.
+    Raises ValueError for another format, a head already replaced (also a head the
+    checkpoint stores quantized), or a group that doesn't divide the hidden size
+    (int4: also a multiple of 16; int8: of 8)."""
     if fmt not in HEAD_FORMATS:
         raise ValueError(f"head format {fmt!r} is not supported; known: {HEAD_FORMATS}")
     head = model.lm_head
     if not isinstance(head, nn.Linear):
-        raise ValueError("lm_head is already replaced")
+        raise ValueError(
+            f"lm_head is already replaced ({type(head).__name__}: a second "
+            "quantize_head, or a checkpoint whose head is stored quantized, e.g. "
+            "by the recipe option head)"
+        )
     weight = head.weight.detach()
     n, k = weight.shape
     if fmt == "bf16":

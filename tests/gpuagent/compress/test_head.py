@@ -18,7 +18,12 @@ from gpuagent.engine.engine import LLMEngine
 from gpuagent.engine.loader import load_model
 from gpuagent.engine.sampling import SamplingParams
 from gpuagent.engine.tokenizer import load_tokenizer
-from gpuagent.engine.weights import Int8Head, quantize_head
+from gpuagent.engine.weights import (
+    Int8Head,
+    QuantizedWeightError,
+    quantize_head,
+    split_quantized,
+)
 from tests.gpuagent.compress.conftest import DEMO_MODEL
 from tests.gpuagent.compress.test_oracle import _decompressed
 
@@ -198,3 +203,26 @@ def test_on_smollm2_greedy_tokens_equal_serve_time_quantize_head(
     assert torch.equal(served.model.lm_head.codes, flag.model.lm_head.codes)
     assert torch.equal(served.model.lm_head.scale, flag.model.lm_head.scale)
     assert tokens == [o.token_ids for o in flag.generate(prompts, greedy)]
+
+
+def test_the_engine_flag_on_a_release_with_its_head_is_refused_naming_why(folders):
+    model = load_model(_folder(folders, "int8"))
+
+    with pytest.raises(ValueError, match="already replaced .*Int8Head.*stored"):
+        quantize_head(model, "int8")
+
+
+def test_int8_groups_are_loaded_for_the_head_only(folders):
+    tensors = load_file(_folder(folders, "int8") / "model.safetensors")
+    config = json.loads((_folder(folders, "int8") / "config.json").read_text())
+    qc = config["quantization_config"]
+    head = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("lm_")}
+    # the head's tensors under a projection's name, its group targeting them
+    name = "model.layers.0.mlp.down_proj"
+    moved = {f"{name}.{k}": v for k, v in head.items()}
+    groups = qc["config_groups"]
+    groups["group_0"]["targets"].remove(r"re:.*mlp\.down_proj$")
+    groups["group_1"]["targets"] = ["re:.*down_proj$"]
+
+    with pytest.raises(QuantizedWeightError, match=f"{name}: int8 must be per-channel"):
+        split_quantized(moved, qc)
