@@ -226,3 +226,26 @@ def test_int8_groups_are_loaded_for_the_head_only(folders):
 
     with pytest.raises(QuantizedWeightError, match=f"{name}: int8 must be per-channel"):
         split_quantized(moved, qc)
+
+
+def test_an_moe_release_carries_its_int8_head_too(tmp_path):
+    # the MoE demo (deepseek_v3, MLA + MoE, an untied head): the layer-by-layer
+    # MoE path writes the head as the dense one does
+    moe_demo = DEMO_MODEL.parent / "moe_demo_model"
+    recipe = {"weights": "w4a16-g64", "kv_cache_dtype": "bf16"}
+    release = compress(moe_demo, recipe | {"head": "int8"}, tmp_path / "int8")
+    without = compress(moe_demo, recipe, tmp_path / "bf16")
+    tokenizer = load_tokenizer(moe_demo)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    served = LLMEngine(load_model(release.out_dir), tokenizer, num_blocks=32)
+    flag = LLMEngine(
+        load_model(without.out_dir), tokenizer, num_blocks=32, quantize_head="int8"
+    )
+
+    tokens = [o.token_ids for o in served.generate(PROMPTS, greedy)]
+
+    assert release.quantized_layers == without.quantized_layers + 1
+    assert isinstance(served.model.lm_head, Int8Head)
+    assert torch.equal(served.model.lm_head.codes, flag.model.lm_head.codes)
+    assert torch.equal(served.model.lm_head.scale, flag.model.lm_head.scale)
+    assert tokens == [o.token_ids for o in flag.generate(PROMPTS, greedy)]
