@@ -25,7 +25,10 @@ Tied embeddings: as llm-compressor does when a recipe targets a tied lm_head
 (`untie_word_embeddings`: the head cloned from the embedding, saved with
 `tie_word_embeddings: false`; it re-ties only heads quantized exactly as the
 embedding), the head is stored untied: `model.embed_tokens.weight` stays as it
-was (bf16) and config.json says `tie_word_embeddings: false`.
+was (bf16) and config.json says `tie_word_embeddings: false`. So a tied model's
+release grows by the int8 head (SmolLM2-135M w4a16-g128: 112.8 MB -> 144.6 MB,
+codes 28.3 MB and scales 3.5 MB), what the engine holds anyway when it makes the
+same head at serve time beside the embedding.
 """
 
 from __future__ import annotations
