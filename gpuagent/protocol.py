@@ -14,7 +14,14 @@ from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 KV_CACHE_DTYPES = ("bf16", "fp16", "fp8", "fp8-per-token", "int8", "int4", "int4c")
 # Layouts of the fp8 KV scales a compressed checkpoint carries (compressed-tensors
@@ -31,6 +38,12 @@ WEIGHT_METHODS = ("rtn", "gptq", "signround")
 # MoE + gptq: a routed expert routed fewer calibration tokens than this is
 # rounded to nearest (a recipe option, `Recipe.min_expert_tokens`).
 DEFAULT_MIN_EXPERT_TOKENS = 32
+# Output-head formats a recipe may ask for (`Recipe.head`): "int8" is llama.cpp's
+# Q8_0 head (groups of HEAD_GROUP_SIZE inputs, symmetric, float32 scales), written
+# by compress as its own config group (gpuagent.compress.head) and loaded by the
+# engine into its int8 head kernel (gpuagent.engine.weights.Int8Head).
+HEAD_FORMATS = ("int8",)
+HEAD_GROUP_SIZE = 32
 
 JobKind = Literal[
     "inspect",
@@ -106,6 +119,13 @@ class Recipe(_Message):
         "calibration tokens than this is rounded to nearest instead (named in the "
         "report)",
     )
+    head: str | None = Field(
+        None,
+        description="the output head's own format: int8 (groups of 32 inputs, "
+        "symmetric, float32 scales: llama.cpp's Q8_0 head; a tied head is stored "
+        "untied, the embeddings unchanged), for int weight formats; None: the "
+        "head stays bf16 (or quantized with the weights: quantize_lm_head)",
+    )
 
     @field_validator("weights")
     @classmethod
@@ -124,6 +144,38 @@ class Recipe(_Message):
             raise ValueError(
                 f"unknown kv_cache_dtype {value!r}; expected one of "
                 + ", ".join(KV_CACHE_DTYPES)
+            )
+        return value
+
+    @field_validator("head")
+    @classmethod
+    def _check_head(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # the fields declared before `head` are in info.data once they validated
+        if value is None:
+            return value
+        if value not in HEAD_FORMATS:
+            raise ValueError(
+                f"unknown head format {value!r}; expected one of "
+                + ", ".join(HEAD_FORMATS)
+                + " (or none: the head stays in the dense dtype)"
+            )
+        weights = info.data.get("weights")
+        if weights in ("bf16", "fp16"):
+            raise ValueError(
+                f"head {value!r} needs quantized weights: weights {weights!r} keep "
+                "every tensor dense (the engine's --quantize-head quantizes a dense "
+                "release's head at serve time)"
+            )
+        if weights == "fp8":
+            raise ValueError(
+                f"head {value!r} is offered for int weight formats (w8a16, "
+                "w4a16-gN) only: an fp8 release's Linears are float-quantized, and "
+                "one release mixing two compression formats is not written"
+            )
+        if info.data.get("quantize_lm_head"):
+            raise ValueError(
+                f"head {value!r} and quantize_lm_head=true both set the head's "
+                "format; give one"
             )
         return value
 

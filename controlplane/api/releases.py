@@ -158,6 +158,7 @@ def release_detail_dict(request: HttpRequest, release: Release) -> dict:
             compression = {
                 "weights": made.weights,
                 "kv_cache_dtype": made.kv_cache_dtype,
+                "head": made.report.recipe.head,
                 "size_bytes": made.size_bytes,
                 "source_size_bytes": made.source_size_bytes,
                 "total_parameters": made.report.total_parameters,

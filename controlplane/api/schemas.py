@@ -28,6 +28,7 @@ from controlplane.releases.gates import GatePolicy, LoadPolicy, QualityPolicy
 from controlplane.releases.models import GATE_OUTCOMES, JOB_STATES, RELEASE_STATES
 from gpuagent.protocol import (
     DEFAULT_MIN_EXPERT_TOKENS,
+    HEAD_FORMATS,
     KV_CACHE_DTYPES,
     WEIGHT_FORMAT_PATTERN,
     LoadPlan,
@@ -40,6 +41,7 @@ GateOutcome = Literal[GATE_OUTCOMES]  # type: ignore[valid-type]
 Scope = Literal[API_SCOPES]  # type: ignore[valid-type]
 Role = Literal[ROLES]  # type: ignore[valid-type]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]  # type: ignore[valid-type]
+HeadFormat = Literal[HEAD_FORMATS]  # type: ignore[valid-type]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]*$"  # semver build metadata too
@@ -200,6 +202,13 @@ class RecipeIn(RequestBody):
         strict=True,
         description="MoE models, gptq: routed experts sent fewer calibration tokens "
         "are rounded to nearest (named in the report)",
+    )
+    head: HeadFormat | None = Field(
+        None,
+        description="int weight formats (w8a16, w4a16-gN): the output head written "
+        "as its own int8 (groups of 32, symmetric: llama.cpp's Q8_0 head; a tied "
+        "head stored untied), served by the engine's int8 head kernel; none: the "
+        "head stays bf16",
     )
 
 
@@ -376,6 +385,10 @@ class CompressionOut(Schema):
     active_parameters: int | None = Field(
         description="MoE models: parameters one token runs through (everything but "
         "the routed experts, plus top-k routed experts per MoE layer)"
+    )
+    head: HeadFormat | None = Field(
+        description="the output head's own format the release was written with "
+        "(the recipe's `head`; None: bf16, or with the weights)"
     )
     min_expert_tokens: int | None = Field(
         description="MoE + GPTQ: an expert routed fewer calibration tokens is "

@@ -18,9 +18,13 @@ it (or without node) the row is skipped with a message saying how to get it, exi
 
 The like-for-like row is ours with the output head at the GGUF's own head
 precision (`gguf_head_format`, read from the file: SmolLM2's Q4_1 GGUF keeps its
-tied head in Q8_0, which our "int8" `quantize_head` copy is: the model was
-converted from that GGUF, so the copy of its float32 head is the GGUF's exactly; of
-the w4a16 folder's bf16 head, the same codes with scales within 0.05%). Prints,
+tied head in Q8_0, which our "int8" head is: the model was converted from that
+GGUF, so an int8 copy of its float32 head is the GGUF's exactly; of the w4a16
+folder's bf16 head, the same codes with scales within 0.05%). That head comes with
+the release: a second w4a16-g128 folder compressed with the recipe option
+head="int8" (`gpuagent.compress.head`; `--head-folder` reuses one), served as any
+release is, no engine flag; the same codes the engine's `quantize_head="int8"`
+makes of the first folder's head at serve time. Prints,
 like-for-like first: tokens/s ratio ours / peer at `--threads` (2) each and
 PASS/FAIL vs the 0.5x target, then the same ratio against the peer's faster of 1
 and 2 threads, also judged: on a loaded machine llama.cpp's spinning 2-thread pool
@@ -52,6 +56,7 @@ from pathlib import Path
 import torch
 
 from gpuagent.benches.engine import THROUGHPUT_PROMPTS, Row, time_engine
+from gpuagent.protocol import HEAD_FORMATS as RECIPE_HEAD_FORMATS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEER_DIR = REPO_ROOT / "var" / "node-llama-cpp"
@@ -178,11 +183,14 @@ def gguf_head_format(gguf: Path) -> tuple[str, str | None]:
     return kind, GGUF_HEAD_FORMATS[kind]
 
 
-def w4a16_folder(model_dir: Path, out_dir: Path) -> Path:
-    """A w4a16-g128 (RTN) folder of `model_dir` by the project's compress pipeline."""
+def w4a16_folder(model_dir: Path, out_dir: Path, head: str | None = None) -> Path:
+    """A w4a16-g128 (RTN) folder of `model_dir` by the project's compress pipeline;
+    with `head` ("int8") the recipe option that writes the output head so."""
     from gpuagent.compress.pipeline import compress
 
     recipe = {"weights": "w4a16-g128", "kv_cache_dtype": "bf16"}
+    if head is not None:
+        recipe["head"] = head
     return Path(compress(model_dir, recipe, out_dir).out_dir)
 
 
@@ -193,9 +201,13 @@ def decode_rows(
     new_tokens: int,
     rounds: int,
     peer_dir: Path = PEER_DIR,
+    head_folder: Path | None = None,
 ) -> list[Row | str]:
     """The table: rounds alternate ours (each head) / peer at `threads` / peer at
-    1 thread; best round each (the first round warms up)."""
+    1 thread; best round each (the first round warms up). The like-for-like row
+    runs `head_folder` (`folder` compressed with the recipe's head at the GGUF's
+    head precision) as it is; None: `folder` with that head copied at serve time
+    (the engine's `quantize_head`)."""
     from gpuagent.engine.engine import LLMEngine
     from gpuagent.engine.weights import HEAD_FORMATS
 
@@ -210,13 +222,21 @@ def decode_rows(
     heads.update(
         (f"ours, {fmt} head copy", fmt) for fmt in HEAD_FORMATS if fmt != like_head
     )
-    engines = {
-        label: LLMEngine.from_model_dir(
-            folder,
+
+    def engine(model_dir: Path, head: str | None) -> LLMEngine:
+        return LLMEngine.from_model_dir(
+            model_dir,
             device="cpu",
             max_num_seqs=1,
             kv_memory_bytes=64 << 20,
             quantize_head=head,
+        )
+
+    engines = {
+        label: (
+            engine(head_folder, None)  # the release's own head
+            if label == like and head_folder is not None and head is not None
+            else engine(folder, head)
         )
         for label, head in heads.items()
     }
@@ -258,7 +278,12 @@ def decode_rows(
     rows: list[Row | str] = [
         f"SmolLM2-135M w4a16-g128 batch 1 greedy decode, {threads} threads each, "
         f"prompt {len(prompt)} tokens, {new_tokens} new, best of {rounds} "
-        f"alternating rounds; the GGUF's head is {head_type}",
+        f"alternating rounds; the GGUF's head is {head_type}"
+        + (
+            f", ours from the recipe option head={like_head!r}"
+            if head_folder is not None and like_head is not None
+            else ""
+        ),
     ]
     same_head = Row(
         f"greedy tokens of {like} equal to the float head's before the first "
@@ -370,6 +395,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--folder", type=Path, default=None, help="an existing w4a16 folder to use"
     )
+    parser.add_argument(
+        "--head-folder",
+        type=Path,
+        default=None,
+        help="an existing w4a16 folder compressed with the recipe's head at the "
+        "GGUF's head precision (default: made from --model-dir)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -383,16 +415,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.new_tokens < 2 or args.rounds < 1 or args.threads < 1:
         parser.error("--new-tokens must be >= 2, --rounds and --threads >= 1")
     gguf = gguf_path()
+    _, like_head = gguf_head_format(gguf)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = args.folder
-        if folder is None:
+
+        def made(head: str | None) -> Path:
             if not (args.model_dir / "config.json").is_file():
                 parser.error(f"{args.model_dir} has no model (make real-model)")
             start = time.monotonic()
-            folder = w4a16_folder(args.model_dir, Path(tmp) / "w4a16-g128")
-            print(f"w4a16-g128 folder made in {time.monotonic() - start:.0f} s")
+            out = Path(tmp) / ("w4a16-g128" + (f"-head-{head}" if head else ""))
+            folder = w4a16_folder(args.model_dir, out, head)
+            print(f"{out.name} folder made in {time.monotonic() - start:.0f} s")
+            return folder
+
+        folder = args.folder or made(None)
+        head_folder = args.head_folder
+        # a GGUF head in a format a recipe writes: the release carries it
+        if head_folder is None and like_head in RECIPE_HEAD_FORMATS:
+            head_folder = made(like_head)
         rows = decode_rows(
-            folder, gguf, args.threads, args.new_tokens, args.rounds, args.peer_dir
+            folder,
+            gguf,
+            args.threads,
+            args.new_tokens,
+            args.rounds,
+            args.peer_dir,
+            head_folder=head_folder,
         )
         if args.head_ab:
             rows += head_threads_rows(

@@ -44,6 +44,11 @@ from gpuagent.compress.checkpoint import (
     quantized_tensors,
 )
 from gpuagent.compress.gptq import HessianAccumulator, quantize_gptq
+from gpuagent.compress.head import (
+    check_head_width,
+    head_config_group,
+    quantize_head_int8,
+)
 from gpuagent.compress.kv_scales import (
     DEFAULT_KV_SCALE_STRATEGY,
     check_strategy,
@@ -189,6 +194,8 @@ def compress(
             "quantize_lm_head=true but lm_head is tied to the embeddings "
             "(tie_word_embeddings=true), which stay unquantized"
         )
+    if scheme and scheme.head:
+        check_head_width(model.config.hidden_size)
     needs_text = (
         scheme and (scheme.method != "rtn" or scheme.awq)
     ) or recipe.kv_cache_dtype == "fp8"
@@ -201,6 +208,12 @@ def compress(
         if scheme
         else {}
     )
+    dense_dtype = torch.float16 if recipe.weights == "fp16" else DENSE_DTYPE
+    head = (  # the head's own format (gpuagent.compress.head), untied
+        quantize_head_int8(model.lm_head.weight, dense_dtype)
+        if scheme and scheme.head
+        else None
+    )
     kv_tensors = {}
     if recipe.kv_cache_dtype == "fp8":
         kv_tensors = kv_scale_tensors(model, sequences, kv_scale_strategy)
@@ -209,7 +222,7 @@ def compress(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         hf_config = json.loads(files[CONFIG_FILE])
-        tensors = _output_tensors(model, quantized, recipe) | kv_tensors
+        tensors = _output_tensors(model, quantized, recipe, head) | kv_tensors
         kv_scheme = kv_cache_scheme(kv_scale_strategy) if kv_tensors else None
         if scheme:
             hf_config["quantization_config"] = _quant_config(
@@ -217,6 +230,8 @@ def compress(
             )
         elif kv_scheme:  # dense weights, fp8 KV: the scales' scheme alone
             hf_config["quantization_config"] = kv_cache_only_config(kv_scheme)
+        if head is not None:
+            hf_config["tie_word_embeddings"] = False
         # transformers 5 and vLLM read `dtype` first, older readers `torch_dtype`:
         # both, so a source's stale `dtype` never wins over the weights written.
         dense = "float16" if recipe.weights == "fp16" else "bfloat16"
@@ -241,7 +256,7 @@ def compress(
     return CompressResult(
         out_dir=str(out_dir),
         recipe=recipe,
-        quantized_layers=len(quantized),
+        quantized_layers=len(quantized) + (head is not None),
         sizes=sizes,
         total_bytes_before=before,
         total_bytes_after=after,
@@ -342,13 +357,17 @@ def _calibrated_layers(
             progress(i + 1, total, f"layer {i}")
 
 
-def _output_tensors(model, quantized, recipe: Recipe) -> dict[str, torch.Tensor]:
+def _output_tensors(
+    model, quantized, recipe: Recipe, head: QuantizedWeight | None = None
+) -> dict[str, torch.Tensor]:
     dense_dtype = torch.float16 if recipe.weights == "fp16" else DENSE_DTYPE
     tensors: dict[str, torch.Tensor] = {}
     for name, param in model.state_dict().items():
         hf = name if name == "lm_head.weight" else "model." + name
         module = hf.removesuffix(".weight")
-        if module in quantized:
+        if module == "lm_head" and head is not None:  # stored untied
+            tensors |= quantized_tensors(module, head)
+        elif module in quantized:
             tensors |= quantized_tensors(module, quantized[module])
         elif name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -372,7 +391,11 @@ def _quant_config(
     for kind, qw in _by_projection(quantized).items():
         target = "re:^lm_head$" if kind == "lm_head" else projection_target(kind)
         group_targets.setdefault(qw.group_size, []).append(target)
-    ignore = [] if scheme.quantize_lm_head else ["lm_head"]
-    return quantization_config(
+    ignore = [] if scheme.quantize_lm_head or scheme.head else ["lm_head"]
+    config = quantization_config(
         scheme, group_targets, ignore + list(extra_ignore), kv_scheme
     )
+    if scheme.head:  # its own group (gpuagent.compress.head)
+        groups = config["config_groups"]
+        groups[f"group_{len(groups)}"] = head_config_group()
+    return config

@@ -10,7 +10,9 @@ whether activation-aware input-channel scales are folded in first
 and for MoE models `quantize_shared_experts` / `quantize_dense_layers` whether the
 shared experts and the first_k_dense_replace layers' MLPs are, and (gptq)
 `min_expert_tokens` the calibration tokens below which a routed expert is rounded
-to nearest (gpuagent.compress.moe).
+to nearest (gpuagent.compress.moe), and `head` the output head's own format
+("int8": gpuagent.compress.head; the protocol refuses it for dense and fp8 weights
+and beside quantize_lm_head).
 Anything else in a recipe is refused by name.
 
 Group size for layers whose input width is not a multiple of the recipe's group
@@ -64,6 +66,7 @@ class WeightScheme:
     quantize_shared_experts: bool = True
     quantize_dense_layers: bool = True
     min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS
+    head: str | None = None  # the head's own format (gpuagent.compress.head)
 
     @property
     def name(self) -> str:
@@ -171,4 +174,5 @@ def weight_scheme(recipe: Recipe | dict[str, Any]) -> WeightScheme | None:
         quantize_shared_experts=recipe.quantize_shared_experts,
         quantize_dense_layers=recipe.quantize_dense_layers,
         min_expert_tokens=recipe.min_expert_tokens,
+        head=recipe.head,
     )

@@ -46,7 +46,12 @@ import torch.nn.functional as F
 import kernels
 from gpuagent.compress.awq import scale_layer
 from gpuagent.compress.calibration import calibration_sequences, run_layer
-from gpuagent.compress.checkpoint import DENSE_DTYPE, kv_cache_only_config
+from gpuagent.compress.checkpoint import (
+    DENSE_DTYPE,
+    kv_cache_only_config,
+    quantized_tensors,
+)
+from gpuagent.compress.head import check_head_width, quantize_head_int8
 from gpuagent.compress.kv_scales import _SHAPES, kv_cache_scheme
 from gpuagent.compress.moe import (
     ROUTER_IGNORE,
@@ -360,8 +365,6 @@ class SequentialCompressor:
         self.writer.add(tensors)
 
     def _write_quantized(self, quantized: dict) -> None:
-        from gpuagent.compress.checkpoint import quantized_tensors
-
         for module, qw in quantized.items():
             self._write(quantized_tensors(module, qw))
             kind = projection_kind(module)
@@ -412,7 +415,9 @@ class SequentialCompressor:
         self._write({"model.embed_tokens.weight": embed.to(self.dense)})
         if not tied:
             del embed
-        total = config.num_hidden_layers + int(bool(scheme and scheme.quantize_lm_head))
+        total = config.num_hidden_layers + int(
+            bool(scheme and (scheme.quantize_lm_head or scheme.head))
+        )
         for i in range(config.num_hidden_layers):
             layer = self._layer(i)
             quantized: dict = {}
@@ -476,6 +481,14 @@ class SequentialCompressor:
         if scheme is not None and scheme.quantize_lm_head:
             qw = quantize_rtn(self._f32("lm_head.weight"), scheme)
             self._write_quantized({"lm_head": qw})
+            self.progress(total, total, "lm_head")
+        elif scheme is not None and scheme.head:
+            # its own format and config group (gpuagent.compress.head), untied;
+            # not among `examples`, which are the weight scheme's groups
+            weight = embed if tied else self._f32("lm_head.weight")
+            qw = quantize_head_int8(weight, self.dense)
+            self._write(quantized_tensors("lm_head", qw))
+            self.quantized_count += 1
             self.progress(total, total, "lm_head")
         elif not tied:
             self._write({"lm_head.weight": self._f32("lm_head.weight").to(self.dense)})
@@ -657,6 +670,8 @@ def compress_sequential(
             "quantize_lm_head=true but lm_head is tied to the embeddings "
             "(tie_word_embeddings=true), which stay unquantized"
         )
+    if scheme and scheme.head:
+        check_head_width(config.hidden_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -689,6 +704,8 @@ def compress_sequential(
             hf_config["quantization_config"] = kv_cache_only_config(kv_scheme)
         else:  # dense weights out (a block-fp8 source's config goes with its fp8)
             hf_config.pop("quantization_config", None)
+        if scheme and scheme.head:  # the head is stored untied
+            hf_config["tie_word_embeddings"] = False
         hf_config["dtype"] = hf_config["torch_dtype"] = (
             "float16" if recipe.weights == "fp16" else "bfloat16"
         )

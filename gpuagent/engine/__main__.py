@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run the output head as its own quantized copy (faster decode of a "
         "small model, at a logits cost `python -m gpuagent.benches.engine` prints; "
-        "default: the checkpoint's head)",
+        "default: the checkpoint's head; a release compressed with the recipe "
+        "option head=int8 carries the int8 head already)",
     )
     serve.add_argument(
         "--default-max-tokens",

@@ -322,7 +322,8 @@ class LLMEngine:
         own lower-precision copy (`engine.weights.quantize_head`): faster decode for
         a small model, at a logits cost the engine bench prints ("int8" is a GGUF's
         Q8_0 head precision: none on SmolLM2, converted from one); None keeps the
-        checkpoint's head."""
+        checkpoint's head (a release compressed with the recipe option
+        head="int8" carries that int8 head itself)."""
         self.model = model.eval()
         if quantize_head is not None:
             quantize_head_weights(model, quantize_head)

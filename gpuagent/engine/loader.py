@@ -227,7 +227,7 @@ def _match_state_dict(
     own = {
         f"{module}.{buffer}"
         for module, m in model.named_modules()
-        if isinstance(m, weights.QuantLinear)
+        if isinstance(m, (weights.QuantLinear, weights.Int8Head))
         for buffer, _ in m.named_buffers()
     }
     expected = {hf_name(n): p for n, p in model.state_dict().items() if n not in own}

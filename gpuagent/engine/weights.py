@@ -19,6 +19,9 @@ per module; `install(model, layers)` puts them in place of the model's
 
 - pack-quantized, 8 bits, per channel: unpacked once to int8 [N, K] ->
   `weight_int8_matmul`;
+- pack-quantized, 8 bits, groups, symmetric, lm_head only (the recipe option
+  head="int8", `gpuagent.compress.head`): unpacked once to int8 [N, K], the float32
+  scales as stored -> `Int8Head`, the kernel `quantize_head("int8")` runs;
 - pack-quantized, 4 bits, groups: the packed int32 words as stored ->
   `weight_int4_matmul`; with a zero point (asymmetric), W = (q - zp) s, passed as
   zp * s per group;
@@ -55,6 +58,7 @@ from kernels.weight_matmul import (
 )
 
 SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
+HEAD_MODULE = "lm_head"
 QUANTIZED_DTYPES = (torch.int32, torch.int64, torch.float8_e4m3fn)
 _SUFFIXES = (
     ".weight_packed",
@@ -243,9 +247,10 @@ def _group_for(module: str, qc: dict[str, Any]) -> dict[str, Any]:
 
 def split_quantized(
     checkpoint: dict[str, Tensor], qc: dict[str, Any]
-) -> tuple[dict[str, Tensor], dict[str, QuantLinear]]:
-    """(dense tensors, HF module name -> QuantLinear) of a compressed checkpoint.
-    k_scale / v_scale are left among the dense tensors (the caller takes them)."""
+) -> tuple[dict[str, Tensor], dict[str, QuantLinear | Int8Head]]:
+    """(dense tensors, HF module name -> QuantLinear) of a compressed checkpoint;
+    an lm_head in int8 groups is an `Int8Head` instead. k_scale / v_scale are left
+    among the dense tensors (the caller takes them)."""
     check_quantization_config(qc)
     dense: dict[str, Tensor] = {}
     parts: dict[str, dict[str, Tensor]] = {}
@@ -262,7 +267,9 @@ def split_quantized(
     return dense, layers
 
 
-def _quant_linear(module: str, p: dict[str, Tensor], group: dict) -> QuantLinear:
+def _quant_linear(
+    module: str, p: dict[str, Tensor], group: dict
+) -> QuantLinear | Int8Head:
     args = group.get("weights") or {}
     bits, kind = args.get("num_bits"), args.get("type")
     group_size = args.get("group_size") if args.get("strategy") == "group" else None
@@ -281,8 +288,13 @@ def _quant_linear(module: str, p: dict[str, Tensor], group: dict) -> QuantLinear
         )
     n, k = (int(v) for v in p["weight_shape"].tolist())
     if bits == 8:
+        if module == HEAD_MODULE and group_size is not None:
+            return _int8_head(module, p, args, n, k, group_size)
         if group_size is not None or not args.get("symmetric", True):
-            raise QuantizedWeightError(f"{module}: int8 must be per-channel symmetric")
+            raise QuantizedWeightError(
+                f"{module}: int8 must be per-channel symmetric (int8 in groups is "
+                f"loaded for {HEAD_MODULE} only, into the int8 head kernel)"
+            )
         codes = unpack_int32(p["weight_packed"], 8, k)
         return QuantLinear("int8", n, k, {"codes": codes, "scale": scale[:, 0]}, None)
     if group_size is None:
@@ -294,7 +306,29 @@ def _quant_linear(module: str, p: dict[str, Tensor], group: dict) -> QuantLinear
     return QuantLinear("int4", n, k, tensors, group_size)
 
 
-def install(model: nn.Module, layers: dict[str, QuantLinear]) -> None:
+def _int8_head(
+    module: str, p: dict[str, Tensor], args: dict, n: int, k: int, group_size: int
+) -> Int8Head:
+    # a head in int8 groups (the recipe option head="int8": gpuagent.compress.head)
+    # runs the int8 head kernel on its stored codes and float32 scales as they are
+    if not args.get("symmetric", True) or "weight_zero_point" in p:
+        raise QuantizedWeightError(f"{module}: an int8 head must be symmetric")
+    if group_size < 8 or group_size % 8 or k % group_size:
+        raise QuantizedWeightError(
+            f"{module}: int8 group size {group_size} must be a multiple of 8 "
+            f"dividing {k}"
+        )
+    scale = p["weight_scale"]
+    if tuple(scale.shape) != (n, k // group_size):
+        raise QuantizedWeightError(
+            f"{module}: weight_scale {tuple(scale.shape)}, expected "
+            f"{(n, k // group_size)}"
+        )
+    codes = unpack_int32(p["weight_packed"], 8, k)
+    return Int8Head(codes.contiguous(), scale.float().contiguous(), group_size)
+
+
+def install(model: nn.Module, layers: dict[str, QuantLinear | Int8Head]) -> None:
     """Replace the model's Linear modules by their QuantLinear (HF names)."""
     for hf, layer in layers.items():
         name = hf.removeprefix("model.")
@@ -316,10 +350,15 @@ def install(model: nn.Module, layers: dict[str, QuantLinear]) -> None:
         setattr(parent, child, layer)
 
 
-def to_model(layer: QuantLinear, dtype: torch.dtype, device: str) -> QuantLinear:
+def to_model(
+    layer: QuantLinear | Int8Head, dtype: torch.dtype, device: str
+) -> QuantLinear | Int8Head:
     """The layer on `device`, its scales in the model's dtype (codes as stored); on
     a CPU in bf16 also laid out once for torch's weight-only kernels
-    (`prepack_cpu`), which take bf16 activations only (module docstring)."""
+    (`prepack_cpu`), which take bf16 activations only (module docstring). An
+    `Int8Head` keeps its float32 scales (its kernel's layout) in any model."""
+    if isinstance(layer, Int8Head):
+        return layer.to(device)
     for name, buf in list(layer.named_buffers()):
         if buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
             buf = buf.to(dtype)
@@ -409,7 +448,8 @@ def tune_kernels(layers: Iterable[QuantLinear], dtype: torch.dtype) -> int:
         (8 if layer.kind == "int8" else 4, layer.out_features, layer.in_features,
          layer.group_size, str(layer.scale.device))
         for layer in layers
-        if layer.kind in ("int8", "int4") and layer.scale.is_cuda
+        if isinstance(layer, QuantLinear)
+        and layer.kind in ("int8", "int4") and layer.scale.is_cuda
     }  # fmt: skip
     tuned = 0
     for bits, n, k, group_size, device in sorted(shapes, key=str):
@@ -447,15 +487,24 @@ class Int8Head(nn.Module):
     Q8_0 of a GGUF), activations left in their dtype. On a CPU up to
     `int8_cpu.MAX_ROWS` rows (decode) run the fused kernel on float32 x; more rows
     (prefill's all-logits, quality evals), other devices, or a checkout without the
-    extension run `int8_matmul_blocked` (W dequantized a block of rows at a time)."""
+    extension run `int8_matmul_blocked` (W dequantized a block of rows at a time).
 
-    def __init__(self, weight: Tensor, group_size: int) -> None:
+    Made from a float weight (`quantize`, the engine's `quantize_head`) or from the
+    codes and scales a checkpoint stores (`split_quantized`: a release compressed
+    with the recipe option head="int8")."""
+
+    def __init__(self, codes: Tensor, scale: Tensor, group_size: int) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = codes.shape
         self.group_size = group_size
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def quantize(cls, weight: Tensor, group_size: int) -> Int8Head:
+        """The head of float `weight` [N, K] (`int8_cpu.quantize_int8`)."""
         codes, scale = int8_cpu.quantize_int8(weight, group_size)
-        self.register_buffer("codes", codes.to(weight.device))
-        self.register_buffer("scale", scale.to(weight.device))
+        return cls(codes.to(weight.device), scale.to(weight.device), group_size)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -501,7 +550,7 @@ def quantize_head(
       (`kernels.int4_cpu` at decode in a float32 model on a CPU);
     - "bf16": the weight in bfloat16, activations rounded to bfloat16 (`Bf16Head`).
 
-    An engine option, not a checkpoint format: it trades logits quality (the
+    An engine option: it trades logits quality (the
     engine bench prints its KLD and top-1 against the model's own head) for
     decode speed, the head being the largest matmul of a small model
     (SmolLM2-135M's 49152 x 576, a fifth of its weights; on the 2-core AVX-512 dev
@@ -515,13 +564,21 @@ def quantize_head(
     alone (`python -m gpuagent.benches.head_kernels`, 1 thread, the dev machine
     loaded): 1.9 ms a row against float32's 11.9; at 16 rows 0.74-0.93x the
     float32 GEMM (the same float32 multiply-adds, less well blocked).
-    Raises ValueError for another format, a head already replaced, or a group
-    that doesn't divide the hidden size (int4: also a multiple of 16; int8: of 8)."""
+    The recipe option head="int8" (`gpuagent.compress.head`) writes the "int8"
+    head into the release instead (the same codes as this makes of the release
+    without it), which the loader runs as an `Int8Head`, no flag needed.
+    Raises ValueError for another format, a head already replaced (also a head the
+    checkpoint stores quantized), or a group that doesn't divide the hidden size
+    (int4: also a multiple of 16; int8: of 8)."""
     if fmt not in HEAD_FORMATS:
         raise ValueError(f"head format {fmt!r} is not supported; known: {HEAD_FORMATS}")
     head = model.lm_head
     if not isinstance(head, nn.Linear):
-        raise ValueError("lm_head is already replaced")
+        raise ValueError(
+            f"lm_head is already replaced ({type(head).__name__}: a second "
+            "quantize_head, or a checkpoint whose head is stored quantized, e.g. "
+            "by the recipe option head)"
+        )
     weight = head.weight.detach()
     n, k = weight.shape
     if fmt == "bf16":
@@ -534,7 +591,7 @@ def quantize_head(
             raise ValueError(
                 f"head group size {group_size} must be a multiple of 8 dividing {k}"
             )
-        model.lm_head = Int8Head(weight, group_size)
+        model.lm_head = Int8Head.quantize(weight, group_size)
         return model.lm_head
     if group_size % 16 or k % group_size:
         raise ValueError(

@@ -17,6 +17,41 @@ def test_it_refuses_unknown_formats(weights, kv):
         Recipe(weights=weights, kv_cache_dtype=kv)
 
 
+@pytest.mark.parametrize("weights", ["w8a16", "int8", "w4a16-g64", "int4-g128"])
+def test_it_takes_an_int8_head_beside_int_weights(weights):
+    recipe = Recipe(weights=weights, kv_cache_dtype="int8", head="int8")
+
+    assert recipe.head == "int8"
+    assert recipe.model_dump(exclude_defaults=True)["head"] == "int8"
+    # left out, the stored recipe (and its registration digest) is as before
+    assert "head" not in Recipe(weights=weights, kv_cache_dtype="int8").model_dump(
+        exclude_defaults=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"head": "int4"}, "unknown head format 'int4'; expected one of int8"),
+        ({"head": "Q8_0"}, "unknown head format 'Q8_0'"),
+        ({"head": 8}, "valid string"),
+        ({"weights": "bf16", "head": "int8"}, "needs quantized weights"),
+        ({"weights": "fp16", "head": "int8"}, "needs quantized weights"),
+        ({"weights": "fp8", "head": "int8"}, "for int weight formats"),
+        ({"quantize_lm_head": True, "head": "int8"}, "give one"),
+    ],
+)
+def test_it_refuses_a_head_it_cannot_write_naming_the_option(options, says):
+    with pytest.raises(ValidationError) as refused:
+        Recipe.model_validate(
+            {"weights": "w4a16-g128", "kv_cache_dtype": "int8"} | options
+        )
+
+    [error] = refused.value.errors()
+    assert error["loc"] == ("head",)
+    assert says in error["msg"]
+
+
 def test_it_refuses_extra_fields():
     with pytest.raises(ValidationError):
         VerifyResult(ok=True, manifest_digest="sha256:00", surprise=1)

@@ -146,6 +146,7 @@ def test_it_shows_a_moe_releases_parameters_and_rtn_fallbacks(
     assert data["compression"] == {
         "weights": made.weights,
         "kv_cache_dtype": made.kv_cache_dtype,
+        "head": None,
         "size_bytes": made.size_bytes,
         "source_size_bytes": made.source_size_bytes,
         "total_parameters": 1_140_000,
@@ -154,6 +155,22 @@ def test_it_shows_a_moe_releases_parameters_and_rtn_fallbacks(
         "rtn_fallback_experts": [{"layer": 2, "expert": 5, "tokens": 3}],
     }
     assert data["compression_problem"] is None
+
+
+def test_it_shows_the_recipes_head_in_the_recipe_and_the_compression(
+    api, owner_token, make_release
+):
+    recipe = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "head": "int8"}
+    release = make_release("3.0.0", recipe=recipe)
+    made = compress_result(release)
+    do_finish_job(
+        do_start_job(release, "compress"), result=made.model_dump(mode="json")
+    )
+
+    data = api.get(url(release.pk), token=owner_token).json()
+
+    assert data["recipe"] == recipe
+    assert data["compression"]["head"] == "int8"
 
 
 def test_it_says_no_compression_yet_or_why_it_is_unreadable(

@@ -159,6 +159,58 @@ def test_it_names_a_min_expert_tokens_that_is_not_a_positive_integer(
     assert not Release.objects.filter(version="2.0.0").exists()
 
 
+def test_it_stores_a_recipes_int8_head(api, owner_token, model_family, environment):
+    recipe = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "head": "int8"}
+
+    response = api.post(URL, body(recipe=recipe), token=owner_token)
+
+    assert response.status_code == 201, response.content
+    assert Release.objects.get(version="2.0.0").recipe == recipe
+    assert response.json()["recipe"]["head"] == "int8"
+
+
+# the schema's 422 names a value it doesn't take; the action's (through
+# gpuagent.protocol.Recipe) a value that doesn't fit the weights, saying why
+@pytest.mark.parametrize(
+    ("weights", "head", "code", "says"),
+    [
+        ("w4a16-g128", "int4", "validation_error", "int8"),  # the one offered
+        ("w4a16-g128", "Q8_0", "validation_error", "int8"),
+        ("w4a16-g128", 8, "validation_error", "int8"),
+        ("bf16", "int8", "validation_failed", "needs quantized weights"),
+        ("fp8", "int8", "validation_failed", "int weight formats"),
+    ],
+)
+def test_it_names_a_head_it_cannot_write(
+    api, owner_token, model_family, environment, weights, head, code, says
+):
+    recipe = {"weights": weights, "kv_cache_dtype": "int8", "head": head}
+
+    response = api.post(URL, body(recipe=recipe), token=owner_token)
+
+    error = error_of(response, 422, code)
+    assert field_names(error) == {"recipe.head"}
+    assert says in response.content.decode()
+    assert not Release.objects.filter(version="2.0.0").exists()
+
+
+def test_it_names_a_head_beside_quantize_lm_head(
+    api, owner_token, model_family, environment
+):
+    recipe = {
+        "weights": "w8a16",
+        "kv_cache_dtype": "int8",
+        "quantize_lm_head": True,
+        "head": "int8",
+    }
+
+    response = api.post(URL, body(recipe=recipe), token=owner_token)
+
+    error = error_of(response, 422, "validation_failed")
+    assert field_names(error) == {"recipe.head"}
+    assert "give one" in response.content.decode()
+
+
 def test_it_rejects_a_body_that_is_not_json(api, owner_token, model_family):
     response = api.post(URL, raw="{not json", token=owner_token)
 

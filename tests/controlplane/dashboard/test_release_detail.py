@@ -721,3 +721,23 @@ def test_it_says_in_process_evidence_came_from_the_agents_engine(
     assert "Measured in the agent's process by the project's engine" in body
     assert "Tail mass" not in body
     assert 'id="load-engine"' not in body
+
+
+def test_it_shows_the_recipes_head_beside_the_weights(client, teammate, make_release):
+    recipe = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "head": "int8"}
+    release = make_release("2.0.0", recipe=recipe)
+    plain = make_release("2.0.1")
+    for made in (release, plain):
+        record_job(made, "compress", compress_result(made).model_dump(mode="json"))
+    client.force_login(teammate)
+
+    body = client.get(f"/releases/{release.pk}/").content.decode()
+    plain_body = client.get(f"/releases/{plain.pk}/").content.decode()
+
+    summary = re.search(r'id="summary">(.*?)</table>', body, re.S).group(1)
+    assert "weights w4a16-g128, KV cache int8, head int8</td>" in summary
+    assert ", head int8</td>" in _compression(body)
+    assert "head" not in re.search(r"<th>Recipe</th><td>(.*?)</td>", plain_body).group(
+        1
+    )
+    assert "head" not in _compression(plain_body)

@@ -4,6 +4,7 @@ inspection, compression, signing and verification of a small model folder; the
 evaluate and load-test jobs answered with reports shaped as gpuagent.protocol
 fixes them (their real runs are in tests/controlplane/test_agent_pipeline.py)."""
 
+import json
 import shutil
 import uuid
 from datetime import timedelta
@@ -250,6 +251,30 @@ def test_it_fails_a_release_whose_recipe_the_compressor_cannot_apply(
     assert stored.state == "failed"
     assert "symmetric=false is only offered for int4" in stored.failure_reason
     assert Job.objects.get(release=release, kind="compress").state == "failed"
+
+
+def test_the_recipes_head_reaches_the_compress_job_and_the_candidate(
+    make_release, model_folder, local_agent
+):
+    recipe = {"weights": "w4a16-g128", "kv_cache_dtype": "int8", "head": "int8"}
+    release = make_release(source_uri=model_folder.as_uri(), recipe=recipe)
+    run_promotion(release.pk)
+    local_agent.work(kinds=("verify_source",))
+    [(_, request)] = local_agent.pending("compress")
+
+    local_agent.work()
+
+    release.refresh_from_db()
+    assert release.state == "evaluating", release.failure_reason
+    assert request.recipe.head == "int8"
+    job = Job.objects.get(release=release, kind="compress")
+    assert job.result["report"]["recipe"]["head"] == "int8"
+    candidate = local_agent.agent.store.path_of(job.result["candidate"])
+    config = json.loads((candidate / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    groups = config["quantization_config"]["config_groups"].values()
+    [head] = [g for g in groups if g["targets"] == ["re:^lm_head$"]]
+    assert (head["weights"]["num_bits"], head["weights"]["group_size"]) == (8, 32)
 
 
 def silence(agent: Agent) -> None:

@@ -16,6 +16,7 @@ from gpuagent.benches.llamacpp import (
     gguf_head_format,
     head_threads_rows,
     peer_missing,
+    w4a16_folder,
 )
 
 
@@ -40,6 +41,27 @@ def test_without_the_peer_our_rows_are_measured_and_nothing_is_judged(tmp_path):
     assert "float head's" in same.name and same.value.endswith("/3")
     assert rows[-1] == peer_missing(tmp_path / "none")
     assert "skipped" in rows[-1] and "make llama-cpp-peer" in GET_PEER
+
+
+def test_the_like_for_like_head_can_come_with_the_release(tmp_path):
+    from gpuagent.models.smollm2 import gguf_path
+
+    plain = w4a16_folder(DEMO_MODEL_DIR, tmp_path / "plain")
+    with_head = w4a16_folder(DEMO_MODEL_DIR, tmp_path / "head", head="int8")
+
+    rows = decode_rows(
+        plain, gguf_path(), 1, 3, 1, peer_dir=tmp_path / "none", head_folder=with_head
+    )
+
+    assert rows[0].endswith("ours from the recipe option head='int8'")
+    judged = [r for r in rows if isinstance(r, Row)]
+    assert judged[0].name.startswith("ours, int8 head (Q8_0) decode tok/s")
+    assert all(float(r.value) > 0 for r in judged[:-1])
+    config = (with_head / "config.json").read_text()
+    assert (
+        '"re:^lm_head$"' in config
+        and "re:^lm_head$" not in (plain / "config.json").read_text()
+    )
 
 
 def test_common_prefix_counts_leading_agreement():
