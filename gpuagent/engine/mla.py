@@ -33,7 +33,7 @@ on the latent (the served int4 quantizer per token and part, Hadamard-rotated, t
 18-token bf16 window) on the trained MoE demo model over the evaluate command's
 13,139 positions it reads 0.0157 / 93.71% vs bf16 (0.0298 / 89.24% without the
 window), short of int4's bar (KLD <= 0.01, top-1 >= 96%, `benches.kv_long`), where
-int8 reads 0.00108 / 98.87%: `python -m gpuagent.benches.mla_int4`.
+int8 reads 0.00108 / 98.87%: `python -m gpuagent.benches.mla_kv`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,13 @@ from torch import Tensor, nn
 
 from gpuagent.engine.model import RMSNorm, apply_rope
 from kernels._triton import use_triton
-from kernels.kv_quant import SCALE_DTYPE, PagedKVCache, dequantize_kv, quantize_kv
+from kernels.kv_quant import (
+    SCALE_DTYPE,
+    PagedKVCache,
+    dequantize_kv,
+    hadamard,
+    quantize_kv,
+)
 from kernels.mla_attention import mla_decode_attention
 
 if TYPE_CHECKING:
@@ -406,16 +412,18 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.to(x.dtype).flatten(-2))
 
 
-def calibrate_latent_scales(
-    model: nn.Module, sequences: list[list[int]], kv_caches: list[PagedKVCache]
-) -> None:
-    """Set each fp8 latent cache's static scales from what the model writes over
-    `sequences` (one float32 prefill each): absmax / 448 per layer and part."""
+def latent_scales(
+    model: nn.Module, sequences: list[list[int]], rotated: bool = False
+) -> Tensor:
+    """Static fp8 scales [layers, 2] (latent, RoPE key) float32: absmax / 448 per
+    layer and part of what the model writes over `sequences` (one float32 prefill
+    each), in the Hadamard basis of each part when `rotated`."""
     from gpuagent.engine.model import AttentionMetadata
 
     config = model.config
     device = next(model.parameters()).device
     rank, dim = config.kv_lora_rank, latent_dim(config)
+    rotations = [hadamard(n, device) if rotated else None for n in (rank, dim - rank)]
     absmax = torch.zeros(config.num_hidden_layers, 2, device=device)
     for ids in sequences:
         n = len(ids)
@@ -438,9 +446,22 @@ def calibrate_latent_scales(
                 attn,
             )
         for layer, cache in enumerate(caches):
-            latent = cache.key.view(n, dim).abs()
-            seen = torch.stack((latent[:, :rank].amax(), latent[:, rank:].amax()))
+            parts = cache.key.view(n, dim).split((rank, dim - rank), dim=-1)
+            seen = torch.stack(
+                [
+                    (part if rotation is None else part @ rotation).abs().amax()
+                    for part, rotation in zip(parts, rotations, strict=True)
+                ]
+            )
             absmax[layer] = torch.maximum(absmax[layer], seen)
-    scales = (absmax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (absmax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def calibrate_latent_scales(
+    model: nn.Module, sequences: list[list[int]], kv_caches: list[PagedKVCache]
+) -> None:
+    """Set each fp8 latent cache's static scales from what the model writes over
+    `sequences` (`latent_scales`)."""
+    scales = latent_scales(model, sequences)
     for cache, scale in zip(kv_caches, scales, strict=True):
         set_latent_scales(cache, scale.to(cache.key_scale.device))
