@@ -46,7 +46,9 @@ e4m3 on c, static; k_pe int8 (fp8)     0.00151 / 98.48%  0.5125     PASS
 =====================================  ================  =========  ============
 
 (fp8's bar, `benches.kv_long.TARGETS`: mean KLD <= 0.003, top-1 >= 97%, <= 0.52 of
-bf16's bytes.) The served fp8 cache reads what its simulation reads, bit for bit
+bf16's bytes.) On the held-out passages (`--heldout`, 16,376 positions, text no
+layout was chosen on) the served fp8 reads 0.00200 / 98.21%, the old one 0.01357 /
+92.81%. The served fp8 cache reads what its simulation reads, bit for bit
 (`tests/gpuagent/benches/test_mla_kv.py`); no window and no rotation: neither is
 needed, and the rotation does not pay here (0.00170 / 98.20%). All rows, int4's
 too: `python -m gpuagent.benches.mla_kv` (fp8's alone: `--families fp8`, ~1 min on

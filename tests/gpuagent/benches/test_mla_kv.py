@@ -17,6 +17,7 @@ from gpuagent.benches import mla_kv as sim
 from gpuagent.engine.kv_calibration import calibration_sequences
 from gpuagent.engine.loader import load_model
 from gpuagent.engine.mla import latent_scales
+from gpuagent.evaluate.evalsets import load_heldout_passages
 from gpuagent.evaluate.inprocess import EngineModel
 from gpuagent.evaluate.regression import exact_position_stats
 
@@ -175,3 +176,14 @@ def test_the_simulation_refuses_a_cache_that_is_not_exact(model):
         logprobs(model, "bf16", ids, layout_named("sim-int4"))
     # the swap is undone after the block, also on an error
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_the_heldout_passages_are_each_cut_to_the_model_length(model):
+    reference = EngineModel(MOE_DIR, "bf16", model=model)
+
+    ids_list = sim.heldout_ids(reference)
+
+    assert len(ids_list) == len(load_heldout_passages()) >= 3
+    assert all(len(ids) == reference.max_model_len for ids in ids_list)
+    # what the bench scores fits the evaluation cache as a whole
+    assert len(list(reference.logprobs_chunks(ids_list[0]))) > 0
