@@ -45,9 +45,10 @@ width in the project is judged by (`benches.kv_long.TARGETS`): int4 mean KLD <=
 0.002 / 97.5% / 0.52.
 
 Run: `python -m gpuagent.benches.mla_kv` (default model
-gpuagent/engine/moe_demo_model, one thread; ~2.5 min on a CPU; `--families fp8`
-or `int4` for one width; `--heldout` scores `benches.kv_long`'s held-out passages
-instead, each cut to the model's 2048 tokens: text no layout was chosen on).
+gpuagent/engine/moe_demo_model, one thread; 1.5-2.5 min on the shared CPU;
+`--families fp8` or `int4` for one width; `--heldout` scores `benches.kv_long`'s
+held-out passages instead, each cut to the model's 2048 tokens: text no layout was
+chosen on).
 
 Measured (CPU, one thread, 13,139 positions):
 =================  ==================  =========  ==========================
