@@ -101,6 +101,7 @@ _MLA_DECODE_SIG = {
     "q_pe_ptr": "*bf16",
     "cache_ptr": None,  # per dtype
     "scale_ptr": "*fp16",
+    "rope_scale_ptr": "*fp16",
     "block_tables_ptr": "*i32",
     "context_lens_ptr": "*i32",
     "part_out_ptr": "*fp32",

@@ -217,6 +217,9 @@ class PagedKVCache:
     # like fp8's scales; set by `gpuagent.engine.kv_int4c.set_key_means`
     key_mean: torch.Tensor | None = None
     means_set: bool = False
+    # MLA fp8 (`gpuagent.engine.mla`): the RoPE key's int8 scale per token
+    # [num_blocks, block_size] float16 (its codes share the latent's key rows)
+    rope_scale: torch.Tensor | None = None
 
     @property
     def static_scales(self) -> bool:
@@ -233,7 +236,7 @@ class PagedKVCache:
         """Every byte of storage, scales and window included."""
         tensors = [self.key, self.value, self.key_scale, self.value_scale]
         tensors += [self.window_key, self.window_value]
-        tensors.append(self.key_mean)
+        tensors += [self.key_mean, self.rope_scale]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property

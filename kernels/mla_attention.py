@@ -11,26 +11,29 @@ maps the output back to values with W_UV, so per sequence and head
 
 Stored rows, per cache dtype (`scale` below is `cache.key_scale`):
 
-=============  ===========================  ====================================
-dtype          key [nb, bs, 1, RANK+ROPE]   scale
-=============  ===========================  ====================================
-bf16/fp16/fp32  the values, cast            None
-int8           codes                        [nb, bs, 2] float16 (latent, RoPE)
-fp8-per-token  e4m3 codes                   [nb, bs, 2] float16 (latent, RoPE)
-fp8            e4m3 codes                   [2] float32 (latent, RoPE), static
-=============  ===========================  ====================================
+==============  ===========================  ===================================
+dtype           key [nb, bs, 1, RANK+ROPE]   scale
+==============  ===========================  ===================================
+bf16/fp16/fp32  the values, cast             None
+int8            codes                        [nb, bs, 2] float16 (latent, RoPE)
+fp8-per-token   e4m3 codes                   [nb, bs, 2] float16 (latent, RoPE)
+fp8             e4m3 codes (latent),         [1] float32 (latent), static;
+                int8 codes (RoPE)            `cache.rope_scale` [nb, bs] float16
+==============  ===========================  ===================================
 
-a stored value being code * its part's scale (int4 is refused for MLA).
+a stored value being code * its part's scale (int4 is refused for MLA; fp8's RoPE
+key is int8: e4m3 on it missed fp8's quality bar, `gpuagent.engine.mla`).
 
 The Triton kernel runs one program per (group of HEAD_BLOCK query heads, sequence,
 context partition of PARTITION_SIZE tokens): every head of the group shares each
 latent tile, gathered token by token through the block table (any block size,
 any context length) and loaded once per program. The codes go into the dots as
 they are; a token's scales multiply its score (latent and RoPE parts apart) and
-its probability before the probability-weighted sum of latents (static scales fold
-into the query and the output instead), which is the same sum as dequantizing the
-tile first without a multiply per element. Online softmax in float32; partitions
-are merged by `paged_attention`'s reduce kernel (flash-decoding).
+its probability before the probability-weighted sum of latents (fp8's static
+latent scale folds into the query and the output instead), which is the same sum
+as dequantizing the tile first without a multiply per element. Online softmax in
+float32; partitions are merged by `paged_attention`'s reduce kernel
+(flash-decoding).
 """
 
 from __future__ import annotations
@@ -82,11 +85,11 @@ def _gather_latents(
     sizes = (rank, cache.head_dim - rank)
     if cache.key_scale is None:
         latents = rows.float()
-    elif cache.static_scales:
-        scale = cache.key_scale.float().repeat_interleave(
-            torch.tensor(sizes, device=rows.device)
-        )  # [dim]
-        latents = rows.float() * scale
+    elif cache.static_scales:  # fp8: e4m3 latent, int8 RoPE key
+        c = rows[..., :rank].float() * cache.key_scale.float()
+        pe_scales = cache.rope_scale.index_select(0, blocks)  # [B * max_blocks, bs]
+        pe_codes = rows[..., rank:].view(torch.uint8).view(torch.int8)
+        latents = torch.cat((c, dequantize_kv(pe_codes, pe_scales, "int8")), -1)
     else:
         scales = cache.key_scale.index_select(0, blocks)  # [B * max_blocks, bs, 2]
         latents = torch.cat(
@@ -136,7 +139,7 @@ def _load_latent_part(
     WIDTH: tl.constexpr,  # columns of the part
     WIDTH_PAD: tl.constexpr,  # WIDTH padded to a power of two >= 16
     DIM: tl.constexpr,
-    KV_DTYPE: tl.constexpr,
+    KV_DTYPE: tl.constexpr,  # as the kernel's; -1: int8 codes in u8 (fp8's RoPE key)
 ):
     """[BLOCK_N, WIDTH_PAD] float32 codes (unscaled), 0 past WIDTH and the mask."""
     offs = tl.arange(0, WIDTH_PAD)
@@ -144,6 +147,8 @@ def _load_latent_part(
     raw = tl.load(ptrs, mask=mask[:, None] & (offs < WIDTH)[None, :], other=0)
     if KV_DTYPE == 1:
         return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if KV_DTYPE == -1:
+        return raw.to(tl.int8, bitcast=True).to(tl.float32)
     return raw.to(tl.float32)
 
 
@@ -152,7 +157,8 @@ def _mla_decode_kernel(
     q_lat_ptr,  # [B, num_heads, RANK] absorbed queries (W_UK^T q_nope), contiguous
     q_pe_ptr,  # [B, num_heads, ROPE] rotated RoPE queries, contiguous
     cache_ptr,  # [num_slots, RANK + ROPE] latent rows (fp8 as u8)
-    scale_ptr,  # [num_slots, 2] float16 token scales, or [2] float32 static (dummy)
+    scale_ptr,  # [num_slots, 2] float16 token scales, or [1] float32 static (dummy)
+    rope_scale_ptr,  # [num_slots] float16 RoPE-key token scales (fp8; else dummy)
     block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
     context_lens_ptr,  # [B] int32 tokens in the cache per sequence
     part_out_ptr,  # [B, num_heads, num_parts, RANK_PAD] float32 unnormalised outputs
@@ -172,7 +178,8 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     KV_DTYPE: tl.constexpr,  # kv_quant.KV_DTYPE_CODES: 0 cast, 1 fp8, 2 int8
-    SCALES: tl.constexpr,  # 0 none, 1 per token and part, 2 static per part
+    # 0 none, 1 per token and part, 2 static latent + int8 RoPE key per token (fp8)
+    SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SINGLE_PART: tl.constexpr,
 ):
@@ -199,10 +206,9 @@ def _mla_decode_kernel(
     q_lat = q_lat * softmax_scale
     q_pe = q_pe * softmax_scale
     if SCALES == 2:
-        # One scale per part for the whole cache: into the query (and the output)
+        # One latent scale for the whole cache: into the query (and the output)
         c_static = tl.load(scale_ptr)
         q_lat = q_lat * c_static
-        q_pe = q_pe * tl.load(scale_ptr + 1)
 
     m_i = tl.full([HEAD_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([HEAD_BLOCK], tl.float32)
@@ -221,9 +227,14 @@ def _mla_decode_kernel(
         c = _load_latent_part(
             cache_ptr, slot, n_mask, 0, RANK, RANK_PAD, RANK + ROPE, KV_DTYPE
         )  # [BLOCK_N, RANK_PAD]
-        k_pe = _load_latent_part(
-            cache_ptr, slot, n_mask, RANK, ROPE, ROPE_PAD, RANK + ROPE, KV_DTYPE
-        )  # [BLOCK_N, ROPE_PAD]
+        if SCALES == 2:  # fp8: the RoPE key is int8
+            k_pe = _load_latent_part(
+                cache_ptr, slot, n_mask, RANK, ROPE, ROPE_PAD, RANK + ROPE, -1
+            )  # [BLOCK_N, ROPE_PAD]
+        else:
+            k_pe = _load_latent_part(
+                cache_ptr, slot, n_mask, RANK, ROPE, ROPE_PAD, RANK + ROPE, KV_DTYPE
+            )
         s_c = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
         s_pe = tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         if SCALES == 1:
@@ -231,6 +242,9 @@ def _mla_decode_kernel(
             c_scale = c_scale.to(tl.float32)
             pe_scale = tl.load(scale_ptr + slot * 2 + 1, mask=n_mask, other=0.0)
             scores = s_c * c_scale[None, :] + s_pe * pe_scale.to(tl.float32)[None, :]
+        elif SCALES == 2:
+            pe_scale = tl.load(rope_scale_ptr + slot, mask=n_mask, other=0.0)
+            scores = s_c + s_pe * pe_scale.to(tl.float32)[None, :]
         else:
             scores = s_c + s_pe  # [HEAD_BLOCK, BLOCK_N]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
@@ -314,11 +328,13 @@ def _mla_decode_triton(
         return out[..., :rank]
     store = cache.key.view(torch.uint8) if cache.stores_fp8 else cache.key
     scale = cache.key_scale if cache.key_scale is not None else store
+    rope_scale = cache.rope_scale if cache.rope_scale is not None else store
     _mla_decode_kernel[(triton.cdiv(num_heads, head_block), batch, num_parts)](
         q_lat,
         q_pe,
         store,
         scale,
+        rope_scale,
         block_tables,
         context_lens,
         part_out,

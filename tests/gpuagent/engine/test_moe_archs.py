@@ -355,7 +355,8 @@ def test_mla_quantized_latent_cache_stays_close(tmp_path, kv_dtype, bar):
 
 
 def test_mla_static_fp8_latent_cache_stays_close(tmp_path):
-    # e4m3 codes under two calibrated float32 scales per layer (latent, RoPE key)
+    # e4m3 latent codes under a calibrated float32 scale per layer, the RoPE key
+    # as int8 codes with a scale per token
     from gpuagent.engine.mla import calibrate_latent_scales
 
     hf = deepseek_folder(tmp_path)
@@ -680,7 +681,7 @@ def test_engine_serves_mla_with_each_latent_dtype(tmp_path, kv_dtype):
 
     assert [len(o.token_ids) for o in outs] == [5, 5, 5]
     assert engine.kv.bytes_per_token == mla_bytes(engine.config, kv_dtype)
-    static = 3 * 8 if kv_dtype == "fp8" else 0  # two float32 scales per layer
+    static = 3 * 4 if kv_dtype == "fp8" else 0  # the latent's float32 scale
     slots = engine.kv.num_blocks * engine.kv.block_size
     assert engine.kv.nbytes == engine.kv.bytes_per_token * slots + static
     assert engine.kv.num_blocks == ((1 << 16) - static) // (
@@ -692,7 +693,8 @@ def test_engine_serves_mla_with_each_latent_dtype(tmp_path, kv_dtype):
 
 def mla_bytes(config, kv_dtype):
     size = {"bf16": 2, "int8": 1, "fp8-per-token": 1, "fp8": 1}[kv_dtype]
-    scales = 4 if kv_dtype in ("int8", "fp8-per-token") else 0
+    # float16 scales per token: latent and RoPE key, or fp8's int8 RoPE key alone
+    scales = {"int8": 4, "fp8-per-token": 4, "fp8": 2}.get(kv_dtype, 0)
     return config.num_hidden_layers * (40 * size + scales)
 
 
@@ -902,7 +904,7 @@ def test_it_loads_compressed_tensors_experts_and_kv_b(tmp_path, weights):
     assert diff <= ATOL, diff
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "fp8"])
 def test_mla_prefix_cache_hits_give_the_same_tokens(tmp_path, kv_dtype):
     # cached latent blocks are reused by a later request with the same prefix
     from gpuagent.engine.engine import LLMEngine

@@ -192,13 +192,14 @@ FIRST_TOKEN_PROMPTS = [
     [
         ("bf16", 0.1),
         ("int8", 0.1),
-        # LOOSENED from the dense demo's 0.1 for fp8: on this model the e4m3 latent
-        # moves the first token's logprob of "import os\nimport sys\n" by 0.14
-        # (per-token scales) and 0.10 (static calibrated scales); the other prompts
-        # stay under 0.03. Kept visible; the mean KLD over the eval sets is the
-        # quality number (README).
+        # LOOSENED from the dense demo's 0.1 for fp8-per-token: on this model the
+        # e4m3 RoPE key moves the first token's logprob of "import os\nimport
+        # sys\n" by 0.14; the other prompts stay under 0.03. Kept visible; the mean
+        # KLD over the eval sets is the quality number (README). fp8 (e4m3 latent,
+        # int8 RoPE key, `engine.mla`) measures at most 0.023 (it read 0.10 with
+        # the RoPE key in e4m3 too).
         ("fp8-per-token", 0.16),
-        ("fp8", 0.12),
+        ("fp8", 0.1),
     ],
 )
 def test_its_first_token_logprob_from_each_latent_cache_stays_near_exact(
