@@ -419,7 +419,7 @@ def level_rows(ours: Sequence[LoadRun], theirs: Sequence[LoadRun]) -> list[str]:
         def pair(get, width: int, digits: int = 1, run=run, other=other) -> str:
             a = f"{get(run):.{digits}f}"
             b = f"{get(other):.{digits}f}" if other else "-"
-            return f"{a + ' / ' + b:>{width}}"
+            return f" {a + ' / ' + b:>{width - 1}}"  # a space even when full
 
         def met(r: LoadRun | None) -> str:
             if r is None:
