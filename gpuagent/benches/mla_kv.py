@@ -152,9 +152,9 @@ from gpuagent.engine.loader import load_model
 from gpuagent.engine.mla import (
     FP8_MAX,
     MLAAttention,
+    calibration_latents,
     gather_latent,
     latent_dim,
-    latent_scales,
     mla_kv_bytes_per_token,
     write_latent,
 )
@@ -170,17 +170,23 @@ from gpuagent.evaluate.regression import Settings, exact_position_stats
 from kernels.kv_quant import SCALE_DTYPE
 
 DEFAULT_MODEL_DIR = Path("gpuagent/engine/moe_demo_model")
-FAMILIES = ("int4", "fp8")  # the widths whose layouts are measured
+FAMILIES = ("int4", "int8", "fp8")  # the widths whose layouts are measured
 SIM_CACHE_DTYPE = "fp32"  # the simulation's cache holds the exact latent
+# stored under static scales (fp8: e4m3 codes; int8-static: int8 codes)
+STATIC_DTYPES = ("fp8", "int8-static")
+INT8_MAX = 127.0
 
 
 @dataclass(frozen=True)
 class LatentLayout:
     """How a simulated cache stores the latent: `dtype` (the served quantizer:
-    "int4", "int8", "fp8-per-token", or "fp8" under static per-layer scales),
-    `rotate` (Hadamard per part), `window` newest tokens and `sinks` first
-    positions read in bf16, `pe_dtype` (None: the RoPE key stored as the latent c
-    is; "bf16", or "int8" per token: c alone stored as `dtype`)."""
+    "int4", "int8", "fp8-per-token"; or under static scales: "fp8", e4m3 codes,
+    "int8-static", int8 codes), `rotate` (Hadamard per part), `window` newest
+    tokens and `sinks` first positions read in bf16, `pe_dtype` (None: the RoPE
+    key stored as the latent c is; "bf16", "int8" per token or "int8-static": c
+    alone stored as `dtype`); static scales one per layer and part, or one per
+    layer and channel (`per_channel`), from the calibration's absmax or, with
+    `clip`, that quantile of its magnitudes (per part or channel)."""
 
     name: str
     dtype: str
@@ -188,11 +194,18 @@ class LatentLayout:
     window: int = 0
     sinks: int = 0
     pe_dtype: str | None = None
+    per_channel: bool = False
+    clip: float | None = None
 
     @property
     def family(self) -> str:
         """The bar the layout is judged by: "int4", "int8" or "fp8"."""
-        return "fp8" if self.dtype.startswith("fp8") else self.dtype
+        return "fp8" if self.dtype.startswith("fp8") else self.dtype[:4]
+
+    @property
+    def static(self) -> bool:
+        """Whether a part is stored under static scales (which `stored` needs)."""
+        return any(dtype in STATIC_DTYPES for dtype in self.part_dtypes())
 
     def part_dtypes(self) -> tuple[str, str]:
         """How the latent c and the RoPE key are each stored."""
@@ -202,12 +215,16 @@ class LatentLayout:
         self, latents: Tensor, rank: int, scales: Tensor | None = None
     ) -> Tensor:
         """latents [..., rank + rope] float32 as the quantized cache reads them;
-        `scales` [2] (latent, RoPE key; in the rotated basis when `rotate`): fp8's
-        static scales."""
-        if (scales is None) != ("fp8" not in self.part_dtypes()):
-            raise ValueError("static scales are for (and needed by) fp8 alone")
+        `scales` [2] (latent, RoPE key) or [rank + rope] (per channel; in the
+        rotated basis when `rotate`): the static parts' scales."""
+        if (scales is None) == self.static:
+            raise ValueError("static scales are for (and needed by) fp8 / int8-static")
         parts = []
-        split = latents.float().split((rank, latents.shape[-1] - rank), dim=-1)
+        sizes = (rank, latents.shape[-1] - rank)
+        split = latents.float().split(sizes, dim=-1)
+        if scales is not None:
+            per_part = scales.shape[-1] == 2 and sum(sizes) != 2
+            scales = scales[:, None] if per_part else scales.split(sizes)
         for i, (part, dtype) in enumerate(zip(split, self.part_dtypes(), strict=True)):
             if dtype == "bf16":
                 parts.append(part.to(torch.bfloat16).float())
@@ -217,6 +234,9 @@ class LatentLayout:
             if dtype == "fp8":  # as `mla.write_latent` / `gather_latent`
                 codes = (x / scales[i]).clamp(-FP8_MAX, FP8_MAX)
                 read = codes.to(torch.float8_e4m3fn).float() * scales[i]
+            elif dtype == "int8-static":  # int8's rounding (`kernels.quantize_kv`)
+                codes = torch.floor(x / scales[i] + 0.5).clamp(-INT8_MAX, INT8_MAX)
+                read = codes * scales[i]
             else:
                 codes, scale = kernels.quantize_kv(x, dtype)
                 read = kernels.dequantize_kv(codes, scale, dtype)
@@ -233,8 +253,9 @@ class LatentLayout:
         for n, dtype in zip(sizes, self.part_dtypes(), strict=True):
             if dtype == "bf16":
                 per_token += 2 * n
-            elif dtype == "fp8":  # one float32 scale per layer
-                per_token, static = per_token + n, static + layers * 4
+            elif dtype in STATIC_DTYPES:  # float32 scales per layer (or channel)
+                per_token += n
+                static += layers * 4 * (n if self.per_channel else 1)
             else:  # codes and a float16 scale per token
                 code_bytes = n // 2 if dtype == "int4" else n
                 per_token += code_bytes + SCALE_DTYPE.itemsize
@@ -266,13 +287,61 @@ LAYOUTS = (
     LatentLayout("sim-fp8/pe8", "fp8", pe_dtype="int8"),
     LatentLayout("sim-fp8r/pe8", "fp8", rotate=True, pe_dtype="int8"),
     LatentLayout("sim-fp8+w16/pe8", "fp8", window=16, pe_dtype="int8"),
+    LatentLayout("sim-int8s/pe8", "int8-static", pe_dtype="int8"),
+    LatentLayout("sim-int8sr/pe8", "int8-static", rotate=True, pe_dtype="int8"),
+    LatentLayout("sim-int8c/pe8", "int8-static", pe_dtype="int8", per_channel=True),
+    LatentLayout(
+        "sim-int8cr/pe8", "int8-static", rotate=True, pe_dtype="int8", per_channel=True
+    ),
+    LatentLayout("sim-int8s@.9999/pe8", "int8-static", pe_dtype="int8", clip=0.9999),
+    LatentLayout("sim-int8s@.999/pe8", "int8-static", pe_dtype="int8", clip=0.999),
+    LatentLayout(
+        "sim-int8c@.9999/pe8",
+        "int8-static",
+        pe_dtype="int8",
+        per_channel=True,
+        clip=0.9999,
+    ),
+    LatentLayout("sim-int8/pe8s", "int8", pe_dtype="int8-static"),
+    LatentLayout("sim-int8/pe8c", "int8", pe_dtype="int8-static", per_channel=True),
+    LatentLayout("sim-int8s", "int8-static"),
 )
-# the served caches each simulation reproduces (first rows of their family)
-SERVED = (
-    LatentLayout("int8 (served)", "int8"),
-    LatentLayout("fp8pt (served)", "fp8-per-token"),
-    LatentLayout("fp8 (served)", "fp8", pe_dtype="int8"),
-)
+# the served caches (by KV dtype) as the layouts they store (first rows of their
+# family; each equals its simulation's row, sim-int8s/pe8, sim-fp8pt, sim-fp8/pe8)
+SERVED = {
+    "int8": LatentLayout("int8 (served)", "int8-static", pe_dtype="int8"),
+    "fp8-per-token": LatentLayout("fp8pt (served)", "fp8-per-token"),
+    "fp8": LatentLayout("fp8 (served)", "fp8", pe_dtype="int8"),
+}
+
+
+def static_scales(
+    calibration: Sequence[Tensor], rank: int, layout: LatentLayout
+) -> Tensor:
+    """`layout`'s static scales [layers, rank + rope] float32 (a part's scale
+    repeated over its channels unless `per_channel`) from `calibration`, each
+    layer's latents [N, rank + rope] (`mla.calibration_latents`): absmax, or the
+    `clip` quantile of the magnitudes, over qmax (fp8 448, int8 127), in the
+    rotated basis when `rotate`; parts not stored statically get ones."""
+    rows = []
+    for latents in calibration:
+        row = []
+        split = latents.float().split((rank, latents.shape[-1] - rank), dim=-1)
+        for part, dtype in zip(split, layout.part_dtypes(), strict=True):
+            n = part.shape[-1]
+            if dtype not in STATIC_DTYPES:
+                row.append(part.new_ones(n))
+                continue
+            x = part @ kernels.hadamard(n, part.device) if layout.rotate else part
+            mag = x.abs() if layout.per_channel else x.abs().flatten()
+            if layout.clip is None:
+                edge = mag.amax(dim=0)
+            else:
+                edge = torch.quantile(mag, layout.clip, dim=0)
+            qmax = FP8_MAX if dtype == "fp8" else INT8_MAX
+            row.append((edge / qmax).expand(n))
+        rows.append(torch.cat(row))
+    return torch.stack(rows).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _mixed_attend(
@@ -356,7 +425,8 @@ def simulated(
     model, layout: LatentLayout, scales: Tensor | None = None
 ) -> Iterator[None]:
     """Every MLA layer of `model` reads its (float32) cache as `layout` stores it,
-    inside the block; `scales` [layers, 2]: static fp8's (`latent_scales`)."""
+    inside the block; `scales` [layers, 2] or [layers, rank + rope]: the static
+    parts' (`latent_scales`, `static_scales`)."""
     modules = [m for m in model.modules() if isinstance(m, MLAAttention)]
     if not modules:
         raise ValueError("the model has no MLA attention to simulate a latent cache")
@@ -450,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         choices=FAMILIES,
         default=FAMILIES,
-        help="widths to measure (int8 always runs: the faithfulness check)",
+        help="widths to measure",
     )
     parser.add_argument(
         "--max-passages", type=int, default=None, help="score only the first N"
@@ -468,11 +538,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids_list = texts(reference)[: args.max_passages]
     ref_chunks = [list(reference.logprobs_chunks(ids)) for ids in ids_list]
     config = model.config
-    calibration = calibration_sequences(reference.engine.tokenizer)
-    scales = {rotate: latent_scales(model, calibration, rotate) for rotate in (0, 1)}
-    wanted = {"int8", *args.families}
-    rows = [(layout, True) for layout in SERVED if layout.family in wanted]
-    rows += [(layout, False) for layout in LAYOUTS if layout.family in wanted]
+    calibration = calibration_latents(
+        model, calibration_sequences(reference.engine.tokenizer)
+    )
+    wanted = set(args.families)
+    rows = [(x, kv_dtype) for kv_dtype, x in SERVED.items() if x.family in wanted]
+    rows += [(x, None) for x in LAYOUTS if x.family in wanted]
     positions = sum(len(ids) - 1 for ids in ids_list)
     print(f"{args.model_dir}: {positions} positions, vs the bf16 latent cache")
     for family in sorted(wanted):
@@ -482,16 +553,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"bytes <= {bar[2]} (window and static scales over "
             f"{AMORTIZED_SEQ_TOKENS} tokens)"
         )
-    print(f"{'layout':<18}{'KLD / top-1':<20}{'bytes/tok':<11}its bar")
+    print(f"{'layout':<21}{'KLD / top-1':<20}{'bytes/tok':<11}its bar")
     passed = {family: False for family in args.families}
     for layout, served in rows:
         start = time.perf_counter()
-        kv_dtype = layout.dtype if served else SIM_CACHE_DTYPE
-        candidate = EngineModel(args.model_dir, kv_dtype, model=model)
+        candidate = EngineModel(args.model_dir, served or SIM_CACHE_DTYPE, model=model)
         if served:
             stats = score(ref_chunks, candidate, ids_list)
         else:
-            static = scales[layout.rotate] if "fp8" in layout.part_dtypes() else None
+            static = None
+            if layout.static:
+                static = static_scales(calibration, config.kv_lora_rank, layout)
             stats = score(ref_chunks, candidate, ids_list, layout, static)
         kld, top1 = float(stats.kld.mean()), float(stats.same_top1.mean())
         ratio = layout.bytes_ratio(config)
@@ -499,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not served and layout.family in passed:
             passed[layout.family] |= mark == "PASS"
         print(
-            f"{layout.name:<18}{f'{kld:.5f} / {top1:.2%}':<20}{ratio:<11.4f}{mark}"
+            f"{layout.name:<21}{f'{kld:.5f} / {top1:.2%}':<20}{ratio:<11.4f}{mark}"
             f"  ({time.perf_counter() - start:.0f}s)",
             flush=True,
         )
