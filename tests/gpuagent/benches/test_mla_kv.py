@@ -164,6 +164,32 @@ def test_fp8_reads_lie_within_e4m3_rounding_of_the_latent(rotate):
         sim.LatentLayout("x", "fp8").stored(latents, 64)
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+def test_static_int8_reads_lie_within_half_a_step_or_at_the_outer_level(rotate):
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(5, 80, generator=g) * torch.linspace(0.1, 4, 80)
+    c = latents[:, :64] @ kernels.hadamard(64) if rotate else latents[:, :64]
+    scale = c.abs().amax() / sim.INT8_MAX * 0.8  # the largest values clip
+    scales = torch.cat((scale.expand(64), torch.ones(16)))
+    layout = sim.LatentLayout("x", "int8-static", rotate=rotate, pe_dtype="int8")
+
+    read = layout.stored(latents, 64, scales)
+
+    got = read[:, :64] @ kernels.hadamard(64) if rotate else read[:, :64]
+    inside = c.abs() <= 127 * scale
+    tol = 1e-4 * scale if rotate else 0  # the rotation's float rounding
+    assert ((got - c).abs()[inside] <= scale / 2 * (1 + 1e-4) + tol).all()
+    assert ((got.abs() - 127 * scale).abs()[~inside] <= tol + 1e-6).all()
+    assert (~inside).any() and inside.any()
+    pe = latents[:, 64:] @ kernels.hadamard(16) if rotate else latents[:, 64:]
+    codes, pe_scale = kernels.quantize_kv(pe, "int8")  # per token, in its basis
+    pe_read = read[:, 64:] @ kernels.hadamard(16) if rotate else read[:, 64:]
+    want = kernels.dequantize_kv(codes, pe_scale, "int8")
+    torch.testing.assert_close(pe_read, want, atol=1e-5 if rotate else 0, rtol=0)
+    with pytest.raises(ValueError, match="static scales"):
+        layout.stored(latents, 64)
+
+
 def test_a_bf16_rope_key_is_read_as_bf16_and_c_as_its_dtype():
     latents = torch.randn(3, 80, generator=torch.Generator().manual_seed(1))
     layout = sim.LatentLayout("x", "fp8-per-token", pe_dtype="bf16")
@@ -191,6 +217,14 @@ def test_bytes_count_codes_scales_and_the_window_row(model):
     pe8 = sim.LatentLayout("u", "fp8", window=16, pe_dtype="int8")
     assert pe8.bytes_ratio(config, 2048) == pytest.approx(
         (64 + 18 + (16 * 160 + 4) / 2048) / 160
+    )
+    # static int8 on c: codes and a float32 scale per layer, or per channel
+    int8s = sim.LatentLayout("v", "int8-static", pe_dtype="int8")
+    assert int8s.bytes_ratio(config, 2048) == pytest.approx((82 + 4 / 2048) / 160)
+    assert int8s.family == "int8"
+    per_channel = dataclasses.replace(int8s, per_channel=True)
+    assert per_channel.bytes_ratio(config, 2048) == pytest.approx(
+        (82 + 64 * 4 / 2048) / 160
     )
     windowed = sim.LatentLayout("c", "int4", window=17, sinks=1)
     assert windowed.bytes_ratio(config, 2048) == pytest.approx(
