@@ -224,9 +224,10 @@ def bench_prefill(table, device, batch, new_tokens, shape, reps) -> None:
 def mla_latent_cache(dtype, num_blocks, block_size, rank, rope, device):
     """A randomly filled MLA latent cache laid out as `gpuagent.engine.mla`'s
     allocate_mla_cache lays it out: key [num_blocks, block_size, 1, rank + rope],
-    a value of width 0; int8 / fp8-per-token a float16 scale per token and part
-    [num_blocks, block_size, 2], fp8 the latent's static float32 scale [1] and
-    the (int8) RoPE key's float16 scale per token [num_blocks, block_size]."""
+    a value of width 0; fp8-per-token a float16 scale per token and part
+    [num_blocks, block_size, 2], int8 and fp8 the latent's static float32 scale
+    [1] and the (int8) RoPE key's float16 scale per token [num_blocks,
+    block_size]."""
     storage = {
         "bf16": torch.bfloat16,
         "int8": torch.int8,
@@ -236,9 +237,9 @@ def mla_latent_cache(dtype, num_blocks, block_size, rank, rope, device):
     shape = (num_blocks, block_size, 1, rank + rope)
     key = torch.empty(shape, dtype=storage, device=device)
     scale = rope_scale = None
-    if dtype in ("int8", "fp8-per-token"):
+    if dtype == "fp8-per-token":
         scale = torch.empty(shape[:2] + (2,), dtype=kv_quant.SCALE_DTYPE, device=device)
-    elif dtype == "fp8":
+    elif dtype in ("int8", "fp8"):
         scale = torch.empty(1, dtype=torch.float32, device=device)
         rope_scale = torch.full(
             shape[:2], 0.01, dtype=kv_quant.SCALE_DTYPE, device=device
@@ -283,7 +284,7 @@ def bench_mla_decode(
         per_token = (rank + rope) * cache.key.element_size()
         if cache.key_scale is not None and not cache.static_scales:
             per_token += 2 * kv_quant.SCALE_DTYPE.itemsize
-        if cache.rope_scale is not None:  # fp8's int8 RoPE key
+        if cache.rope_scale is not None:  # int8's / fp8's int8 RoPE key
             per_token += kv_quant.SCALE_DTYPE.itemsize
         queries = (q_lat.numel() + q_pe.numel()) * q_lat.element_size()
         nbytes = batch * context * per_token + queries + q_lat.numel() * 2

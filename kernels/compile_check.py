@@ -283,9 +283,11 @@ def _configs(module: str):
     elif module == "mla_attention":
         # (KV_DTYPE code, SCALES, RANK, ROPE, single partition): DeepSeek-V3's
         # 512 + 64 in every storage, the demo model's 64 + 16, a padded 48 + 8.
-        shapes = ((0, 0, 512, 64, False), (2, 1, 512, 64, True),
+        # int8 and fp8 (SCALES 2): a static latent scale, the int8 RoPE key's
+        # per token; fp8-per-token (SCALES 1) a scale per token and part.
+        shapes = ((0, 0, 512, 64, False), (2, 2, 512, 64, True),
                   (1, 1, 512, 64, False), (1, 2, 512, 64, True),
-                  (0, 0, 64, 16, True), (2, 1, 48, 8, False))  # fmt: skip
+                  (0, 0, 64, 16, True), (2, 2, 48, 8, False))  # fmt: skip
         for code, scales, rank, rope, single in shapes:
             sig = dict(_MLA_DECODE_SIG, cache_ptr=_STORAGE[code])
             if scales == 2:

@@ -217,14 +217,16 @@ class PagedKVCache:
     # like fp8's scales; set by `gpuagent.engine.kv_int4c.set_key_means`
     key_mean: torch.Tensor | None = None
     means_set: bool = False
-    # MLA fp8 (`gpuagent.engine.mla`): the RoPE key's int8 scale per token
+    # MLA int8 / fp8 (`gpuagent.engine.mla`): the RoPE key's int8 scale per token
     # [num_blocks, block_size] float16 (its codes share the latent's key rows)
     rope_scale: torch.Tensor | None = None
 
     @property
     def static_scales(self) -> bool:
-        """One scale per kv head for the whole cache (fp8)."""
-        return self.dtype in STATIC_SCALE_DTYPES
+        """One scale per kv head for the whole cache (fp8; MLA's int8 and fp8
+        latent caches, whose RoPE key keeps its scales per token in `rope_scale`,
+        one static scale for the latent)."""
+        return self.dtype in STATIC_SCALE_DTYPES or self.rope_scale is not None
 
     @property
     def stores_fp8(self) -> bool:

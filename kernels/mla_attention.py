@@ -15,25 +15,27 @@ Stored rows, per cache dtype (`scale` below is `cache.key_scale`):
 dtype           key [nb, bs, 1, RANK+ROPE]   scale
 ==============  ===========================  ===================================
 bf16/fp16/fp32  the values, cast             None
-int8            codes                        [nb, bs, 2] float16 (latent, RoPE)
 fp8-per-token   e4m3 codes                   [nb, bs, 2] float16 (latent, RoPE)
+int8            int8 codes                   [1] float32 (latent), static;
+                                             `cache.rope_scale` [nb, bs] float16
 fp8             e4m3 codes (latent),         [1] float32 (latent), static;
                 int8 codes (RoPE)            `cache.rope_scale` [nb, bs] float16
 ==============  ===========================  ===================================
 
-a stored value being code * its part's scale (int4 is refused for MLA; fp8's RoPE
-key is int8: e4m3 on it missed fp8's quality bar, `gpuagent.engine.mla`).
+a stored value being code * its part's scale (int4 is refused for MLA; the RoPE
+key of int8 and fp8 is int8 per token: e4m3 on it missed fp8's quality bar, a
+second per-token scale int8's bytes bar, `gpuagent.engine.mla`).
 
 The Triton kernel runs one program per (group of HEAD_BLOCK query heads, sequence,
 context partition of PARTITION_SIZE tokens): every head of the group shares each
 latent tile, gathered token by token through the block table (any block size,
 any context length) and loaded once per program. The codes go into the dots as
 they are; a token's scales multiply its score (latent and RoPE parts apart) and
-its probability before the probability-weighted sum of latents (fp8's static
-latent scale folds into the query and the output instead), which is the same sum
-as dequantizing the tile first without a multiply per element. Online softmax in
-float32; partitions are merged by `paged_attention`'s reduce kernel
-(flash-decoding).
+its probability before the probability-weighted sum of latents (int8's and
+fp8's static latent scale folds into the query and the output instead), which is
+the same sum as dequantizing the tile first without a multiply per element.
+Online softmax in float32; partitions are merged by `paged_attention`'s reduce
+kernel (flash-decoding).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _gather_latents(
     sizes = (rank, cache.head_dim - rank)
     if cache.key_scale is None:
         latents = rows.float()
-    elif cache.static_scales:  # fp8: e4m3 latent, int8 RoPE key
+    elif cache.static_scales:  # int8 / e4m3 latent, int8 RoPE key
         c = rows[..., :rank].float() * cache.key_scale.float()
         pe_scales = cache.rope_scale.index_select(0, blocks)  # [B * max_blocks, bs]
         pe_codes = rows[..., rank:].view(torch.uint8).view(torch.int8)
@@ -139,7 +141,7 @@ def _load_latent_part(
     WIDTH: tl.constexpr,  # columns of the part
     WIDTH_PAD: tl.constexpr,  # WIDTH padded to a power of two >= 16
     DIM: tl.constexpr,
-    KV_DTYPE: tl.constexpr,  # as the kernel's; -1: int8 codes in u8 (fp8's RoPE key)
+    KV_DTYPE: tl.constexpr,  # as the kernel's; -1: int8 codes (in u8: fp8's RoPE key)
 ):
     """[BLOCK_N, WIDTH_PAD] float32 codes (unscaled), 0 past WIDTH and the mask."""
     offs = tl.arange(0, WIDTH_PAD)
@@ -158,7 +160,7 @@ def _mla_decode_kernel(
     q_pe_ptr,  # [B, num_heads, ROPE] rotated RoPE queries, contiguous
     cache_ptr,  # [num_slots, RANK + ROPE] latent rows (fp8 as u8)
     scale_ptr,  # [num_slots, 2] float16 token scales, or [1] float32 static (dummy)
-    rope_scale_ptr,  # [num_slots] float16 RoPE-key token scales (fp8; else dummy)
+    rope_scale_ptr,  # [num_slots] float16 RoPE-key scales (int8, fp8; else dummy)
     block_tables_ptr,  # [B, max_blocks] int32 physical block of each logical block
     context_lens_ptr,  # [B] int32 tokens in the cache per sequence
     part_out_ptr,  # [B, num_heads, num_parts, RANK_PAD] float32 unnormalised outputs
@@ -178,7 +180,8 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     KV_DTYPE: tl.constexpr,  # kv_quant.KV_DTYPE_CODES: 0 cast, 1 fp8, 2 int8
-    # 0 none, 1 per token and part, 2 static latent + int8 RoPE key per token (fp8)
+    # 0 none, 1 per token and part, 2 static latent + int8 RoPE key per token
+    # (int8, fp8)
     SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SINGLE_PART: tl.constexpr,
@@ -227,7 +230,7 @@ def _mla_decode_kernel(
         c = _load_latent_part(
             cache_ptr, slot, n_mask, 0, RANK, RANK_PAD, RANK + ROPE, KV_DTYPE
         )  # [BLOCK_N, RANK_PAD]
-        if SCALES == 2:  # fp8: the RoPE key is int8
+        if SCALES == 2:  # int8 / fp8: the RoPE key is int8
             k_pe = _load_latent_part(
                 cache_ptr, slot, n_mask, RANK, ROPE, ROPE_PAD, RANK + ROPE, -1
             )  # [BLOCK_N, ROPE_PAD]

@@ -155,7 +155,7 @@ def calibrate_kv_caches(model, tokenizer, kv_caches) -> None:
         return
     if not kv_caches or not kv_caches[0].static_scales:
         return
-    if is_mla(model.config):  # two scales per layer for the latent cache
+    if is_mla(model.config):  # the latent's static scale per layer (int8, fp8)
         calibrate_latent_scales(model, calibration_sequences(tokenizer), kv_caches)
         return
     checkpoint_scales = getattr(model, "checkpoint_kv_scales", None)

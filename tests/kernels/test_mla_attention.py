@@ -52,16 +52,17 @@ CUDA_TOLERANCE = {d: (5e-3, 5e-3) for d in MLA_KV_DTYPES} | {"fp32": (1e-4, 1e-4
 
 def filled_latent_cache(dtype, rank, rope, block_size, context_lens, seed=0):
     """A latent cache holding random rows for each sequence in shuffled physical
-    blocks, written by the engine's `write_latent` (fp8: static scales first);
-    tables padded with -1 past each sequence's blocks, plus spare blocks.
+    blocks, written by the engine's `write_latent` (int8 and fp8: the latent's
+    static scale first); tables padded with -1 past each sequence's blocks, plus
+    spare blocks.
 
     Returns (cache, block_tables [B, max_blocks] int32, context_lens [B] int32)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + 3
     cache = allocate_mla_cache(dtype, num_blocks, block_size, rank + rope)
-    if dtype == "fp8":
-        set_latent_scales(cache, torch.tensor([0.01]))  # the latent's
+    if cache.static_scales:  # the latent's: |c| ~ 4.5 at most, unclipped
+        set_latent_scales(cache, torch.tensor([0.01 if dtype == "fp8" else 0.04]))
     pool = torch.randperm(num_blocks, generator=g).tolist()
     width = max(max(blocks_per_seq), 1)
     tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)

@@ -1,11 +1,12 @@
 """The MLA latent-cache simulation (benches.mla_kv): its int8, fp8-per-token and
 fp8 rows are the served caches bit for bit, a window covering every token reads the
 bf16 cache, its int4 reads lie within half a step of the latent (rotated or not),
-fp8's static scales are the served calibration's, and its bytes are counted with
-the scales and the window row."""
+int8's and fp8's static scales are the served calibration's (or clipped, per
+channel), and its bytes are counted with the scales and the window row."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import kernels
 from gpuagent.benches import mla_kv as sim
 from gpuagent.engine.kv_calibration import calibration_sequences
 from gpuagent.engine.loader import load_model
-from gpuagent.engine.mla import latent_scales
+from gpuagent.engine.mla import calibration_latents, latent_scales
 from gpuagent.evaluate.evalsets import load_heldout_passages
 from gpuagent.evaluate.inprocess import EngineModel
 from gpuagent.evaluate.regression import exact_position_stats
@@ -47,14 +48,27 @@ def layout_named(name):
     return layout
 
 
-def served_scales(model, rotate=False):
+def calibration_ids(model):
     tokenizer = EngineModel(MOE_DIR, "bf16", model=model).engine.tokenizer
-    return latent_scales(model, calibration_sequences(tokenizer), rotate)
+    return calibration_sequences(tokenizer)
+
+
+def served_scales(model, rotate=False):
+    return latent_scales(model, calibration_ids(model), rotate)
+
+
+def bench_scales(model, layout):
+    latents = calibration_latents(model, calibration_ids(model))
+    return sim.static_scales(latents, model.config.kv_lora_rank, layout)
 
 
 @pytest.mark.parametrize(
     ("kv_dtype", "name"),
-    [("int8", "sim-int8"), ("fp8-per-token", "sim-fp8pt"), ("fp8", "sim-fp8/pe8")],
+    [
+        ("int8", "sim-int8s/pe8"),
+        ("fp8-per-token", "sim-fp8pt"),
+        ("fp8", "sim-fp8/pe8"),
+    ],
 )
 def test_a_row_is_its_served_cache_bit_for_bit(model, kv_dtype, name):
     reference = EngineModel(MOE_DIR, "bf16", model=model)
@@ -62,9 +76,11 @@ def test_a_row_is_its_served_cache_bit_for_bit(model, kv_dtype, name):
     ref = list(reference.logprobs_chunks(ids))
     served = logprobs(model, kv_dtype, ids)
     layout = layout_named(name)
-    scales = served_scales(model) if "fp8" in layout.part_dtypes() else None
+    scales = bench_scales(model, layout) if layout.static else None
     simulated = logprobs(model, sim.SIM_CACHE_DTYPE, ids, layout, scales)
-    assert layout.dtype == kv_dtype and len(ids) > 100
+    # the bench's served row stores what this simulation stores
+    assert dataclasses.replace(sim.SERVED[kv_dtype], name=name) == layout
+    assert len(ids) > 100
     for a, b in zip(served, simulated, strict=True):
         assert torch.equal(a, b)
     served_stats = exact_position_stats(ref, served, ids)
@@ -105,13 +121,26 @@ def test_int4_reads_lie_within_half_a_step_of_the_latent(rotate):
         assert not torch.equal(x, y)
 
 
-def test_the_static_scales_are_the_served_calibration(model):
-    engine = EngineModel(MOE_DIR, "fp8", model=model).engine
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_the_static_scales_are_the_served_calibration(model, kv_dtype):
+    engine = EngineModel(MOE_DIR, kv_dtype, model=model).engine
     served = torch.stack([cache.key_scale for cache in engine.kv.kv_caches])
-    # the latent's static scale; the served RoPE key is int8, scaled per token
-    assert torch.equal(served_scales(model)[:, :1], served)
-    rotated = served_scales(model, rotate=True)
+    layout = sim.SERVED[kv_dtype]
+    scales = bench_scales(model, layout)
+    # the latent's static scale on each of its channels; the RoPE key is int8,
+    # scaled per token (ones in the static scales)
+    assert torch.equal(scales[:, :64], served.expand(-1, 64))
+    assert torch.equal(scales[:, 64:], torch.ones_like(scales[:, 64:]))
+    rotated = bench_scales(model, dataclasses.replace(layout, rotate=True))
     assert not torch.equal(rotated[:, :1], served)
+    clipped = bench_scales(model, dataclasses.replace(layout, clip=0.999))
+    # a quantile lies at or below the absmax (layer 0's top values repeat)
+    assert (clipped[:, :64] <= served).all() and (clipped[:, :64] < served).any()
+    per_channel = bench_scales(model, dataclasses.replace(layout, per_channel=True))
+    assert torch.equal(per_channel[:, :64].amax(-1, keepdim=True), served)
+    assert (per_channel[:, :64] < served).any()
+    if kv_dtype == "fp8":  # the calibration's own function, per part
+        assert torch.equal(served_scales(model)[:, :1], served)
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -133,6 +162,32 @@ def test_fp8_reads_lie_within_e4m3_rounding_of_the_latent(rotate):
         assert not torch.equal(x, y)
     with pytest.raises(ValueError, match="static scales"):
         sim.LatentLayout("x", "fp8").stored(latents, 64)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_static_int8_reads_lie_within_half_a_step_or_at_the_outer_level(rotate):
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(5, 80, generator=g) * torch.linspace(0.1, 4, 80)
+    c = latents[:, :64] @ kernels.hadamard(64) if rotate else latents[:, :64]
+    scale = c.abs().amax() / sim.INT8_MAX * 0.8  # the largest values clip
+    scales = torch.cat((scale.expand(64), torch.ones(16)))
+    layout = sim.LatentLayout("x", "int8-static", rotate=rotate, pe_dtype="int8")
+
+    read = layout.stored(latents, 64, scales)
+
+    got = read[:, :64] @ kernels.hadamard(64) if rotate else read[:, :64]
+    inside = c.abs() <= 127 * scale
+    tol = 1e-4 * scale if rotate else 0  # the rotation's float rounding
+    assert ((got - c).abs()[inside] <= scale / 2 * (1 + 1e-4) + tol).all()
+    assert ((got.abs() - 127 * scale).abs()[~inside] <= tol + 1e-6).all()
+    assert (~inside).any() and inside.any()
+    pe = latents[:, 64:] @ kernels.hadamard(16) if rotate else latents[:, 64:]
+    codes, pe_scale = kernels.quantize_kv(pe, "int8")  # per token, in its basis
+    pe_read = read[:, 64:] @ kernels.hadamard(16) if rotate else read[:, 64:]
+    want = kernels.dequantize_kv(codes, pe_scale, "int8")
+    torch.testing.assert_close(pe_read, want, atol=1e-5 if rotate else 0, rtol=0)
+    with pytest.raises(ValueError, match="static scales"):
+        layout.stored(latents, 64)
 
 
 def test_a_bf16_rope_key_is_read_as_bf16_and_c_as_its_dtype():
@@ -162,6 +217,14 @@ def test_bytes_count_codes_scales_and_the_window_row(model):
     pe8 = sim.LatentLayout("u", "fp8", window=16, pe_dtype="int8")
     assert pe8.bytes_ratio(config, 2048) == pytest.approx(
         (64 + 18 + (16 * 160 + 4) / 2048) / 160
+    )
+    # static int8 on c: codes and a float32 scale per layer, or per channel
+    int8s = sim.LatentLayout("v", "int8-static", pe_dtype="int8")
+    assert int8s.bytes_ratio(config, 2048) == pytest.approx((82 + 4 / 2048) / 160)
+    assert int8s.family == "int8"
+    per_channel = dataclasses.replace(int8s, per_channel=True)
+    assert per_channel.bytes_ratio(config, 2048) == pytest.approx(
+        (82 + 64 * 4 / 2048) / 160
     )
     windowed = sim.LatentLayout("c", "int4", window=17, sinks=1)
     assert windowed.bytes_ratio(config, 2048) == pytest.approx(

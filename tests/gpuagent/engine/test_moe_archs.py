@@ -328,7 +328,7 @@ def test_mla_bf16_latent_cache_stays_close(tmp_path):
     assert ATOL < diff <= BF16_ATOL, diff  # rounded (not fp32), but close
 
 
-@pytest.mark.parametrize(("kv_dtype", "bar"), [("int8", 0.06), ("fp8-per-token", 0.25)])
+@pytest.mark.parametrize(("kv_dtype", "bar"), [("fp8-per-token", 0.25)])
 def test_mla_quantized_latent_cache_stays_close(tmp_path, kv_dtype, bar):
     # codes + a float16 scale per token for c and for k_pe; bytes as counted.
     # On this random model (|logits| ~5) the same harness gives Llama's GQA cache
@@ -354,9 +354,13 @@ def test_mla_quantized_latent_cache_stays_close(tmp_path, kv_dtype, bar):
     assert (per_position <= 3 * bar).float().mean().item() >= 0.9, per_position
 
 
-def test_mla_static_fp8_latent_cache_stays_close(tmp_path):
-    # e4m3 latent codes under a calibrated float32 scale per layer, the RoPE key
-    # as int8 codes with a scale per token
+@pytest.mark.parametrize(("kv_dtype", "bar"), [("int8", 0.1), ("fp8", 0.25)])
+def test_mla_static_latent_cache_stays_close(tmp_path, kv_dtype, bar):
+    # int8 / e4m3 latent codes under a calibrated float32 scale per layer, the RoPE
+    # key as int8 codes with a scale per token; bytes as counted. On this random
+    # model, calibrated on 65 random tokens, int8 measures median 0.061 / max 2.3
+    # (per token on c it read 0.04 / 0.11), fp8 median 0.20 / max 0.37; its
+    # quality bar is measured on the trained demo model (`benches.mla_kv`).
     from gpuagent.engine.mla import calibrate_latent_scales
 
     hf = deepseek_folder(tmp_path)
@@ -371,25 +375,28 @@ def test_mla_static_fp8_latent_cache_stays_close(tmp_path):
 
     KVCacheManager.__init__ = calibrated
     try:
-        paged = run_paged(model, [tokens], [12], kv_dtype="fp8")[0]
+        kv = KVCacheManager(model.config, kv_dtype, num_blocks=3, block_size=4)
+        paged = run_paged(model, [tokens], [12], kv_dtype=kv_dtype)[0]
     finally:
         KVCacheManager.__init__ = original
+    assert kv.bytes_per_token == 3 * (40 + 2)  # codes, the RoPE key's scale
 
     per_position = (paged - _hf_logits(hf, tokens)).abs().max(-1).values
     print(
-        f"MLA fp8 (static) latent cache: max abs diff {per_position.max():.2e}, "
-        f"median per position {per_position.median():.2e}"
+        f"MLA {kv_dtype} (static) latent cache: max abs diff "
+        f"{per_position.max():.2e}, median per position {per_position.median():.2e}"
     )
-    assert ATOL < per_position.median().item() <= 0.25, per_position
-    assert (per_position <= 0.75).float().mean().item() >= 0.9, per_position
+    assert ATOL < per_position.median().item() <= bar, per_position
+    assert (per_position <= 3 * bar).float().mean().item() >= 0.9, per_position
 
 
-def test_an_mla_fp8_cache_refuses_writes_before_its_scales(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_an_mla_static_cache_refuses_writes_before_its_scales(tmp_path, kv_dtype):
     deepseek_folder(tmp_path)
     model = load_model(tmp_path)
 
     with pytest.raises(ValueError, match="needs its scales before a write"):
-        run_paged(model, [_tokens(5)], [5], kv_dtype="fp8")
+        run_paged(model, [_tokens(5)], [5], kv_dtype=kv_dtype)
 
 
 def test_glm_runs_a_quantized_kv_cache_as_llama_does(tmp_path):
@@ -681,20 +688,21 @@ def test_engine_serves_mla_with_each_latent_dtype(tmp_path, kv_dtype):
 
     assert [len(o.token_ids) for o in outs] == [5, 5, 5]
     assert engine.kv.bytes_per_token == mla_bytes(engine.config, kv_dtype)
-    static = 3 * 4 if kv_dtype == "fp8" else 0  # the latent's float32 scale
+    # the latent's float32 scale
+    static = 3 * 4 if kv_dtype in ("int8", "fp8") else 0
     slots = engine.kv.num_blocks * engine.kv.block_size
     assert engine.kv.nbytes == engine.kv.bytes_per_token * slots + static
     assert engine.kv.num_blocks == ((1 << 16) - static) // (
         engine.kv.bytes_per_token * 16
     )
-    if kv_dtype == "fp8":  # calibrated at start
-        assert all(c.scales_set for c in engine.kv.kv_caches)
+    # calibrated at start
+    assert all(c.scales_set == bool(static) for c in engine.kv.kv_caches)
 
 
 def mla_bytes(config, kv_dtype):
     size = {"bf16": 2, "int8": 1, "fp8-per-token": 1, "fp8": 1}[kv_dtype]
-    # float16 scales per token: latent and RoPE key, or fp8's int8 RoPE key alone
-    scales = {"int8": 4, "fp8-per-token": 4, "fp8": 2}.get(kv_dtype, 0)
+    # float16 scales per token: latent and RoPE key, or the int8 RoPE key alone
+    scales = {"int8": 2, "fp8-per-token": 4, "fp8": 2}.get(kv_dtype, 0)
     return config.num_hidden_layers * (40 * size + scales)
 
 
