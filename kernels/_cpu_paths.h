@@ -7,6 +7,8 @@
  * rows_avx2 (x86-64 SIMD builds, under HAVE_X86_SIMD) and rows_portable, and
  * MAX_THREADS; having defined MIN_GROUP_AVX512, MIN_GROUP_AVX2 and
  * MIN_GROUP_PORTABLE, the group width (a multiple of it) each build needs.
+ * A file with a second family of builds (another table of `Path`s over the same
+ * `Job`) picks among them with `pick_in` and names them with `names_in`.
  */
 #ifndef RELEASEGATE_CPU_PATHS_H
 #define RELEASEGATE_CPU_PATHS_H
@@ -50,11 +52,12 @@ static void *run_task(void *task) {
     return NULL;
 }
 
-/* The path named `name` (NULL: the best this CPU runs for `group`), or NULL with a
- * ValueError set. */
-static const Path *pick(const char *name, Py_ssize_t group) {
-    for (Py_ssize_t i = 0; i < N_PATHS; i++) {
-        const Path *p = &PATHS[i];
+/* The path named `name` in `table` (`count` entries; NULL name: the best this CPU
+ * runs for `group`), or NULL with a ValueError set. */
+static const Path *pick_in(const Path *table, Py_ssize_t count, const char *name,
+                           Py_ssize_t group) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const Path *p = &table[i];
         if (name && strcmp(name, p->name)) continue;
         if (p->runs() && group % p->min_group == 0) return p;
         if (name && !p->runs())
@@ -66,6 +69,10 @@ static const Path *pick(const char *name, Py_ssize_t group) {
     }
     PyErr_Format(PyExc_ValueError, "no path named %s", name ? name : "(none)");
     return NULL;
+}
+
+static const Path *pick(const char *name, Py_ssize_t group) {
+    return pick_in(PATHS, N_PATHS, name, group);
 }
 
 /* Checks a buffer holds exactly `count` items of `itemsize` bytes. */
@@ -103,12 +110,12 @@ static void run_split(const Path *path, const Job *job, Py_ssize_t threads) {
     Py_END_ALLOW_THREADS
 }
 
-/* paths() -> the names of the builds this CPU runs, best first */
-static PyObject *paths(PyObject *self, PyObject *unused) {
+/* The names of the builds in `table` this CPU runs, best first, as a tuple. */
+static PyObject *names_in(const Path *table, Py_ssize_t count) {
     PyObject *names = PyList_New(0);
-    for (Py_ssize_t i = 0; names && i < N_PATHS; i++)
-        if (PATHS[i].runs()) {
-            PyObject *name = PyUnicode_FromString(PATHS[i].name);
+    for (Py_ssize_t i = 0; names && i < count; i++)
+        if (table[i].runs()) {
+            PyObject *name = PyUnicode_FromString(table[i].name);
             if (!name || PyList_Append(names, name) < 0) Py_CLEAR(names);
             Py_XDECREF(name);
         }
@@ -117,6 +124,9 @@ static PyObject *paths(PyObject *self, PyObject *unused) {
     Py_DECREF(names);
     return result;
 }
+
+/* paths() -> the names of the builds this CPU runs, best first */
+static PyObject *paths(PyObject *self, PyObject *unused) { return names_in(PATHS, N_PATHS); }
 
 #define PATHS_METHOD                                                                     \
     {"paths", paths, METH_NOARGS, "paths() -> names of the builds this CPU runs, best first"}

@@ -37,6 +37,14 @@ its two ratios, each side's tokens/s and ms/step, ours with the other
 difference: the like-for-like run vs the float-head run, and vs llama.cpp (Q4_1
 with llama.cpp's int8 activations vs our w4a16 of the converted model: they drift;
 measured 0/32, the first token already differs, not looked into).
+
+Also for information: the like-for-like run with the engine option
+`int8_activations` (the int4 layers' activations rounded to int8 per block of 32 as
+llama.cpp's Q8_1, integer int4 x int8 dot products: `kernels.int4_cpu`), its two
+ratios and speed, and its quality cost against the same run with float32
+activations: greedy tokens equal before the first difference, and mean KLD and same
+top-1 teacher-forced over the eval slices' first passages (`int8_activation_quality`,
+fed `int4_cpu.MAX_ROWS` tokens a chunk so every matmul runs the decode kernel).
 The exit status is 1 when a judged row fails.
 """
 
@@ -218,25 +226,27 @@ def decode_rows(
     # like-for-like, then as served by default, then (information) the other
     # `quantize_head` copies of the float head, which a profile puts at about a
     # third of the step
-    heads = {like: like_head, float_head: None}
+    like_q8 = f"{like}, int8 activations"
+    heads = {like: like_head, like_q8: like_head, float_head: None}
     heads.update(
         (f"ours, {fmt} head copy", fmt) for fmt in HEAD_FORMATS if fmt != like_head
     )
 
-    def engine(model_dir: Path, head: str | None) -> LLMEngine:
+    def engine(model_dir: Path, head: str | None, int8_activations: bool) -> LLMEngine:
         return LLMEngine.from_model_dir(
             model_dir,
             device="cpu",
             max_num_seqs=1,
             kv_memory_bytes=64 << 20,
             quantize_head=head,
+            int8_activations=int8_activations,
         )
 
     engines = {
         label: (
-            engine(head_folder, None)  # the release's own head
-            if label == like and head_folder is not None and head is not None
-            else engine(folder, head)
+            engine(head_folder, None, label == like_q8)  # the release's own head
+            if label in (like, like_q8) and head_folder is not None and head is not None
+            else engine(folder, head, label == like_q8)
         )
         for label, head in heads.items()
     }
@@ -292,10 +302,30 @@ def decode_rows(
         "",
         None,
     )
+    kld, top1, positions = int8_activation_quality(
+        engines[like].model, engines[like_q8].model, engines[like].tokenizer
+    )
+    q8_quality = [
+        Row(
+            f"greedy tokens of {like_q8} equal to float activations' before the "
+            "first difference",
+            f"{common_prefix(tokens[like_q8], tokens[like])}/{new_tokens}",
+            "",
+            None,
+        ),
+        Row(
+            f"int8 activations vs float: mean KLD over {positions} positions",
+            f"{kld:.2e}",
+            "",
+            None,
+        ),
+        Row("int8 activations vs float: same top-1", f"{top1:.1%}", "", None),
+    ]
     if missing is not None:
         rows += [speed(name) for name in engines]
         if like != float_head:
             rows.append(same_head)
+        rows += q8_quality
         rows.append(missing)
         return rows
     peer_2 = f"llama.cpp {threads} threads"
@@ -324,6 +354,7 @@ def decode_rows(
         ]
 
     rows += ratios(like, judged=True)
+    rows += ratios(like_q8, judged=False)
     if like != float_head:
         rows += ratios(float_head, judged=False)
     rows += [speed(name) for name in engines]
@@ -339,6 +370,7 @@ def decode_rows(
     ]
     if like != float_head:
         rows.append(same_head)
+    rows += q8_quality
     rows.append(
         Row(
             f"greedy tokens of {like} equal to llama.cpp's before the first difference",
@@ -348,6 +380,27 @@ def decode_rows(
         )
     )
     return rows
+
+
+def int8_activation_quality(
+    reference, candidate, tokenizer, max_len: int = 256
+) -> tuple[float, float, int]:
+    """(mean KLD, same top-1, positions) of `candidate` (int8 activations) against
+    `reference` (the same weights, float32 activations), teacher-forced over the
+    eval slices' first passages (`max_len` tokens each) fed `int4_cpu.MAX_ROWS`
+    tokens a chunk: the rows the decode kernel takes, so every int4 matmul of both
+    runs it (a longer chunk would run the float reference in both)."""
+    from gpuagent.benches.engine import quality_sequences, teacher_forced_logprobs
+    from kernels import int4_cpu
+
+    ref, cand = [], []
+    for ids in quality_sequences(tokenizer, max_len):
+        for model, out in ((reference, ref), (candidate, cand)):
+            out.append(teacher_forced_logprobs(model, ids, "bf16", int4_cpu.MAX_ROWS))
+    r, c = torch.cat(ref), torch.cat(cand)
+    kld = (r.exp() * (r - c)).sum(-1).mean().item()
+    top1 = (r.argmax(-1) == c.argmax(-1)).float().mean().item()
+    return kld, top1, r.shape[0]
 
 
 def head_threads_rows(

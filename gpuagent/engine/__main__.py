@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "option head=int8 carries the int8 head already)",
     )
     serve.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="round the int4 layers' activations to int8 per block of 32 at CPU "
+        "decode, as llama.cpp does (faster, at a logits cost `python -m "
+        "gpuagent.benches.llamacpp` prints; a float32 w4a16 model on a CPU only)",
+    )
+    serve.add_argument(
         "--default-max-tokens",
         type=int,
         default=DEFAULT_MAX_TOKENS,
@@ -233,6 +240,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         quantize_head=args.quantize_head,
+        int8_activations=args.int8_activations,
     )
 
 

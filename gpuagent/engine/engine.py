@@ -37,6 +37,7 @@ from gpuagent.engine.scheduler import ScheduledChunk, Scheduler
 from gpuagent.engine.scheduler import Sequence as Seq
 from gpuagent.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from gpuagent.engine.weights import quantize_head as quantize_head_weights
+from gpuagent.engine.weights import use_int8_activations
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,7 @@ class LLMEngine:
         kv_window: int | None = None,
         enable_prefix_caching: bool = True,
         quantize_head: str | None = None,
+        int8_activations: bool = False,
     ) -> None:
         """Size the KV pool by `num_blocks` or else `kv_memory_bytes` (256 MiB).
 
@@ -323,12 +325,20 @@ class LLMEngine:
         a small model, at a logits cost the engine bench prints ("int8" is a GGUF's
         Q8_0 head precision: none on SmolLM2, converted from one); None keeps the
         checkpoint's head (a release compressed with the recipe option
-        head="int8" carries that int8 head itself)."""
+        head="int8" carries that int8 head itself).
+
+        `int8_activations` runs the int4 layers' CPU decode kernel with activations
+        rounded to int8 per block of 32, as llama.cpp does
+        (`engine.weights.use_int8_activations`): faster decode at a logits cost
+        the llama.cpp bench prints; refused (Int8ActivationsError) where it does
+        not apply (a model that is not float32 on a CPU, or has no int4 weights)."""
         self.model = model.eval()
         if quantize_head is not None:
             quantize_head_weights(model, quantize_head)
         if prepack_weights and hasattr(model, "prepack_cpu_weights"):
             model.prepack_cpu_weights()
+        if int8_activations:
+            use_int8_activations(model)
         self.tokenizer = tokenizer
         self.config = model.config
         self.device = next(model.parameters()).device

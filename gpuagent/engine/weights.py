@@ -371,6 +371,45 @@ def to_model(
     return layer
 
 
+class Int8ActivationsError(ValueError):
+    """The engine option int8_activations asked of a model it does not apply to."""
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Run every int4 layer's decode kernel (`kernels.int4_cpu`, fused groups
+    included) with its activations rounded to int8 per block of 32 columns, as
+    llama.cpp's Q8_1 (`int4_cpu` module docstring): an engine option, off by
+    default, that trades logits quality (`python -m gpuagent.benches.llamacpp`
+    prints it) for decode speed. Returns how many weights it switched; refuses
+    (Int8ActivationsError, naming why) a model it does not apply to: not float32 on
+    a CPU, no int4 layer with the kernel prepared, or a group size that is not a
+    multiple of 32."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        raise Int8ActivationsError(
+            "int8 activations apply to a float32 model on a CPU (the int4 CPU "
+            f"decode kernel), not a {param.dtype} model on {param.device}"
+        )
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers += _fused_groups(model)
+    prepared = [m.int4_cpu for m in layers if m.int4_cpu is not None]
+    if not prepared:
+        raise Int8ActivationsError(
+            "int8 activations apply to int4 weights (w4a16) run by kernels.int4_cpu; "
+            "this model has none"
+            + ("" if int4_cpu.AVAILABLE else " (the int4 CPU extension is not built)")
+        )
+    refused = sorted({p.group_size for p in prepared if not p.takes_int8_activations})
+    if refused:
+        raise Int8ActivationsError(
+            f"int8 activations need int4 groups that are a multiple of "
+            f"{int4_cpu.Q8_BLOCK} columns; this model has group sizes {refused}"
+        )
+    for p in prepared:
+        p.int8_activations = True
+    return len(prepared)
+
+
 FUSED_INT4 = {
     "self_attn": ("qkv_int4", ("q_proj", "k_proj", "v_proj")),
     "mlp": ("gate_up_int4", ("gate_proj", "up_proj")),
