@@ -217,17 +217,17 @@ def decode_rows(
     head precision) as it is; None: `folder` with that head copied at serve time
     (the engine's `quantize_head`)."""
     from gpuagent.engine.engine import LLMEngine
-    from gpuagent.engine.weights import HEAD_FORMATS
+    from gpuagent.engine.weights import HEAD_FORMATS, Int8ActivationsError
 
     torch.set_num_threads(threads)
     head_type, like_head = gguf_head_format(gguf)
     float_head = "ours, float32 head"
     like = float_head if like_head is None else f"ours, {like_head} head ({head_type})"
-    # like-for-like, then as served by default, then (information) the other
+    # like-for-like (and it with int8 activations, below), then as served by
+    # default, then (information) the other
     # `quantize_head` copies of the float head, which a profile puts at about a
     # third of the step
-    like_q8 = f"{like}, int8 activations"
-    heads = {like: like_head, like_q8: like_head, float_head: None}
+    heads = {like: like_head, float_head: None}
     heads.update(
         (f"ours, {fmt} head copy", fmt) for fmt in HEAD_FORMATS if fmt != like_head
     )
@@ -242,14 +242,25 @@ def decode_rows(
             int8_activations=int8_activations,
         )
 
-    engines = {
-        label: (
-            engine(head_folder, None, label == like_q8)  # the release's own head
-            if label in (like, like_q8) and head_folder is not None and head is not None
-            else engine(folder, head, label == like_q8)
-        )
+    def like_engine(int8_activations: bool) -> LLMEngine:
+        if head_folder is not None and like_head is not None:
+            return engine(head_folder, None, int8_activations)  # the release's head
+        return engine(folder, like_head, int8_activations)
+
+    engines = {like: like_engine(False)}
+    # the like-for-like run with int8 activations, where the folder has int4
+    # weights for them (`engine.weights.use_int8_activations`)
+    like_q8 = f"{like}, int8 activations"
+    q8_refused = None
+    try:
+        engines[like_q8] = like_engine(True)
+    except Int8ActivationsError as error:
+        q8_refused = f"{like_q8} skipped: {error}"
+    engines.update(
+        (label, engine(folder, head, False))
         for label, head in heads.items()
-    }
+        if label != like
+    )
     prompt = engines[like].encode_prompt(THROUGHPUT_PROMPTS[0])
     steps = new_tokens - 1
     missing = peer_missing(peer_dir)
@@ -302,25 +313,27 @@ def decode_rows(
         "",
         None,
     )
-    kld, top1, positions = int8_activation_quality(
-        engines[like].model, engines[like_q8].model, engines[like].tokenizer
-    )
-    q8_quality = [
-        Row(
-            f"greedy tokens of {like_q8} equal to float activations' before the "
-            "first difference",
-            f"{common_prefix(tokens[like_q8], tokens[like])}/{new_tokens}",
-            "",
-            None,
-        ),
-        Row(
-            f"int8 activations vs float: mean KLD over {positions} positions",
-            f"{kld:.2e}",
-            "",
-            None,
-        ),
-        Row("int8 activations vs float: same top-1", f"{top1:.1%}", "", None),
-    ]
+    q8_quality = [q8_refused] if q8_refused is not None else []
+    if q8_refused is None:
+        kld, top1, positions = int8_activation_quality(
+            engines[like].model, engines[like_q8].model, engines[like].tokenizer
+        )
+        q8_quality = [
+            Row(
+                f"greedy tokens of {like_q8} equal to float activations' before the "
+                "first difference",
+                f"{common_prefix(tokens[like_q8], tokens[like])}/{new_tokens}",
+                "",
+                None,
+            ),
+            Row(
+                f"int8 activations vs float: mean KLD over {positions} positions",
+                f"{kld:.2e}",
+                "",
+                None,
+            ),
+            Row("int8 activations vs float: same top-1", f"{top1:.1%}", "", None),
+        ]
     if missing is not None:
         rows += [speed(name) for name in engines]
         if like != float_head:
@@ -354,7 +367,8 @@ def decode_rows(
         ]
 
     rows += ratios(like, judged=True)
-    rows += ratios(like_q8, judged=False)
+    if like_q8 in engines:
+        rows += ratios(like_q8, judged=False)
     if like != float_head:
         rows += ratios(float_head, judged=False)
     rows += [speed(name) for name in engines]

@@ -41,6 +41,8 @@ def test_without_the_peer_our_rows_are_measured_and_nothing_is_judged(tmp_path):
     assert "float head's" in same.name and same.value.endswith("/3")
     assert rows[-1] == peer_missing(tmp_path / "none")
     assert "skipped" in rows[-1] and "make llama-cpp-peer" in GET_PEER
+    # the demo model is float: no int4 weights for int8 activations, said so
+    assert "int8 activations skipped" in rows[-2] and "int4 weights" in rows[-2]
 
 
 def test_the_like_for_like_head_can_come_with_the_release(tmp_path):
@@ -56,7 +58,19 @@ def test_the_like_for_like_head_can_come_with_the_release(tmp_path):
     assert rows[0].endswith("ours from the recipe option head='int8'")
     judged = [r for r in rows if isinstance(r, Row)]
     assert judged[0].name.startswith("ours, int8 head (Q8_0) decode tok/s")
-    assert all(float(r.value) > 0 for r in judged[:-1])
+    # then the same release with int8 activations, and its quality cost last
+    assert judged[1].name.startswith(
+        "ours, int8 head (Q8_0), int8 activations decode tok/s"
+    )
+    speeds = [r for r in judged if " decode tok/s " in r.name]
+    assert all(float(r.value) > 0 for r in speeds)
+    agree, kld, top1 = judged[-3:]
+    assert agree.name.startswith(
+        "greedy tokens of ours, int8 head (Q8_0), int8 activations equal to float"
+    )
+    assert agree.value.endswith("/3")
+    assert 0 < float(kld.value) < 0.05 and "mean KLD" in kld.name
+    assert top1.value.endswith("%") and float(top1.value[:-1]) >= 80
     config = (with_head / "config.json").read_text()
     assert (
         '"re:^lm_head$"' in config

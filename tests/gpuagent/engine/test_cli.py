@@ -332,3 +332,16 @@ def test_it_serves_with_the_int8_head_copy_when_asked():
     assert not isinstance(
         build_engine(build_parser().parse_args(argv)).model.lm_head, Int8Head
     )
+
+
+def test_int8_activations_are_asked_for_by_flag_and_refused_without_int4():
+    from gpuagent.engine.__main__ import build_engine
+    from gpuagent.engine.weights import Int8ActivationsError
+
+    argv = ["serve", str(DEMO_MODEL), "--device", "cpu", "--kv-memory-gb", "0.005"]
+
+    assert build_parser().parse_args([*argv, "--int8-activations"]).int8_activations
+    assert not build_parser().parse_args(argv).int8_activations
+    # the demo model is float32: no int4 layer to round activations for
+    with pytest.raises(Int8ActivationsError, match="int4 weights"):
+        build_engine(build_parser().parse_args([*argv, "--int8-activations"]))
