@@ -36,6 +36,7 @@ typedef struct {
     const float *xe, *xo;   /* [M, K/2] even and odd columns of x (float builds) */
     const int8_t *qe, *qo;  /* [M, K/2] the same of x quantized to int8 (q8 builds) */
     const float *dl;        /* [M, K/8] q8: the block scale of each 8 columns */
+    const int32_t *qoff;    /* [M, K/8] q8: -8 times the sum of q over each 8 columns */
     const float *xsum;      /* [M, G] x (q8: its dequantized int8) summed per group */
     const uint8_t *w;       /* [N, K/2] packed bytes */
     const float *s, *zs;    /* [N, G]; zs may be NULL */
@@ -252,43 +253,77 @@ __attribute__((target(Q8_TARGET_AVXVNNI), always_inline)) static inline __m256i 
 
 /* The AVX-512 VNNI build: 64 packed bytes (128 columns) per step whatever the group,
  * each 32-byte half within one group (a group that is a multiple of 64 columns), so
- * each lane is scaled by its block's d times its group's s before the row's sum; a
- * row's last 32 bytes (K an odd multiple of 64) are read masked. */
+ * each lane, its integer sum of q (c - 8) (the dot product started from qoff), is
+ * scaled by its block's d times its group's s before the row's sum; a
+ * row's last 32 bytes (K an odd multiple of 64) are read masked. R rows of W (a
+ * constant 1..Q8_ROWS where inlined) against rows m0 .. m0 + M - 1 of x per pass, each
+ * step's x read once for the R rows. */
+#define Q8_ROWS 4
 __attribute__((target(Q8_TARGET_512), always_inline)) static inline void q8_avx512vnni(
-    const Job *job, Py_ssize_t n, Py_ssize_t m0, const int M) {
+    const Job *job, Py_ssize_t n, Py_ssize_t m0, const int M, const int R) {
     const Py_ssize_t half = job->k / 2, hg = job->group / 2, groups = job->k / job->group;
-    const uint8_t *row = job->w + n * half;
-    const float *s = job->s + n * groups;
     const __m512i low = _mm512_set1_epi8(15);
-    __m512 acc[CHUNK];
-    float offsets[CHUNK] = {0};
-    for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        const float offset = 8.0f * s[g] + (job->zs ? job->zs[n * groups + g] : 0.0f);
-        for (int i = 0; i < M; i++) offsets[i] += offset * job->xsum[(m0 + i) * groups + g];
-    }
+    __m512 acc[CHUNK][Q8_ROWS];
+    float offsets[CHUNK][Q8_ROWS] = {{0}};
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
+    for (int r = 0; job->zs && r < R; r++) /* the codes' 8 is in qoff */
+        for (Py_ssize_t g = 0; g < groups; g++)
+            for (int i = 0; i < M; i++)
+                offsets[i][r] +=
+                    job->zs[(n + r) * groups + g] * job->xsum[(m0 + i) * groups + g];
     for (Py_ssize_t j = 0; j < half; j += 64) {
         const int full = half - j >= 64;
         const __mmask64 bytes = full ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
         const __mmask16 lanes = full ? 0xFFFF : 0x00FF;
-        const __m512i c = _mm512_maskz_loadu_epi8(bytes, row + j);
-        const __m512i lo = _mm512_and_si512(c, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
-        const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(s[j / hg]),
-                                             _mm256_set1_ps(full ? s[(j + 32) / hg] : 0.0f), 1);
+        __m512i lo[Q8_ROWS], hi[Q8_ROWS];
+        __m512 sv[Q8_ROWS];
+        for (int r = 0; r < R; r++) {
+            const __m512i c = _mm512_maskz_loadu_epi8(bytes, job->w + (n + r) * half + j);
+            lo[r] = _mm512_and_si512(c, low);
+            hi[r] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+            const float *s = job->s + (n + r) * groups;
+            sv[r] = _mm512_insertf32x8(_mm512_set1_ps(s[j / hg]),
+                                       _mm256_set1_ps(full ? s[(j + 32) / hg] : 0.0f), 1);
+        }
         for (int i = 0; i < M; i++) {
             const Py_ssize_t at = (m0 + i) * half + j;
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                            _mm512_maskz_loadu_epi8(bytes, job->qe + at));
-            d = _mm512_dpbusd_epi32(d, hi, _mm512_maskz_loadu_epi8(bytes, job->qo + at));
-            const __m512 scale = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, job->dl + at / 4), sv);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[i]);
+            const __m512i qe = _mm512_maskz_loadu_epi8(bytes, job->qe + at);
+            const __m512i qo = _mm512_maskz_loadu_epi8(bytes, job->qo + at);
+            const __m512 dl = _mm512_maskz_loadu_ps(lanes, job->dl + at / 4);
+            const __m512i qoff = _mm512_maskz_loadu_epi32(lanes, job->qoff + at / 4);
+            for (int r = 0; r < R; r++) {
+                __m512i d = _mm512_dpbusd_epi32(qoff, lo[r], qe);
+                d = _mm512_dpbusd_epi32(d, hi[r], qo);
+                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dl, sv[r]),
+                                            acc[i][r]);
+            }
         }
     }
     for (int i = 0; i < M; i++)
-        job->y[(m0 + i) * job->n + n] = _mm512_reduce_add_ps(acc[i]) - offsets[i];
+        for (int r = 0; r < R; r++)
+            job->y[(m0 + i) * job->n + n + r] =
+                _mm512_reduce_add_ps(acc[i][r]) - offsets[i][r];
 }
-DEFINE_ROWS(q8_avx512vnni, Q8_TARGET_512)
+
+#define Q8_512_M(n, m0, M)                                                               \
+    do {                                                                                 \
+        if (job->n1 - (n) >= Q8_ROWS) q8_avx512vnni(job, n, m0, M, Q8_ROWS);             \
+        else                                                                             \
+            for (Py_ssize_t r = n; r < job->n1; r++) q8_avx512vnni(job, r, m0, M, 1);    \
+    } while (0)
+
+__attribute__((target(Q8_TARGET_512))) static void rows_q8_avx512vnni(const Job *job) {
+    for (Py_ssize_t n = job->n0; n < job->n1; n += Q8_ROWS)
+        for (Py_ssize_t m0 = 0; m0 < job->m; m0 += CHUNK) {
+            switch (job->m - m0 < CHUNK ? job->m - m0 : CHUNK) {
+            case 1: Q8_512_M(n, m0, 1); break;
+            case 2: Q8_512_M(n, m0, 2); break;
+            case 3: Q8_512_M(n, m0, 3); break;
+            default: Q8_512_M(n, m0, 4); break;
+            }
+        }
+}
 DEFINE_ROW_Q8(q8_avxvnni, Q8_TARGET_AVXVNNI, __m256, __m256i, 32, load32, _mm256_set1_epi8,
               _mm256_and_si256, _mm256_srli_epi16, dot_avxvnni, _mm256_setzero_si256,
               _mm256_cvtepi32_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_loadu_ps,
@@ -348,10 +383,10 @@ static void split_float(const float *xs, float *xe, float *xo, float *xsum, Py_s
 
 /* Quantizes x [m, k] per block of Q8_BLOCK columns (d = absmax / 127, q = round(x /
  * d), ties to even; an all-zero block: d = 0, q = 0) into its even and odd columns,
- * each 8 columns' d in `dl`, and the dequantized x (d times the block's integer sum)
- * summed per group. */
-static void split_q8(const float *xs, int8_t *qe, int8_t *qo, float *dl, float *xsum,
-                     Py_ssize_t m, Py_ssize_t k, Py_ssize_t group) {
+ * each 8 columns' d in `dl` and -8 times their sum of q in `qoff`, and the dequantized
+ * x (d times the block's integer sum) summed per group. */
+static void split_q8(const float *xs, int8_t *qe, int8_t *qo, float *dl, int32_t *qoff,
+                     float *xsum, Py_ssize_t m, Py_ssize_t k, Py_ssize_t group) {
     const Py_ssize_t groups = k / group, per_group = group / Q8_BLOCK;
     for (Py_ssize_t r = 0; r < m; r++)
         for (Py_ssize_t g = 0; g < groups; g++) {
@@ -370,6 +405,8 @@ static void split_q8(const float *xs, int8_t *qe, int8_t *qo, float *dl, float *
                     const Py_ssize_t j = r * k / 2 + blk * Q8_BLOCK / 2 + i / 2;
                     if (i % 2) qo[j] = (int8_t)q;
                     else qe[j] = (int8_t)q;
+                    if (i % 8 == 0) qoff[r * k / 8 + blk * Q8_BLOCK / 8 + i / 8] = 0;
+                    qoff[r * k / 8 + blk * Q8_BLOCK / 8 + i / 8] -= 8 * q;
                     qsum += q;
                 }
                 for (int i = 0; i < Q8_BLOCK / 8; i++)
@@ -415,9 +452,9 @@ static PyObject *matmul(PyObject *args, int q8) {
         !sized(&s, "scale", n * groups, 4) || !sized(&y, "out", m * n, 4) ||
         (zs.buf && !sized(&zs, "zero_scale", n * groups, 4)))
         goto done;
-    /* float: xe, xo [m, k/2] float; q8: dl [m, k/8] float, qe, qo [m, k/2] int8;
-     * then xsum [m, groups] float */
-    const size_t xbytes = q8 ? sizeof(float) * m * k / 8 + m * k : sizeof(float) * m * k;
+    /* float: xe, xo [m, k/2] float; q8: dl [m, k/8] float, qoff [m, k/8] int32, qe,
+     * qo [m, k/2] int8; then xsum [m, groups] float */
+    const size_t xbytes = (size_t)(q8 ? 8 * m * k / 8 + m * k : 4 * m * k);
     scratch = malloc(xbytes + sizeof(float) * m * groups);
     if (!scratch) {
         PyErr_NoMemory();
@@ -427,9 +464,10 @@ static PyObject *matmul(PyObject *args, int q8) {
     Job job = {0};
     if (q8) {
         float *dl = scratch;
-        int8_t *qe = (int8_t *)(dl + m * k / 8), *qo = qe + m * k / 2;
-        split_q8(x.buf, qe, qo, dl, xsum, m, k, group);
-        job.qe = qe, job.qo = qo, job.dl = dl;
+        int32_t *qoff = (int32_t *)(dl + m * k / 8);
+        int8_t *qe = (int8_t *)(qoff + m * k / 8), *qo = qe + m * k / 2;
+        split_q8(x.buf, qe, qo, dl, qoff, xsum, m, k, group);
+        job.qe = qe, job.qo = qo, job.dl = dl, job.qoff = qoff;
     } else {
         float *xe = scratch, *xo = xe + m * k / 2;
         split_float(x.buf, xe, xo, xsum, m, k, group);
