@@ -9,17 +9,14 @@ agent's KV budget), on its own --threads cores, both clients on the rest (guidel
 processes inherit the affinity), so neither client's CPU is taken from the server;
 --shared-cores lets all three share every core. Against that one server:
 
-1. warm-up: our plan at the highest of --levels, not counted, over every text
-   a point may send, so that the server's prefix cache holds them all for both
-   sides (each point sends the same texts on both sides: the side that ran
-   first at a level sending more requests than any before met uncached
-   prompts, the second cached ones); and before each level (and before the
-   Poisson rounds, at our knee) our plan again at that level over that level's
-   texts, not counted: at a level whose running sequences' blocks evict cached
-   prompts (c=64 on the demo model) the side that ran first met the cache as
-   the level before left it (52% of prompt tokens cached) and the second as the
-   first left it (95%), so the order decided the knee; warmed at its own level,
-   each side meets the cache as a run of that level leaves it;
+1. warm-up: before each level (and before the Poisson rounds, at our knee) our
+   plan at that level over that level's texts, not counted, so that the server's
+   prefix cache holds them for both sides as a run of that level leaves it.
+   Each point sends the same texts on both sides; without it the side that ran
+   first at a level met the cache as the level before left it (at c=64 on the
+   demo model, whose running sequences' blocks evict cached prompts: 52% of
+   prompt tokens cached) and the second as the first left it (95%), so the
+   order decided the knee;
 2. per level of --levels, both clients, in ABBA order (ours then guidellm at the
    first level, guidellm then ours at the next, ...) so a drift in the machine's
    load hits both alike: ours is the plan runner (`plan_runner.run_plan`) on a
@@ -646,13 +643,6 @@ class Sides:
     ):
         return self._timed("guidellm", lambda: self._guidellm(concurrency, rate, rnd))
 
-    def warm_up(self) -> None:
-        """Our closed loop at the highest of --levels over every text a point may
-        send (`self.most`), not counted."""
-        top = self.args.levels[-1]
-        plan = sweep_plan(self.args, self.work, top, self.most)
-        asyncio.run(run_plan(self.base, plan, model=self.model))
-
     def warm_level(self, concurrency: int, requests: int) -> None:
         """Our closed loop at `concurrency` over `requests` texts, not counted:
         the server's prefix cache as a run at that level leaves it, for
@@ -754,15 +744,6 @@ def compare(args, base: str, model_dir: Path, program: str, folder: Path) -> int
         )
 
     sides = Sides(args, base, model_dir, program, folder)
-    step(
-        f"warm-up: {sides.most} requests at c={args.levels[-1]}, not counted: every "
-        "text a point sends is then in the server's prefix cache for both sides"
-    )
-    # The first requests of a shape pay for it; and each point sends the same
-    # texts on both sides (the same request tags), so without this the first side
-    # at a level with more requests than any before met their prompts uncached,
-    # the second cached (52% vs 95% of prompt tokens at c=16, 32, 64).
-    sides.warm_up()
     ours_closed, theirs_closed, loads = closed_sweep(args, sides, step)
     top = ours_closed[-1].concurrency or args.levels[-1]
 
