@@ -25,8 +25,7 @@
  * AVX-VNNI, AVX2's maddubs or portable C; `q8_paths()`), each 8 columns' sum scaled
  * by d and s in float32: its own table of builds, picked by the shared `pick_in`.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_int4_cpu.h"
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -497,6 +496,47 @@ done:
     return result;
 }
 
+int int4_weight_init(Int4Weight *w, const char *name) {
+    if (w->n < 1 || w->group < 16 || w->group > 1024 || w->group % 16 || w->k < w->group ||
+        w->k % w->group) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: [%zd, %zd] at group=%zd (a multiple of 16 up to 1024 dividing k)",
+                     name, w->n, w->k, w->group);
+        return 0;
+    }
+    w->q8_path = pick_in(Q8_PATHS, N_Q8_PATHS, NULL, w->group);
+    if (!w->q8_path) PyErr_Clear(); /* a group no q8 build takes: float only */
+    w->path = pick(NULL, w->group);
+    return w->path != NULL;
+}
+
+Py_ssize_t int4_scratch_floats(const Int4Weight *w, Py_ssize_t m) {
+    /* the float split's (the q8 one's is half as big), then x's sums per group */
+    return m * w->k + m * (w->k / w->group);
+}
+
+void int4_apply(const Int4Weight *w, const float *x, Py_ssize_t m, float *y,
+                float *scratch, int q8) {
+    const Py_ssize_t k = w->k;
+    float *xsum = scratch + m * k;
+    Job job = {0};
+    if (q8) { /* laid out as `matmul` lays it */
+        float *dl = scratch;
+        int32_t *qoff = (int32_t *)(dl + m * k / 8);
+        int8_t *qe = (int8_t *)(qoff + m * k / 8), *qo = qe + m * k / 2;
+        split_q8(x, qe, qo, dl, qoff, xsum, m, k, w->group);
+        job.qe = qe, job.qo = qo, job.dl = dl, job.qoff = qoff;
+    } else {
+        float *xe = scratch, *xo = xe + m * k / 2;
+        split_float(x, xe, xo, xsum, m, k, w->group);
+        job.xe = xe, job.xo = xo;
+    }
+    job.xsum = xsum, job.w = w->w, job.s = w->s, job.zs = w->zs;
+    job.y = y, job.m = m, job.n = w->n, job.k = k, job.group = w->group;
+    job.n0 = 0, job.n1 = w->n;
+    ((const Path *)(q8 ? w->q8_path : w->path))->fn(&job);
+}
+
 /* int4_matmul(x, packed, scale, zero_scale, out, m, n, k, group, threads[, path]) */
 static PyObject *int4_matmul(PyObject *self, PyObject *args) { return matmul(args, 0); }
 
@@ -515,6 +555,14 @@ static PyMethodDef methods[] = {
     PATHS_METHOD,
     {"q8_paths", q8_paths, METH_NOARGS,
      "q8_paths() -> names of the int8-activation builds this CPU runs, best first"},
+    {"layer_new", int4_layer_new, METH_VARARGS,
+     "layer_new(ln1, ln2, eps, qkv, o, gate_up, down, heads, kv_heads, head_dim) -> a "
+     "decoder layer for layer_decode; each weight a tuple (packed, scale, zero_scale "
+     "or None, n, k, group)"},
+    {"layer_decode", int4_layer_decode, METH_VARARGS,
+     "layer_decode(layer, x, cos, sin, key, value, slots, tables, context_lens, m, "
+     "block_size, scale): one decode step of the layer for m rows, x updated in place, "
+     "each row's K/V written to its slot of the bf16 cache"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4_cpu",

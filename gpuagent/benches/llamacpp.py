@@ -38,7 +38,9 @@ difference: the like-for-like run vs the float-head run, and vs llama.cpp (Q4_1
 with llama.cpp's int8 activations vs our w4a16 of the converted model: they drift;
 measured 0/32, the first token already differs, not looked into).
 
-Also for information: the like-for-like run with the engine option
+Also for information: whether our decode steps ran each layer as one call
+(`kernels.int4_layer`, the engine's path for a float32 model with int4 weights on a
+CPU; the torch layers otherwise); the like-for-like run with the engine option
 `int8_activations` (the int4 layers' activations rounded to int8 per block of 32 as
 llama.cpp's Q8_1, integer int4 x int8 dot products: `kernels.int4_cpu`), its two
 ratios and speed, and its quality cost against the same run with float32
@@ -313,6 +315,12 @@ def decode_rows(
         "",
         None,
     )
+    one_call = Row(
+        f"{like}: each decode step's layers one call each (kernels.int4_layer)",
+        "yes" if getattr(engines[like].model, "int4_decode", None) else "no",
+        "",
+        None,
+    )
     q8_quality = [q8_refused] if q8_refused is not None else []
     if q8_refused is None:
         kld, top1, positions = int8_activation_quality(
@@ -336,6 +344,7 @@ def decode_rows(
         ]
     if missing is not None:
         rows += [speed(name) for name in engines]
+        rows.append(one_call)
         if like != float_head:
             rows.append(same_head)
         rows += q8_quality
@@ -382,6 +391,7 @@ def decode_rows(
         )
         for name in peers
     ]
+    rows.append(one_call)
     if like != float_head:
         rows.append(same_head)
     rows += q8_quality

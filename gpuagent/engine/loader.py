@@ -109,6 +109,7 @@ def load_model(
     model.tie_weights()  # assign=True replaced the shared Parameter with two
     if layers:
         weights.fuse_projections(model)  # int4 q/k/v, gate/up for CPU decode
+        model.int4_decode = weights.int4_decode_layers(model)  # decode in one call
     model.checkpoint_kv_scales = kv_scales
     return model.eval()
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import int4_cpu, int4_layer
 from kernels.kv_quant import (
     CENTERED_DTYPES,
     allocate_kv_cache,
@@ -542,6 +543,12 @@ class Transformer(nn.Module):
     # may well prefer the head at full threads (it reads 113 MB of float32 a step).
     small_step_head: bool = False
 
+    # Each layer as one `kernels.int4_layer` call (`engine.weights.
+    # int4_decode_layers`: a float32 model on a CPU whose projections are all int4
+    # with the CPU kernel prepared), taken at the decode steps it applies to
+    # (`_int4_decode_applies`); None: the torch layers always run.
+    int4_decode: list[int4_layer.Int4DecodeLayer] | None = None
+
     # fp8 KV scales the checkpoint carries, (key_scale [KVH], value_scale [KVH]) per
     # layer (set by the loader; engine.kv_calibration), or None
     checkpoint_kv_scales: list[tuple[Tensor, Tensor]] | None = None
@@ -587,6 +594,14 @@ class Transformer(nn.Module):
             raise ValueError(f"need {len(self.layers)} caches, got {len(kv_caches)}")
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions)  # [T, 1, D] each
+        if self._int4_decode_applies(h, kv_caches, attn):
+            step = int4_layer.DecodeStep(
+                cos, sin, attn.slot_mapping, attn.block_tables, attn.context_lens
+            )
+            scale = self.layers[0].self_attn.softmax_scale
+            for layer, cache in zip(self.int4_decode, kv_caches, strict=True):
+                int4_layer.decode(layer, h, step, cache.key, cache.value, scale)
+            return self.lm_head(self.norm(h)).float()  # [B, vocab]
         if kv_caches and kv_caches[0].dtype in CENTERED_DTYPES:
             attn = replace(attn, positions=positions, rope_inv_freq=self._inv_freq)
         last = None  # [B] each sequence's last new token, when only those are wanted
@@ -616,6 +631,26 @@ class Transformer(nn.Module):
             if narrow:
                 torch.set_num_threads(threads)
         return self.lm_head(self.norm(h)).float()  # [B or T, vocab]
+
+    def _int4_decode_applies(
+        self, h: Tensor, kv_caches: list[PagedKVCache], attn: AttentionMetadata
+    ) -> bool:
+        # a decode step (one new token a sequence, so every row's logits) of at
+        # most MAX_ROWS float32 rows over a plain bf16 cache; int4_cpu.AVAILABLE
+        # is what the benches switch off to time the reference
+        cache = kv_caches[0] if kv_caches else None
+        return (
+            self.int4_decode is not None
+            and int4_cpu.AVAILABLE
+            and attn.decode_only
+            and h.dtype == torch.float32
+            and h.device.type == "cpu"
+            and h.shape[0] <= int4_layer.MAX_ROWS
+            and cache is not None
+            and cache.dtype in int4_layer.CACHE_DTYPES
+            and not cache.window
+            and not cache.rotated
+        )
 
     def forward_dense(self, tokens: Tensor) -> Tensor:
         """Causal logits float32 [B, T, vocab] for tokens [B, T], positions 0..T-1."""

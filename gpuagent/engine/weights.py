@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpuagent.engine.model import packed_linear, prepack_weight
-from kernels import int4_cpu, int8_cpu, matmul_tuning, weight_matmul
+from gpuagent.engine.model import Transformer, packed_linear, prepack_weight
+from kernels import int4_cpu, int4_layer, int8_cpu, matmul_tuning, weight_matmul
 from kernels.weight_matmul import (
     CpuPackedWeight,
     prepack_int4_cpu,
@@ -432,6 +432,45 @@ def fuse_projections(model: nn.Module) -> int:
             parent.__dict__[attr] = group  # not a submodule (docstring)
             fused += group is not None
     return fused
+
+
+def int4_decode_layers(model: nn.Module) -> list[int4_layer.Int4DecodeLayer] | None:
+    """Each decoder layer of a float32 Llama model on a CPU as one
+    `kernels.int4_layer` call, where every layer's projections run the int4 CPU
+    kernel (q/k/v and gate/up fused by `fuse_projections`, o_proj and down_proj
+    prepared, no bias); None where any layer doesn't (another block shape, other
+    weights, a kernel not built): the torch layers run, as always off decode.
+    `model.Transformer.forward` takes them at decode steps they apply to."""
+    if not isinstance(model, Transformer) or not int4_layer.AVAILABLE:
+        return None  # MoE and MLA models are other classes
+    made = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (
+            attn.__dict__.get("qkv_int4"),
+            getattr(attn, "o_proj", None),
+            mlp.__dict__.get("gate_up_int4"),
+            getattr(mlp, "down_proj", None),
+        )
+        if not all(
+            isinstance(p, QuantLinear) and p.int4_cpu is not None and p.bias is None
+            for p in parts
+        ):
+            return None
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(n.dtype != torch.float32 or n.device.type != "cpu" for n in norms):
+            return None
+        made.append(
+            int4_layer.Int4DecodeLayer(
+                *norms,
+                layer.input_layernorm.eps,
+                tuple(p.int4_cpu for p in parts),
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+            )
+        )
+    return made
 
 
 def _fused_groups(model: nn.Module) -> list[QuantLinear]:

@@ -33,8 +33,12 @@ def test_without_the_peer_our_rows_are_measured_and_nothing_is_judged(tmp_path):
     rows = decode_rows(DEMO_MODEL_DIR, gguf_path(), 1, 3, 1, peer_dir=tmp_path / "none")
     judged = [r for r in rows if isinstance(r, Row)]
     assert {r.ok for r in judged} == {None}
-    speeds, same = judged[:-1], judged[-1]
+    speeds = [r for r in judged if " decode tok/s " in r.name]
+    same = judged[-1]
     assert all(float(r.value) > 0 for r in speeds)
+    # the demo model is float: its layers run in torch, said so
+    (one_call,) = [r for r in judged if "one call each" in r.name]
+    assert one_call.value == "no"
     # like-for-like first: the GGUF's Q8_0 head is our int8 copy; then the float
     assert speeds[0].name.startswith("ours, int8 head (Q8_0) decode tok/s")
     assert speeds[1].name.startswith("ours, float32 head decode tok/s")
@@ -64,6 +68,8 @@ def test_the_like_for_like_head_can_come_with_the_release(tmp_path):
     )
     speeds = [r for r in judged if " decode tok/s " in r.name]
     assert all(float(r.value) > 0 for r in speeds)
+    (one_call,) = [r for r in judged if "one call each" in r.name]
+    assert one_call.value == "yes"  # int4 weights: kernels.int4_layer ran
     agree, kld, top1 = judged[-3:]
     assert agree.name.startswith(
         "greedy tokens of ours, int8 head (Q8_0), int8 activations equal to float"

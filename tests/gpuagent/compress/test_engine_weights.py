@@ -111,6 +111,10 @@ def test_a_float32_int4_model_decodes_through_the_fused_kernel(
         lambda x, w: calls.append((len(x), w.n)) or fused(x, w),
     )
     engine = LLMEngine.from_model_dir(compressed_demo["w4a16-g128"], num_blocks=32)
+    # the torch layers (the one-call layer of kernels.int4_layer runs the same row
+    # loops from C: tests/gpuagent/engine/test_int4_decode_layer.py)
+    assert engine.model.int4_decode is not None
+    engine.model.int4_decode = None
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
 
     out = engine.generate(["def add(a, b):"], greedy)[0].token_ids

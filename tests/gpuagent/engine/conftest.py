@@ -3,7 +3,8 @@ format (written by `transformers` itself) with the byte-level tokenizer.
 
 `make_tiny_model_dir(path, **overrides)` builds one anywhere; the session fixtures
 `tiny_model_dir` (GQA, untied) and `tiny_tied_model_dir` (MHA, tied embeddings) are
-built once per test session.
+built once per test session; `demo_w4a16` is the demo model compressed w4a16-g128
+by the project's pipeline, once per session.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ def make_tiny_model_dir(path: str | Path, seed: int = 0, **overrides: Any) -> Pa
     model.save_pretrained(path, safe_serialization=True)
     save_byte_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def demo_w4a16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gpuagent.compress import compress
+    from tests.gpuagent.conftest import DEMO_MODEL
+
+    out = tmp_path_factory.mktemp("demo-w4a16") / "w4a16-g128"
+    compress(DEMO_MODEL, {"weights": "w4a16-g128", "kv_cache_dtype": "bf16"}, out)
+    return out
 
 
 @pytest.fixture(scope="session")

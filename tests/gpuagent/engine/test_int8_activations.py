@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from gpuagent.benches.llamacpp import common_prefix, int8_activation_quality
-from gpuagent.compress import compress
 from gpuagent.engine.engine import LLMEngine
 from gpuagent.engine.loader import load_model
 from gpuagent.engine.sampling import SamplingParams
@@ -18,11 +17,9 @@ PROMPT = "def add(a, b):\n    return"
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def w4a16(tmp_path_factory):
-    out = tmp_path_factory.mktemp("w4a16") / "w4a16-g128"
-    compress(DEMO_MODEL, {"weights": "w4a16-g128", "kv_cache_dtype": "bf16"}, out)
-    return out
+@pytest.fixture
+def w4a16(demo_w4a16):
+    return demo_w4a16
 
 
 def _engine(folder, **options):

@@ -207,8 +207,10 @@ def test_the_demo_model_decodes_the_same_greedy_tokens(monkeypatch):
     tokens, logprobs = generate()
 
     assert tokens == torch_tokens
-    # the prompt's (prefill kernel) and the generated tokens' (decode kernel)
-    torch.testing.assert_close(logprobs, torch_logprobs, rtol=0, atol=1e-4)
+    # the prompt's (prefill kernel) and the generated tokens' (decode kernel),
+    # within float32 rounding of the two paths' sums: largest gap 1.27e-4 on a
+    # logprob of -8.9 (1.4e-5 relative) on an AVX2 host, under 1e-4 on AVX-512
+    torch.testing.assert_close(logprobs, torch_logprobs, rtol=3e-5, atol=1e-4)
     assert len(calls) >= model.config.num_hidden_layers * (params.max_tokens - 1)
 
 

@@ -1,6 +1,7 @@
 """On the real model, SmolLM2-135M, every CPU decode speed path gives the greedy
 tokens of its reference path: layers on one thread at decode vs torch's threads,
 int4 q/k/v and gate/up fused through the prepared kernel vs the torch reference,
+each int4 layer's decode step as one call (kernels.int4_layer) vs the torch layers,
 fp8 dequantized once vs per call, the int8 head copy (its GGUF's Q8_0 head, so
 exact) vs the checkpoint's head."""
 
@@ -64,11 +65,14 @@ def test_compressed_decode_paths_give_the_reference_tokens(
         assert all(m.dense_weight is not None for m in layers)
     else:
         assert engine.model.layers[0].self_attn.qkv_int4 is not None
+        assert len(engine.model.int4_decode) == len(engine.model.layers)
     fast = _tokens(engine)
 
     if weights == "fp8":
         use_cpu_kernels(engine.model, enabled=False)  # dequantized per call
     else:
+        engine.model.int4_decode = None  # the torch layers over the kernel
+        assert _tokens(engine) == fast
         monkeypatch.setattr(int4_cpu, "AVAILABLE", False)  # the torch reference
     assert _tokens(engine) == fast
 
