@@ -561,8 +561,13 @@ static PyMethodDef methods[] = {
      "or None, n, k, group)"},
     {"layer_decode", int4_layer_decode, METH_VARARGS,
      "layer_decode(layer, x, cos, sin, key, value, slots, tables, context_lens, m, "
-     "block_size, scale): one decode step of the layer for m rows, x updated in place, "
-     "each row's K/V written to its slot of the bf16 cache"},
+     "block_size, scale[, q8[, attention]]): one decode step of the layer for m rows, x "
+     "updated in place, each row's K/V written to its slot of the bf16 cache; q8 the "
+     "weights with int8 activations as bits, attention a path from "
+     "layer_attention_paths() (default: the best that takes the shape)"},
+    {"layer_attention_paths", int4_layer_attention_paths, METH_NOARGS,
+     "layer_attention_paths() -> the attention builds of layer_decode this CPU runs, "
+     "best first"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4_cpu",

@@ -32,5 +32,6 @@ void int4_apply(const Int4Weight *w, const float *x, Py_ssize_t m, float *y,
 /* _int4_layer.c's functions (module docstrings there) */
 PyObject *int4_layer_new(PyObject *self, PyObject *args);
 PyObject *int4_layer_decode(PyObject *self, PyObject *args);
+PyObject *int4_layer_attention_paths(PyObject *self, PyObject *unused);
 
 #endif

@@ -12,8 +12,9 @@
  *   read through the row's block table (softmax in float32)
  *   x += o_proj(attention); x += down(silu(gate) * up) of RMSNorm(x)
  * The matmuls are int4_matmul's own row loops on this thread (int4_matmul_q8's for
- * the weights the bits of `q8` name: the engine option int8_activations); the attention's
- * loops are built twice on x86-64 (AVX2 + FMA and the baseline, picked at load).
+ * the weights the bits of `q8` name: the engine option int8_activations); the
+ * attention takes a kv head's query heads together (each position's K and V
+ * converted once for them), in AVX2 + FMA where the CPU has it, else portable C.
  * Sums are ordered differently from torch's (attention, the norm's mean), so
  * results agree within float32 rounding, not bit for bit.
  *
@@ -180,53 +181,229 @@ static void rope(float *v, const float *cos, const float *sin, Py_ssize_t d,
     }
 }
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("arch=haswell", "default")))
-#else
-#define CLONES
+/* The attention of one kv head's `group` query heads (q [group, d], contiguous) over
+ * `len` positions at cache slots `slots` (rows of `stride` bf16 values, this head's
+ * at `head * d`): out [group, d] = softmax(q.k * scale) v per query head. Each
+ * position's K and V are converted once for the whole group. `scores` holds
+ * group * len floats. */
+typedef struct {
+    const float *q;
+    const uint16_t *key, *value;
+    const Py_ssize_t *slots;
+    Py_ssize_t len, stride, head, d, group;
+    float scale;
+    float *scores, *out;
+} Attend;
+
+/* slots[t] for positions 0 .. len - 1 through a block table */
+static void context_slots(const int32_t *table, Py_ssize_t len, Py_ssize_t block_size,
+                          Py_ssize_t *slots) {
+    for (Py_ssize_t t = 0, b = 0; t < len; b++)
+        for (Py_ssize_t o = 0; o < block_size && t < len; o++, t++)
+            slots[t] = (Py_ssize_t)table[b] * block_size + o;
+}
+
+/* scores -> probabilities per query head, in place: exp(s - max) / sum */
+static void softmax_rows(const Attend *a) {
+    for (Py_ssize_t g = 0; g < a->group; g++) {
+        float *row = a->scores + g * a->len, top = -INFINITY, total = 0.0f;
+        for (Py_ssize_t t = 0; t < a->len; t++)
+            if (row[t] > top) top = row[t];
+        for (Py_ssize_t t = 0; t < a->len; t++) total += row[t] = expf(row[t] - top);
+        for (Py_ssize_t t = 0; t < a->len; t++) row[t] /= total;
+    }
+}
+
+static void attend_portable(const Attend *a) {
+    const Py_ssize_t d = a->d;
+    for (Py_ssize_t t = 0; t < a->len; t++) {
+        const uint16_t *k = a->key + a->slots[t] * a->stride + a->head * d;
+        for (Py_ssize_t g = 0; g < a->group; g++) {
+            float dot = 0.0f;
+            for (Py_ssize_t i = 0; i < d; i++) dot += a->q[g * d + i] * from_bf16(k[i]);
+            a->scores[g * a->len + t] = dot * a->scale;
+        }
+    }
+    softmax_rows(a);
+    for (Py_ssize_t i = 0; i < a->group * d; i++) a->out[i] = 0.0f;
+    for (Py_ssize_t t = 0; t < a->len; t++) {
+        const uint16_t *v = a->value + a->slots[t] * a->stride + a->head * d;
+        for (Py_ssize_t g = 0; g < a->group; g++) {
+            const float p = a->scores[g * a->len + t];
+            for (Py_ssize_t i = 0; i < d; i++) a->out[g * d + i] += p * from_bf16(v[i]);
+        }
+    }
+}
+
+#define ATTEND_MAX_GROUP 8 /* the AVX2 build's query heads per kv head */
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_ATTEND_AVX2 1
+
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 bf16x8(
+    const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* e^x for 8 lanes, x <= 0 (scores less their max): 2^n e^r, n = round(x log2 e),
+ * r = x - n ln 2 (in two parts), e^r by its degree-6 Taylor polynomial (|r| <= ln 2
+ * / 2: relative error about 2e-7, float32 rounding's order); below -87 (e^x under
+ * float32's normal range) 0. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, low);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+/* softmax_rows with 8 positions a step */
+__attribute__((target("avx2,fma"))) static void softmax_rows_avx2(const Attend *a) {
+    for (Py_ssize_t g = 0; g < a->group; g++) {
+        float *row = a->scores + g * a->len, top = -INFINITY, total = 0.0f;
+        for (Py_ssize_t t = 0; t < a->len; t++)
+            if (row[t] > top) top = row[t];
+        const __m256 top8 = _mm256_set1_ps(top);
+        __m256 sum8 = _mm256_setzero_ps();
+        Py_ssize_t t = 0;
+        for (; t + 8 <= a->len; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), top8));
+            _mm256_storeu_ps(row + t, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, sum8);
+        for (int i = 0; i < 8; i++) total += lanes[i];
+        for (; t < a->len; t++) total += row[t] = expf(row[t] - top);
+        const __m256 inv = _mm256_set1_ps(1.0f / total);
+        for (t = 0; t + 8 <= a->len; t += 8)
+            _mm256_storeu_ps(row + t, _mm256_mul_ps(_mm256_loadu_ps(row + t), inv));
+        for (; t < a->len; t++) row[t] *= 1.0f / total;
+    }
+}
+
+/* The AVX2 build's passes, inlined for each group size G (1..ATTEND_MAX_GROUP) so that
+ * the sums stay in registers. q.k: each position's key converted once, G sums of 8
+ * lanes over d. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void scores_avx2(
+    const Attend *a, const int G) {
+    const Py_ssize_t d = a->d;
+    for (Py_ssize_t t = 0; t < a->len; t++) {
+        const uint16_t *k = a->key + a->slots[t] * a->stride + a->head * d;
+        __m256 acc[ATTEND_MAX_GROUP];
+        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+        for (Py_ssize_t i = 0; i < d; i += 8) {
+            const __m256 kv = bf16x8(k + i);
+            for (int g = 0; g < G; g++)
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(a->q + g * d + i), kv, acc[g]);
+        }
+        for (int g = 0; g < G; g++) {
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[g]),
+                                  _mm256_extractf128_ps(acc[g], 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            a->scores[g * a->len + t] = _mm_cvtss_f32(h) * a->scale;
+        }
+    }
+}
+
+/* p.v over columns i0 .. i0 + 8 NC of the G heads' outputs, summed in G * NC
+ * registers across every position (each position's values converted once). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void values_avx2(
+    const Attend *a, Py_ssize_t i0, const int G, const int NC) {
+    __m256 acc[12];
+    for (int j = 0; j < G * NC; j++) acc[j] = _mm256_setzero_ps();
+    for (Py_ssize_t t = 0; t < a->len; t++) {
+        const uint16_t *v = a->value + a->slots[t] * a->stride + a->head * a->d + i0;
+        __m256 vv[4];
+        for (int c = 0; c < NC; c++) vv[c] = bf16x8(v + 8 * c);
+        for (int g = 0; g < G; g++) {
+            const __m256 p = _mm256_broadcast_ss(a->scores + g * a->len + t);
+            for (int c = 0; c < NC; c++)
+                acc[g * NC + c] = _mm256_fmadd_ps(p, vv[c], acc[g * NC + c]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NC; c++)
+            _mm256_storeu_ps(a->out + g * a->d + i0 + 8 * c, acc[g * NC + c]);
+}
+
+/* Columns a p.v pass takes for G heads: as many as leave the sums and values in
+ * registers (G * NC + NC <= 12 of 16), whole multiples of 8 dividing d. */
+static int value_chunks(int group, Py_ssize_t d) {
+    int chunks = group <= 2 ? 4 : group <= 4 ? 2 : 1;
+    while (d % (8 * chunks)) chunks /= 2;
+    return chunks;
+}
+
+#define ATTEND_G(G)                                                                      \
+    case G:                                                                              \
+        scores_avx2(a, G);                                                               \
+        softmax_rows_avx2(a);                                                            \
+        for (Py_ssize_t i0 = 0; i0 < a->d; i0 += 8 * chunks) {                           \
+            if (chunks == 4) values_avx2(a, i0, G, 4);                                   \
+            else if (chunks == 2) values_avx2(a, i0, G, 2);                              \
+            else values_avx2(a, i0, G, 1);                                               \
+        }                                                                                \
+        break;
+
+/* attend_portable with 8 columns a step (d a multiple of 8, 1 <= group <= 8) */
+__attribute__((target("avx2,fma"))) static void attend_avx2(const Attend *a) {
+    const int chunks = value_chunks((int)a->group, a->d);
+    switch (a->group) {
+        ATTEND_G(1) ATTEND_G(2) ATTEND_G(3) ATTEND_G(4)
+        ATTEND_G(5) ATTEND_G(6) ATTEND_G(7) ATTEND_G(8)
+    }
+}
 #endif
 
-/* One query head q [d] over `len` positions of its kv head (cache rows of
- * `stride` bf16 values, this head's at `head * d`): out [d] = softmax(q.k * scale) v.
- * `scores` holds len floats. */
-CLONES static void attend(const float *q, const uint16_t *key, const uint16_t *value,
-                          const int32_t *table, Py_ssize_t len, Py_ssize_t block_size,
-                          Py_ssize_t stride, Py_ssize_t head, Py_ssize_t d, float scale,
-                          float *scores, float *out) {
-    float top = -INFINITY;
-    for (Py_ssize_t t = 0; t < len; t++) {
-        const Py_ssize_t slot = (Py_ssize_t)table[t / block_size] * block_size + t % block_size;
-        const uint16_t *k = key + slot * stride + head * d;
-        float lanes[8] = {0};
-        Py_ssize_t i = 0;
-        for (; i + 8 <= d; i += 8)
-            for (int j = 0; j < 8; j++) lanes[j] += q[i + j] * from_bf16(k[i + j]);
-        float dot = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                    ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-        for (; i < d; i++) dot += q[i] * from_bf16(k[i]);
-        scores[t] = dot * scale;
-        if (scores[t] > top) top = scores[t];
+static int attend_avx2_runs(void) {
+#ifdef HAVE_ATTEND_AVX2
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* The AVX2 build where it runs and takes the shape, unless `portable` */
+static void attend(const Attend *a, int portable) {
+#ifdef HAVE_ATTEND_AVX2
+    if (!portable && a->d % 8 == 0 && a->group <= ATTEND_MAX_GROUP && attend_avx2_runs()) {
+        attend_avx2(a);
+        return;
     }
-    float total = 0.0f;
-    for (Py_ssize_t t = 0; t < len; t++) total += scores[t] = expf(scores[t] - top);
-    for (Py_ssize_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (Py_ssize_t t = 0; t < len; t++) {
-        const Py_ssize_t slot = (Py_ssize_t)table[t / block_size] * block_size + t % block_size;
-        const uint16_t *v = value + slot * stride + head * d;
-        const float p = scores[t] / total;
-        for (Py_ssize_t i = 0; i < d; i++) out[i] += p * from_bf16(v[i]);
-    }
+#endif
+    attend_portable(a);
+}
+
+PyObject *int4_layer_attention_paths(PyObject *self, PyObject *unused) {
+    return attend_avx2_runs() ? Py_BuildValue("(ss)", "avx2", "portable")
+                              : Py_BuildValue("(s)", "portable");
 }
 
 typedef struct {
     float *h, *qkv, *att, *gu, *act, *y, *scores, *tmp, *mm;
+    Py_ssize_t *slots;
 } Scratch;
 
 static void decode_rows(const Layer *l, float *x, const float *cos, const float *sin,
                         uint16_t *key, uint16_t *value, const int64_t *slots,
                         const int32_t *tables, const int32_t *context_lens, Py_ssize_t m,
                         Py_ssize_t max_blocks, Py_ssize_t block_size, float scale,
-                        int q8, const Scratch *s) {
+                        int q8, int portable, const Scratch *s) {
     const Py_ssize_t d = l->head_dim, hidden = l->hidden, inter = l->inter;
     const Py_ssize_t kvh = l->kv_heads, group = l->heads / kvh, width = l->qkv.n;
     rms_norm(x, l->ln1, l->eps, m, hidden, s->h);
@@ -241,11 +418,24 @@ static void decode_rows(const Layer *l, float *x, const float *cos, const float 
             value[slots[r] * kvh * d + i] = to_bf16(row[(l->heads + kvh) * d + i]);
         }
     }
-    for (Py_ssize_t r = 0; r < m; r++)
-        for (Py_ssize_t head = 0; head < l->heads; head++)
-            attend(s->qkv + r * width + head * d, key, value, tables + r * max_blocks,
-                   context_lens[r], block_size, kvh * d, head / group, d, scale, s->scores,
-                   s->att + (r * l->heads + head) * d);
+    for (Py_ssize_t r = 0; r < m; r++) {
+        context_slots(tables + r * max_blocks, context_lens[r], block_size, s->slots);
+        for (Py_ssize_t head = 0; head < kvh; head++) {
+            const Attend a = {s->qkv + r * width + head * group * d,
+                              key,
+                              value,
+                              s->slots,
+                              context_lens[r],
+                              kvh * d,
+                              head,
+                              d,
+                              group,
+                              scale,
+                              s->scores,
+                              s->att + (r * l->heads + head * group) * d};
+            attend(&a, portable);
+        }
+    }
     int4_apply(&l->o, s->att, m, s->y, s->mm, q8 & 2);
     for (Py_ssize_t i = 0; i < m * hidden; i++) x[i] += s->y[i];
     rms_norm(x, l->ln2, l->eps, m, hidden, s->h);
@@ -308,13 +498,20 @@ PyObject *int4_layer_decode(PyObject *self, PyObject *args) {
     Py_ssize_t m, block_size;
     float scale;
     int q8 = 0;
-    if (!PyArg_ParseTuple(args, "Ow*y*y*w*w*y*y*y*nnf|i", &capsule, &x, &cos, &sin, &key,
-                          &value, &slots, &tables, &lens, &m, &block_size, &scale, &q8))
+    const char *attention = NULL;
+    if (!PyArg_ParseTuple(args, "Ow*y*y*w*w*y*y*y*nnf|iz", &capsule, &x, &cos, &sin, &key,
+                          &value, &slots, &tables, &lens, &m, &block_size, &scale, &q8,
+                          &attention))
         return NULL;
     PyObject *result = NULL;
-    float *memory = NULL;
+    void *memory = NULL;
     const Layer *l = PyCapsule_GetPointer(capsule, CAPSULE);
     if (!l) goto done;
+    const int portable = attention && !strcmp(attention, "portable");
+    if (attention && !portable && !(!strcmp(attention, "avx2") && attend_avx2_runs())) {
+        PyErr_Format(PyExc_ValueError, "attention path %s does not run here", attention);
+        goto done;
+    }
     const Py_ssize_t d = l->head_dim, row_bytes = l->kv_heads * d * 2;
     if (m < 1 || m > LAYER_MAX_ROWS || block_size < 1) {
         PyErr_Format(PyExc_ValueError, "m=%zd (1..%d), block_size=%zd (>= 1) out of range",
@@ -351,10 +548,11 @@ PyObject *int4_layer_decode(PyObject *self, PyObject *args) {
         if (int4_scratch_floats(ws[i], m) > mm) mm = int4_scratch_floats(ws[i], m);
     const Py_ssize_t sizes[] = {m * l->hidden, m * l->qkv.n,       m * l->heads * d,
                                 m * l->gate_up.n, m * l->inter,    m * l->hidden,
-                                longest,          d,               mm};
+                                longest * (l->heads / l->kv_heads), d, mm};
     Py_ssize_t total = 0;
     for (int i = 0; i < 9; i++) total += sizes[i];
-    memory = malloc(sizeof(float) * total);
+    /* the context's slots first (aligned as malloc aligns), then the floats */
+    memory = malloc(sizeof(Py_ssize_t) * longest + sizeof(float) * total);
     if (!memory) {
         PyErr_NoMemory();
         goto done;
@@ -364,11 +562,12 @@ PyObject *int4_layer_decode(PyObject *self, PyObject *args) {
     parts[0] = &s.h, parts[1] = &s.qkv, parts[2] = &s.att, parts[3] = &s.gu;
     parts[4] = &s.act, parts[5] = &s.y, parts[6] = &s.scores, parts[7] = &s.tmp;
     parts[8] = &s.mm;
-    float *at = memory;
+    s.slots = memory;
+    float *at = (float *)(s.slots + longest);
     for (int i = 0; i < 9; i++) *parts[i] = at, at += sizes[i];
     Py_BEGIN_ALLOW_THREADS
     decode_rows(l, x.buf, cos.buf, sin.buf, key.buf, value.buf, slots.buf, tables.buf,
-                lens.buf, m, max_blocks, block_size, scale, q8, &s);
+                lens.buf, m, max_blocks, block_size, scale, q8, portable, &s);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);

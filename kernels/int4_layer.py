@@ -28,6 +28,10 @@ from kernels.cpu_matmul import as_array
 
 AVAILABLE = int4_cpu.AVAILABLE and hasattr(int4_cpu._int4_cpu, "layer_new")
 MAX_ROWS = int4_cpu.MAX_ROWS
+# the attention's builds this CPU runs, best first (`decode(..., attention=)`)
+ATTENTION_PATHS: tuple[str, ...] = (
+    int4_cpu._int4_cpu.layer_attention_paths() if AVAILABLE else ()
+)
 # the KV cache layouts the step writes and reads (`kernels.kv_quant`)
 CACHE_DTYPES = ("bf16",)
 
@@ -114,10 +118,13 @@ def decode(
     key: torch.Tensor,  # [num_blocks, block_size, KVH, D] bfloat16, as kv_quant
     value: torch.Tensor,
     softmax_scale: float,
+    attention: str | None = None,
 ) -> None:
     """One decode step of `layer` for the step's M rows: x becomes the layer's
-    output, each row's K/V is written to its slot (-1: none). ValueError, with
-    nothing written, for arrays of the wrong size or an index outside the cache."""
+    output, each row's K/V is written to its slot (-1: none). `attention` names
+    one of ATTENTION_PATHS (None: the best that takes the shape; the tests run
+    each). ValueError, with nothing written, for arrays of the wrong size or an
+    index outside the cache."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError("x must be contiguous float32 [M, hidden]")
     if key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16:
@@ -136,4 +143,5 @@ def decode(
         key.shape[1],
         softmax_scale,
         layer.int8_activations,
+        attention,
     )

@@ -100,12 +100,15 @@ class LlamaCppPeer:
     """One node process holding llama.cpp with the GGUF loaded; `decode` runs one
     greedy request and returns (tokens, decode seconds of N - 1 steps)."""
 
-    def __init__(self, gguf: Path, threads: int, peer_dir: Path = PEER_DIR) -> None:
+    def __init__(
+        self, gguf: Path, threads: int, peer_dir: Path = PEER_DIR, context: int = 512
+    ) -> None:
         missing = peer_missing(peer_dir)
         if missing:
             raise PeerUnavailable(missing)
+        args = [str(peer_dir), str(gguf), str(threads), str(context)]
         self.proc = subprocess.Popen(
-            ["node", str(PEER_SCRIPT), str(peer_dir), str(gguf), str(threads)],
+            ["node", str(PEER_SCRIPT), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -204,6 +207,22 @@ def w4a16_folder(model_dir: Path, out_dir: Path, head: str | None = None) -> Pat
     return Path(compress(model_dir, recipe, out_dir).out_dir)
 
 
+def long_prompt(tokenizer, num_tokens: int) -> list[int]:
+    """`num_tokens` prompt ids of text from outside the project: the held-out
+    passages (`gpuagent.evaluate.evalsets`, English, code, Korean) one after
+    another, encoded as the engine encodes a prompt. ValueError where they hold
+    fewer tokens."""
+    from gpuagent.evaluate.evalsets import load_heldout_passages
+
+    text = "\n\n".join(p.text for p in load_heldout_passages())
+    ids = tokenizer.encode_prompt(text)
+    if len(ids) < num_tokens:
+        raise ValueError(
+            f"--prompt-tokens {num_tokens}: the held-out passages hold {len(ids)}"
+        )
+    return ids[:num_tokens]
+
+
 def decode_rows(
     folder: Path,
     gguf: Path,
@@ -212,12 +231,15 @@ def decode_rows(
     rounds: int,
     peer_dir: Path = PEER_DIR,
     head_folder: Path | None = None,
+    prompt_tokens: int = 0,
 ) -> list[Row | str]:
     """The table: rounds alternate ours (each head) / peer at `threads` / peer at
     1 thread; best round each (the first round warms up). The like-for-like row
     runs `head_folder` (`folder` compressed with the recipe's head at the GGUF's
     head precision) as it is; None: `folder` with that head copied at serve time
-    (the engine's `quantize_head`)."""
+    (the engine's `quantize_head`). The prompt: a short one (0), or
+    `prompt_tokens` of held-out text (`long_prompt`), so each step attends over
+    that much context on both sides."""
     from gpuagent.engine.engine import LLMEngine
     from gpuagent.engine.weights import HEAD_FORMATS, Int8ActivationsError
 
@@ -234,12 +256,15 @@ def decode_rows(
         (f"ours, {fmt} head copy", fmt) for fmt in HEAD_FORMATS if fmt != like_head
     )
 
+    context = max(512, prompt_tokens + new_tokens + 16)
+    kv_bytes = max(64 << 20, 2 * context * (24 << 10))  # SmolLM2: 23 KiB/token
+
     def engine(model_dir: Path, head: str | None, int8_activations: bool) -> LLMEngine:
         return LLMEngine.from_model_dir(
             model_dir,
             device="cpu",
             max_num_seqs=1,
-            kv_memory_bytes=64 << 20,
+            kv_memory_bytes=kv_bytes,
             quantize_head=head,
             int8_activations=int8_activations,
         )
@@ -264,6 +289,8 @@ def decode_rows(
         if label != like
     )
     prompt = engines[like].encode_prompt(THROUGHPUT_PROMPTS[0])
+    if prompt_tokens:
+        prompt = long_prompt(engines[like].tokenizer, prompt_tokens)
     steps = new_tokens - 1
     missing = peer_missing(peer_dir)
     best = dict.fromkeys(engines, math.inf)
@@ -272,10 +299,12 @@ def decode_rows(
     try:
         if missing is None:
             peers = {
-                f"llama.cpp {threads} threads": LlamaCppPeer(gguf, threads, peer_dir),
+                f"llama.cpp {threads} threads": LlamaCppPeer(
+                    gguf, threads, peer_dir, context
+                ),
             }
             if threads != 1:
-                peers["llama.cpp 1 thread"] = LlamaCppPeer(gguf, 1, peer_dir)
+                peers["llama.cpp 1 thread"] = LlamaCppPeer(gguf, 1, peer_dir, context)
             best.update(dict.fromkeys(peers, math.inf))
         for round_ in range(rounds + 1):  # the first round warms up
             for name, engine in engines.items():
@@ -481,6 +510,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="a prompt of this many tokens of held-out text, so each decode step "
+        "attends over that much context (default: a short prompt)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peer-dir", type=Path, default=PEER_DIR)
     parser.add_argument(
@@ -517,6 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.rounds,
             args.peer_dir,
             head_folder=head_folder,
+            prompt_tokens=args.prompt_tokens,
         )
         if args.head_ab:
             rows += head_threads_rows(

@@ -1,9 +1,10 @@
 // The llama.cpp peer of `gpuagent.benches.llamacpp`: node-llama-cpp's prebuilt CPU
 // llama.cpp, driven over stdin/stdout so the bench can alternate rounds with ours.
 //
-//   node llamacpp_peer.mjs PACKAGE_DIR GGUF THREADS
+//   node llamacpp_peer.mjs PACKAGE_DIR GGUF THREADS [CONTEXT]
 //
-// PACKAGE_DIR is the npm --prefix folder holding node_modules/node-llama-cpp. Never
+// PACKAGE_DIR is the npm --prefix folder holding node_modules/node-llama-cpp; CONTEXT
+// the context size in tokens (default 512: prompt and new tokens must fit). Never
 // builds from source or downloads anything (build: "never", skipDownload). Prints
 // {"ready": ...} once the model is loaded, then for each stdin line
 // {"prompt": [ids], "new_tokens": N} one line {"tokens": [...], "decode_s": S,
@@ -13,12 +14,13 @@ import { createInterface } from "node:readline";
 import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 
-const [packageDir, ggufPath, threadsArg] = process.argv.slice(2);
+const [packageDir, ggufPath, threadsArg, contextArg] = process.argv.slice(2);
 if (!packageDir || !ggufPath || !threadsArg) {
-  console.error("usage: node llamacpp_peer.mjs PACKAGE_DIR GGUF THREADS");
+  console.error("usage: node llamacpp_peer.mjs PACKAGE_DIR GGUF THREADS [CONTEXT]");
   process.exit(2);
 }
 const threads = Number(threadsArg);
+const contextSize = Number(contextArg ?? 512);
 const entry = join(packageDir, "node_modules", "node-llama-cpp", "dist", "index.js");
 const { getLlama, LlamaLogLevel } = await import(pathToFileURL(entry).href);
 
@@ -33,7 +35,7 @@ const llama = await getLlama({
 });
 const model = await llama.loadModel({ modelPath: ggufPath, gpuLayers: 0 });
 const context = await model.createContext({
-  contextSize: 512,
+  contextSize,
   batchSize: 512,
   sequences: 1,
   threads,
