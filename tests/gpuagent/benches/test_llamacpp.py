@@ -15,6 +15,7 @@ from gpuagent.benches.llamacpp import (
     decode_rows,
     gguf_head_format,
     head_threads_rows,
+    long_prompt,
     peer_missing,
     w4a16_folder,
 )
@@ -125,3 +126,23 @@ def test_the_head_precision_is_read_from_the_gguf(tmp_path):
     headless = written("none.gguf", {"blk.0.attn_norm.weight": embed[0]})
     with pytest.raises(ValueError, match="neither output.weight nor token_embd"):
         gguf_head_format(headless)
+
+
+def test_a_long_prompt_is_held_out_text_and_both_sides_decode_after_it(tmp_path):
+    from gpuagent.engine.tokenizer import load_tokenizer
+    from gpuagent.evaluate.evalsets import load_heldout_passages
+    from gpuagent.models.smollm2 import gguf_path
+
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    ids = long_prompt(tokenizer, 300)
+    first = load_heldout_passages()[0].text
+    assert len(ids) == 300 and ids == tokenizer.encode_prompt(first)[:300]
+    with pytest.raises(ValueError, match="--prompt-tokens 10000000: the held-out"):
+        long_prompt(tokenizer, 10**7)
+
+    rows = decode_rows(
+        DEMO_MODEL_DIR, gguf_path(), 1, 3, 1, peer_dir=tmp_path, prompt_tokens=300
+    )
+    assert ", prompt 300 tokens, 3 new," in rows[0]
+    speeds = [r for r in rows if isinstance(r, Row) and " decode tok/s " in r.name]
+    assert speeds and all(float(r.value) > 0 for r in speeds)
