@@ -7,9 +7,9 @@ bench's "w4a16-g128 rtn" row; `--folder` reuses one) against llama.cpp on the sa
 model's Q4_1 GGUF (`gpuagent.models.smollm2`), the GGUF the project's model was
 converted from. Same prompt token ids, same number of new tokens, rounds alternating
 (ours, peer, ours, peer, ...) in one run so the shared machine's load falls on both;
-best round of each. Decode time excludes prompt processing on both sides: ours is
-(time for N tokens) - (time for 1 token) over N - 1 steps; the peer's is measured
-inside the node process from the first generated token to the N-th.
+best round of each. Decode time excludes prompt processing on both sides, timed the
+same way within one request: from the first generated token to the N-th, over
+N - 1 steps (ours from the engine's steps, the peer's inside the node process).
 
 The peer is node-llama-cpp's prebuilt CPU llama.cpp (`make llama-cpp-peer` installs
 it into the git-ignored var/node-llama-cpp; never built from source, no model
@@ -53,6 +53,7 @@ The exit status is 1 when a judged row fails.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import shutil
@@ -65,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from gpuagent.benches.engine import THROUGHPUT_PROMPTS, Row, time_engine
+from gpuagent.benches.engine import THROUGHPUT_PROMPTS, Row
 from gpuagent.protocol import HEAD_FORMATS as RECIPE_HEAD_FORMATS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -153,10 +154,28 @@ class LlamaCppPeer:
 
 
 def our_decode(engine, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
-    """Our greedy tokens and decode seconds of N - 1 steps (prefill cancelled)."""
-    one, _ = time_engine(engine, [prompt], 1, concurrent=True)
-    full, tokens = time_engine(engine, [prompt], new_tokens, concurrent=True)
-    return tokens[0], full - one
+    """Our greedy tokens and decode seconds of N - 1 steps, timed as the peer times
+    its own: from the step that gives the first token (the prompt's last) to the
+    one that gives the N-th, so prefill is excluded within one run."""
+    from gpuagent.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    request_id = f"llamacpp-bench-{next(_REQUEST_IDS)}"
+    engine.add_request(request_id, prompt, params)
+    tokens: list[int] = []
+    first = last = 0.0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and len(out.token_ids) > len(tokens):
+                tokens = out.token_ids
+                last = time.perf_counter()
+                first = first or last
+    if len(tokens) != new_tokens:
+        raise RuntimeError(f"asked {new_tokens} tokens, got {len(tokens)}")
+    return tokens, last - first
+
+
+_REQUEST_IDS = itertools.count()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
